@@ -1,0 +1,43 @@
+// Argument validation shared by every implementation (CPU, CUDA) of the flash_attn_ext ops.
+// Each failed check names the argument, the value it got and the rule it broke.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "params.h"
+
+namespace flash_attn_ext {
+
+constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
+
+struct AttnArgs {
+  int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
+  double softmax_scale;
+  int64_t window_left, window_right;  // causal already folded into window_right = 0
+};
+
+// Validates q/k/v and the flags of the forward (and, with the same arguments, the backward) op.
+AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                         int64_t window_right, double softcap,
+                         const std::optional<at::Tensor>& alibi_slopes,
+                         const std::optional<at::Tensor>& attn_bias, double dropout_p);
+
+// Checks that `t` has exactly `sizes`, and q's dtype and device.
+void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
+                const at::Tensor& q);
+
+// The dtype of softmax_lse for inputs of this dtype: float32, or float64 for float64 inputs.
+at::ScalarType lse_dtype(at::ScalarType input_dtype);
+
+// Returns t if its last dimension is contiguous (stride 1), else a copy that is.
+at::Tensor last_dim_contiguous(const at::Tensor& t);
+
+// Fills the shape/stride/flag part of FwdParams (pointers for q/k/v/out/lse included).
+void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                     double softcap, bool align_bottom_right);
+
+}  // namespace flash_attn_ext

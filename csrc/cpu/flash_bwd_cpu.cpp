@@ -1,0 +1,220 @@
+// FlashAttention backward on the CPU by recomputation (Dao et al. 2022, arXiv:2205.14135,
+// Algorithm 2; FlashAttention-2, arXiv:2307.08691, Algorithm 2).
+//
+// The forward saved only out and softmax_lse.  Per (batch, key/value head) task, in parallel:
+// delta = rowsum(dO * O) for every query row of the heads in the GQA group; then for each key tile
+// (kBlockK rows, dK/dV accumulated on chip) and each query tile that sees it:
+//   P  = exp(scale * Q K^T - lse)            recomputed, never stored
+//   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
+//   dK += scale * dS^T Q,   dQ += scale * dS K   (dQ accumulated in the task's own buffer)
+// Every query head of a group belongs to the task of its key/value head, so dK/dV sum over the
+// group and no two threads ever write the same gradient: the result is deterministic.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/flash_cpu.h"
+#include "cpu/softmax_rows.h"
+#include "cpu/tile_gemm.h"
+#include "mask.h"
+
+namespace flash_attn_ext::cpu {
+
+namespace {
+
+template <typename T, typename S>
+inline void store_tile(S* dst, int64_t ld, const T* src, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * ld + c] = static_cast<S>(src[r * cols + c]);
+}
+
+template <typename scalar_t>
+void flash_bwd_cpu(const BwdParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t BQ = kBlockQ, BK = kBlockK;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, L = p.seqlen_q;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const acc_t scale = p.softmax_scale;
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const auto* q = static_cast<const scalar_t*>(p.q);
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+  const auto* out = static_cast<const scalar_t*>(p.out);
+  const auto* dout = static_cast<const scalar_t*>(p.dout);
+  const auto* lse = static_cast<const acc_t*>(p.softmax_lse);
+  auto* dq = static_cast<scalar_t*>(p.dq);
+  auto* dk = static_cast<scalar_t*>(p.dk);
+  auto* dv = static_cast<scalar_t*>(p.dv);
+
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> delta(group * L), dq_acc(group * L * D);
+    std::vector<acc_t> k_buf(kInPlace ? 0 : BK * D), v_buf(kInPlace ? 0 : BK * Dv);
+    std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), do_buf(kInPlace ? 0 : BQ * Dv);
+    std::vector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
+    std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+      auto q_ptr = [&](int64_t h, int64_t i) {
+        return q + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
+      };
+      auto do_ptr = [&](int64_t h, int64_t i) {
+        return dout + b * p.dout_batch_stride + h * p.dout_head_stride + i * p.dout_row_stride;
+      };
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = hk * group + g;
+        for (int64_t i = 0; i < L; ++i) {
+          const scalar_t* o =
+              out + b * p.out_batch_stride + h * p.out_head_stride + i * p.out_row_stride;
+          const scalar_t* d_o = do_ptr(h, i);
+          acc_t acc = 0;
+          for (int64_t c = 0; c < Dv; ++c)
+            acc += static_cast<acc_t>(d_o[c]) * static_cast<acc_t>(o[c]);
+          delta[g * L + i] = acc;
+        }
+      }
+      std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
+      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride;
+      const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride;
+
+      for (int64_t j0 = 0; j0 < p.seqlen_k; j0 += BK) {
+        const int64_t nk = std::min(BK, p.seqlen_k - j0);
+        Mat<acc_t> km{nullptr, D}, vm{nullptr, Dv};
+        if constexpr (kInPlace) {
+          km = {reinterpret_cast<const acc_t*>(k_head + j0 * p.k_row_stride), p.k_row_stride};
+          vm = {reinterpret_cast<const acc_t*>(v_head + j0 * p.v_row_stride), p.v_row_stride};
+        } else {
+          load_tile(k_buf.data(), k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride);
+          load_tile(v_buf.data(), v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride);
+          km = {k_buf.data(), D};
+          vm = {v_buf.data(), Dv};
+        }
+        std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
+        std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
+
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hk * group + g;
+          for (int64_t i0 = 0; i0 < L; i0 += BQ) {
+            const int64_t mq = std::min(BQ, L - i0);
+            // Skip query tiles that see none of keys [j0, j0 + nk).
+            if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
+            Mat<acc_t> qm{nullptr, D}, dom{nullptr, Dv};
+            if constexpr (kInPlace) {
+              qm = {reinterpret_cast<const acc_t*>(q_ptr(h, i0)), p.q_row_stride};
+              dom = {reinterpret_cast<const acc_t*>(do_ptr(h, i0)), p.dout_row_stride};
+            } else {
+              load_tile(q_buf.data(), q_ptr(h, i0), mq, D, p.q_row_stride);
+              load_tile(do_buf.data(), do_ptr(h, i0), mq, Dv, p.dout_row_stride);
+              qm = {q_buf.data(), D};
+              dom = {do_buf.data(), Dv};
+            }
+            acc_t* S = s_buf.data();
+            acc_t* dP = dp_buf.data();
+            gemm(S, BK, qm, km.t(), mq, nk, D, scale, 0.0);
+            if (p.softcap > 0.0) {
+              const acc_t cap = p.softcap;
+              for (int64_t r = 0; r < mq; ++r)
+                for (int64_t c = 0; c < nk; ++c) {
+                  const acc_t t = std::tanh(S[r * BK + c] / cap);
+                  S[r * BK + c] = cap * t;
+                  dtanh[r * BK + c] = acc_t(1) - t * t;
+                }
+            }
+            apply_mask(S, mq, nk, BK, vis, i0, j0);
+            probs_from_lse_rows(S, mq, nk, BK, lse + (b * p.heads_q + h) * L + i0);
+            gemm(dv_acc.data(), Dv, Mat<acc_t>{S, BK}.t(), dom, nk, Dv, mq, 1.0, 1.0);
+            gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);
+            softmax_grad_rows(S, dP, mq, nk, BK, delta.data() + g * L + i0);
+            if (p.softcap > 0.0) {
+              for (int64_t r = 0; r < mq; ++r)
+                for (int64_t c = 0; c < nk; ++c) dP[r * BK + c] *= dtanh[r * BK + c];
+            }
+            gemm(dk_acc.data(), D, Mat<acc_t>{dP, BK}.t(), qm, nk, D, mq, scale, 1.0);
+            gemm(dq_acc.data() + (g * L + i0) * D, D, Mat<acc_t>{dP, BK}, km, mq, D, nk, scale,
+                 1.0);
+          }
+        }
+        store_tile(dk + b * p.dk_batch_stride + hk * p.dk_head_stride + j0 * p.dk_row_stride,
+                   p.dk_row_stride, dk_acc.data(), nk, D);
+        store_tile(dv + b * p.dv_batch_stride + hk * p.dv_head_stride + j0 * p.dv_row_stride,
+                   p.dv_row_stride, dv_acc.data(), nk, Dv);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = hk * group + g;
+        store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride,
+                   dq_acc.data() + g * L * D, L, D);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
+    double dropout_p, bool deterministic, bool bias_requires_grad) {
+  (void)rng_state;
+  (void)bias_requires_grad;
+  const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
+                                     window_right, softcap, alibi_slopes, attn_bias, dropout_p);
+  TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
+  const std::vector<int64_t> out_shape{a.batch, a.seqlen_q, a.heads_q, a.head_dim_v};
+  check_like(out_in, "out", out_shape, q_in);
+  check_like(dout_in, "dout", out_shape, q_in);
+  check_like(softmax_lse, "softmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q_in);
+  TORCH_CHECK_VALUE(out_in.scalar_type() == q_in.scalar_type() &&
+                        dout_in.scalar_type() == q_in.scalar_type(),
+                    "out and dout must have q's dtype ", q_in.scalar_type(), ", got out.dtype=",
+                    out_in.scalar_type(), ", dout.dtype=", dout_in.scalar_type());
+  TORCH_CHECK_VALUE(softmax_lse.scalar_type() == lse_dtype(q_in.scalar_type()),
+                    "softmax_lse must have dtype ", lse_dtype(q_in.scalar_type()), ", got ",
+                    softmax_lse.scalar_type());
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in), out = last_dim_contiguous(out_in),
+                   dout = last_dim_contiguous(dout_in), lse = softmax_lse.contiguous();
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dbias = at::empty({0}, q.options());
+  if (a.batch * a.heads_q == 0) return {dq, dk, dv, dbias};
+
+  BwdParams p;
+  fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dout_batch_stride = dout.stride(0);
+  p.dout_row_stride = dout.stride(1);
+  p.dout_head_stride = dout.stride(2);
+  p.dq_batch_stride = dq.stride(0);
+  p.dq_row_stride = dq.stride(1);
+  p.dq_head_stride = dq.stride(2);
+  p.dk_batch_stride = dk.stride(0);
+  p.dk_row_stride = dk.stride(1);
+  p.dk_head_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0);
+  p.dv_row_stride = dv.stride(1);
+  p.dv_head_stride = dv.stride(2);
+  p.deterministic = deterministic;  // the CPU backward is always deterministic
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
+                                  [&] { flash_bwd_cpu<scalar_t>(p); });
+  return {dq, dk, dv, dbias};
+}
+
+}  // namespace
+
+}  // namespace flash_attn_ext::cpu
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
+  m.impl("bwd", &flash_attn_ext::cpu::bwd_cpu);
+}

@@ -1,0 +1,139 @@
+// FlashAttention forward on the CPU: the tiled algorithm with the online softmax
+// (Dao et al. 2022, arXiv:2205.14135, Algorithm 1; FlashAttention-2, arXiv:2307.08691, Alg. 1).
+//
+// For each (batch, head, tile of kBlockQ query rows), in parallel: keep the query tile, the output
+// accumulator O and the running row max m / row sum l; stream the visible key/value tiles of
+// kBlockK rows; per tile S = scale * Q K^T (BLAS), softcap, mask, the online-softmax update, then
+// O = alpha * O + P V (BLAS).  Finally out = O / l and softmax_lse = m + log(l).  Scores exist only
+// as one (kBlockQ x kBlockK) tile per thread: memory is O(seqlen), never O(seqlen_q * seqlen_k).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/flash_cpu.h"
+#include "cpu/softmax_rows.h"
+#include "cpu/tile_gemm.h"
+#include "mask.h"
+
+namespace flash_attn_ext::cpu {
+
+namespace {
+
+template <typename scalar_t>
+void flash_fwd_cpu(const FwdParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first.
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const int64_t BQ = kBlockQ, BK = kBlockK;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const int64_t q_tiles = (p.seqlen_q + BQ - 1) / BQ;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const auto* q = static_cast<const scalar_t*>(p.q);
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+  auto* out = static_cast<scalar_t*>(p.out);
+  auto* lse = static_cast<acc_t*>(p.softmax_lse);
+
+  at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), k_buf(kInPlace ? 0 : BK * D),
+        v_buf(kInPlace ? 0 : BK * Dv);
+    std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t tile = task % q_tiles;
+      const int64_t h = (task / q_tiles) % p.heads_q;
+      const int64_t b = task / (q_tiles * p.heads_q);
+      const int64_t hk = h / group;  // GQA: query head h reads key/value head h / group
+      const int64_t i0 = tile * BQ, mq = std::min(BQ, p.seqlen_q - i0);
+      const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
+      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride;
+      const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride;
+
+      std::fill(m.begin(), m.end(), -kInf);
+      std::fill(l.begin(), l.end(), acc_t(0));
+      std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
+
+      const int64_t key_begin = vis.begin(i0), key_end = vis.end(i0 + mq - 1);
+      Mat<acc_t> qm{nullptr, D};
+      if constexpr (kInPlace) {
+        qm = {reinterpret_cast<const acc_t*>(q_tile), p.q_row_stride};
+      } else {
+        load_tile(q_buf.data(), q_tile, mq, D, p.q_row_stride);
+        qm = {q_buf.data(), D};
+      }
+      for (int64_t j0 = key_begin; j0 < key_end; j0 += BK) {
+        const int64_t nk = std::min(BK, key_end - j0);
+        Mat<acc_t> km{nullptr, D}, vm{nullptr, Dv};
+        if constexpr (kInPlace) {
+          km = {reinterpret_cast<const acc_t*>(k_head + j0 * p.k_row_stride), p.k_row_stride};
+          vm = {reinterpret_cast<const acc_t*>(v_head + j0 * p.v_row_stride), p.v_row_stride};
+        } else {
+          load_tile(k_buf.data(), k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride);
+          load_tile(v_buf.data(), v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride);
+          km = {k_buf.data(), D};
+          vm = {v_buf.data(), Dv};
+        }
+        acc_t* S = s_buf.data();
+        gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);
+        if (p.softcap > 0.0) apply_softcap(S, mq, nk, BK, static_cast<acc_t>(p.softcap));
+        apply_mask(S, mq, nk, BK, vis, i0, j0);
+        online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
+        for (int64_t r = 0; r < mq; ++r) {
+          if (alpha[r] == acc_t(1)) continue;
+          acc_t* o = o_acc.data() + r * Dv;
+          for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha[r];
+        }
+        gemm(o_acc.data(), Dv, Mat<acc_t>{S, BK}, vm, mq, Dv, nk, 1.0, 1.0);
+      }
+
+      for (int64_t r = 0; r < mq; ++r) {
+        const int64_t i = i0 + r;
+        scalar_t* o = out + b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
+        const acc_t* acc = o_acc.data() + r * Dv;
+        const bool empty = m[r] == -kInf;  // no visible key: out = 0, lse = -inf
+        const acc_t inv_l = empty ? acc_t(0) : acc_t(1) / l[r];
+        for (int64_t c = 0; c < Dv; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_l);
+        lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -kInf : m[r] + std::log(l[r]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    bool align_bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p) {
+  const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
+                                     window_right, softcap, alibi_slopes, attn_bias, dropout_p);
+  TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty({a.batch, a.seqlen_q, a.heads_q, a.head_dim_v}, q.options());
+  at::Tensor lse = at::empty({a.batch, a.heads_q, a.seqlen_q},
+                             q.options().dtype(lse_dtype(q.scalar_type())));
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse, rng_state};
+
+  FwdParams p;
+  fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
+                                  [&] { flash_fwd_cpu<scalar_t>(p); });
+  return {out, lse, rng_state};
+}
+
+}  // namespace
+
+}  // namespace flash_attn_ext::cpu
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
+  m.impl("fwd", &flash_attn_ext::cpu::fwd_cpu);
+}

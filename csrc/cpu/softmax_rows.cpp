@@ -1,0 +1,135 @@
+#include "cpu/softmax_rows.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+// Function multi-versioning: GCC emits one copy per target and an ifunc resolver that picks the
+// best at load time, so a binary built on any x86-64 machine vectorises on the machine it runs on.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define FAE_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#define FAE_INLINE __attribute__((always_inline)) inline
+#else
+#define FAE_MULTIVERSION
+#define FAE_INLINE inline
+#endif
+
+namespace flash_attn_ext::cpu {
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 in float32 with a branch-free body that vectorises.  Cody-Waite reduction
+// x = n ln2 + r with |r| <= ln2/2, then a degree-7 Taylor polynomial: truncation error
+// (ln2/2)^8 / 8! ~ 5e-9, under float32 rounding.  Below -87.3 (where exp underflows to
+// denormals) the result is 0; NaN stays NaN.
+FAE_INLINE float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693145751953125f;  // ln2 split so n * kLn2Hi is exact
+  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
+  constexpr float kUnderflow = -87.3f;
+  constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float xc = x < kUnderflow ? kUnderflow : x;
+  const float n = (xc * kLog2e + kRoundMagic) - kRoundMagic;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  const float y = p * two_n;
+  return x != x ? x : (x < kUnderflow ? 0.f : y);
+}
+
+FAE_INLINE double exp_nonpositive(double x) { return std::exp(x); }
+
+template <typename T>
+FAE_INLINE void online_softmax_rows_impl(T* S, int64_t rows, int64_t cols, int64_t ld, T* m,
+                                         T* l, T* alpha) {
+  const T inf = std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = S + r * ld;
+    T mx = -inf;
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < cols; ++c) mx = s[c] > mx ? s[c] : mx;
+    const T m_old = m[r];
+    const T m_new = m_old > mx ? m_old : mx;
+    // With nothing visible yet (m_new = -inf) subtract 0 so that exp(-inf - 0) = 0, not NaN.
+    const T m_use = m_new == -inf ? T(0) : m_new;
+    alpha[r] = m_old == -inf ? T(0) : exp_nonpositive(m_old - m_use);
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < cols; ++c) {
+      const T p = exp_nonpositive(s[c] - m_use);
+      s[c] = p;
+      sum += p;
+    }
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
+  }
+}
+
+template <typename T>
+FAE_INLINE void probs_from_lse_rows_impl(T* S, int64_t rows, int64_t cols, int64_t ld,
+                                         const T* lse) {
+  const T inf = std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = S + r * ld;
+    if (lse[r] == -inf) {
+      for (int64_t c = 0; c < cols; ++c) s[c] = T(0);
+      continue;
+    }
+    const T lr = lse[r];
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) s[c] = exp_nonpositive(s[c] - lr);
+  }
+}
+
+template <typename T>
+FAE_INLINE void softmax_grad_rows_impl(const T* P, T* dP, int64_t rows, int64_t cols, int64_t ld,
+                                       const T* delta) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* p = P + r * ld;
+    T* dp = dP + r * ld;
+    const T d = delta[r];
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dp[c] = p[c] * (dp[c] - d);
+  }
+}
+
+}  // namespace
+
+FAE_MULTIVERSION void online_softmax_rows(float* S, int64_t rows, int64_t cols, int64_t ld,
+                                          float* m, float* l, float* alpha) {
+  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha);
+}
+void online_softmax_rows(double* S, int64_t rows, int64_t cols, int64_t ld, double* m, double* l,
+                         double* alpha) {
+  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha);
+}
+
+FAE_MULTIVERSION void probs_from_lse_rows(float* S, int64_t rows, int64_t cols, int64_t ld,
+                                          const float* lse) {
+  probs_from_lse_rows_impl(S, rows, cols, ld, lse);
+}
+void probs_from_lse_rows(double* S, int64_t rows, int64_t cols, int64_t ld, const double* lse) {
+  probs_from_lse_rows_impl(S, rows, cols, ld, lse);
+}
+
+FAE_MULTIVERSION void softmax_grad_rows(const float* P, float* dP, int64_t rows, int64_t cols,
+                                        int64_t ld, const float* delta) {
+  softmax_grad_rows_impl(P, dP, rows, cols, ld, delta);
+}
+void softmax_grad_rows(const double* P, double* dP, int64_t rows, int64_t cols, int64_t ld,
+                       const double* delta) {
+  softmax_grad_rows_impl(P, dP, rows, cols, ld, delta);
+}
+
+}  // namespace flash_attn_ext::cpu

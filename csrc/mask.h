@@ -1,0 +1,44 @@
+// The masking rule, in one place, for every kernel.
+//
+// Key j is visible to query i when  i + off - window_left <= j <= i + off + window_right,
+// where off = seqlen_k - seqlen_q (bottom-right alignment, FlashAttention >= 2.1) or 0 (top-left,
+// torch.tril), and a window side of -1 is unbounded.  Causal is window_right = 0.
+// Both bounds are non-decreasing in i, so a tile of rows [i0, i1) sees keys
+// [begin(i0), end(i1 - 1)), and a tile of keys [j0, j1) is seen by a contiguous range of rows.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FAE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FAE_HOST_DEVICE inline
+#endif
+
+namespace flash_attn_ext {
+
+struct VisibleKeys {
+  int64_t offset, window_left, window_right, seqlen_k;
+
+  FAE_HOST_DEVICE VisibleKeys(int64_t seqlen_q, int64_t seqlen_k_, int64_t window_left_,
+                              int64_t window_right_, bool align_bottom_right)
+      : offset(align_bottom_right ? seqlen_k_ - seqlen_q : 0),
+        window_left(window_left_),
+        window_right(window_right_),
+        seqlen_k(seqlen_k_) {}
+
+  FAE_HOST_DEVICE static int64_t clamp(int64_t x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+  }
+  // First visible key of query row i.
+  FAE_HOST_DEVICE int64_t begin(int64_t i) const {
+    return window_left < 0 ? 0 : clamp(i + offset - window_left, 0, seqlen_k);
+  }
+  // One past the last visible key of query row i (end <= begin means the row sees nothing).
+  FAE_HOST_DEVICE int64_t end(int64_t i) const {
+    return window_right < 0 ? seqlen_k : clamp(i + offset + window_right + 1, 0, seqlen_k);
+  }
+  FAE_HOST_DEVICE bool empty_row(int64_t i) const { return end(i) <= begin(i); }
+};
+
+}  // namespace flash_attn_ext

@@ -1,0 +1,171 @@
+// The flash_attn_ext op schemas (the contract every implementation and the Python layer share) and
+// the argument checks shared by the CPU and CUDA glue.
+//
+// Schemas are functional: they return new tensors and mutate nothing, so that autograd
+// registration and torch.compile accept them.  New arguments go at the end, with defaults.
+#include <torch/library.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "checks.h"
+
+namespace flash_attn_ext {
+
+namespace {
+
+bool is_supported_dtype(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  if (t.is_cuda()) return d == at::kHalf || d == at::kBFloat16;
+  return d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16;
+}
+
+}  // namespace
+
+at::ScalarType lse_dtype(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                         int64_t window_right, double softcap,
+                         const std::optional<at::Tensor>& alibi_slopes,
+                         const std::optional<at::Tensor>& attn_bias, double dropout_p) {
+  TORCH_CHECK_VALUE(q.dim() == 4,
+                    "q must have 4 dimensions (batch, seqlen_q, num_heads, head_dim), got q.dim()=",
+                    q.dim(), " with shape ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4,
+                    "k must have 4 dimensions (batch, seqlen_k, num_heads_k, head_dim), got "
+                    "k.dim()=", k.dim(), " with shape ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 4,
+                    "v must have 4 dimensions (batch, seqlen_k, num_heads_k, head_dim_v), got "
+                    "v.dim()=", v.dim(), " with shape ", v.sizes());
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                    "q, k and v must have the same dtype, got q.dtype=", q.scalar_type(),
+                    ", k.dtype=", k.scalar_type(), ", v.dtype=", v.scalar_type());
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
+                    "q, k and v must be on the same device, got q.device=", q.device(),
+                    ", k.device=", k.device(), ", v.device=", v.device());
+  TORCH_CHECK_VALUE(is_supported_dtype(q), "q.dtype=", q.scalar_type(), " is not supported on ",
+                    q.device().type(), ": CPU takes float32, float64, float16 and bfloat16; CUDA "
+                    "takes float16 and bfloat16");
+
+  AttnArgs a{};
+  a.batch = q.size(0);
+  a.seqlen_q = q.size(1);
+  a.heads_q = q.size(2);
+  a.head_dim = q.size(3);
+  a.seqlen_k = k.size(1);
+  a.heads_kv = k.size(2);
+  a.head_dim_v = v.size(3);
+
+  TORCH_CHECK_VALUE(k.size(0) == a.batch && v.size(0) == a.batch,
+                    "q, k and v must have the same batch size, got q.size(0)=", a.batch,
+                    ", k.size(0)=", k.size(0), ", v.size(0)=", v.size(0));
+  TORCH_CHECK_VALUE(v.size(1) == a.seqlen_k, "k and v must have the same seqlen_k, got k.size(1)=",
+                    a.seqlen_k, ", v.size(1)=", v.size(1));
+  TORCH_CHECK_VALUE(v.size(2) == a.heads_kv,
+                    "k and v must have the same number of heads, got k.size(2)=", a.heads_kv,
+                    ", v.size(2)=", v.size(2));
+  TORCH_CHECK_VALUE(k.size(3) == a.head_dim, "k.size(3) (head_dim) must equal q.size(3)=",
+                    a.head_dim, ", got ", k.size(3));
+  TORCH_CHECK_VALUE(a.head_dim >= 1 && a.head_dim <= kMaxHeadDim,
+                    "head_dim must be between 1 and ", kMaxHeadDim, ", got q.size(3)=", a.head_dim);
+  TORCH_CHECK_VALUE(a.head_dim_v >= 1 && a.head_dim_v <= kMaxHeadDim,
+                    "head_dim_v must be between 1 and ", kMaxHeadDim, ", got v.size(3)=",
+                    a.head_dim_v);
+  const bool no_heads = a.heads_q == 0 && a.heads_kv == 0;
+  TORCH_CHECK_VALUE(no_heads || (a.heads_kv >= 1 && a.heads_q % a.heads_kv == 0),
+                    "the number of query heads must be a multiple of the number of key/value heads "
+                    "(GQA/MQA), got num_heads q.size(2)=", a.heads_q, " and num_heads_k k.size(2)=",
+                    a.heads_kv);
+
+  TORCH_CHECK_VALUE(window_left >= -1, "window_left must be >= -1 (-1 = unbounded), got ",
+                    window_left);
+  TORCH_CHECK_VALUE(window_right >= -1, "window_right must be >= -1 (-1 = unbounded), got ",
+                    window_right);
+  a.window_left = window_left;
+  a.window_right = causal ? 0 : window_right;
+
+  a.softmax_scale = softmax_scale.has_value() ? *softmax_scale
+                                              : 1.0 / std::sqrt(static_cast<double>(a.head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(a.softmax_scale), "softmax_scale must be finite, got ",
+                    a.softmax_scale);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "softcap must be finite and >= 0 (0 = off), got ", softcap);
+  TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
+                    "dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0,
+                              "dropout_p > 0 is not implemented yet in flash_attn_ext, got "
+                              "dropout_p=", dropout_p);
+  TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
+                              "alibi_slopes is not implemented yet in flash_attn_ext");
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
+                              "attn_bias (attn_mask) is not implemented yet in flash_attn_ext");
+  return a;
+}
+
+void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
+                const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on ", q.device(), ", got ",
+                    t.device());
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return (t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1) ? t : t.contiguous();
+}
+
+void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                     double softcap, bool align_bottom_right) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.softmax_lse = lse.data_ptr();
+  p.batch = a.batch;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_k = a.seqlen_k;
+  p.heads_q = a.heads_q;
+  p.heads_kv = a.heads_kv;
+  p.head_dim = a.head_dim;
+  p.head_dim_v = a.head_dim_v;
+  p.q_batch_stride = q.stride(0);
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0);
+  p.k_row_stride = k.stride(1);
+  p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0);
+  p.v_row_stride = v.stride(1);
+  p.v_head_stride = v.stride(2);
+  p.out_batch_stride = out.stride(0);
+  p.out_row_stride = out.stride(1);
+  p.out_head_stride = out.stride(2);
+  p.softmax_scale = a.softmax_scale;
+  p.softcap = softcap;
+  p.window_left = a.window_left;
+  p.window_right = a.window_right;
+  p.align_bottom_right = align_bottom_right;
+}
+
+}  // namespace flash_attn_ext
+
+TORCH_LIBRARY(flash_attn_ext, m) {
+  // Returns (out (B, L, H, Dv), softmax_lse (B, H, L) float32 [float64 for float64 inputs],
+  // rng_state int64[2] = philox (seed, offset) used by dropout, zeros without dropout).
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, bool align_bottom_right=True, float softcap=0.0, "
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor rng_state)");
+  // Returns (dq, dk, dv, dbias); dbias is empty unless attn_bias is given and bias_requires_grad.
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
+      "int window_right=-1, bool align_bottom_right=True, float softcap=0.0, "
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
+      "bool deterministic=False, bool bias_requires_grad=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
+}

@@ -1,0 +1,50 @@
+// The parameter structs that the ATen glue fills and the kernels read.
+//
+// Kernels (CPU and CUDA) see raw pointers, sizes and element strides only: nothing here includes
+// torch.  Layout is FlashAttention's: q is (batch, seqlen_q, heads_q, head_dim), k is
+// (batch, seqlen_k, heads_kv, head_dim), v is (batch, seqlen_k, heads_kv, head_dim_v), with any
+// batch/row/head strides and a contiguous last dimension.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_attn_ext {
+
+struct FwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;          // (batch, seqlen_q, heads_q, head_dim_v), strides below
+  void* softmax_lse = nullptr;  // (batch, heads_q, seqlen_q) contiguous, accumulator type
+
+  int64_t batch = 0, seqlen_q = 0, seqlen_k = 0;
+  int64_t heads_q = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
+
+  double softmax_scale = 1.0;  // double so float64 inputs keep full precision
+  double softcap = 0.0;  // 0 = off; else scores become softcap * tanh(scores / softcap)
+
+  // Visible keys for query i: i + off - window_left <= j <= i + off + window_right, a side of -1
+  // meaning unbounded; off = seqlen_k - seqlen_q when align_bottom_right, else 0.  Causal
+  // attention is window_right = 0 (the glue folds the `causal` flag in).
+  int64_t window_left = -1, window_right = -1;
+  bool align_bottom_right = true;
+};
+
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;  // same shape as out
+  void* dq = nullptr;          // like q
+  void* dk = nullptr;          // like k
+  void* dv = nullptr;          // like v
+  int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  bool deterministic = false;
+};
+
+}  // namespace flash_attn_ext

@@ -1,0 +1,102 @@
+"""Build script for flash_attn_ext.
+
+Builds one extension module, ``flash_attn_ext._C``, that registers the ``flash_attn_ext`` ops with
+``TORCH_LIBRARY``.  The CPU implementation is always built.  CUDA sources (``csrc/cuda`` and
+``csrc/kernels``) are added when the CUDA build is switched on:
+
+* ``FLASH_ATTN_EXT_CUDA=auto`` (default): on when torch is a CUDA build and nvcc is found.
+* ``FLASH_ATTN_EXT_CUDA=1``: on; fails with a clear error if either is missing.
+* ``FLASH_ATTN_EXT_CUDA=0``: off (CPU only), even where CUDA is available.
+
+``TORCH_CUDA_ARCH_LIST`` picks the GPU architectures (default ``8.0;9.0a``).  No GPU is needed to
+build.  Install with ``pip install --no-build-isolation .`` (torch must already be installed).
+"""
+
+import glob
+import os
+import re
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+
+
+def read_version() -> str:
+    with open(os.path.join(HERE, "flash_attn_ext", "_version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+def cuda_requested() -> bool:
+    import torch
+    from torch.utils import cpp_extension
+
+    mode = os.environ.get("FLASH_ATTN_EXT_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise RuntimeError(f"FLASH_ATTN_EXT_CUDA={mode!r}: expected one of auto, 0, 1")
+    have_cuda_torch = torch.version.cuda is not None
+    have_nvcc = cpp_extension.CUDA_HOME is not None
+    if mode == "0":
+        return False
+    if mode == "1":
+        if not have_cuda_torch:
+            raise RuntimeError("FLASH_ATTN_EXT_CUDA=1 but the installed torch is a CPU-only build")
+        if not have_nvcc:
+            raise RuntimeError("FLASH_ATTN_EXT_CUDA=1 but nvcc / CUDA_HOME was not found")
+        return True
+    return have_cuda_torch and have_nvcc
+
+
+def rel(paths):
+    return sorted(os.path.relpath(p, HERE) for p in paths)
+
+
+def make_extension():
+    from torch.utils import cpp_extension
+
+    cpp_sources = rel(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
+    cpp_sources += rel(glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
+    cuda_sources = rel(
+        glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu"))
+        + glob.glob(os.path.join(HERE, "csrc", "kernels", "**", "*.cu"), recursive=True)
+    )
+    with_cuda = cuda_requested() and bool(cuda_sources)
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    if with_cuda:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+
+    defines = [f'-DFLASH_ATTN_EXT_VERSION="{read_version()}"']
+    if with_cuda:
+        defines += ["-DFLASH_ATTN_EXT_WITH_CUDA", f'-DFLASH_ATTN_EXT_CUDA_ARCHS="{archs}"']
+    cxx_flags = ["-O3", "-fopenmp-simd", *defines]
+    include_dirs = [os.path.join(HERE, "csrc")]
+    if with_cuda:
+        return cpp_extension.CUDAExtension(
+            "flash_attn_ext._C",
+            cpp_sources + cuda_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={
+                "cxx": cxx_flags,
+                "nvcc": ["-O3", "--use_fast_math", *defines],
+            },
+        )
+    return cpp_extension.CppExtension(
+        "flash_attn_ext._C", cpp_sources, include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        name="flash_attn_ext",
+        version=read_version(),
+        packages=["flash_attn_ext", "flash_attn_ext.integrations"],
+        ext_modules=[make_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+if __name__ == "__main__":
+    main()
