@@ -32,6 +32,11 @@ void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
 // The dtype of softmax_lse for inputs of this dtype: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);
 
+// Allocates an output the kernel must fill completely.  With debug poisoning on, it starts as NaN
+// (integers: -1) so that any element a kernel forgets to write shows up in tests.
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+void set_debug_poison(bool enabled);
+
 // Returns t if its last dimension is contiguous (stride 1), else a copy that is.
 at::Tensor last_dim_contiguous(const at::Tensor& t);
 

@@ -2,6 +2,8 @@
 // it also carries build information that is not an op.
 #include <torch/extension.h>
 
+#include "checks.h"
+
 #ifndef FLASH_ATTN_EXT_VERSION
 #define FLASH_ATTN_EXT_VERSION "unknown"
 #endif
@@ -27,9 +29,21 @@ pybind11::dict build_info() {
   return d;
 }
 
+// The fused ops' argument checks, for paths that do not reach a fused op (the fallback), so bad
+// input fails with the same message on every path.
+void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                int64_t window_right, double softcap, double dropout_p) {
+  flash_attn_ext::check_attn_args(q, k, v, softmax_scale, causal, window_left, window_right,
+                                  softcap, std::nullopt, std::nullopt, dropout_p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "flash_attn_ext compiled library (ops are under torch.ops.flash_attn_ext)";
   m.def("build_info", &build_info, "How this library was built: version, CUDA on/off, archs.");
+  m.def("set_debug_poison", &flash_attn_ext::set_debug_poison,
+        "Testing aid: outputs start as NaN so unwritten elements are caught.");
+  m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
 }

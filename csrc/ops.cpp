@@ -5,8 +5,9 @@
 // registration and torch.compile accept them.  New arguments go at the end, with defaults.
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
-#include <sstream>
+#include <limits>
 
 #include "checks.h"
 
@@ -21,6 +22,19 @@ bool is_supported_dtype(const at::Tensor& t) {
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool> g_debug_poison{false};
+}  // namespace
+
+void set_debug_poison(bool enabled) { g_debug_poison = enabled; }
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!g_debug_poison) return at::empty(sizes, options);
+  if (at::isFloatingType(options.dtype().toScalarType()))
+    return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
+  return at::full(sizes, -1, options);
+}
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
@@ -155,11 +169,12 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
 TORCH_LIBRARY(flash_attn_ext, m) {
   // Returns (out (B, L, H, Dv), softmax_lse (B, H, L) float32 [float64 for float64 inputs],
   // rng_state int64[2] = philox (seed, offset) used by dropout, zeros without dropout).
+  // `deterministic` does not change the forward; autograd hands it to bwd.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
       "int window_left=-1, int window_right=-1, bool align_bottom_right=True, float softcap=0.0, "
-      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0) "
-      "-> (Tensor out, Tensor softmax_lse, Tensor rng_state)");
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
+      "bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)");
   // Returns (dq, dk, dv, dbias); dbias is empty unless attn_bias is given and bias_requires_grad.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "

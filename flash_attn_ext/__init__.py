@@ -1,0 +1,54 @@
+"""flash_attn_ext: exact, IO-aware attention (FlashAttention) as PyTorch custom ops.
+
+Public API:
+    flash_attn_func                 (batch, seqlen, num_heads, head_dim) layout, FlashAttention's
+    scaled_dot_product_attention    drop-in for torch.nn.functional.scaled_dot_product_attention
+    explain                         which kernel serves a call, and why a fused one does not
+    FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
+
+Ops: torch.ops.flash_attn_ext.fwd / bwd (see flash_attn_ext.ops).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops
+from ._version import __version__
+from .dispatch import (FallbackError, Plan, fallback_counts, last_plan, reset_fallback_counts,
+                       set_strict)
+from .interface import flash_attn_func
+from .sdpa import scaled_dot_product_attention, to_bshd
+
+__all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "explain",
+           "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
+           "last_plan", "ops"]
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+            layout: str = "bhld", enable_gqa: bool = True, **_ignored) -> Plan:
+    """Says which kernel would serve attention on these tensors, without running it.
+
+    Args:
+        query, key, value: tensors in ``layout``: ``"bhld"`` (N, H, L, E) as
+            scaled_dot_product_attention takes them (default), or ``"blhd"`` (N, L, H, E) as
+            flash_attn_func takes them.
+        layout: see above.
+        enable_gqa: allow H_kv < H (as scaled_dot_product_attention's argument).
+        **_ignored: other call arguments (is_causal, scale, ...); they do not change the kernel.
+
+    Returns:
+        A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
+        ``fused`` and ``reasons`` (why it falls back, empty when fused).
+
+    Raises:
+        ValueError: unknown layout, or shapes that scaled_dot_product_attention rejects.
+    """
+    if layout == "bhld":
+        query, key, value = to_bshd(query, key, value, enable_gqa)
+    elif layout != "blhd":
+        raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
+    from .dispatch import plan
+    return plan(query, key, value)

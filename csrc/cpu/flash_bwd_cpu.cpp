@@ -181,9 +181,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in), out = last_dim_contiguous(out_in),
                    dout = last_dim_contiguous(dout_in), lse = softmax_lse.contiguous();
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = new_output(q.sizes(), q.options());
+  at::Tensor dk = new_output(k.sizes(), k.options());
+  at::Tensor dv = new_output(v.sizes(), v.options());
   at::Tensor dbias = at::empty({0}, q.options());
   if (a.batch * a.heads_q == 0) return {dq, dk, dv, dbias};
 

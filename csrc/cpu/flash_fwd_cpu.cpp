@@ -111,14 +111,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     bool align_bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_bias, double dropout_p) {
+    const std::optional<at::Tensor>& attn_bias, double dropout_p, bool deterministic) {
+  (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({a.batch, a.seqlen_q, a.heads_q, a.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({a.batch, a.heads_q, a.seqlen_q},
+  at::Tensor out = new_output({a.batch, a.seqlen_q, a.heads_q, a.head_dim_v}, q.options());
+  at::Tensor lse = new_output({a.batch, a.heads_q, a.seqlen_q},
                              q.options().dtype(lse_dtype(q.scalar_type())));
   at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse, rng_state};

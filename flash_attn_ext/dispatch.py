@@ -1,0 +1,170 @@
+"""Which kernel serves a call, why a fused kernel was not used, and strict mode.
+
+The no-silent-slow-path rule (DESIGN.md section 4): every call is planned here.  A call that no
+fused flash_attn_ext kernel can serve runs on a correct fallback (PyTorch's own
+``scaled_dot_product_attention``), and then
+
+* a warning names the reason, once per reason per process;
+* ``fallback_counts()`` counts it;
+* strict mode turns it into a :class:`FallbackError` instead.  Strict mode is on when the call
+  passes ``strict=True``, after ``set_strict(True)``, or with the environment variable
+  ``FLASH_ATTN_EXT_STRICT=1``.
+
+``explain(...)`` (in the package root) returns the :class:`Plan` without running anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from . import ops
+
+__all__ = ["FallbackError", "Plan", "plan", "set_strict", "strict_enabled", "fallback_counts",
+           "reset_fallback_counts", "last_plan", "FALLBACK"]
+
+FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
+                torch.bfloat16: "bf16"}
+
+
+class FallbackError(RuntimeError):
+    """Raised in strict mode when a call cannot run on a fused flash_attn_ext kernel."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernels that serve a call.
+
+    Attributes:
+        kernel: forward kernel name, e.g. ``"cpu_flash_fwd_fp32"``, or :data:`FALLBACK`.
+        backward_kernel: backward kernel name, or :data:`FALLBACK`.
+        fused: True when a flash_attn_ext kernel serves the call.
+        reasons: why no fused kernel serves it (empty when ``fused``).
+    """
+
+    kernel: str
+    backward_kernel: str
+    fused: bool
+    reasons: tuple = ()
+
+    def __str__(self) -> str:
+        if self.fused:
+            return f"{self.kernel} (backward: {self.backward_kernel})"
+        return f"{self.kernel}, because: " + "; ".join(self.reasons)
+
+
+_strict_override: Optional[bool] = None
+_counts: collections.Counter = collections.Counter()
+_warned: set = set()
+_last_plan: Optional[Plan] = None
+
+
+def set_strict(enabled: Optional[bool]) -> None:
+    """Turns strict mode on or off for this process; ``None`` defers to FLASH_ATTN_EXT_STRICT."""
+    global _strict_override
+    _strict_override = enabled
+
+
+def strict_enabled(strict: Optional[bool] = None) -> bool:
+    """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else the env var."""
+    if strict is not None:
+        return bool(strict)
+    if _strict_override is not None:
+        return _strict_override
+    return os.environ.get("FLASH_ATTN_EXT_STRICT", "0").strip().lower() in ("1", "true", "yes")
+
+
+def fallback_counts() -> dict:
+    """How many calls fell back, per reason, since the process started (or the last reset)."""
+    return dict(_counts)
+
+
+def reset_fallback_counts() -> None:
+    """Clears the fallback counters and the warn-once memory."""
+    _counts.clear()
+    _warned.clear()
+
+
+def last_plan() -> Optional[Plan]:
+    """The plan of the most recent call (under torch.compile: of the most recent trace)."""
+    return _last_plan
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
+    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout."""
+    device = q.device.type
+    dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
+    reasons = []
+    if device == "cpu":
+        return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
+    if device == "cuda":
+        if not ops.build_info()["cuda"]:
+            reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
+                           "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
+                           "(cast the inputs or use torch.autocast)")
+        if not reasons:  # pragma: no cover - needs the CUDA kernels
+            return Plan(f"cuda_flash_fwd_{dtype}", f"cuda_flash_bwd_{dtype}", True)
+    else:
+        reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
+    return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
+
+
+def record(p: Plan, strict: Optional[bool]) -> None:
+    """Applies the no-silent-fallback rule to a plan that is about to run."""
+    global _last_plan
+    _last_plan = p
+    if p.fused:
+        return
+    reason = "; ".join(p.reasons)
+    if strict_enabled(strict):
+        raise FallbackError(
+            f"flash_attn_ext strict mode: no fused kernel serves this call ({reason}); it would "
+            f"run on {FALLBACK}")
+    _counts[reason] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"flash_attn_ext: falling back to {FALLBACK} because {reason}. "
+                      "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)
+
+
+def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
+                       softcap):
+    """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
+
+    Used only where no fused kernel exists (see :func:`plan`); follows the same semantics
+    (diagonal offset, window, GQA, fully masked rows give out = 0 and lse = -inf).
+    """
+    if softcap > 0:
+        raise NotImplementedError("softcap is not supported on the fallback path "
+                                  f"({FALLBACK})")
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // max(k.shape[2], 1)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale
+    if window_left >= 0 or window_right >= 0:
+        offset = seqlen_k - seqlen_q if align_bottom_right else 0
+        i = torch.arange(seqlen_q, device=q.device)[:, None] + offset
+        j = torch.arange(seqlen_k, device=q.device)[None, :]
+        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+        if window_left >= 0:
+            visible &= j >= i - window_left
+        if window_right >= 0:
+            visible &= j <= i + window_right
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.matmul(probs, vh.float()).to(q.dtype).transpose(1, 2)
+    return out, lse.to(ops.lse_dtype(q.dtype))

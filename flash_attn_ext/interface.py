@@ -1,0 +1,102 @@
+"""FlashAttention-style API in (batch, seqlen, num_heads, head_dim) layout."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import dispatch, ops
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
+        causal: bool, window_left: int, window_right: int, align_bottom_right: bool,
+        softcap: float, dropout_p: float, deterministic: bool,
+        strict: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse)."""
+    p = dispatch.plan(q, k, v)
+    dispatch.record(p, strict)
+    if p.fused:
+        out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
+                                      align_bottom_right, softcap, None, None, dropout_p,
+                                      deterministic)
+        return out, softmax_lse
+    if not torch.compiler.is_compiling():
+        # Same argument checks as the fused op, so bad input fails the same way on every path.
+        ops.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                       dropout_p)
+    return dispatch.fallback_attention(q, k, v, softmax_scale, window_left,
+                                       0 if causal else window_right, align_bottom_right, softcap)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_softmax_lse: bool = False,
+    *,
+    strict: Optional[bool] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention, computed the FlashAttention way, in (batch, seqlen, num_heads, head_dim).
+
+    out = softmax(q k^T * softmax_scale + mask) v, computed tile by tile with the online softmax
+    (Dao et al. 2022, arXiv:2205.14135, Algorithm 1; FlashAttention-2, arXiv:2307.08691,
+    Algorithm 1): the (seqlen_q x seqlen_k) score matrix is never stored, memory is O(seqlen).
+    The backward recomputes the probabilities from q, k and softmax_lse (Algorithm 2).
+
+    Args:
+        q: (batch, seqlen_q, num_heads, head_dim).
+        k: (batch, seqlen_k, num_heads_k, head_dim); num_heads must be a multiple of num_heads_k
+            (GQA/MQA: query head h reads key/value head h // (num_heads / num_heads_k); K/V are
+            never repeated in memory).
+        v: (batch, seqlen_k, num_heads_k, head_dim_v); head_dim_v may differ from head_dim.
+            Any batch/seqlen/head strides; the last dimension should be contiguous (else copied).
+            dtypes: float32, float64, float16, bfloat16 on CPU; float16, bfloat16 on CUDA.
+            head_dim and head_dim_v: 1 to 256.
+        dropout_p: dropout probability on the attention weights; must be 0.0 for now.
+        softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
+        causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j
+            when j <= i + seqlen_k - seqlen_q.
+        window_size: (left, right) sliding window, bottom-right aligned: query i sees key j when
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit.
+            With causal=True, right is 0.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
+        alibi_slopes: not supported yet; must be None.
+        deterministic: request bitwise-reproducible gradients (the CPU backward always is).
+        return_softmax_lse: also return softmax_lse.
+        strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
+            unfused path (default: ``FLASH_ATTN_EXT_STRICT``).
+
+    Returns:
+        out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype; with return_softmax_lse also
+        softmax_lse (batch, num_heads, seqlen_q), float32 (float64 for float64 inputs), the
+        natural-log log-sum-exp of each row's scaled scores.  Rows that see no key get out = 0,
+        softmax_lse = -inf and zero gradients.
+
+    Raises:
+        ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
+            num_heads not a multiple of num_heads_k, dtype/device mismatch or unsupported dtype,
+            window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1).
+        NotImplementedError: dropout_p > 0 or alibi_slopes given (not implemented yet).
+        FallbackError: in strict mode, when no fused kernel serves the call.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
+                                  "flash_attn_ext; pass dropout_p=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
+                                  "alibi_slopes=None")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           window_left=int(window_size[0]), window_right=int(window_size[1]),
+                           align_bottom_right=True, softcap=float(softcap), dropout_p=0.0,
+                           deterministic=deterministic, strict=strict)
+    return (out, softmax_lse) if return_softmax_lse else out

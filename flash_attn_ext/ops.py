@@ -1,0 +1,121 @@
+"""The ``torch.ops.flash_attn_ext`` ops: fake (meta) kernels and autograd registration.
+
+The ops themselves are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(flash_attn_ext, ...)``)
+and implemented per device (``csrc/cpu``, ``csrc/cuda``).  This module loads the compiled library
+and registers, next to thin wrappers:
+
+* fake kernels, so that ``torch.compile`` and ``FakeTensor`` tracing know the output shapes;
+* autograd for ``fwd`` (its backward is the ``bwd`` op: recomputation from ``out`` and
+  ``softmax_lse``, FlashAttention-2 Algorithm 2), and an autograd rule for ``bwd`` that refuses
+  double backward with a clear error.
+
+Op layout is FlashAttention's: q (batch, seqlen_q, num_heads, head_dim), k
+(batch, seqlen_k, num_heads_k, head_dim), v (batch, seqlen_k, num_heads_k, head_dim_v).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library: registers the ops and their kernels)
+
+fwd_op = torch.ops.flash_attn_ext.fwd.default
+bwd_op = torch.ops.flash_attn_ext.bwd.default
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of softmax_lse for inputs of ``dtype``: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_same_device(q, k, v):
+    # The fake kernel also serves mixed meta/real calls, which never reach the C++ checks.
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on the same device, got q.device={q.device}, "
+                         f"k.device={k.device}, v.device={v.device}")
+
+
+@torch.library.register_fake("flash_attn_ext::fwd")
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+              align_bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
+              dropout_p=0.0, deterministic=False):
+    _check_same_device(q, k, v)
+    batch, seqlen_q, num_heads, _ = q.shape
+    out = q.new_empty((batch, seqlen_q, num_heads, v.shape[-1]))
+    softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=lse_dtype(q.dtype))
+    rng_state = q.new_empty((2,), dtype=torch.int64)
+    return out, softmax_lse, rng_state
+
+
+@torch.library.register_fake("flash_attn_ext::bwd")
+def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, causal=False,
+              window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
+              alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
+              bias_requires_grad=False):
+    _check_same_device(q, k, v)
+    dbias = q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right, softcap,
+     alibi_slopes, attn_bias, dropout_p, deterministic) = inputs
+    out, softmax_lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state, alibi_slopes, attn_bias)
+    ctx.flags = (softmax_scale, causal, window_left, window_right, align_bottom_right, softcap,
+                 dropout_p, deterministic)
+    ctx.bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
+    # The backward below does not propagate gradients that flow into softmax_lse: refuse them
+    # rather than drop them silently.
+    ctx.mark_non_differentiable(softmax_lse, rng_state)
+
+
+def _fwd_backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, softmax_lse, rng_state, alibi_slopes, attn_bias = ctx.saved_tensors
+    (softmax_scale, causal, window_left, window_right, align_bottom_right, softcap, dropout_p,
+     deterministic) = ctx.flags
+    dq, dk, dv, dbias = bwd_op(
+        dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
+        window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
+        deterministic, ctx.bias_requires_grad)
+    return (dq, dk, dv, None, None, None, None, None, None, None,
+            dbias if ctx.bias_requires_grad else None, None, None)
+
+
+def _bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _bwd_backward(ctx, *grads):
+    raise RuntimeError(
+        "flash_attn_ext does not support double backward (a gradient of its gradient, e.g. "
+        "torch.autograd.grad(..., create_graph=True) followed by another backward); use "
+        "torch.nn.functional.scaled_dot_product_attention with the math backend for that")
+
+
+torch.library.register_autograd("flash_attn_ext::fwd", _fwd_backward,
+                                setup_context=_fwd_setup_context)
+torch.library.register_autograd("flash_attn_ext::bwd", _bwd_backward,
+                                setup_context=_bwd_setup_context)
+
+
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,
+        causal: bool = False, window_left: int = -1, window_right: int = -1,
+        align_bottom_right: bool = True, softcap: float = 0.0,
+        alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
+        dropout_p: float = 0.0, deterministic: bool = False):
+    """Calls ``torch.ops.flash_attn_ext.fwd``; returns ``(out, softmax_lse, rng_state)``."""
+    return fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right,
+                  softcap, alibi_slopes, attn_bias, dropout_p, deterministic)
+
+
+def check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+    """Runs the fwd op's argument checks without computing anything (raises on bad input)."""
+    _C.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+
+
+def build_info() -> dict:
+    """How the compiled library was built: version, CUDA on/off and CUDA archs."""
+    return dict(_C.build_info())

@@ -1,0 +1,87 @@
+"""Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` ((B, H, L, E) layout)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .interface import run
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    strict: Optional[bool] = None,
+) -> torch.Tensor:
+    """PyTorch's ``scaled_dot_product_attention``, computed by the flash_attn_ext kernels.
+
+    Same arguments, semantics and result as ``torch.nn.functional.scaled_dot_product_attention``
+    for what it accepts; the inputs are read as strided views (no copies) and computed by the
+    FlashAttention algorithm (arXiv:2205.14135 Algorithm 1, arXiv:2307.08691): exact attention
+    with O(L) memory.
+
+    Args:
+        query: (N, H, L, E) or (N, L, E).
+        key: (N, H_kv, S, E) or (N, S, E).
+        value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
+            case H must be a multiple of H_kv.  E and Ev: 1 to 256.  dtypes as in
+            :func:`flash_attn_ext.flash_attn_func`.
+        attn_mask: must be None for now (masks come with a later release).
+        dropout_p: must be 0.0 for now.
+        is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
+            (rows of query i see keys j <= i; with L > S the last rows see all keys).
+        scale: multiplies q k^T; default 1 / sqrt(E).
+        enable_gqa: allow H_kv < H (grouped-query attention).
+        strict: raise instead of falling back to an unfused path (see
+            :func:`flash_attn_ext.explain`).
+
+    Returns:
+        (N, H, L, Ev) (or (N, L, Ev)) in query's dtype, a transposed view of a (N, L, H, Ev) buffer.
+
+    Raises:
+        ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
+            H != H_kv without enable_gqa), and the errors of flash_attn_func.
+        NotImplementedError: attn_mask given or dropout_p > 0 (not implemented yet).
+        FallbackError: in strict mode, when no fused kernel serves the call.
+    """
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
+                             "torch.nn.functional.scaled_dot_product_attention)")
+        raise NotImplementedError("attn_mask is not implemented yet in flash_attn_ext; pass "
+                                  "attn_mask=None (or is_causal=True for a causal mask)")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
+                                  "flash_attn_ext; pass dropout_p=0.0")
+    q, k, v = to_bshd(query, key, value, enable_gqa)
+    out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
+                 window_right=-1, align_bottom_right=False, softcap=0.0, dropout_p=0.0,
+                 deterministic=False, strict=strict)
+    out = out.transpose(1, 2)
+    return out.squeeze(1) if query.dim() == 3 else out
+
+
+def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):
+    """Validates SDPA-layout tensors and returns (B, L, H, E) views of them (no copies)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must have 3 (N, L, E) or 4 (N, H, L, E) dimensions, got "
+                             f"{name}.dim()={t.dim()} with shape {tuple(t.shape)}")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError("query, key and value must have the same number of dimensions, got "
+                         f"{query.dim()}, {key.dim()} and {value.dim()}")
+    if query.dim() == 3:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    heads, heads_kv = query.shape[1], key.shape[1]
+    if heads != heads_kv and not enable_gqa:
+        raise ValueError(f"query has {heads} heads and key has {heads_kv}: they must be equal "
+                         "unless enable_gqa=True")
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

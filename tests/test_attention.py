@@ -1,0 +1,193 @@
+"""Forward and backward of the fused op against the float64 reference, under the error rule."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flash_attn_ext import flash_attn_func, ops
+from reference import assert_error_rule, attention_ref
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v): odd sizes, L != S both
+# ways, GQA 4:1 and 2:1, MQA, head dims 40/59/72/256 and Ev != E.
+SHAPES = [
+    (1, 1, 1, 1, 1, 40, 40),
+    (2, 17, 113, 4, 1, 59, 59),
+    (1, 113, 17, 4, 2, 72, 40),
+    (2, 64, 64, 2, 2, 32, 48),
+    (1, 130, 600, 4, 4, 256, 256),
+    (1, 600, 130, 8, 2, 16, 16),
+]
+
+# (causal, window_left, window_right, align_bottom_right)
+MASKS = [
+    (False, -1, -1, True),
+    (True, -1, -1, True),
+    (True, -1, -1, False),
+    (False, 8, 3, True),
+    (False, 5, -1, False),
+    (False, -1, 0, False),
+]
+
+
+def run_case(dtype, shape, mask, softcap=0.0, softmax_scale=None):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v = shape
+    causal, wl, wr, br = mask
+    q = torch.randn(batch, seqlen_q, heads, head_dim, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, dtype=dtype, requires_grad=True)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_left=wl, window_right=wr,
+              align_bottom_right=br, softcap=softcap)
+    out, lse, _ = ops.fwd(q, k, v, softmax_scale, causal, wl, wr, br, softcap)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+
+    true_out, true_lse = attention_ref(q, k, v, **kw)
+    true_grads = torch.autograd.grad(true_out, (q, k, v), dout.double())
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
+
+    assert out.shape == (batch, seqlen_q, heads, head_dim_v) and out.dtype == dtype
+    assert lse.shape == (batch, heads, seqlen_q)
+    assert_error_rule(out, low_out, true_out, 2.0, "out")
+    finite = torch.isfinite(true_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[~finite] == float("-inf")).all()
+    lse_tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (lse[finite].double() - true_lse[finite]).abs().max().item() <= lse_tol if finite.any() \
+        else True
+    for name, ours, low, true in zip(("dq", "dk", "dv"), (dq, dk, dv), low_grads, true_grads):
+        assert_error_rule(ours, low, true, 3.0, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_matches_reference(dtype, shape, mask):
+    run_case(dtype, shape, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_1023(dtype, causal):
+    run_case(dtype, (1, 1023, 1023, 2, 1, 64, 64), (causal, -1, -1, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_softcap_and_scale(dtype):
+    run_case(dtype, (2, 33, 47, 2, 1, 24, 24), (True, -1, -1, True), softcap=2.5,
+             softmax_scale=0.7)
+    run_case(dtype, (1, 20, 20, 1, 1, 8, 8), (False, -1, -1, True), softmax_scale=-0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows(dtype):
+    # Bottom-right causal with L > S: the first L - S rows see no key; a top-left window with
+    # L > S empties the rows past the keys; seqlen_k = 0 empties all.
+    for shape, mask in [((2, 10, 4, 2, 1, 16, 16), (True, -1, -1, True)),
+                        ((1, 30, 5, 2, 2, 8, 8), (False, 2, 1, False)),
+                        ((1, 40, 600, 1, 1, 8, 8), (False, 0, 0, True))]:
+        batch, seqlen_q, seqlen_k, heads, heads_kv, d, dv_ = shape
+        q = torch.randn(batch, seqlen_q, heads, d, dtype=dtype, requires_grad=True)
+        k = torch.randn(batch, seqlen_k, heads_kv, d, dtype=dtype, requires_grad=True)
+        v = torch.randn(batch, seqlen_k, heads_kv, dv_, dtype=dtype, requires_grad=True)
+        causal, wl, wr, br = mask
+        out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        for t in (out, lse, dq, dk, dv):
+            assert not torch.isnan(t).any()
+        from reference import visible_mask
+        empty_rows = ~visible_mask(seqlen_q, seqlen_k, causal, wl, wr, br).any(-1)
+        assert empty_rows.any() == (shape[1] > shape[2])
+        assert (out[:, empty_rows] == 0).all()
+        assert (lse[:, :, empty_rows] == float("-inf")).all()
+        assert (dq[:, empty_rows] == 0).all()
+        assert torch.isfinite(lse[:, :, ~empty_rows]).all()
+    q = torch.randn(1, 3, 2, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 0, 2, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 0, 2, 8, dtype=dtype, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, return_softmax_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    dq, = torch.autograd.grad(out.sum(), (q,))
+    assert (dq == 0).all()
+
+
+def test_strided_inputs_need_no_copy_and_match():
+    # Packed qkv (B, L, 3, H, D): q/k/v are strided views; also an SDPA-style transposed view and a
+    # last-dim-strided tensor (copied internally).
+    qkv = torch.randn(2, 37, 3, 4, 32, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert_error_rule(out, attention_ref(q, k, v, causal=True, compute_dtype=torch.float32)[0],
+                      ref, 2.0, "packed qkv out")
+    (g,) = torch.autograd.grad(out.sum(), (qkv,))
+    (g_ref,) = torch.autograd.grad(ref.sum(), (qkv,))
+    assert (g.double() - g_ref).abs().max() < 1e-4
+    base = torch.randn(2, 4, 29, 64)[..., ::2]  # last dim stride 2
+    qt = base.transpose(1, 2)
+    out2 = flash_attn_func(qt, qt, qt)
+    ref2, _ = attention_ref(qt, qt, qt)
+    assert (out2.double() - ref2).abs().max() < 1e-5
+
+
+def test_gqa_does_not_copy_kv_and_matches_repeat():
+    q = torch.randn(1, 19, 8, 16)
+    k = torch.randn(1, 23, 2, 16)
+    v = torch.randn(1, 23, 2, 16)
+    out = flash_attn_func(q, k, v)
+    out_rep = flash_attn_func(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2))
+    assert torch.allclose(out, out_rep, atol=1e-6, rtol=0)
+
+
+def test_gradcheck_float64():
+    for causal, window, (lq, lk) in itertools.product([False, True], [(-1, -1), (2, 1)],
+                                                      [(5, 7), (6, 3)]):
+        q = torch.randn(1, lq, 2, 4, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, lk, 1, 4, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, lk, 1, 3, dtype=torch.float64, requires_grad=True)
+
+        def f(q, k, v, causal=causal, window=window):
+            return flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=0.0)
+
+        assert torch.autograd.gradcheck(f, (q, k, v))
+
+    q = torch.randn(1, 4, 1, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q: flash_attn_func(q, q, q, softcap=1.5), (q,))
+
+
+def test_empty_batch_and_sequences():
+    for bq, lq, lk in [(0, 5, 5), (2, 0, 5), (2, 5, 0), (2, 0, 0)]:
+        q = torch.randn(bq, lq, 2, 8, requires_grad=True)
+        k = torch.randn(bq, lk, 2, 8, requires_grad=True)
+        v = torch.randn(bq, lk, 2, 8, requires_grad=True)
+        out, lse = flash_attn_func(q, k, v, return_softmax_lse=True)
+        assert out.shape == (bq, lq, 2, 8) and lse.shape == (bq, 2, lq)
+        assert not torch.isnan(out).any()
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+        for g, t in ((dq, q), (dk, k), (dv, v)):
+            assert g.shape == t.shape and (g == 0).all()
+
+
+def test_lse_is_logsumexp_of_scaled_scores():
+    q, k, v = torch.randn(1, 9, 1, 8), torch.randn(1, 11, 1, 8), torch.randn(1, 11, 1, 8)
+    _, lse = flash_attn_func(q, k, v, softmax_scale=0.5, return_softmax_lse=True)
+    expected = torch.logsumexp(torch.einsum("bld,bsd->bls", q[:, :, 0], k[:, :, 0]) * 0.5, -1)
+    assert torch.allclose(lse[:, 0], expected, atol=1e-5)
+
+
+def test_nan_input_propagates():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    q[0, 2, 0, 3] = float("nan")
+    out = flash_attn_func(q, k, v)
+    assert torch.isnan(out[0, 2]).all() and not torch.isnan(out[0, [0, 1, 3]]).any()
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = torch.randn(1, 5, 1, 10), torch.randn(1, 5, 1, 10), torch.randn(1, 5, 1, 10)
+    a = flash_attn_func(q, k, v)
+    b = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(10))
+    assert torch.equal(a, b)

@@ -1,0 +1,120 @@
+"""The op layer: pinned schemas, opcheck, autograd registration, torch.compile, double backward."""
+
+import itertools
+
+import pytest
+import torch
+
+import flash_attn_ext
+from flash_attn_ext import flash_attn_func, ops, scaled_dot_product_attention
+
+EXPECTED_SCHEMAS = {
+    "fwd": (
+        "flash_attn_ext::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
+        "bool causal=False, int window_left=-1, int window_right=-1, "
+        "bool align_bottom_right=True, float softcap=0., Tensor? alibi_slopes=None, "
+        "Tensor? attn_bias=None, float dropout_p=0., bool deterministic=False) "
+        "-> (Tensor out, Tensor softmax_lse, Tensor rng_state)"),
+    "bwd": (
+        "flash_attn_ext::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor softmax_lse, Tensor rng_state, float? softmax_scale=None, bool causal=False, "
+        "int window_left=-1, int window_right=-1, bool align_bottom_right=True, "
+        "float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_bias=None, "
+        "float dropout_p=0., bool deterministic=False, bool bias_requires_grad=False) "
+        "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SCHEMAS))
+def test_schema_is_pinned(name):
+    # Schema evolution adds arguments at the end with defaults; change this test only that way.
+    assert str(getattr(torch.ops.flash_attn_ext, name).default._schema) == EXPECTED_SCHEMAS[name]
+
+
+FLAG_GRID = list(itertools.product(
+    [False, True],                      # causal
+    [(-1, -1), (3, 2)],                 # window
+    [True, False],                      # align_bottom_right
+    [0.0, 3.0],                         # softcap
+))
+
+
+@pytest.mark.parametrize("causal,window,br,softcap", FLAG_GRID)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_fwd(causal, window, br, softcap, dtype):
+    q = torch.randn(2, 9, 4, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 13, 2, 8, dtype=dtype, requires_grad=True)
+    args = (q, k, v, None, causal, window[0], window[1], br, softcap, None, None, 0.0, False)
+    torch.library.opcheck(ops.fwd_op, args)
+
+
+@pytest.mark.parametrize("causal,window,br,softcap", FLAG_GRID[::3])
+def test_opcheck_bwd(causal, window, br, softcap):
+    q, k, v = torch.randn(1, 7, 2, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 4)
+    out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap)
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, rng, None, causal, window[0], window[1], br, softcap, None,
+            None, 0.0, False, False)
+    torch.library.opcheck(ops.bwd_op, args)
+
+
+def test_double_backward_raises_clearly():
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64, requires_grad=True)
+    out = flash_attn_func(q, q, q)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
+def test_lse_is_not_differentiable():
+    q = torch.randn(1, 4, 1, 8, requires_grad=True)
+    out, lse = flash_attn_func(q, q, q, return_softmax_lse=True)
+    assert not lse.requires_grad and out.requires_grad
+
+
+def _train_step(fn, q, k, v):
+    out = fn(q, k, v)
+    loss = (out.float() ** 2).sum()
+    loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_forward_and_backward(backend):
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        a = flash_attn_func(q, k, v, causal=True)
+        b = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True)
+        return a + b.transpose(1, 2)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    inputs = [torch.randn(2, 33, h, 16, requires_grad=True) for h in (4, 2, 2)]
+    inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
+    out = _train_step(compiled, *inputs)
+    out_ref = _train_step(fn, *inputs_ref)
+    assert torch.allclose(out, out_ref, atol=1e-5)
+    for a, b in zip(inputs, inputs_ref):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4)
+
+
+def test_compile_dynamic_shapes_no_graph_break():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    compiled = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True), fullgraph=True,
+                             backend="aot_eager", dynamic=True)
+    for seqlen in (8, 13, 21):
+        q = torch.randn(1, seqlen, 2, 8, requires_grad=True)
+        out = compiled(q)
+        out.sum().backward()
+        assert out.shape == q.shape
+    assert not counters["graph_break"]
+
+
+def test_build_info_and_version():
+    info = ops.build_info()
+    assert info["version"] == flash_attn_ext.__version__
+    assert info["cpu"] is True and isinstance(info["cuda"], bool)

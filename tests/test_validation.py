@@ -1,0 +1,110 @@
+"""Bad input gets a clear error naming the argument, its value and the rule."""
+
+import pytest
+import torch
+
+from flash_attn_ext import flash_attn_func, ops, scaled_dot_product_attention
+
+
+def qkv(b=1, lq=4, lk=4, h=2, hk=2, d=8, dv=8, dtype=torch.float32):
+    return (torch.randn(b, lq, h, d, dtype=dtype), torch.randn(b, lk, hk, d, dtype=dtype),
+            torch.randn(b, lk, hk, dv, dtype=dtype))
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions.*q.dim\(\)=3"):
+        flash_attn_func(q[0], k, v)
+    with pytest.raises(ValueError, match=r"k must have 4 dimensions.*k.dim\(\)=5"):
+        flash_attn_func(q, k[None], v)
+    with pytest.raises(ValueError, match=r"v must have 4 dimensions"):
+        flash_attn_func(q, k, v[0])
+
+
+def test_mismatched_batch_heads_seqlen_head_dim():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"same batch size.*q.size\(0\)=1.*k.size\(0\)=2"):
+        flash_attn_func(q, k.expand(2, -1, -1, -1), v)
+    with pytest.raises(ValueError, match=r"same seqlen_k.*k.size\(1\)=4, v.size\(1\)=5"):
+        flash_attn_func(q, k, torch.randn(1, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"same number of heads.*k.size\(2\)=2, v.size\(2\)=1"):
+        flash_attn_func(q, k, torch.randn(1, 4, 1, 8))
+    with pytest.raises(ValueError, match=r"k.size\(3\) \(head_dim\) must equal q.size\(3\)=8"):
+        flash_attn_func(q, torch.randn(1, 4, 2, 16), v)
+
+
+def test_head_dim_limits():
+    with pytest.raises(ValueError, match=r"head_dim must be between 1 and 256, got q.size\(3\)=257"):
+        flash_attn_func(*qkv(d=257))
+    with pytest.raises(ValueError, match=r"head_dim must be between 1 and 256, got q.size\(3\)=0"):
+        flash_attn_func(*qkv(d=0))
+    with pytest.raises(ValueError, match=r"head_dim_v must be between 1 and 256.*=300"):
+        flash_attn_func(*qkv(dv=300))
+
+
+def test_heads_not_multiple():
+    with pytest.raises(ValueError, match=r"multiple of the number of key/value heads.*q.size\(2\)=3"
+                                         r" and num_heads_k k.size\(2\)=2"):
+        flash_attn_func(*qkv(h=3, hk=2))
+
+
+def test_dtype_and_device_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"same dtype.*q.dtype=Float.*k.dtype=Double"):
+        flash_attn_func(q, k.double(), v)
+    with pytest.raises(ValueError, match=r"q.dtype=Int is not supported"):
+        flash_attn_func(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match=r"same device.*k.device=meta"):
+        flash_attn_func(q, k.to("meta"), v)
+
+
+def test_window_scale_softcap_dropout():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"window_left must be >= -1.*got -2"):
+        flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match=r"window_right must be >= -1.*got -5"):
+        flash_attn_func(q, k, v, window_size=(0, -5))
+    with pytest.raises(ValueError, match=r"window_size must be a pair"):
+        flash_attn_func(q, k, v, window_size=(1, 2, 3))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"softmax_scale must be finite, got"):
+            flash_attn_func(q, k, v, softmax_scale=bad)
+    with pytest.raises(ValueError, match=r"softcap must be finite and >= 0.*got -1"):
+        flash_attn_func(q, k, v, softcap=-1.0)
+    with pytest.raises(NotImplementedError, match=r"dropout_p=0.1"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match=r"alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+
+
+def test_op_level_checks():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1"):
+        ops.fwd(q, k, v, dropout_p=1.0)
+    with pytest.raises(NotImplementedError, match="dropout_p > 0"):
+        ops.fwd(q, k, v, dropout_p=0.5)
+    with pytest.raises(NotImplementedError, match="attn_bias"):
+        ops.fwd(q, k, v, attn_bias=torch.zeros(4, 4))
+    out, lse, rng = ops.fwd(q, k, v)
+    args = (q, k, v, out, lse, rng)
+    with pytest.raises(ValueError, match=r"dout must have shape \[1, 4, 2, 8\], got \[1, 4, 2, 7\]"):
+        ops.bwd_op(torch.randn(1, 4, 2, 7), *args)
+    with pytest.raises(ValueError, match=r"softmax_lse must have shape \[1, 2, 4\]"):
+        ops.bwd_op(torch.randn_like(out), q, k, v, out, lse[:, :1], rng)
+    with pytest.raises(ValueError, match=r"softmax_lse must have dtype Float"):
+        ops.bwd_op(torch.randn_like(out), q, k, v, out, lse.double(), rng)
+
+
+def test_sdpa_argument_errors():
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool),
+                                     is_causal=True)
+    with pytest.raises(NotImplementedError, match=r"dropout_p=0.2"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+    with pytest.raises(ValueError, match=r"query must have 3 .* or 4 .* got query.dim\(\)=2"):
+        scaled_dot_product_attention(q[0, 0], k, v)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv(h=4, hk=2)))
