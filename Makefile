@@ -1,0 +1,45 @@
+# One entry point for the common jobs.  Each target does its own set-up and skips what is
+# already there, so they work on a fresh machine and offline where the dependencies exist.
+#
+#   make test     build the extension in place and run the test suite (what CI runs)
+#   make train    run the main job: examples/train_gpt.py (ours vs PyTorch's attention)
+#   make bench    CPU benchmark (benchmarks/bench_cpu.py)
+#   make info     python -m flash_attn_ext info
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.deps-installed
+
+.PHONY: setup build test train bench info clean
+
+# A venv that sees the system's packages: a torch that is already installed is reused.
+$(PY):
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+$(STAMP): requirements-dev.txt | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+# Incremental: ninja recompiles only what changed.
+build: setup
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(PY) -m pytest tests -q
+
+train: build
+	$(PY) examples/train_gpt.py $(ARGS)
+
+bench: build
+	$(PY) benchmarks/bench_cpu.py $(ARGS)
+
+info: build
+	$(PY) -m flash_attn_ext info
+
+clean:
+	rm -rf build flash_attn_ext/*.so *.egg-info

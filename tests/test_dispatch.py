@@ -1,0 +1,107 @@
+"""explain(), strict mode, warn-once and counters (the no-silent-fallback rule)."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import flash_attn_ext
+from flash_attn_ext import FallbackError, dispatch, explain, flash_attn_func
+from reference import attention_ref
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    dispatch.reset_fallback_counts()
+    dispatch.set_strict(None)
+    yield
+    dispatch.reset_fallback_counts()
+    dispatch.set_strict(None)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                        (torch.float16, "fp16"), (torch.float64, "fp64")])
+def test_cpu_calls_are_fused(dtype, name):
+    q = torch.randn(1, 2, 5, 8, dtype=dtype)
+    p = explain(q, q, q)
+    assert p.fused and p.kernel == f"cpu_flash_fwd_{name}" and p.reasons == ()
+    assert p.backward_kernel == f"cpu_flash_bwd_{name}"
+    flash_attn_ext.scaled_dot_product_attention(q, q, q)
+    assert flash_attn_ext.last_plan() == p
+    assert flash_attn_ext.fallback_counts() == {}
+
+
+def test_explain_layouts_and_errors():
+    q = torch.randn(1, 5, 2, 8)
+    assert explain(q, q, q, layout="blhd").fused
+    with pytest.raises(ValueError, match="layout"):
+        explain(q, q, q, layout="xyz")
+
+
+def test_fallback_reasons_warn_once_count_and_strict():
+    q = torch.empty(1, 4, 2, 8, device="meta")
+    p = dispatch.plan(q, q, q)
+    assert not p.fused and p.kernel == dispatch.FALLBACK
+    assert any("'meta'" in r for r in p.reasons)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch.record(p, strict=False)
+        dispatch.record(p, strict=False)
+    assert len([w for w in caught if "falling back" in str(w.message)]) == 1
+    assert sum(flash_attn_ext.fallback_counts().values()) == 2
+    with pytest.raises(FallbackError, match="strict mode.*'meta'"):
+        dispatch.record(p, strict=True)
+    dispatch.set_strict(True)
+    with pytest.raises(FallbackError):
+        dispatch.record(p, strict=None)
+    dispatch.record(p, strict=False)  # the call's own argument wins
+
+
+def test_strict_env_variable():
+    code = ("import torch, flash_attn_ext as f; from flash_attn_ext import dispatch;"
+            "q = torch.empty(1, 4, 2, 8, device='meta');"
+            "dispatch.record(dispatch.plan(q, q, q), None)")
+    env = {"FLASH_ATTN_EXT_STRICT": "1", "PATH": ""}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, **_pythonpath()},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "FallbackError" in r.stderr
+
+
+def _pythonpath():
+    import os
+    return {"PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_cuda_without_kernels_is_reported():
+    if flash_attn_ext.ops.build_info()["cuda"]:
+        pytest.skip("this build has CUDA kernels")
+    # Plan a CUDA call without a GPU: fake a CUDA tensor through the meta device's plan path.
+    q = torch.empty(1, 4, 2, 8, device="meta", dtype=torch.float32)
+    assert "no flash_attn_ext kernel" in str(dispatch.plan(q, q, q))
+
+
+@pytest.mark.parametrize("causal,window,br", [(False, (-1, -1), True), (True, (-1, -1), True),
+                                              (True, (-1, -1), False), (False, (3, 1), True)])
+def test_fallback_path_is_correct(causal, window, br):
+    q, k, v = torch.randn(2, 13, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 6)
+    out, lse = dispatch.fallback_attention(q, k, v, None, window[0], 0 if causal else window[1],
+                                           br, 0.0)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_left=window[0],
+                                 window_right=window[1], align_bottom_right=br)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+
+
+def test_info_cli_runs():
+    r = subprocess.run([sys.executable, "-m", "flash_attn_ext", "info"], capture_output=True,
+                       text=True, env=_pythonpath() | {"PATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert "flash_attn_ext " + flash_attn_ext.__version__ in r.stdout
+    assert "cpu   float32   d=64   cpu_flash_fwd_fp32" in r.stdout
+
+
+def test_flash_attn_func_strict_does_not_raise_on_cpu():
+    q = torch.randn(1, 3, 1, 4)
+    flash_attn_func(q, q, q, strict=True)

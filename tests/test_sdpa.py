@@ -1,0 +1,68 @@
+"""The SDPA drop-in against PyTorch's own scaled_dot_product_attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_attn_ext import scaled_dot_product_attention
+from reference import assert_error_rule
+
+
+def torch_sdpa(*args, **kwargs):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [
+    ((2, 4, 17, 32), (2, 4, 113, 32), (2, 4, 113, 40)),   # L < S, Ev != E
+    ((1, 8, 113, 64), (1, 2, 17, 64), (1, 2, 17, 64)),    # L > S, GQA 4:1
+    ((3, 1, 1, 16), (3, 1, 1, 16), (3, 1, 1, 16)),        # seqlen 1
+    ((2, 33, 24), (2, 45, 24), (2, 45, 24)),              # 3-D (N, L, E)
+], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_matches_torch_sdpa(dtype, shape, is_causal):
+    (qs, ks, vs) = shape
+    gqa = len(qs) == 4 and qs[1] != ks[1]
+    query, key, value = (torch.randn(s, dtype=dtype, requires_grad=True) for s in shape)
+    scale = 0.3 if dtype == torch.float64 else None
+    out = scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
+                                       enable_gqa=gqa)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value), dout)
+
+    def torch_version(compute_dtype):
+        # Leaves in compute_dtype, so float64 gradients are not rounded back to the input dtype.
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (query, key, value)]
+        o = torch_sdpa(*leaves, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        # PyTorch gives NaN for rows that see no key; DESIGN.md section 2 says 0.
+        o = o.nan_to_num(0.0)
+        return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
+
+    true, true_g = torch_version(torch.float64)
+    low, low_g = torch_version(dtype)
+    assert out.shape == true.shape and out.dtype == dtype
+    assert_error_rule(out, low, true, 2.0, "out")
+    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, name)
+
+
+def test_top_left_causal_alignment_with_l_not_s():
+    # is_causal=True is torch.tril(ones(L, S)): with L < S, query i sees keys 0..i only.
+    query = torch.randn(1, 1, 3, 8)
+    key = torch.randn(1, 1, 6, 8)
+    value = torch.randn(1, 1, 6, 8)
+    out = scaled_dot_product_attention(query, key, value, is_causal=True)
+    mask = torch.tril(torch.ones(3, 6, dtype=torch.bool))
+    ref = torch_sdpa(query, key, value, attn_mask=mask)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_sdpa_reads_views_without_copy():
+    # A (B, L, 3, H, E) projection viewed as (B, H, L, E), the usual transformer layout.
+    qkv = torch.randn(2, 21, 3, 4, 16)
+    query, key, value = (t.transpose(1, 2) for t in qkv.unbind(2))
+    out = scaled_dot_product_attention(query, key, value, is_causal=True)
+    ref = torch_sdpa(query, key, value, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-6)
