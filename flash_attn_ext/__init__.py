@@ -11,14 +11,18 @@ Ops: torch.ops.flash_attn_ext.fwd / bwd (see flash_attn_ext.ops).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import ops
 from ._version import __version__
-from .dispatch import (FallbackError, Plan, fallback_counts, last_plan, reset_fallback_counts,
-                       set_strict)
+from .dispatch import (
+    FallbackError,
+    Plan,
+    fallback_counts,
+    last_plan,
+    reset_fallback_counts,
+    set_strict,
+)
 from .interface import flash_attn_func
 from .sdpa import scaled_dot_product_attention, to_bshd
 

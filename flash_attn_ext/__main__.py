@@ -1,4 +1,4 @@
-"""``python -m flash_attn_ext info``: the build, the device, and which kernel serves common calls."""
+"""``python -m flash_attn_ext info``: the build, the device, and the kernel of common calls."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library: registers the ops and their kernels)
+from . import _C
 
 fwd_op = torch.ops.flash_attn_ext.fwd.default
 bwd_op = torch.ops.flash_attn_ext.bwd.default

@@ -34,7 +34,7 @@ def test_mismatched_batch_heads_seqlen_head_dim():
 
 
 def test_head_dim_limits():
-    with pytest.raises(ValueError, match=r"head_dim must be between 1 and 256, got q.size\(3\)=257"):
+    with pytest.raises(ValueError, match=r"head_dim must be between 1 and 256, got q.*=257"):
         flash_attn_func(*qkv(d=257))
     with pytest.raises(ValueError, match=r"head_dim must be between 1 and 256, got q.size\(3\)=0"):
         flash_attn_func(*qkv(d=0))
@@ -87,7 +87,7 @@ def test_op_level_checks():
         ops.fwd(q, k, v, attn_bias=torch.zeros(4, 4))
     out, lse, rng = ops.fwd(q, k, v)
     args = (q, k, v, out, lse, rng)
-    with pytest.raises(ValueError, match=r"dout must have shape \[1, 4, 2, 8\], got \[1, 4, 2, 7\]"):
+    with pytest.raises(ValueError, match=r"dout must have shape \[1, 4, 2, 8\], got \[1, 4, 2, 7"):
         ops.bwd_op(torch.randn(1, 4, 2, 7), *args)
     with pytest.raises(ValueError, match=r"softmax_lse must have shape \[1, 2, 4\]"):
         ops.bwd_op(torch.randn_like(out), q, k, v, out, lse[:, :1], rng)
