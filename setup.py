@@ -15,6 +15,7 @@ build.  Install with ``pip install --no-build-isolation .`` (torch must already 
 import glob
 import os
 import re
+import sys
 
 from setuptools import setup
 
@@ -69,12 +70,19 @@ def make_extension():
     if with_cuda:
         defines += ["-DFLASH_ATTN_EXT_WITH_CUDA", f'-DFLASH_ATTN_EXT_CUDA_ARCHS="{archs}"']
     cxx_flags = ["-O3", "-fopenmp-simd", *defines]
+    link_flags = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is a header template that is parallel only where the including file is
+        # compiled with OpenMP; torch ships libgomp.so.1 and the loader reuses that copy.
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda:
         return cpp_extension.CUDAExtension(
             "flash_attn_ext._C",
             cpp_sources + cuda_sources,
             include_dirs=include_dirs,
+            extra_link_args=link_flags,
             extra_compile_args={
                 "cxx": cxx_flags,
                 "nvcc": ["-O3", "--use_fast_math", *defines],
@@ -82,7 +90,7 @@ def make_extension():
         )
     return cpp_extension.CppExtension(
         "flash_attn_ext._C", cpp_sources, include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx_flags},
+        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
     )
 
 

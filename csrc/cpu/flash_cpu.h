@@ -11,7 +11,7 @@ namespace flash_attn_ext::cpu {
 
 // Query rows per task and key rows per tile.  A (kBlockQ x kBlockK) float32 score tile is 128 KiB:
 // it stays in L2 while the key tile is large enough for BLAS to run near peak.
-constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 512;
 
 // S = softcap * tanh(S / softcap) (Gemma-2 style logit soft-capping).
