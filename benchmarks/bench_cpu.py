@@ -24,23 +24,35 @@ warm-up is for one-time costs such as thread-pool start and first-touch of code,
 depend on L, and a full-size warm-up of the slow configs would take minutes), then reps until
 ``--budget`` seconds have been spent, at least ``--min-reps`` and at most ``--max-reps``. Reps of
 ours and torch are interleaved (ABBA order) so drift affects both alike. The median is reported.
-Threads: torch's default (``torch.get_num_threads()``, recorded); both sides use ATen's pool.
+Threads: torch's default unless ``--threads`` (``torch.get_num_threads()`` and the OMP_/MKL_
+environment are recorded); both sides use ATen's pool.
+
+Wall time is only meaningful on otherwise idle CPUs. Before each config the busy fraction of the
+CPUs is sampled from ``/proc/stat`` (``cpu_busy_before``; ``--wait-idle`` waits for it to drop),
+a warning is printed when other processes are using them, and rows where that or a low CPU
+utilisation shows that other processes took CPU time are marked ``[contended]``. Per rep the
+process CPU time is also recorded (``*_cpu_ms_per_thread`` = median CPU time / threads, less
+sensitive to other processes
+than wall time, and ``*_cpu_util`` = CPU time / (wall time * threads), near 1 when uncontended).
 
 FLOPs are counted the FlashAttention way: forward 4*B*H*L*S*d, halved when causal; backward is 2.5x
 the forward, so fwd+bwd is 3.5x the forward. GFLOP/s = FLOPs / median time.
 
 Memory
 ------
-Peak extra memory of one call = the process's peak resident set size during the call (``VmHWM``,
-reset just before it by writing 5 to ``/proc/self/clear_refs``) minus the resident set size just
-before it (``VmRSS``). It includes everything the call allocates and keeps or frees: the output,
-the gradients dq, dk, dv (fwd+bwd), saved statistics and scratch. ``outputs_mib`` in the JSON is
-the size of those unavoidable results (out, plus dq, dk, dv for fwd+bwd) for comparison. So that
-freed memory leaves the resident set (and a later call's peak is not hidden in memory glibc kept
-from an earlier one), the process fixes glibc's mmap threshold at 128 KiB with ``mallopt`` (this
-also turns off its dynamic threshold); ``--no-mallopt`` leaves malloc alone. The reported value is
-the largest over a config's reps. The growth with L is summarised as the exponent of a log-log
-fit of peak vs L (about 1 for O(L) memory, about 2 for O(L^2)).
+Measured apart from the timing, in a fresh subprocess per L (``--mem-worker``), so that the
+allocator setting it needs does not change the timed runs. Peak extra memory of one call = the
+process's peak resident set size during the call (``VmHWM``, reset just before it by writing 5 to
+``/proc/self/clear_refs``) minus the resident set size just before it (``VmRSS``). It includes
+everything the call allocates, kept or freed: the output, the gradients dq, dk, dv (fwd+bwd), saved
+statistics and scratch; ``outputs_mib`` in the JSON is the size of those unavoidable results (out,
+plus dq, dk, dv for fwd+bwd) for comparison. So that freed memory leaves the resident set (and a
+call's peak is not hidden in memory glibc kept from an earlier call), the subprocess fixes glibc's
+mmap threshold at 128 KiB with ``mallopt`` (which also turns off its dynamic threshold); that
+costs page faults (about 10% on torch's time at L=1024), which is why the timing runs elsewhere.
+Each impl / pass / causal gets the same warm-up as in the timing, then one measured call. The
+growth with L is summarised as the exponent of a log-log fit of peak vs L (about 1 for O(L)
+memory, about 2 for O(L^2)). ``--no-mem`` skips it.
 
 Output: a table on stdout, and JSON (metadata and every row) in
 ``benchmarks/results/cpu_<yyyymmdd>_<shortcommit>.json`` unless ``--out`` is given.
@@ -54,6 +66,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import gc
 import json
 import math
 import os
@@ -223,24 +236,24 @@ def attention_flops(seqlen: int, causal: bool, pass_: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# One config: warm-up, interleaved timed reps, peak memory, and a correctness check.
+# One config: warm-up, interleaved timed reps, and a correctness check.
 # ---------------------------------------------------------------------------------------------
+
+
+def warm_up(attn: Attn, seqlen: int, causal: bool, pass_: str, n: int, seed: int) -> None:
+    """``n`` untimed runs, at L = min(seqlen, 1024) (one-time costs do not depend on L)."""
+    warm_inputs = make_inputs(min(seqlen, 1024), pass_ == "fwd+bwd", seed)
+    for _ in range(n):
+        run_step(attn, pass_, warm_inputs, causal)
 
 
 def bench_config(attns: dict[str, Attn], seqlen: int, causal: bool, pass_: str,
                  args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    requires_grad = pass_ == "fwd+bwd"
-    warm_len = min(seqlen, 1024)
-    warm_inputs = make_inputs(warm_len, requires_grad, seed + 1)
     for impl in IMPLS:
-        for _ in range(args.warmup):
-            run_step(attns[impl], pass_, warm_inputs, causal)
-    del warm_inputs
-
-    inputs = make_inputs(seqlen, requires_grad, seed)
+        warm_up(attns[impl], seqlen, causal, pass_, args.warmup, seed + 1)
+    inputs = make_inputs(seqlen, pass_ == "fwd+bwd", seed)
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    peaks: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    cpu_util: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    cpu_times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     results: dict[str, list[torch.Tensor]] = {}
     target_reps = args.max_reps
     rep = 0
@@ -248,13 +261,11 @@ def bench_config(attns: dict[str, Attn], seqlen: int, causal: bool, pass_: str,
         order = IMPLS if rep % 2 == 0 else IMPLS[::-1]
         for impl in order:
             clear_grads(inputs)
-            with peak_rss() as mem:
-                c0, t0 = time.process_time(), time.perf_counter()
-                produced = run_step(attns[impl], pass_, inputs, causal)
-                elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+            c0, t0 = time.process_time(), time.perf_counter()
+            produced = run_step(attns[impl], pass_, inputs, causal)
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
             times[impl].append(elapsed)
-            cpu_util[impl].append(cpu / (elapsed * torch.get_num_threads()))
-            peaks[impl].extend(mem)
+            cpu_times[impl].append(cpu)
             if rep == 0:
                 results[impl] = [t.detach().clone() for t in produced]
             del produced
@@ -278,11 +289,61 @@ def bench_config(attns: dict[str, Attn], seqlen: int, causal: bool, pass_: str,
         row[f"{impl}_ms"] = med * 1e3
         row[f"{impl}_ms_min"] = min(times[impl]) * 1e3
         row[f"{impl}_ms_all"] = [t * 1e3 for t in times[impl]]
-        row[f"{impl}_cpu_util"] = statistics.median(cpu_util[impl])
+        cpu_med = statistics.median(cpu_times[impl])
+        row[f"{impl}_cpu_ms_per_thread"] = cpu_med * 1e3 / torch.get_num_threads()
+        row[f"{impl}_cpu_util"] = cpu_med / (med * torch.get_num_threads())
         row[f"{impl}_gflops"] = flops / med / 1e9
-        row[f"{impl}_peak_mib"] = max(peaks[impl]) if peaks[impl] else None
     row["ratio"] = row["torch_ms"] / row["ours_ms"]
     return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory, in a subprocess per L.
+# ---------------------------------------------------------------------------------------------
+
+
+def memory_worker(args: argparse.Namespace) -> int:
+    """Prints one JSON line per (impl, pass, causal) at L = args.seqlens[0]: the peak extra MiB."""
+    fixed = fix_malloc_mmap_threshold()
+    fa = import_ext()
+    seqlen = args.seqlens[0]
+    for causal in (False, True):
+        for j, pass_ in enumerate(PASSES):
+            seed = args.seed + 10 * int(causal) + j
+            inputs = make_inputs(seqlen, pass_ == "fwd+bwd", seed)
+            for impl in IMPLS:
+                attn = make_attn(impl, fa)
+                warm_up(attn, seqlen, causal, pass_, args.warmup, seed + 1)
+                clear_grads(inputs)
+                gc.collect()
+                with peak_rss() as mem:
+                    produced = run_step(attn, pass_, inputs, causal)
+                del produced
+                clear_grads(inputs)
+                print(json.dumps({"impl": impl, "pass": pass_, "causal": causal,
+                                  "peak_mib": mem[0] if mem else None,
+                                  "malloc_fixed": fixed}), flush=True)
+    return 0
+
+
+def measure_memory(seqlen: int, args: argparse.Namespace) -> dict[tuple[str, str, bool], Any]:
+    """Runs :func:`memory_worker` for one L in a fresh interpreter; {(impl, pass, causal): MiB}."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--mem-worker", "--seqlens",
+           str(seqlen), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        print(f"# memory worker failed at L={seqlen}: {proc.stderr.strip()[-500:]}", flush=True)
+        return {}
+    result: dict[tuple[str, str, bool], Any] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            result[(rec["impl"], rec["pass"], rec["causal"])] = rec
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +409,7 @@ def backends(fa: ModuleType, attns: dict[str, Attn]) -> dict[str, Any]:
     return info
 
 
-def metadata(fa: ModuleType, attns: dict[str, Attn], args: argparse.Namespace,
-             malloc_fixed: bool) -> dict[str, Any]:
+def metadata(fa: ModuleType, attns: dict[str, Attn], args: argparse.Namespace) -> dict[str, Any]:
     parallel = torch.__config__.parallel_info()
     m = re.search(r"ATen parallel backend: (.+)", parallel)
     return {
@@ -364,6 +424,8 @@ def metadata(fa: ModuleType, attns: dict[str, Attn], args: argparse.Namespace,
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "aten_parallel_backend": m.group(1).strip() if m else None,
+        "thread_env": {k: v for k, v in os.environ.items()
+                       if k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))},
         "flash_attn_ext_version": getattr(fa, "__version__", None),
         "git_commit": git_commit(),
         "dtype": str(DTYPE).replace("torch.", ""),
@@ -374,8 +436,10 @@ def metadata(fa: ModuleType, attns: dict[str, Attn], args: argparse.Namespace,
                    "warmup": args.warmup, "warmup_len": "L if L <= 1024 else 1024",
                    "budget_s": args.budget, "min_reps": args.min_reps,
                    "max_reps": args.max_reps, "order": "ours/torch interleaved, ABBA"},
-        "memory": {"method": "VmHWM after clear_refs=5 minus VmRSS before, max over reps",
-                   "malloc_mmap_threshold_fixed": malloc_fixed},
+        "memory": None if args.no_mem else {
+            "method": "subprocess per L; VmHWM after clear_refs=5 minus VmRSS before one call",
+            "malloc": f"mallopt M_MMAP_THRESHOLD = M_TRIM_THRESHOLD = {MMAP_THRESHOLD}",
+            "warmup": "same as timing"},
         "backends": backends(fa, attns),
     }
 
@@ -393,6 +457,8 @@ def fmt_row(r: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.1f}"
     peak = f"{mib(r['ours_peak_mib'])} / {mib(r['torch_peak_mib'])}"
     flag = "  <0.8x" if r["ratio"] < 0.8 else ""
+    if r.get("contended"):
+        flag += "  [contended]"
     return (f"{r['L']:>5} {r['causal']!s:>6} {r['pass']:>7} {r['ours_ms']:>10.2f} "
             f"{r['torch_ms']:>10.2f} {r['ratio']:>6.2f} {r['ours_gflops']:>9.1f} "
             f"{r['torch_gflops']:>10.1f} {peak:>20}{flag}")
@@ -433,9 +499,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed seconds per impl and config (slower impl sets the rep count)")
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=20)
-    p.add_argument("--no-mallopt", action="store_true",
-                   help="leave glibc's malloc thresholds alone (peak memory less reliable)")
+    p.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--mem-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each config, wait up to this long for the CPUs to be idle")
     args = p.parse_args(argv)
@@ -448,10 +515,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    malloc_fixed = False if args.no_mallopt else fix_malloc_mmap_threshold()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.mem_worker:
+        return memory_worker(args)
     fa = import_ext()
     attns = {impl: make_attn(impl, fa) for impl in IMPLS}
-    meta = metadata(fa, attns, args, malloc_fixed)
+    meta = metadata(fa, attns, args)
     b = meta["backends"]
     print(f"# {meta['cpu_model']}, {meta['cpu_count']} cores, torch {meta['torch_version']}, "
           f"{meta['torch_num_threads']} threads ({meta['aten_parallel_backend']}), "
@@ -466,12 +536,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for i, seqlen in enumerate(args.seqlens):
+        mem = {} if args.no_mem else measure_memory(seqlen, args)
         for causal in (False, True):
             for j, pass_ in enumerate(PASSES):
                 seed = args.seed + 1000 * i + 10 * int(causal) + j
                 busy = wait_for_idle(args.wait_idle)
                 row = bench_config(attns, seqlen, causal, pass_, args, seed)
                 row["cpu_busy_before"] = busy
+                for impl in IMPLS:
+                    rec = mem.get((impl, pass_, causal))
+                    row[f"{impl}_peak_mib"] = rec["peak_mib"] if rec else None
+                row["contended"] = bool(busy > 0.15 or min(row["ours_cpu_util"],
+                                                          row["torch_cpu_util"]) < 0.85)
                 if busy > 0.15:
                     print(f"# warning: CPUs {busy:.0%} busy before the next row (other processes)",
                           flush=True)
@@ -481,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
 
     exps = memory_exponents(rows)
     slow = [r for r in rows if r["ratio"] < 0.8]
-    print(f"\n# {len(rows)} configs in {wall:.0f} s; {len(slow)} below 0.8x torch")
+    contended = [r for r in rows if r["contended"]]
+    print(f"\n# {len(rows)} configs in {wall:.0f} s; {len(slow)} below 0.8x torch; "
+          f"{len(contended)} [contended] (other processes took CPU: rerun those on idle CPUs)")
     print("# peak-memory growth exponent (log-log fit vs L; ~1 = O(L), ~2 = O(L^2)):")
     for key, e in exps.items():
         print(f"#   {key:<28} {'n/a' if e is None else f'{e:.2f}'}")

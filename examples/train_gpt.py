@@ -21,7 +21,7 @@ The corpus
     file or directory.  The last 10% of the characters are held out for validation.
 
 How to run it
-    python examples/train_gpt.py                      # 100 steps, CPU fp32 (about a minute)
+    python examples/train_gpt.py                      # 100 steps, CPU fp32 (~30 s on 2 idle cores)
     python examples/train_gpt.py --steps 5 --compile  # both models under torch.compile
     python examples/train_gpt.py --dtype bf16         # bfloat16 weights and activations
     python examples/train_gpt.py --sample 300         # then generate 300 characters
@@ -35,6 +35,11 @@ What it checks
     both models.  On CPU in fp32/fp64 the run fails (exit status 1) when the two training loss
     curves ever differ by more than ``--tolerance`` (default 1e-4).  On CUDA or in bf16/fp16
     the difference is reported but not enforced: the kernels and the rounding differ there.
+
+    Exact attention kernels still round differently from the math backend (about 1e-6 in fp32),
+    so the curves match only while training is stable: with a learning rate high enough to make
+    the loss spike (``--lr 3e-3`` here) those differences grow chaotically, to about 1e-2, and
+    they do just as much between PyTorch's own CPU flash and math backends.
 """
 
 from __future__ import annotations
@@ -74,16 +79,24 @@ Attention = Callable[..., torch.Tensor]
 
 @dataclass
 class Corpus:
+    """The training text and where it came from."""
+
     text: str
-    source: str  # where the text came from, for the log
+    source: str  # the directory or file, for the log
     files: list[str]  # the files read, in order
+    duplicates: int = 0  # files skipped because an identical one was read already
 
 
-def _read_files(paths: list[Path]) -> tuple[str, list[str]]:
-    """Reads regular files (symlinks resolved) in the given order, each distinct content once."""
-    seen: set = set()
+def _read_files(paths: list[Path]) -> tuple[str, list[str], int]:
+    """Reads regular files (symlinks resolved) in the given order, each distinct content once.
+
+    Returns the texts joined by newlines, the names of the files read, and how many files were
+    skipped as duplicates.
+    """
+    seen: set[str] = set()
     parts: list[str] = []
     names: list[str] = []
+    duplicates = 0
     for path in paths:
         real = path.resolve()
         if not real.is_file():
@@ -91,12 +104,12 @@ def _read_files(paths: list[Path]) -> tuple[str, list[str]]:
         data = real.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if digest in seen:
+            duplicates += 1
             continue
         seen.add(digest)
         parts.append(data.decode("utf-8", errors="replace"))
-        names.append(path.name if path.resolve() == path.absolute() else
-                     f"{path.name} -> {real.name}")
-    return "\n".join(parts), names
+        names.append(f"{path.name} -> {real.name}" if path.is_symlink() else path.name)
+    return "\n".join(parts), names, duplicates
 
 
 def _python_license_candidates() -> list[Path]:
@@ -120,17 +133,17 @@ def load_corpus(data: str | None = None) -> Corpus:
     if data is not None:
         path = Path(data)
         paths = sorted(path.iterdir()) if path.is_dir() else [path]
-        text, names = _read_files(paths)
+        text, names, duplicates = _read_files(paths)
         if not text:
             raise SystemExit(f"error: --data {data}: no readable text file there")
-        return Corpus(text, str(path), names)
+        return Corpus(text, str(path), names, duplicates)
     if LICENSES_DIR.is_dir():
-        text, names = _read_files(sorted(LICENSES_DIR.iterdir()))
+        text, names, duplicates = _read_files(sorted(LICENSES_DIR.iterdir()))
         if text:
-            return Corpus(text, str(LICENSES_DIR), names)
+            return Corpus(text, str(LICENSES_DIR), names, duplicates)
     for candidate in _python_license_candidates():
         if candidate.is_file():
-            text, names = _read_files([candidate])
+            text, names, _ = _read_files([candidate])
             return Corpus(text, str(candidate), names)
     raise SystemExit(f"error: found no corpus: {LICENSES_DIR} is missing and so is CPython's "
                      "LICENSE.txt; pass --data FILE_OR_DIR")
@@ -264,8 +277,9 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-character cross-entropy, computed in fp32 whatever the model's dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-character cross-entropy, in fp32 for bf16/fp16 models (fp64 stays fp64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -393,8 +407,9 @@ def prepare_data(args: argparse.Namespace) -> tuple[CharTokenizer, torch.Tensor,
     data = tokenizer.encode(corpus.text)
     n_train = int(0.9 * len(data))
     train_data, val_data = data[:n_train], data[n_train:]
-    print(f"corpus: {corpus.source}: {len(corpus.files)} file(s), {len(corpus.text):,} "
-          f"characters, vocabulary of {tokenizer.vocab_size}")
+    skipped = f" ({corpus.duplicates} duplicate(s) skipped)" if corpus.duplicates else ""
+    print(f"corpus: {corpus.source}: {len(corpus.files)} file(s){skipped}, "
+          f"{len(corpus.text):,} characters, vocabulary of {tokenizer.vocab_size}")
     print(f"        {', '.join(corpus.files)}")
     print(f"split:  train {len(train_data):,} characters, validation (last 10%) "
           f"{len(val_data):,}")
@@ -480,8 +495,8 @@ def summarize(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: torch.T
         print(f"  {name:<4}  train loss {train_loss:.6f}   val loss {val_loss:.6f}")
     print(f"  |diff| train {abs(results['ours'][0] - results['ref'][0]):.2e}   "
           f"val {abs(results['ours'][1] - results['ref'][1]):.2e}")
-    print(f"  max |training loss difference| over the run: {stats.max_diff:.2e} "
-          f"(step {stats.max_diff_step})")
+    where = f"step {stats.max_diff_step}" if stats.max_diff_step else "identical curves"
+    print(f"  max |training loss difference| over the run: {stats.max_diff:.2e} ({where})")
     if args.steps > 1:
         timed = (args.steps - 1) * tokens_per_step
         print(f"  throughput after step 1 (fwd+bwd+step): ours {timed / stats.seconds_ours:,.0f} "
