@@ -32,14 +32,15 @@ build: setup
 test: build
 	$(PY) -m pytest tests -q
 
+# Built in place, not installed: the scripts find the package through PYTHONPATH.
 train: build
-	$(PY) examples/train_gpt.py $(ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) examples/train_gpt.py $(ARGS)
 
 bench: build
-	$(PY) benchmarks/bench_cpu.py $(ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/bench_cpu.py $(ARGS)
 
 info: build
-	$(PY) -m flash_attn_ext info
+	PYTHONPATH=$(CURDIR) $(PY) -m flash_attn_ext info
 
 clean:
 	rm -rf build flash_attn_ext/*.so *.egg-info
