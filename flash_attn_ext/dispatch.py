@@ -30,6 +30,7 @@ __all__ = ["FallbackError", "Plan", "plan", "set_strict", "strict_enabled", "fal
            "reset_fallback_counts", "last_plan", "FALLBACK"]
 
 FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
+CHUNKED_BWD = "fallback:chunked_torch_bwd"
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
                 torch.bfloat16: "bf16"}
@@ -46,19 +47,25 @@ class Plan:
     Attributes:
         kernel: forward kernel name, e.g. ``"cpu_flash_fwd_fp32"``, or :data:`FALLBACK`.
         backward_kernel: backward kernel name, or :data:`FALLBACK`.
-        fused: True when a flash_attn_ext kernel serves the call.
-        reasons: why no fused kernel serves it (empty when ``fused``).
+        fused: True when a flash_attn_ext kernel serves the forward.
+        reasons: why no fused kernel serves the forward (empty when ``fused``).
+        backward_fused: True when a fused kernel serves the backward too.
+        backward_reasons: why not (empty when ``backward_fused``).
     """
 
     kernel: str
     backward_kernel: str
     fused: bool
     reasons: tuple = ()
+    backward_fused: bool = True
+    backward_reasons: tuple = ()
 
     def __str__(self) -> str:
-        if self.fused:
-            return f"{self.kernel} (backward: {self.backward_kernel})"
-        return f"{self.kernel}, because: " + "; ".join(self.reasons)
+        text = self.kernel if self.fused else f"{self.kernel}, because: " + "; ".join(self.reasons)
+        if self.backward_fused or not self.fused:
+            return f"{text} (backward: {self.backward_kernel})" if self.fused else text
+        return (f"{text} (backward: {self.backward_kernel}, because: "
+                + "; ".join(self.backward_reasons) + ")")
 
 
 _strict_override: Optional[bool] = None
@@ -112,28 +119,42 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
         if q.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")
-        if not reasons:  # pragma: no cover - needs the CUDA kernels
-            return Plan(f"cuda_flash_fwd_{dtype}", f"cuda_flash_bwd_{dtype}", True)
+        if not reasons and torch.cuda.get_device_capability(q.device) < (8, 0):
+            major, minor = torch.cuda.get_device_capability(q.device)
+            reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
+        if not reasons:  # pragma: no cover - needs a CUDA build
+            padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
+                128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
+            return Plan(f"sm80_fwd_hdim{padded}_{dtype}", CHUNKED_BWD, True,
+                        backward_fused=False,
+                        backward_reasons=("the fused CUDA backward kernel is not written yet: "
+                                          "the backward recomputes P in chunked PyTorch ops",))
     else:
         reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
 
 
-def record(p: Plan, strict: Optional[bool]) -> None:
-    """Applies the no-silent-fallback rule to a plan that is about to run."""
+def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
+    """Applies the no-silent-fallback rule to a plan that is about to run.
+
+    ``needs_grad``: the call will be differentiated, so a backward fallback counts too.
+    """
     global _last_plan
     _last_plan = p
-    if p.fused:
+    if p.fused and (p.backward_fused or not needs_grad):
         return
-    reason = "; ".join(p.reasons)
+    if p.fused:
+        reason, target = "backward: " + "; ".join(p.backward_reasons), p.backward_kernel
+    else:
+        reason, target = "; ".join(p.reasons), FALLBACK
     if strict_enabled(strict):
         raise FallbackError(
             f"flash_attn_ext strict mode: no fused kernel serves this call ({reason}); it would "
-            f"run on {FALLBACK}")
+            f"run on {target}")
     _counts[reason] += 1
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"flash_attn_ext: falling back to {FALLBACK} because {reason}. "
+        warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
                       "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)
 
 

@@ -15,7 +15,9 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
         strict: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse)."""
     p = dispatch.plan(q, k, v)
-    dispatch.record(p, strict)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                              or v.requires_grad)
+    dispatch.record(p, strict, needs_grad)
     if p.fused:
         out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
                                       align_bottom_right, softcap, None, None, dropout_p,

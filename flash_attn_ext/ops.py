@@ -101,6 +101,12 @@ torch.library.register_autograd("flash_attn_ext::bwd", _bwd_backward,
                                 setup_context=_bwd_setup_context)
 
 
+if _C.build_info()["cuda"]:  # pragma: no cover - needs a CUDA build
+    from ._chunked_bwd import chunked_bwd
+
+    torch.library.register_kernel("flash_attn_ext::bwd", "cuda", chunked_bwd)
+
+
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,
         causal: bool = False, window_left: int = -1, window_right: int = -1,
         align_bottom_right: bool = True, softcap: float = 0.0,

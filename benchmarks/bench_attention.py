@@ -1,0 +1,231 @@
+"""GPU attention benchmark: flash_attn_ext against PyTorch's SDPA backends and FlexAttention.
+
+All implementations run in one process on the same inputs: ours (flash_attn_ext.flash_attn_func),
+SDPA with the FLASH, CUDNN and EFFICIENT backends forced, and FlexAttention compiled.  bf16,
+B * L = 16384 tokens, H * d = 2048, d in {64, 128, 256}, L in {512 ... 16384}, causal and not.
+
+FLOPs are counted the FlashAttention way: forward 4 * B * H * L * S * d (halved when causal),
+backward 2.5x forward.  Times are medians of CUDA-event-timed repetitions after warm-up, with
+fresh random inputs (never zeros).  Writes a table to stdout and JSON + PNG to --out-dir.
+
+Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
+the math path (which materialises L x L scores; OOM is reported as such).
+
+Usage: python benchmarks/bench_attention.py [--dims 64 128 256] [--seqlens ...] [--no-flex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_attn_ext
+
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def implementations(flex: bool) -> Dict[str, Callable]:
+    """name -> f(q, k, v, causal) on (B, H, L, d) tensors."""
+
+    def ours(q, k, v, causal):
+        return flash_attn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def sdpa(backend):
+        def run(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    impls = {"ours": ours, "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+             "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+             "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        compiled = torch.compile(flex_attention)
+        masks: dict = {}
+
+        def flex_run(q, k, v, causal):
+            if not causal:
+                return compiled(q, k, v)
+            key = (q.shape[-2], k.shape[-2])
+            if key not in masks:
+                masks[key] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None,
+                                               q.shape[-2], k.shape[-2], device="cuda")
+            return compiled(q, k, v, block_mask=masks[key])
+
+        impls["flex"] = flex_run
+    return impls
+
+
+def bench_point(impls, d: int, seqlen: int, causal: bool) -> List[dict]:
+    batch, heads = max(1, TOKENS // seqlen), HIDDEN // d
+    q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
+    flops_fwd = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+    rows = []
+    for name, fn in impls.items():
+        row = dict(impl=name, d=d, L=seqlen, B=batch, H=heads, causal=causal)
+        try:
+            with torch.no_grad():
+                fwd_ms = median_ms(lambda fn=fn: fn(q, k, v, causal))
+            out = fn(q, k, v, causal)
+
+            def bwd(out=out):
+                q.grad = k.grad = v.grad = None
+                out.backward(dout, retain_graph=True)
+
+            bwd_ms = median_ms(bwd)
+            row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                       fwd_tflops=flops_fwd / fwd_ms / 1e9,
+                       bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
+                       fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
+        except Exception as e:  # a backend that refuses a shape is recorded, not fatal
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def peak_memory(seqlen: int, impl: str) -> Optional[float]:
+    """Peak extra GiB of forward+backward at (B=1, H=16, L, d=128); None on OOM."""
+    torch.cuda.empty_cache()
+    q, k, v = (torch.randn(1, 16, seqlen, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        if impl == "ours":
+            out = flash_attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+",
+                        default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--memory-seqlens", type=int, nargs="*", default=[8192, 32768, 131072])
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    impls = implementations(not args.no_flex)
+    rows = []
+    for d in args.dims:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                point = bench_point(impls, d, seqlen, causal)
+                rows += point
+                for r in point:
+                    if "error" in r:
+                        print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
+                              f"{r['error']}", flush=True)
+                    else:
+                        print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
+                              f"fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
+                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s", flush=True)
+    memory = []
+    for seqlen in args.memory_seqlens:
+        entry = dict(L=seqlen, ours_gib=peak_memory(seqlen, "ours"),
+                     math_gib=peak_memory(seqlen, "math") if seqlen <= 32768 else None)
+        memory.append(entry)
+        print(f"peak extra memory fwd+bwd L={seqlen}: ours {entry['ours_gib']} GiB, "
+              f"math {entry['math_gib']} GiB (None = OOM or skipped)", flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip() or "unknown"
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), commit=commit,
+                plan=str(flash_attn_ext.explain(*(torch.empty(1, 16, 128, 128, device="cuda",
+                                                              dtype=torch.bfloat16),) * 3)))
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"gpu_{datetime.date.today():%Y%m%d}_{commit}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows, memory=memory), f, indent=1)
+    print(f"wrote {stem}.json")
+    print_table(rows)
+    try:
+        plot(rows, stem + ".png")
+        print(f"wrote {stem}.png")
+    except ImportError:
+        print("matplotlib missing: no plot")
+    return 0
+
+
+def print_table(rows: List[dict]) -> None:
+    names = sorted({r["impl"] for r in rows}, key=lambda n: (n != "ours", n))
+    print("\nforward TFLOP/s (ratio ours / best peer)")
+    print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names))
+    keys = sorted({(r["d"], r["L"], r["causal"]) for r in rows})
+    for metric in ("fwd_tflops", "bwd_tflops"):
+        print(f"\n{metric}")
+        for key in keys:
+            vals = {r["impl"]: r.get(metric) for r in rows if (r["d"], r["L"], r["causal"]) == key}
+            cells = " ".join(f"{vals[n]:14.1f}" if vals.get(n) else f"{'-':>14s}" for n in names)
+            print(f"{key[0]:4d} {key[1]:6d} {key[2]!s:>6s} {cells}")
+
+
+def plot(rows: List[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    dims = sorted({r["d"] for r in rows})
+    fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    for col, d in enumerate(dims):
+        for row_i, causal in enumerate((False, True)):
+            ax = axes[row_i][col]
+            for name in sorted({r["impl"] for r in rows}):
+                pts = [(r["L"], r["fwd_tflops"]) for r in rows if r["impl"] == name
+                       and r["d"] == d and r["causal"] == causal and "fwd_tflops" in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"forward, d={d}, causal={causal}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+// CUDA glue for flash_attn_ext::fwd: validate, make the inputs kernel-ready (16-byte aligned rows,
+// head dims padded to a multiple of 8 only where needed), allocate out/softmax_lse, pick the
+// instantiation by (head dim, dtype) and launch on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "kernels/sm80/flash_fwd_launch.h"
+
+namespace flash_attn_ext::cuda {
+
+namespace {
+
+constexpr int64_t kVecElems = 8;  // one 16-byte cp.async of fp16/bf16
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The kernel reads 16-byte chunks: every stride and the base address must be a multiple of
+// 8 elements, the last dimension contiguous and padded to a multiple of 8.  Tensors that already
+// are (the common case) pass through untouched; others are copied once, zero-padded.
+at::Tensor kernel_ready(const at::Tensor& t) {
+  const int64_t d = t.size(3);
+  const bool aligned = t.stride(3) == 1 && d % kVecElems == 0 &&
+                       t.stride(0) % kVecElems == 0 && t.stride(1) % kVecElems == 0 &&
+                       t.stride(2) % kVecElems == 0 &&
+                       reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  if (aligned) return t;
+  const int64_t padded = round_up(d, kVecElems);
+  at::Tensor out = at::zeros({t.size(0), t.size(1), t.size(2), padded}, t.options());
+  out.narrow(3, 0, d).copy_(t);
+  return out;
+}
+
+template <typename Element>
+cudaError_t run_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
+  if (head_dim <= 128) return sm80::run_flash_fwd<Element, 128>(p, stream);
+  return sm80::run_flash_fwd<Element, 256>(p, stream);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    bool align_bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p, bool deterministic) {
+  (void)deterministic;
+  const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
+                                     window_right, softcap, alibi_slopes, attn_bias, dropout_p);
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
+  const int64_t dv_padded = v.size(3);
+  at::Tensor out_padded =
+      new_output({a.batch, a.seqlen_q, a.heads_q, dv_padded}, q.options());
+  at::Tensor lse = new_output({a.batch, a.heads_q, a.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+
+  if (out_padded.numel() > 0 || lse.numel() > 0) {
+    FwdParams p;
+    fill_fwd_params(p, a, q, k, v, out_padded, lse, softcap, align_bottom_right);
+    p.head_dim = q.size(3);       // padded columns are zeros: they add nothing to q k^T
+    p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
+    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    cudaError_t err = q.scalar_type() == at::kBFloat16
+                          ? run_for_head_dim<__nv_bfloat16>(kernel_dim, p, stream)
+                          : run_for_head_dim<__half>(kernel_dim, p, stream);
+    C10_CUDA_CHECK(err);
+  }
+  at::Tensor out = dv_padded == a.head_dim_v ? out_padded
+                                             : out_padded.narrow(3, 0, a.head_dim_v).contiguous();
+  return {out, lse, rng_state};
+}
+
+}  // namespace
+
+}  // namespace flash_attn_ext::cuda
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
+  m.impl("fwd", &flash_attn_ext::cuda::fwd_cuda);
+}

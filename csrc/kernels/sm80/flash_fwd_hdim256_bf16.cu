@@ -1,0 +1,12 @@
+// Forward instantiation: head dim 256, bf16.
+#include "kernels/sm80/flash_fwd_kernel.cuh"
+#include "kernels/sm80/flash_fwd_launch.h"
+
+namespace flash_attn_ext::sm80 {
+
+template <>
+cudaError_t run_flash_fwd<__nv_bfloat16, 256>(const FwdParams& p, cudaStream_t stream) {
+  return launch_flash_fwd<FwdTraits<__nv_bfloat16, 256, fwd_block_n<256>()>>(p, stream);
+}
+
+}  // namespace flash_attn_ext::sm80

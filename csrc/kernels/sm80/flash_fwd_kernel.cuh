@@ -1,0 +1,258 @@
+// FlashAttention-2 forward for sm_80+ (mma.sync; also runs on sm_90): one CTA of 4 warps per
+// (block of kBlockM = 64 query rows, batch, head); each warp owns 16 rows.
+//
+// Q tile -> shared once; K/V tiles of kBlockN rows stream through a double-buffered shared ring
+// with cp.async (the next tile loads while this one computes).  Per tile, in registers:
+// S = Q K^T (tensor cores), mask, online softmax in the exp2 domain with fp32 running max m and
+// sum l (FlashAttention-2, arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with
+// P re-used from the S accumulators as the A operand.  O / l and the LSE are written once.
+//
+// Shared tiles are row-major with 16-byte chunks XOR-swizzled by row (chunk ^ (row % 8)), so the
+// 8 rows an ldmatrix reads at one logical chunk hit 8 distinct bank groups.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/sm80/mma.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm80 {
+
+template <typename Element_, int kHeadDim_, int kBlockN_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v), multiple of 64
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr int kSmemQ = kBlockM * kHeadDim;
+  static constexpr int kSmemKV = kBlockN * kHeadDim;
+  static constexpr int kSmemBytes = (kSmemQ + 4 * kSmemKV) * sizeof(Element);  // Q + 2 x (K, V)
+  static_assert(kHeadDim % 64 == 0, "swizzle needs >= 8 chunks per row");
+  static_assert(kBlockN % 16 == 0, "");
+};
+
+// Element offset of (row, 16-byte chunk) in a swizzled tile with kChunks chunks per row.
+template <int kChunks>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * kChunks * 8 + ((chunk ^ (row & 7)) * 8);
+}
+
+// Loads rows [row0, row0 + kRows) of a (rows x head_dim) global matrix into a swizzled tile;
+// rows >= num_rows and columns >= cols are zero-filled.
+template <typename T, int kRows>
+__device__ __forceinline__ void load_tile_async(typename T::Element* smem,
+                                                const typename T::Element* gmem,
+                                                int64_t row_stride, int64_t row0,
+                                                int64_t num_rows, int cols) {
+  constexpr int kTotal = kRows * T::kChunks;
+  for (int idx = threadIdx.x; idx < kTotal; idx += T::kThreads) {
+    const int r = idx / T::kChunks, c = idx % T::kChunks;
+    const bool valid = row0 + r < num_rows && c * 8 < cols;
+    const typename T::Element* src = valid ? gmem + (row0 + r) * row_stride + c * 8 : gmem;
+    cp_async_16(smem_addr(smem + swz<T::kChunks>(r, c)), src, valid);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams p,
+                                                                int64_t num_m_blocks) {
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kC = T::kChunks;
+  constexpr int kNTiles = kN / 8;  // 8-column tiles of S per warp
+  constexpr int kDTiles = kD / 8;  // 8-column tiles of O per warp
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Element* q_s = reinterpret_cast<Element*>(smem_raw);
+  Element* kv_s = q_s + T::kSmemQ;  // [stage][K | V]
+
+  // Longest rows first under causal masking: the heaviest query blocks start first.
+  const int64_t bid = blockIdx.x;
+  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;
+  const int64_t bh = bid / num_m_blocks;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t m0 = m_block * kM;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+  const int64_t n_begin = key_begin / kN;
+  const int64_t n_end = key_end > key_begin ? (key_end + kN - 1) / kN : n_begin;
+
+  const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  // Softcap folds the scale into tanh; the exp2 domain then only needs log2(e).
+  const bool capped = p.softcap > 0.0;
+  const float scale = static_cast<float>(p.softmax_scale);
+  const float scale_log2 = capped ? kLog2e : scale * kLog2e;
+  const float cap = static_cast<float>(p.softcap);
+  const float cap_inv_scale = capped ? scale / cap : 0.f;
+
+  if (n_begin < n_end) {
+    load_tile_async<T, kM>(q_s, q, p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<T, kN>(kv_s, k, p.k_row_stride, n_begin * kN, p.seqlen_k,
+                           static_cast<int>(p.head_dim));
+    load_tile_async<T, kN>(kv_s + T::kSmemKV, v, p.v_row_stride, n_begin * kN, p.seqlen_k,
+                           static_cast<int>(p.head_dim_v));
+    cp_async_commit();
+  }
+
+  float o_acc[kDTiles][4];
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+  float m_row[2] = {-INFINITY, -INFINITY};  // running max of raw (or capped) scores
+  float l_row[2] = {0.f, 0.f};              // this thread's share of the running sum
+  const int64_t row_of[2] = {m0 + warp * 16 + lane / 4, m0 + warp * 16 + lane / 4 + 8};
+
+  for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+    const int stage = static_cast<int>((n_block - n_begin) & 1);
+    if (n_block + 1 < n_end) {  // prefetch the next K/V tile into the other stage
+      Element* next = kv_s + (stage ^ 1) * 2 * T::kSmemKV;
+      load_tile_async<T, kN>(next, k, p.k_row_stride, (n_block + 1) * kN, p.seqlen_k,
+                             static_cast<int>(p.head_dim));
+      load_tile_async<T, kN>(next + T::kSmemKV, v, p.v_row_stride, (n_block + 1) * kN,
+                             p.seqlen_k, static_cast<int>(p.head_dim_v));
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Element* k_s = kv_s + stage * 2 * T::kSmemKV;
+    const Element* v_s = k_s + T::kSmemKV;
+
+    // S = Q K^T for this warp's 16 rows and the tile's kN keys.
+    float s[kNTiles][4];
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, smem_addr(q_s + swz<kC>(warp * 16 + lane % 16, kk * 2 + lane / 16)));
+#pragma unroll
+      for (int j2 = 0; j2 < kNTiles / 2; ++j2) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, smem_addr(k_s + swz<kC>(j2 * 16 + (lane / 16) * 8 + lane % 8,
+                                                kk * 2 + (lane / 8) % 2)));
+        mma_16816<Element>(s[2 * j2], a, bk[0], bk[1]);
+        mma_16816<Element>(s[2 * j2 + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Softcap, mask (sequence end, causal/window), online softmax.
+    const int64_t col0 = n_block * kN + 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[j][2 * r + e];
+          if (capped) x = cap * tanhf(x * cap_inv_scale);
+          const int64_t col = col0 + j * 8 + e;
+          if (col < lo || col >= hi) x = -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m_row[r], mx);
+      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      const float alpha = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 when m_old = -inf
+      m_row[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[j][2 * r + e];
+          x = exp2f(fmaf(x, scale_log2, -m_scaled));
+          sum += x;
+        }
+      l_row[r] = l_row[r] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        o_acc[j][2 * r] *= alpha;
+        o_acc[j][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V, P taken from the S accumulators in the A-fragment order.
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<Element>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<Element>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<Element>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<Element>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int j2 = 0; j2 < kDTiles / 2; ++j2) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, smem_addr(v_s + swz<kC>(kk * 16 + lane % 16, j2 * 2 + lane / 16)));
+        mma_16816<Element>(o_acc[2 * j2], a, bv[0], bv[1]);
+        mma_16816<Element>(o_acc[2 * j2 + 1], a, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
+  }
+
+  // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
+  auto* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  auto* lse = static_cast<float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_row[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    const int64_t row = row_of[r];
+    if (row >= p.seqlen_q) continue;
+    Element* o_row = out + row * p.out_row_stride;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      const int col = j * 8 + 2 * (lane % 4);
+      if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
+        *reinterpret_cast<uint32_t*>(o_row + col) =
+            pack2<Element>(o_acc[j][2 * r] * inv_l, o_acc[j][2 * r + 1] * inv_l);
+      }
+    }
+    if (lane % 4 == 0) {
+      lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+    }
+  }
+}
+
+// Host side: grid, shared memory opt-in and launch on `stream`.
+template <typename T>
+cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  const int64_t blocks = num_m_blocks * p.batch * p.heads_q;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  auto kernel = flash_fwd_kernel<T>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         T::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSmemBytes, stream>>>(p, num_m_blocks);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_attn_ext::sm80

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build with CUDA, print the build/kernel table, run the CUDA tests,
+# then benchmark.  Logs go to $OUT (or ./gpu_out).  Usage: scripts/gpu_session.sh [bench args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+start=$(date +%s)
+FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
+  > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20
+python3 -m flash_attn_ext info | tee "$OUT/info.txt"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/test_cuda.py ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/tests.log" | tail -25
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --out-dir "$OUT" "$@" \
+    2>&1 | grep -v Warning | tee "$OUT/bench.log" | tail -60
+fi

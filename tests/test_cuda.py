@@ -1,0 +1,121 @@
+"""CUDA kernels against an fp32 reference (skipped without a GPU or without a CUDA build)."""
+
+import itertools
+
+import pytest
+import torch
+
+from flash_attn_ext import dispatch, flash_attn_func, ops, scaled_dot_product_attention
+from reference import assert_error_rule, attention_ref, cancellation_scale
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+
+HEAD_DIMS = [32, 40, 64, 96, 128, 192, 256]
+SEQLENS = [(1, 1), (17, 113), (113, 17), (256, 256), (1023, 2048), (2048, 1023), (4224, 4224)]
+MASKS = [(False, -1, -1, True), (True, -1, -1, True), (True, -1, -1, False),
+         (False, 128, 16, True)]
+
+
+def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v, mask,
+          grads=True, transposed=False):
+    causal, wl, wr, br = mask
+    dev = "cuda"
+
+    def make(seqlen, h, d):
+        if transposed:
+            return torch.randn(batch, h, seqlen, d, device=dev, dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, seqlen, h, d, device=dev, dtype=dtype)
+
+    q, k, v = make(seqlen_q, heads, head_dim), make(seqlen_k, heads_kv, head_dim), \
+        make(seqlen_k, heads_kv, head_dim_v)
+    for t in (q, k, v):
+        t.requires_grad_(grads)
+    kw = dict(causal=causal, window_left=wl, window_right=wr, align_bottom_right=br)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br)
+    leaves32 = [t.detach().float().requires_grad_(grads) for t in (q, k, v)]
+    true_out, true_lse = attention_ref(*leaves32, compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    assert_error_rule(out, low_out, true_out.to(torch.float64), 2.0, "out")
+    finite = torch.isfinite(true_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+    if not grads:
+        return
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    true_g = torch.autograd.grad(true_out, leaves32, dout.float())
+    low_g = torch.autograd.grad(low_out, (q, k, v), dout)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    for name, a, lo, t, c in zip(("dq", "dk", "dv"), ours, low_g, true_g, cancel):
+        assert_error_rule(a, lo, t.double(), 3.0, name, c, score_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_forward_matches_reference(dtype, head_dim, seqlens, mask):
+    big = seqlens[0] * seqlens[1] > 2_000_000
+    check(dtype, 1 if big else 2, *seqlens, 4, 1 if head_dim % 64 else 2, head_dim, head_dim,
+          mask, grads=not big and head_dim in (40, 128))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,heads_kv", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_gqa_mqa_and_strided(dtype, heads, heads_kv, mask):
+    check(dtype, 2, 300, 517, heads, heads_kv, 64, 64, mask, transposed=True)
+    check(dtype, 2, 97, 64, heads, heads_kv, 72, 40, mask)  # Ev != E, padded head dims
+
+
+def test_many_batch_heads():
+    # B * H > 65535 blocks in the old grid.y limit.
+    check(torch.bfloat16, 4200, 16, 16, 16, 16, 32, 32, (True, -1, -1, True), grads=False)
+
+
+def test_fully_masked_rows_and_empty():
+    q = torch.randn(2, 40, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, k, causal=True, return_softmax_lse=True)
+    assert (out[:, :32] == 0).all() and (lse[:, :, :32] == float("-inf")).all()
+    assert not torch.isnan(out).any()
+    k0 = torch.randn(2, 0, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out0 = flash_attn_func(q, k0, k0)
+    assert out0.shape == q.shape and (out0 == 0).all()
+
+
+def test_forward_is_deterministic():
+    q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    first = flash_attn_func(q, k, v, causal=True)
+    for _ in range(10):
+        assert torch.equal(flash_attn_func(q, k, v, causal=True), first)
+
+
+def test_sdpa_api_on_cuda_and_plan():
+    q = torch.randn(2, 8, 333, 64, device="cuda", dtype=torch.bfloat16)
+    out = scaled_dot_product_attention(q, q, q, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(),
+                                                           is_causal=True)
+    assert (out.float() - ref).abs().max() < 2e-2
+    p = dispatch.plan(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+    assert p.fused and p.kernel == "sm80_fwd_hdim64_bf16" and not p.backward_fused
+
+
+def test_compile_on_cuda():
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True), fullgraph=True)
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    f(q).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("causal,window,br", list(itertools.product(
+    [False, True], [(-1, -1), (3, 2)], [True, False]))[::3])
+def test_opcheck_cuda(causal, window, br):
+    q = torch.randn(2, 9, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 13, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(ops.fwd_op, (q, k, k, None, causal, window[0], window[1], br, 0.0,
+                                       None, None, 0.0, False))
