@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
-FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
+NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
   > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20

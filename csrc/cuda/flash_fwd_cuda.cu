@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "checks.h"
 #include "kernels/sm80/flash_fwd_launch.h"
 
