@@ -67,6 +67,7 @@ def implementations(flex: bool) -> Dict[str, Callable]:
              "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        torch._dynamo.config.recompile_limit = 64  # one compile per benchmarked shape
         compiled = torch.compile(flex_attention)
         masks: dict = {}
 
@@ -83,7 +84,7 @@ def implementations(flex: bool) -> Dict[str, Callable]:
     return impls
 
 
-def bench_point(impls, d: int, seqlen: int, causal: bool) -> List[dict]:
+def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=()) -> List[dict]:
     batch, heads = max(1, TOKENS // seqlen), HIDDEN // d
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
@@ -92,16 +93,18 @@ def bench_point(impls, d: int, seqlen: int, causal: bool) -> List[dict]:
     rows = []
     for name, fn in impls.items():
         row = dict(impl=name, d=d, L=seqlen, B=batch, H=heads, causal=causal)
+        if name == "flex" and d not in flex_dims:
+            continue
         try:
-            with torch.no_grad():
-                fwd_ms = median_ms(lambda fn=fn: fn(q, k, v, causal))
-            out = fn(q, k, v, causal)
+            # Forward with autograd recording (as in training); backward = (fwd+bwd) - fwd, so
+            # no implementation has to support retain_graph.
+            fwd_ms = median_ms(lambda fn=fn: fn(q, k, v, causal))
 
-            def bwd(out=out):
+            def fwd_bwd(fn=fn):
                 q.grad = k.grad = v.grad = None
-                out.backward(dout, retain_graph=True)
+                fn(q, k, v, causal).backward(dout)
 
-            bwd_ms = median_ms(bwd)
+            bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
             row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                        fwd_tflops=flops_fwd / fwd_ms / 1e9,
                        bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
@@ -143,6 +146,8 @@ def main() -> int:
     parser.add_argument("--seqlens", type=int, nargs="+",
                         default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--flex-dims", type=int, nargs="*", default=[64, 128, 256],
+                        help="head dims at which FlexAttention runs (each shape compiles)")
     parser.add_argument("--memory-seqlens", type=int, nargs="*", default=[8192, 32768, 131072])
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
@@ -152,7 +157,7 @@ def main() -> int:
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in (False, True):
-                point = bench_point(impls, d, seqlen, causal)
+                point = bench_point(impls, d, seqlen, causal, args.flex_dims)
                 rows += point
                 for r in point:
                     if "error" in r:
@@ -170,8 +175,9 @@ def main() -> int:
         print(f"peak extra memory fwd+bwd L={seqlen}: ours {entry['ours_gib']} GiB, "
               f"math {entry['math_gib']} GiB (None = OOM or skipped)", flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "unknown"
+    commit = os.environ.get("FLASH_ATTN_EXT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        check=False).stdout.strip() or "unknown"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), commit=commit,
@@ -193,11 +199,10 @@ def main() -> int:
 
 def print_table(rows: List[dict]) -> None:
     names = sorted({r["impl"] for r in rows}, key=lambda n: (n != "ours", n))
-    print("\nforward TFLOP/s (ratio ours / best peer)")
-    print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names))
     keys = sorted({(r["d"], r["L"], r["causal"]) for r in rows})
     for metric in ("fwd_tflops", "bwd_tflops"):
         print(f"\n{metric}")
+        print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names))
         for key in keys:
             vals = {r["impl"]: r.get(metric) for r in rows if (r["d"], r["L"], r["causal"]) == key}
             cells = " ".join(f"{vals[n]:14.1f}" if vals.get(n) else f"{'-':>14s}" for n in names)

@@ -96,7 +96,7 @@ def cancellation_scale(q, k, v, dout, **kw):
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         visible = visible_mask(qd.shape[1], kd.shape[1], kw.get("causal", False),
                                kw.get("window_left", -1), kw.get("window_right", -1),
-                               kw.get("align_bottom_right", True))
+                               kw.get("align_bottom_right", True), device=qd.device)
         probs = probs * visible
         dp_abs = torch.einsum("blhd,bshd->bhls", dod.abs(), vv.abs())
         delta_abs = (dod.abs() * out.abs()).sum(-1).transpose(1, 2).unsqueeze(-1)

@@ -6,7 +6,8 @@ namespace flash_attn_ext::sm80 {
 
 template <>
 cudaError_t run_flash_fwd<__nv_bfloat16, 64>(const FwdParams& p, cudaStream_t stream) {
-  return launch_flash_fwd<FwdTraits<__nv_bfloat16, 64, fwd_block_n<64>()>>(p, stream);
+  using Traits = FwdTraits<__nv_bfloat16, 64, fwd_block_n<64>(), fwd_m_tiles<64>()>;
+  return launch_flash_fwd<Traits>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm80

@@ -1,5 +1,5 @@
 // FlashAttention-2 forward for sm_80+ (mma.sync; also runs on sm_90): one CTA of 4 warps per
-// (block of kBlockM = 64 query rows, batch, head); each warp owns 16 rows.
+// (block of kBlockM query rows, batch, head); each warp owns kMTiles x 16 rows.
 //
 // Q tile -> shared once; K/V tiles of kBlockN rows stream through a double-buffered shared ring
 // with cp.async (the next tile loads while this one computes).  Per tile, in registers:
@@ -21,11 +21,15 @@
 
 namespace flash_attn_ext::sm80 {
 
-template <typename Element_, int kHeadDim_, int kBlockN_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kMTiles_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v), multiple of 64
-  static constexpr int kBlockM = 64;
+  // Each warp owns kMTiles x 16 query rows: every K/V fragment loaded from shared memory feeds
+  // kMTiles MMAs, which halves shared-memory traffic per MMA at kMTiles = 2 (with 16 rows per
+  // warp the kernel was bound by ldmatrix bandwidth at ~45% of mma.sync peak).
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr int kBlockM = 64 * kMTiles;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -108,14 +112,28 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     cp_async_commit();
   }
 
-  float o_acc[kDTiles][4];
+  constexpr int kMT = T::kMTiles;
+  float o_acc[kMT][kDTiles][4];
 #pragma unroll
-  for (int j = 0; j < kDTiles; ++j)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
-  float m_row[2] = {-INFINITY, -INFINITY};  // running max of raw (or capped) scores
-  float l_row[2] = {0.f, 0.f};              // this thread's share of the running sum
-  const int64_t row_of[2] = {m0 + warp * 16 + lane / 4, m0 + warp * 16 + lane / 4 + 8};
+    for (int j = 0; j < kDTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][j][e] = 0.f;
+  // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or capped) scores and
+  // this thread's share of the running sum.
+  float m_row[kMT][2], l_row[kMT][2];
+  int64_t row_of[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_row[mt][r] = -INFINITY;
+      l_row[mt][r] = 0.f;
+      row_of[mt][r] = m0 + (warp * kMT + mt) * 16 + lane / 4 + 8 * r;
+    }
+  // Key tiles fully inside every row's visible range need no per-element mask.
+  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
 
   for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = static_cast<int>((n_block - n_begin) & 1);
@@ -134,80 +152,109 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     const Element* k_s = kv_s + stage * 2 * T::kSmemKV;
     const Element* v_s = k_s + T::kSmemKV;
 
-    // S = Q K^T for this warp's 16 rows and the tile's kN keys.
-    float s[kNTiles][4];
+    // S = Q K^T for this warp's rows and the tile's kN keys.
+    float s[kMT][kNTiles][4];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, smem_addr(q_s + swz<kC>(warp * 16 + lane % 16, kk * 2 + lane / 16)));
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+        ldmatrix_x4(a[mt], smem_addr(q_s + swz<kC>((warp * kMT + mt) * 16 + lane % 16,
+                                                   kk * 2 + lane / 16)));
 #pragma unroll
       for (int j2 = 0; j2 < kNTiles / 2; ++j2) {
         uint32_t bk[4];
         ldmatrix_x4(bk, smem_addr(k_s + swz<kC>(j2 * 16 + (lane / 16) * 8 + lane % 8,
                                                 kk * 2 + (lane / 8) % 2)));
-        mma_16816<Element>(s[2 * j2], a, bk[0], bk[1]);
-        mma_16816<Element>(s[2 * j2 + 1], a, bk[2], bk[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<Element>(s[mt][2 * j2], a[mt], bk[0], bk[1]);
+          mma_16816<Element>(s[mt][2 * j2 + 1], a[mt], bk[2], bk[3]);
+        }
       }
     }
 
-    // Softcap, mask (sequence end, causal/window), online softmax.
+    // Softcap, mask (only tiles that straddle a boundary), online softmax.
+    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
     const int64_t col0 = n_block * kN + 2 * (lane % 4);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
-      float mx = -INFINITY;
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j)
+      for (int r = 0; r < 2; ++r) {
+        if (capped) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[j][2 * r + e];
-          if (capped) x = cap * tanhf(x * cap_inv_scale);
-          const int64_t col = col0 + j * 8 + e;
-          if (col < lo || col >= hi) x = -INFINITY;
-          mx = fmaxf(mx, x);
+          for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[mt][j][2 * r + e];
+              x = cap * tanhf(x * cap_inv_scale);
+            }
         }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m_row[r], mx);
-      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-      const float alpha = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 when m_old = -inf
-      m_row[r] = m_new;
-      float sum = 0.f;
+        if (need_mask) {
+          const int64_t lo = vis.begin(row_of[mt][r]), hi = vis.end(row_of[mt][r]);
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j)
+          for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[j][2 * r + e];
-          x = exp2f(fmaf(x, scale_log2, -m_scaled));
-          sum += x;
+            for (int e = 0; e < 2; ++e) {
+              const int64_t col = col0 + j * 8 + e;
+              if (col < lo || col >= hi) s[mt][j][2 * r + e] = -INFINITY;
+            }
         }
-      l_row[r] = l_row[r] * alpha + sum;
+        float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        o_acc[j][2 * r] *= alpha;
-        o_acc[j][2 * r + 1] *= alpha;
+        for (int j = 0; j < kNTiles; ++j)
+          mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m_row[mt][r], mx);
+        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+        const float alpha = exp2f(m_row[mt][r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+        m_row[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mt][j][2 * r + e];
+            x = exp2f(fmaf(x, scale_log2, -m_scaled));
+            sum += x;
+          }
+        l_row[mt][r] = l_row[mt][r] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < kDTiles; ++j) {
+          o_acc[mt][j][2 * r] *= alpha;
+          o_acc[mt][j][2 * r + 1] *= alpha;
+        }
       }
     }
 
     // O += P V, P taken from the S accumulators in the A-fragment order.
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack2<Element>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<Element>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<Element>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<Element>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<Element>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<Element>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<Element>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<Element>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int j2 = 0; j2 < kDTiles / 2; ++j2) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, smem_addr(v_s + swz<kC>(kk * 16 + lane % 16, j2 * 2 + lane / 16)));
-        mma_16816<Element>(o_acc[2 * j2], a, bv[0], bv[1]);
-        mma_16816<Element>(o_acc[2 * j2 + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<Element>(o_acc[mt][2 * j2], a[mt], bv[0], bv[1]);
+          mma_16816<Element>(o_acc[mt][2 * j2 + 1], a[mt], bv[2], bv[3]);
+        }
       }
     }
     __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
@@ -217,25 +264,28 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   auto* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
   auto* lse = static_cast<float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_row[r];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
-    const float inv_l = empty ? 0.f : 1.f / l;
-    const int64_t row = row_of[r];
-    if (row >= p.seqlen_q) continue;
-    Element* o_row = out + row * p.out_row_stride;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (int j = 0; j < kDTiles; ++j) {
-      const int col = j * 8 + 2 * (lane % 4);
-      if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
-        *reinterpret_cast<uint32_t*>(o_row + col) =
-            pack2<Element>(o_acc[j][2 * r] * inv_l, o_acc[j][2 * r + 1] * inv_l);
+    for (int r = 0; r < 2; ++r) {
+      float l = l_row[mt][r];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      const bool empty = m_row[mt][r] == -INFINITY || !(l > 0.f);
+      const float inv_l = empty ? 0.f : 1.f / l;
+      const int64_t row = row_of[mt][r];
+      if (row >= p.seqlen_q) continue;
+      Element* o_row = out + row * p.out_row_stride;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        const int col = j * 8 + 2 * (lane % 4);
+        if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
+          *reinterpret_cast<uint32_t*>(o_row + col) =
+              pack2<Element>(o_acc[mt][j][2 * r] * inv_l, o_acc[mt][j][2 * r + 1] * inv_l);
+        }
       }
-    }
-    if (lane % 4 == 0) {
-      lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+      if (lane % 4 == 0) {
+        lse[row] = empty ? -INFINITY : (m_row[mt][r] * scale_log2 + log2f(l)) * kLn2;
+      }
     }
   }
 }

@@ -8,10 +8,15 @@
 
 namespace flash_attn_ext::sm80 {
 
-// Key/value rows per tile: 64, or 32 at head dim 256 to keep the O accumulator in registers.
+// Key/value rows per tile and 16-row m-tiles per warp, chosen so that the O and S accumulators
+// stay in registers: (64, 2) up to head dim 128, (32, 1) at 256.
 template <int kHeadDim>
 constexpr int fwd_block_n() {
   return kHeadDim <= 128 ? 64 : 32;
+}
+template <int kHeadDim>
+constexpr int fwd_m_tiles() {
+  return kHeadDim <= 128 ? 2 : 1;
 }
 
 // Defined in flash_fwd_hdim<kHeadDim>_<dtype>.cu for Element = __half / __nv_bfloat16.
