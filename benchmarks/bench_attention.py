@@ -214,15 +214,17 @@ def plot(rows: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     dims = sorted({r["d"] for r in rows})
+    names = sorted({r["impl"] for r in rows})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}  # same colour in every panel
     fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
         for row_i, causal in enumerate((False, True)):
             ax = axes[row_i][col]
-            for name in sorted({r["impl"] for r in rows}):
+            for name in names:
                 pts = [(r["L"], r["fwd_tflops"]) for r in rows if r["impl"] == name
                        and r["d"] == d and r["causal"] == causal and "fwd_tflops" in r]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name)
+                    ax.plot(*zip(*pts), marker="o", label=name, color=colors[name])
             ax.set_xscale("log", base=2)
             ax.set_title(f"forward, d={d}, causal={causal}")
             ax.set_xlabel("seqlen")

@@ -98,14 +98,20 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                     window_left);
   TORCH_CHECK_VALUE(window_right >= -1, "window_right must be >= -1 (-1 = unbounded), got ",
                     window_right);
-  a.window_left = window_left;
-  a.window_right = causal ? 0 : window_right;
+  // A side reaching past both sequences is the same as unbounded; folding it to -1 also keeps
+  // i + offset +- window inside int64 for any window the user passes.
+  const int64_t covers_all = a.seqlen_q + a.seqlen_k;
+  a.window_left = window_left > covers_all ? -1 : window_left;
+  a.window_right = causal ? 0 : (window_right > covers_all ? -1 : window_right);
 
   a.softmax_scale = softmax_scale.has_value() ? *softmax_scale
                                               : 1.0 / std::sqrt(static_cast<double>(a.head_dim));
-  TORCH_CHECK_VALUE(std::isfinite(a.softmax_scale), "softmax_scale must be finite, got ",
+  TORCH_CHECK_VALUE(std::isfinite(a.softmax_scale) &&
+                        std::abs(a.softmax_scale) <= std::numeric_limits<float>::max(),
+                    "softmax_scale must be finite and representable in float32, got ",
                     a.softmax_scale);
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 &&
+                        softcap <= std::numeric_limits<float>::max(),
                     "softcap must be finite and >= 0 (0 = off), got ", softcap);
   TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
                     "dropout_p must be in [0, 1), got ", dropout_p);

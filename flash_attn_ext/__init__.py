@@ -31,8 +31,13 @@ __all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "ex
            "last_plan", "ops"]
 
 
+_CALL_KEYWORDS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "softmax_scale",
+                           "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                           "return_softmax_lse", "strict"})
+
+
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-            layout: str = "bhld", enable_gqa: bool = True, **_ignored) -> Plan:
+            layout: str = "bhld", enable_gqa: bool = True, **call_kwargs) -> Plan:
     """Says which kernel would serve attention on these tensors, without running it.
 
     Args:
@@ -41,18 +46,27 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             flash_attn_func takes them.
         layout: see above.
         enable_gqa: allow H_kv < H (as scaled_dot_product_attention's argument).
-        **_ignored: other call arguments (is_causal, scale, ...); they do not change the kernel.
+        **call_kwargs: the call's other arguments (is_causal, scale, ...); accepted so that a call
+            can be explained as written; they do not change the kernel today.
 
     Returns:
         A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
         ``fused`` and ``reasons`` (why it falls back, empty when fused).
 
     Raises:
-        ValueError: unknown layout, or shapes that scaled_dot_product_attention rejects.
+        ValueError: unknown layout, or shapes/dtypes the kernels reject (the same checks as a
+            call).
+        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``).
     """
+    unknown = set(call_kwargs) - _CALL_KEYWORDS
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
     if layout == "bhld":
         query, key, value = to_bshd(query, key, value, enable_gqa)
     elif layout != "blhd":
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     from .dispatch import plan
-    return plan(query, key, value)
+    p = plan(query, key, value)
+    if p.fused and query.device.type != "meta":
+        ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
+    return p

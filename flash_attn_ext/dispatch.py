@@ -105,11 +105,19 @@ def last_plan() -> Optional[Plan]:
     return _last_plan
 
 
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout."""
     device = q.device.type
     dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
     reasons = []
+    if q.dtype not in _DTYPE_NAMES:
+        return Plan("none", "none", False,
+                    (f"q.dtype={q.dtype} is not a floating dtype: no kernel or fallback takes it",))
     if device == "cpu":
         return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
     if device == "cuda":
@@ -119,8 +127,9 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
         if q.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")
-        if not reasons and torch.cuda.get_device_capability(q.device) < (8, 0):
-            major, minor = torch.cuda.get_device_capability(q.device)
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if not reasons and _capability(index) < (8, 0):
+            major, minor = _capability(index)
             reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
         if not reasons:  # pragma: no cover - needs a CUDA build
             padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
@@ -174,7 +183,8 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
     if group > 1:
         kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * scale
     if window_left >= 0 or window_right >= 0:
         offset = seqlen_k - seqlen_q if align_bottom_right else 0
         i = torch.arange(seqlen_q, device=q.device)[:, None] + offset
@@ -187,5 +197,5 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.matmul(probs, vh.float()).to(q.dtype).transpose(1, 2)
+    out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)
     return out, lse.to(ops.lse_dtype(q.dtype))

@@ -9,11 +9,40 @@ import torch
 from . import dispatch, ops
 
 
+def _check_transforms(*tensors: torch.Tensor) -> None:
+    """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
+    if torch.compiler.is_compiling():
+        return
+    import torch.autograd.forward_ad as fwad
+    for t in tensors:
+        if fwad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "flash_attn_ext does not support forward-mode AD (torch.func.jvp, "
+                "torch.autograd.forward_ad): its tangent would be silently zero; use reverse mode "
+                "(loss.backward(), torch.autograd.grad)")
+        if torch._C._functorch.is_gradtrackingtensor(t):
+            raise NotImplementedError(
+                "flash_attn_ext does not support torch.func.grad/jacrev/jacfwd (functorch "
+                "gradient transforms); use torch.autograd.grad or loss.backward()")
+
+
+def _check_flags(causal, window_size, dropout_p) -> None:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
+                         f"got {window_size!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
         causal: bool, window_left: int, window_right: int, align_bottom_right: bool,
         softcap: float, dropout_p: float, deterministic: bool,
         strict: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse)."""
+    _check_transforms(q, k, v)
     p = dispatch.plan(q, k, v)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
@@ -86,17 +115,17 @@ def flash_attn_func(
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
             num_heads not a multiple of num_heads_k, dtype/device mismatch or unsupported dtype,
             window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1).
-        NotImplementedError: dropout_p > 0 or alibi_slopes given (not implemented yet).
+        NotImplementedError: dropout_p > 0 or alibi_slopes given (not implemented yet);
+            forward-mode AD (torch.func.jvp) and torch.func gradient transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
+    _check_flags(causal, window_size, dropout_p)
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
                                   "flash_attn_ext; pass dropout_p=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
                                   "alibi_slopes=None")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
                            window_left=int(window_size[0]), window_right=int(window_size[1]),
                            align_bottom_right=True, softcap=float(softcap), dropout_p=0.0,

@@ -24,17 +24,31 @@ from . import _C
 fwd_op = torch.ops.flash_attn_ext.fwd.default
 bwd_op = torch.ops.flash_attn_ext.bwd.default
 
+# Read once: a constant for the dispatcher, so torch.compile never traces into the pybind call.
+_BUILD_INFO = dict(_C.build_info())
+
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of softmax_lse for inputs of ``dtype``: float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _check_same_device(q, k, v):
-    # The fake kernel also serves mixed meta/real calls, which never reach the C++ checks.
+    """The checks of csrc/ops.cpp that fake kernels can make (they serve torch.compile tracing
+    and mixed meta/real calls, which never reach the C++ checks)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, num_heads, head_dim), "
+                             f"got {name}.dim()={t.dim()} with shape {tuple(t.shape)}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on the same device, got q.device={q.device}, "
                          f"k.device={k.device}, v.device={v.device}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q, k and v must have the same floating dtype, got q.dtype={q.dtype}, "
+                         f"k.dtype={k.dtype}, v.dtype={v.dtype}")
 
 
 @torch.library.register_fake("flash_attn_ext::fwd")
@@ -101,7 +115,7 @@ torch.library.register_autograd("flash_attn_ext::bwd", _bwd_backward,
                                 setup_context=_bwd_setup_context)
 
 
-if _C.build_info()["cuda"]:  # pragma: no cover - needs a CUDA build
+if _BUILD_INFO["cuda"]:  # pragma: no cover - needs a CUDA build
     from ._chunked_bwd import chunked_bwd
 
     torch.library.register_kernel("flash_attn_ext::bwd", "cuda", chunked_bwd)
@@ -124,4 +138,4 @@ def check_args(q, k, v, softmax_scale, causal, window_left, window_right, softca
 
 def build_info() -> dict:
     """How the compiled library was built: version, CUDA on/off and CUDA archs."""
-    return dict(_C.build_info())
+    return dict(_BUILD_INFO)

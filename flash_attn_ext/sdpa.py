@@ -58,6 +58,10 @@ def scaled_dot_product_attention(
                              "torch.nn.functional.scaled_dot_product_attention)")
         raise NotImplementedError("attn_mask is not implemented yet in flash_attn_ext; pass "
                                   "attn_mask=None (or is_causal=True for a causal mask)")
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
                                   "flash_attn_ext; pass dropout_p=0.0")
@@ -78,10 +82,30 @@ def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError("query, key and value must have the same number of dimensions, got "
                          f"{query.dim()}, {key.dim()} and {value.dim()}")
+    n = query.dim()  # messages use the caller's dimension numbers
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise ValueError("query, key and value must have the same batch size, got "
+                         f"query.size(0)={query.shape[0]}, key.size(0)={key.shape[0]}, "
+                         f"value.size(0)={value.shape[0]}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same sequence length, got "
+                         f"key.size({n - 2})={key.shape[-2]}, value.size({n - 2})="
+                         f"{value.shape[-2]}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key must have the same embedding size, got "
+                         f"query.size({n - 1})={query.shape[-1]}, key.size({n - 1})="
+                         f"{key.shape[-1]}")
+    if n == 4:
+        heads, heads_kv = query.shape[1], key.shape[1]
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value must have the same number of heads, got "
+                             f"key.size(1)={key.shape[1]}, value.size(1)={value.shape[1]}")
+        if heads != heads_kv and not enable_gqa:
+            raise ValueError(f"query has {heads} heads (query.size(1)) and key has {heads_kv} "
+                             "(key.size(1)): they must be equal unless enable_gqa=True")
+        if heads_kv == 0 or heads % heads_kv != 0:
+            raise ValueError(f"with enable_gqa, query.size(1)={heads} must be a multiple of "
+                             f"key.size(1)={heads_kv}")
     if query.dim() == 3:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    heads, heads_kv = query.shape[1], key.shape[1]
-    if heads != heads_kv and not enable_gqa:
-        raise ValueError(f"query has {heads} heads and key has {heads_kv}: they must be equal "
-                         "unless enable_gqa=True")
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

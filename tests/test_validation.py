@@ -67,7 +67,7 @@ def test_window_scale_softcap_dropout():
     with pytest.raises(ValueError, match=r"window_size must be a pair"):
         flash_attn_func(q, k, v, window_size=(1, 2, 3))
     for bad in (float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"softmax_scale must be finite, got"):
+        with pytest.raises(ValueError, match=r"softmax_scale must be finite.*got"):
             flash_attn_func(q, k, v, softmax_scale=bad)
     with pytest.raises(ValueError, match=r"softcap must be finite and >= 0.*got -1"):
         flash_attn_func(q, k, v, softcap=-1.0)
@@ -108,3 +108,77 @@ def test_sdpa_argument_errors():
         scaled_dot_product_attention(q[0, 0], k, v)
     with pytest.raises(ValueError, match="enable_gqa"):
         scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv(h=4, hk=2)))
+
+
+def test_flag_types_and_dropout_range():
+    q, k, v = qkv()
+    for bad in (None, (1.7, 0), (1,), "ab"):
+        with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+            flash_attn_func(q, k, v, window_size=bad)
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        flash_attn_func(q, k, v, causal=None)
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            flash_attn_func(q, k, v, dropout_p=bad)
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            scaled_dot_product_attention(q, k, v, dropout_p=bad)
+    with pytest.raises(ValueError, match="softmax_scale must be finite and representable"):
+        flash_attn_func(q, k, v, softmax_scale=1e300)
+
+
+def test_huge_windows_mean_unbounded():
+    import sys
+    q, k, v = torch.randn(1, 10, 1, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
+    full = flash_attn_func(q, k, v)
+    for window in ((-1, sys.maxsize), (sys.maxsize, -1), (sys.maxsize, sys.maxsize)):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=window), full)
+
+
+def test_zero_query_heads_give_zero_kv_grads():
+    q = torch.randn(2, 5, 0, 4, requires_grad=True)
+    k = torch.randn(2, 7, 2, 4, requires_grad=True)
+    v = torch.randn(2, 7, 2, 3, requires_grad=True)
+    out = flash_attn_func(q, k, v)
+    _, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert (dk == 0).all() and (dv == 0).all()
+
+
+def test_forward_mode_and_functorch_grad_are_refused():
+    q, k, v = (torch.randn(1, 10, 2, 8, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: flash_attn_func(q, k, v), (q,), (torch.randn_like(q),))
+    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+        torch.func.grad(lambda q: flash_attn_func(q, k, v).sum())(q)
+    # vmap of the forward is fine.
+    out = torch.vmap(lambda q: flash_attn_func(q, k, v))(q.unsqueeze(0).expand(3, -1, -1, -1,
+                                                                                -1))
+    assert torch.allclose(out[1], flash_attn_func(q, k, v))
+
+
+def test_sdpa_errors_use_callers_dimensions():
+    r = torch.randn
+    with pytest.raises(ValueError, match=r"key.size\(2\)=4, value.size\(2\)=5"):
+        scaled_dot_product_attention(r(1, 2, 3, 8), r(1, 2, 4, 8), r(1, 2, 5, 8))
+    with pytest.raises(ValueError, match=r"query.size\(1\)=3 must be a multiple of key.size"):
+        scaled_dot_product_attention(r(1, 3, 4, 8), r(1, 2, 4, 8), r(1, 2, 4, 8),
+                                     enable_gqa=True)
+    with pytest.raises(ValueError, match=r"query.size\(3\)=8, key.size\(3\)=9"):
+        scaled_dot_product_attention(r(1, 2, 4, 8), r(1, 2, 4, 9), r(1, 2, 4, 9))
+
+
+def test_explain_checks_like_a_call():
+    from flash_attn_ext import explain
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="is_casual"):
+        explain(q, q, q, is_casual=True)
+    with pytest.raises(ValueError):
+        explain(q, torch.randn(1, 2, 3, 9), q)
+    p = explain(q.long(), q.long(), q.long())
+    assert not p.fused and "not a floating dtype" in p.reasons[0]
+
+
+def test_fake_kernel_errors_are_clear_under_compile():
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: ops.fwd(q, k, v)[0], fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="q must have 4 dimensions"):
+        f(torch.randn(4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8))

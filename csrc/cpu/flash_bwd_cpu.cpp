@@ -185,7 +185,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
   at::Tensor dbias = at::empty({0}, q.options());
-  if (a.batch * a.heads_q == 0) return {dq, dk, dv, dbias};
+  if (a.batch * a.heads_q == 0) {  // nothing attends: k and v (which may exist) get zeros
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dbias};
+  }
 
   BwdParams p;
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
