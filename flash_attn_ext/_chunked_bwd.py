@@ -21,6 +21,9 @@ def chunked_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, 
                 window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
                 alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
                 bias_requires_grad=False):
+    from . import dispatch
+
+    dispatch.note_fallback(dispatch.CUDA_BACKWARD_REASON, dispatch.CHUNKED_BWD)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = heads // heads_kv

@@ -136,8 +136,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
                 128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
             return Plan(f"sm80_fwd_hdim{padded}_{dtype}", CHUNKED_BWD, True,
                         backward_fused=False,
-                        backward_reasons=("the fused CUDA backward kernel is not written yet: "
-                                          "the backward recomputes P in chunked PyTorch ops",))
+                        backward_reasons=(CUDA_BACKWARD_REASON[len("backward: "):],))
     else:
         reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
@@ -146,25 +145,36 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
 def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
     """Applies the no-silent-fallback rule to a plan that is about to run.
 
-    ``needs_grad``: the call will be differentiated, so a backward fallback counts too.
+    A forward fallback is noted here.  A backward fallback is noted by the backward itself when
+    it runs (eagerly) or is traced (torch.compile, through the bwd op's fake kernel); here, with
+    ``needs_grad``, strict mode only refuses it early, before any work.
     """
     global _last_plan
     _last_plan = p
-    if p.fused and (p.backward_fused or not needs_grad):
-        return
-    if p.fused:
-        reason, target = "backward: " + "; ".join(p.backward_reasons), p.backward_kernel
-    else:
-        reason, target = "; ".join(p.reasons), FALLBACK
+    if not p.fused:
+        note_fallback("; ".join(p.reasons), FALLBACK, strict)
+    elif needs_grad and not p.backward_fused and strict_enabled(strict) \
+            and not torch.compiler.is_compiling():
+        note_fallback("backward: " + "; ".join(p.backward_reasons), p.backward_kernel, strict)
+
+
+def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> None:
+    """Raises in strict mode; else counts the fallback and warns once per reason."""
     if strict_enabled(strict):
         raise FallbackError(
             f"flash_attn_ext strict mode: no fused kernel serves this call ({reason}); it would "
             f"run on {target}")
+    if torch.compiler.is_compiling():
+        return  # noted again where it runs: the compiled graph calls the same op
     _counts[reason] += 1
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
                       "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)
+
+
+CUDA_BACKWARD_REASON = ("backward: the fused CUDA backward kernel is not written yet: the "
+                        "backward recomputes P in chunked PyTorch ops")
 
 
 def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,

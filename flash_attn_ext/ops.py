@@ -69,6 +69,10 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
               bias_requires_grad=False):
     _check_same_device(q, k, v)
+    if q.device.type == "cuda":  # traced here under torch.compile: note the backward fallback
+        from . import dispatch
+
+        dispatch.note_fallback(dispatch.CUDA_BACKWARD_REASON, dispatch.CHUNKED_BWD)
     dbias = q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 

@@ -106,10 +106,26 @@ def test_sdpa_api_on_cuda_and_plan():
 
 def test_compile_on_cuda():
     torch._dynamo.reset()
+    dispatch.reset_fallback_counts()
     f = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True), fullgraph=True)
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    f(q).sum().backward()
+    with pytest.warns(UserWarning, match="chunked_torch_bwd"):  # the backward fallback is seen
+        f(q).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+    ref = flash_attn_func(q.detach(), q.detach(), q.detach(), causal=True)
+    assert torch.equal(f(q.detach()), ref)
+
+
+def test_backward_fallback_is_reported_and_strict_refuses():
+    dispatch.reset_fallback_counts()
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.warns(UserWarning, match="chunked_torch_bwd"):
+        flash_attn_func(q, q, q).sum().backward()
+    assert any("backward" in r for r in dispatch.fallback_counts())
+    with pytest.raises(dispatch.FallbackError, match="backward"):
+        flash_attn_func(q, q, q, strict=True)
+    with torch.no_grad():
+        flash_attn_func(q, q, q, strict=True)  # forward only: fused, allowed
 
 
 @pytest.mark.parametrize("causal,window,br", list(itertools.product(
