@@ -71,7 +71,7 @@ def make_extension():
         defines += ["-DFLASH_ATTN_EXT_WITH_CUDA", f'-DFLASH_ATTN_EXT_CUDA_ARCHS="{archs}"']
     cxx_flags = ["-O3", "-fopenmp-simd", *defines]
     link_flags = []
-    if sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux") and os.environ.get("FLASH_ATTN_EXT_OPENMP", "1") != "0":
         # at::parallel_for is a header template that is parallel only where the including file is
         # compiled with OpenMP; torch ships libgomp.so.1 and the loader reuses that copy.
         cxx_flags.append("-fopenmp")
