@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# The device image's default C++ compiler (/opt/gcc) links a private copy of libstdc++ into the
+# extension, whose iostreams then crash on the process's (system) locale objects the first time a
+# TORCH_CHECK message formats a number.  The system g++ links libstdc++ dynamically.
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
 NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
@@ -13,7 +17,7 @@ NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} py
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20
 python3 -m flash_attn_ext info | tee "$OUT/info.txt"
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/test_cuda.py ${PYTEST_ARGS:-} 2>&1 \
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q ${PYTEST_ARGS:-tests/test_cuda.py} 2>&1 \
   | tee "$OUT/tests.log" | tail -25
 if [ "${BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --out-dir "$OUT" "$@" \
