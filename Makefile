@@ -1,7 +1,8 @@
 # One entry point for the common jobs.  Each target does its own set-up and skips what is
 # already there, so they work on a fresh machine and offline where the dependencies exist.
 #
-#   make test     build the extension in place and run the test suite (what CI runs)
+#   make test     build the extension in place, compile-check the CUDA sources, run the tests
+#                 (what CI runs)
 #   make train    run the main job: examples/train_gpt.py (ours vs PyTorch's attention)
 #   make bench    CPU benchmark (benchmarks/bench_cpu.py)
 #   make info     python -m flash_attn_ext info
@@ -12,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: setup build test train bench info clean
+.PHONY: setup build cuda-check test train bench info clean
 
 # A venv that sees the system's packages: a torch that is already installed is reused.
 $(PY):
@@ -29,7 +30,11 @@ setup: $(STAMP)
 build: setup
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace
 
-test: build
+# Compiles every CUDA source (no GPU needed; skipped without nvcc).
+cuda-check: setup
+	PY=$(PY) bash scripts/check_cuda_compile.sh
+
+test: build cuda-check
 	$(PY) -m pytest tests -q
 
 # Built in place, not installed: the scripts find the package through PYTHONPATH.

@@ -1,9 +1,9 @@
 // CUDA glue for flash_attn_ext::fwd: validate, make the inputs kernel-ready (16-byte aligned rows,
 // head dims padded to a multiple of 8 only where needed), allocate out/softmax_lse, pick the
 // instantiation by (head dim, dtype) and launch on the current stream.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     p.head_dim = q.size(3);       // padded columns are zeros: they add nothing to q k^T
     p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaError_t err = q.scalar_type() == at::kBFloat16
                           ? run_for_head_dim<__nv_bfloat16>(kernel_dim, p, stream)
                           : run_for_head_dim<__half>(kernel_dim, p, stream);
