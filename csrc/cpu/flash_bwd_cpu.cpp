@@ -86,16 +86,10 @@ void flash_bwd_cpu(const BwdParams& p) {
 
       for (int64_t j0 = 0; j0 < p.seqlen_k; j0 += BK) {
         const int64_t nk = std::min(BK, p.seqlen_k - j0);
-        Mat<acc_t> km{nullptr, D}, vm{nullptr, Dv};
-        if constexpr (kInPlace) {
-          km = {reinterpret_cast<const acc_t*>(k_head + j0 * p.k_row_stride), p.k_row_stride};
-          vm = {reinterpret_cast<const acc_t*>(v_head + j0 * p.v_row_stride), p.v_row_stride};
-        } else {
-          load_tile(k_buf.data(), k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride);
-          load_tile(v_buf.data(), v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride);
-          km = {k_buf.data(), D};
-          vm = {v_buf.data(), Dv};
-        }
+        const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
+                                       k_buf.data());
+        const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
+                                       v_buf.data());
         std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
         std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
 
@@ -105,16 +99,9 @@ void flash_bwd_cpu(const BwdParams& p) {
             const int64_t mq = std::min(BQ, L - i0);
             // Skip query tiles that see none of keys [j0, j0 + nk).
             if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
-            Mat<acc_t> qm{nullptr, D}, dom{nullptr, Dv};
-            if constexpr (kInPlace) {
-              qm = {reinterpret_cast<const acc_t*>(q_ptr(h, i0)), p.q_row_stride};
-              dom = {reinterpret_cast<const acc_t*>(do_ptr(h, i0)), p.dout_row_stride};
-            } else {
-              load_tile(q_buf.data(), q_ptr(h, i0), mq, D, p.q_row_stride);
-              load_tile(do_buf.data(), do_ptr(h, i0), mq, Dv, p.dout_row_stride);
-              qm = {q_buf.data(), D};
-              dom = {do_buf.data(), Dv};
-            }
+            const Mat<acc_t> qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
+            const Mat<acc_t> dom =
+                acc_view(do_ptr(h, i0), mq, Dv, p.dout_row_stride, do_buf.data());
             acc_t* S = s_buf.data();
             acc_t* dP = dp_buf.data();
             gemm(S, BK, qm, km.t(), mq, nk, D, scale, 0.0);

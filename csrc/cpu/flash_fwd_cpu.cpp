@@ -62,25 +62,13 @@ void flash_fwd_cpu(const FwdParams& p) {
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
 
       const int64_t key_begin = vis.begin(i0), key_end = vis.end(i0 + mq - 1);
-      Mat<acc_t> qm{nullptr, D};
-      if constexpr (kInPlace) {
-        qm = {reinterpret_cast<const acc_t*>(q_tile), p.q_row_stride};
-      } else {
-        load_tile(q_buf.data(), q_tile, mq, D, p.q_row_stride);
-        qm = {q_buf.data(), D};
-      }
+      const Mat<acc_t> qm = acc_view(q_tile, mq, D, p.q_row_stride, q_buf.data());
       for (int64_t j0 = key_begin; j0 < key_end; j0 += BK) {
         const int64_t nk = std::min(BK, key_end - j0);
-        Mat<acc_t> km{nullptr, D}, vm{nullptr, Dv};
-        if constexpr (kInPlace) {
-          km = {reinterpret_cast<const acc_t*>(k_head + j0 * p.k_row_stride), p.k_row_stride};
-          vm = {reinterpret_cast<const acc_t*>(v_head + j0 * p.v_row_stride), p.v_row_stride};
-        } else {
-          load_tile(k_buf.data(), k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride);
-          load_tile(v_buf.data(), v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride);
-          km = {k_buf.data(), D};
-          vm = {v_buf.data(), Dv};
-        }
+        const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
+                                       k_buf.data());
+        const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
+                                       v_buf.data());
         acc_t* S = s_buf.data();
         gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);
         if (p.softcap > 0.0) apply_softcap(S, mq, nk, BK, static_cast<acc_t>(p.softcap));

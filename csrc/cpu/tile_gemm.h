@@ -50,4 +50,16 @@ inline void load_tile(T* dst, const S* src, int64_t rows, int64_t cols, int64_t 
   }
 }
 
+// A (rows x cols) tile at `src` (leading dimension ld) as an accumulator-type matrix: read in
+// place when the types match (fp32, fp64), else converted into `buf` (fp16, bf16).
+template <typename T, typename S>
+inline Mat<T> acc_view(const S* src, int64_t rows, int64_t cols, int64_t ld, T* buf) {
+  if constexpr (std::is_same_v<S, T>) {
+    return {src, ld};
+  } else {
+    load_tile(buf, src, rows, cols, ld);
+    return {buf, cols};
+  }
+}
+
 }  // namespace flash_attn_ext::cpu
