@@ -19,11 +19,14 @@ struct AttnArgs {
 };
 
 // Validates q/k/v and the flags of the forward (and, with the same arguments, the backward) op.
+// kernel_dtypes: require a dtype this device's kernels take; else any floating dtype (the checks
+// of the unfused fallback path).
 AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          std::optional<double> softmax_scale, bool causal, int64_t window_left,
                          int64_t window_right, double softcap,
                          const std::optional<at::Tensor>& alibi_slopes,
-                         const std::optional<at::Tensor>& attn_bias, double dropout_p);
+                         const std::optional<at::Tensor>& attn_bias, double dropout_p,
+                         bool kernel_dtypes = true);
 
 // Checks that `t` has exactly `sizes`, and q's dtype and device.
 void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,

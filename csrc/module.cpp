@@ -35,7 +35,8 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 std::optional<double> softmax_scale, bool causal, int64_t window_left,
                 int64_t window_right, double softcap, double dropout_p) {
   flash_attn_ext::check_attn_args(q, k, v, softmax_scale, causal, window_left, window_right,
-                                  softcap, std::nullopt, std::nullopt, dropout_p);
+                                  softcap, std::nullopt, std::nullopt, dropout_p,
+                                  /*kernel_dtypes=*/false);
 }
 
 }  // namespace

@@ -44,7 +44,8 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          std::optional<double> softmax_scale, bool causal, int64_t window_left,
                          int64_t window_right, double softcap,
                          const std::optional<at::Tensor>& alibi_slopes,
-                         const std::optional<at::Tensor>& attn_bias, double dropout_p) {
+                         const std::optional<at::Tensor>& attn_bias, double dropout_p,
+                         bool kernel_dtypes) {
   TORCH_CHECK_VALUE(q.dim() == 4,
                     "q must have 4 dimensions (batch, seqlen_q, num_heads, head_dim), got q.dim()=",
                     q.dim(), " with shape ", q.sizes());
@@ -60,7 +61,9 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
                     "q, k and v must be on the same device, got q.device=", q.device(),
                     ", k.device=", k.device(), ", v.device=", v.device());
-  TORCH_CHECK_VALUE(is_supported_dtype(q), "q.dtype=", q.scalar_type(), " is not supported on ",
+  const bool dtype_ok =
+      kernel_dtypes ? is_supported_dtype(q) : at::isFloatingType(q.scalar_type());
+  TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", q.scalar_type(), " is not supported on ",
                     q.device().type(), ": CPU takes float32, float64, float16 and bfloat16; CUDA "
                     "takes float16 and bfloat16");
 

@@ -44,6 +44,11 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse)."""
     _check_transforms(q, k, v)
     p = dispatch.plan(q, k, v)
+    if not p.fused and not torch.compiler.is_compiling():
+        # Same argument checks as the fused op, so bad input fails the same way on every path
+        # (and is not reported as a fallback).
+        ops.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                       dropout_p)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
     dispatch.record(p, strict, needs_grad)
@@ -52,10 +57,6 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
                                       align_bottom_right, softcap, None, None, dropout_p,
                                       deterministic)
         return out, softmax_lse
-    if not torch.compiler.is_compiling():
-        # Same argument checks as the fused op, so bad input fails the same way on every path.
-        ops.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                       dropout_p)
     return dispatch.fallback_attention(q, k, v, softmax_scale, window_left,
                                        0 if causal else window_right, align_bottom_right, softcap)
 

@@ -135,3 +135,14 @@ def test_opcheck_cuda(causal, window, br):
     k = torch.randn(2, 13, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.library.opcheck(ops.fwd_op, (q, k, k, None, causal, window[0], window[1], br, 0.0,
                                        None, None, 0.0, False))
+
+
+def test_float32_falls_back_visibly_and_correctly():
+    dispatch.reset_fallback_counts()
+    q = torch.randn(1, 33, 2, 64, device="cuda")
+    with pytest.warns(UserWarning, match="float32"):
+        out = flash_attn_func(q, q, q, causal=True)
+    ref, _ = attention_ref(q, q, q, causal=True, compute_dtype=torch.float32)
+    assert (out - ref).abs().max().item() < 1e-4
+    with pytest.raises(dispatch.FallbackError, match="float32"):
+        flash_attn_func(q, q, q, strict=True)

@@ -105,3 +105,14 @@ def test_info_cli_runs():
 def test_flash_attn_func_strict_does_not_raise_on_cpu():
     q = torch.randn(1, 3, 1, 4)
     flash_attn_func(q, q, q, strict=True)
+
+
+def test_fallback_through_the_public_api_on_meta():
+    q = torch.empty(2, 7, 4, 16, device="meta")
+    with pytest.warns(UserWarning, match="'meta'"):
+        out = flash_attn_func(q, q, q, causal=True)
+    assert out.shape == q.shape and out.device.type == "meta"
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_func(torch.empty(2, 7, 4, 300, device="meta"),
+                        torch.empty(2, 7, 4, 300, device="meta"),
+                        torch.empty(2, 7, 4, 300, device="meta"))
