@@ -194,3 +194,26 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     a = flash_attn_func(q, k, v)
     b = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(10))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mqa_backward_split_over_key_tiles(dtype):
+    # One (batch, kv head) pair and several key tiles: the CPU backward splits the keys across
+    # threads and sums the partial dQ; it must match the single-thread result and the reference.
+    run_case(dtype, (1, 300, 1500, 4, 1, 32, 32), (False, -1, -1, True))
+    run_case(dtype, (1, 1500, 1500, 2, 1, 32, 32), (True, -1, -1, True))
+    q, k, v = (torch.randn(1, n, h, 32, dtype=dtype, requires_grad=True)
+               for n, h in ((300, 4), (1500, 1), (1500, 1)))
+    out = flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        grads_1 = torch.autograd.grad(flash_attn_func(q, k, v), (q, k, v), dout)
+    finally:
+        torch.set_num_threads(threads)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(grads, grads_1):
+        scale = max(1.0, b.abs().max().item())
+        assert (a.double() - b.double()).abs().max().item() <= tol * scale

@@ -8,7 +8,9 @@
 //   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
 //   dK += scale * dS^T Q,   dQ += scale * dS K   (dQ accumulated in the task's own buffer)
 // Every query head of a group belongs to the task of its key/value head, so dK/dV sum over the
-// group and no two threads ever write the same gradient: the result is deterministic.
+// group and no two threads ever write the same gradient.  With fewer (batch, kv head) pairs than
+// threads the key tiles are split too, and the partial dQ are summed in a fixed order: the
+// result is deterministic for a given thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -54,14 +56,30 @@ void flash_bwd_cpu(const BwdParams& p) {
   auto* dk = static_cast<scalar_t*>(p.dk);
   auto* dv = static_cast<scalar_t*>(p.dv);
 
-  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> delta(group * L), dq_acc(group * L * D);
+  // Tasks are (batch, kv head) pairs.  With fewer pairs than threads (MQA, batch 1) each pair's
+  // key tiles are also split into `chunks`: dK/dV rows stay disjoint, and each chunk adds its
+  // share of dQ into its own buffer, summed in a fixed order afterwards (still deterministic).
+  const int64_t pairs = p.batch * p.heads_kv;
+  const int64_t key_tiles = (p.seqlen_k + BK - 1) / BK;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min(key_tiles, (threads + pairs - 1) / pairs));
+  const int64_t tiles_per_chunk = chunks > 1 ? (key_tiles + chunks - 1) / chunks : key_tiles;
+  std::vector<acc_t> dq_partial(chunks > 1 ? chunks * pairs * group * L * D : 0);
+
+  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> delta(group * L), dq_own(chunks > 1 ? 0 : group * L * D);
     std::vector<acc_t> k_buf(kInPlace ? 0 : BK * D), v_buf(kInPlace ? 0 : BK * Dv);
     std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), do_buf(kInPlace ? 0 : BQ * Dv);
     std::vector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
     std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+      const int64_t pair = task / chunks, chunk = task % chunks;
+      const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
+      acc_t* dq_acc = chunks > 1 ? dq_partial.data() + (chunk * pairs + pair) * group * L * D
+                                 : dq_own.data();
+      const int64_t key_lo = chunk * tiles_per_chunk * BK;
+      const int64_t key_hi = std::min(p.seqlen_k, (chunk + 1) * tiles_per_chunk * BK);
       auto q_ptr = [&](int64_t h, int64_t i) {
         return q + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
       };
@@ -80,12 +98,12 @@ void flash_bwd_cpu(const BwdParams& p) {
           delta[g * L + i] = acc;
         }
       }
-      std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
+      std::fill(dq_acc, dq_acc + group * L * D, acc_t(0));
       const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride;
       const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride;
 
-      for (int64_t j0 = 0; j0 < p.seqlen_k; j0 += BK) {
-        const int64_t nk = std::min(BK, p.seqlen_k - j0);
+      for (int64_t j0 = key_lo; j0 < key_hi; j0 += BK) {
+        const int64_t nk = std::min(BK, key_hi - j0);
         const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
                                        k_buf.data());
         const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
@@ -124,7 +142,7 @@ void flash_bwd_cpu(const BwdParams& p) {
                 for (int64_t c = 0; c < nk; ++c) dP[r * BK + c] *= dtanh[r * BK + c];
             }
             gemm(dk_acc.data(), D, Mat<acc_t>{dP, BK}.t(), qm, nk, D, mq, scale, 1.0);
-            gemm(dq_acc.data() + (g * L + i0) * D, D, Mat<acc_t>{dP, BK}, km, mq, D, nk, scale,
+            gemm(dq_acc + (g * L + i0) * D, D, Mat<acc_t>{dP, BK}, km, mq, D, nk, scale,
                  1.0);
           }
         }
@@ -133,11 +151,29 @@ void flash_bwd_cpu(const BwdParams& p) {
         store_tile(dv + b * p.dv_batch_stride + hk * p.dv_head_stride + j0 * p.dv_row_stride,
                    p.dv_row_stride, dv_acc.data(), nk, Dv);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = hk * group + g;
-        store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride,
-                   dq_acc.data() + g * L * D, L, D);
+      if (chunks == 1) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hk * group + g;
+          store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride,
+                     dq_acc + g * L * D, L, D);
+        }
       }
+    }
+  });
+  if (chunks == 1) return;
+  // dQ = the chunks' partial sums, added in chunk order; one task per (pair, query head).
+  at::parallel_for(0, pairs * group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sum(L * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t pair = task / group, g = task % group;
+      std::fill(sum.begin(), sum.end(), acc_t(0));
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        const acc_t* part = dq_partial.data() + ((chunk * pairs + pair) * group + g) * L * D;
+        for (int64_t x = 0; x < L * D; ++x) sum[x] += part[x];
+      }
+      const int64_t b = pair / p.heads_kv, h = (pair % p.heads_kv) * group + g;
+      store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride, sum.data(),
+                 L, D);
     }
   });
 }
