@@ -28,6 +28,12 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const std::optional<at::Tensor>& attn_bias, double dropout_p,
                          bool kernel_dtypes = true);
 
+// The attention bias as an accumulator-type (float32, float64 for float64 inputs) view
+// expanded to (batch, heads_q, seqlen_q, seqlen_k): broadcast dimensions get stride 0, so only
+// the bias's own elements exist in memory.  Fills the bias fields of `p`.
+at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
+                        FwdParams& p);
+
 // Checks that `t` has exactly `sizes`, and q's dtype and device.
 void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
                 const at::Tensor& q);

@@ -123,9 +123,36 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                               "dropout_p=", dropout_p);
   TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
                               "alibi_slopes is not implemented yet in flash_attn_ext");
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
-                              "attn_bias (attn_mask) is not implemented yet in flash_attn_ext");
+  if (attn_bias.has_value()) {
+    const at::Tensor& bias = *attn_bias;
+    TORCH_CHECK_VALUE(bias.dim() <= 4,
+                      "attn_bias must have at most 4 dimensions (batch, num_heads, seqlen_q, "
+                      "seqlen_k), got attn_bias.dim()=", bias.dim());
+    TORCH_CHECK_VALUE(at::isFloatingType(bias.scalar_type()),
+                      "attn_bias must be a floating tensor (additive), got dtype ",
+                      bias.scalar_type());
+    TORCH_CHECK_VALUE(bias.device() == q.device(), "attn_bias must be on ", q.device(), ", got ",
+                      bias.device());
+    const int64_t full[4] = {a.batch, a.heads_q, a.seqlen_q, a.seqlen_k};
+    for (int64_t d = 0; d < bias.dim(); ++d) {
+      const int64_t size = bias.size(bias.dim() - 1 - d), want = full[3 - d];
+      TORCH_CHECK_VALUE(size == want || size == 1, "attn_bias of shape ", bias.sizes(),
+                        " is not broadcastable to (batch, num_heads, seqlen_q, seqlen_k) = (",
+                        a.batch, ", ", a.heads_q, ", ", a.seqlen_q, ", ", a.seqlen_k, ")");
+    }
+  }
   return a;
+}
+
+at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
+                        FwdParams& p) {
+  at::Tensor b = bias.to(acc_dtype).expand({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k});
+  p.attn_bias = b.data_ptr();
+  p.bias_batch_stride = b.stride(0);
+  p.bias_head_stride = b.stride(1);
+  p.bias_row_stride = b.stride(2);
+  p.bias_col_stride = b.stride(3);
+  return b;
 }
 
 void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,

@@ -25,6 +25,12 @@ struct FwdParams {
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
   int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
 
+  // Additive bias (attn_mask) in the accumulator type, indexed (batch, head_q, row, key) with
+  // these element strides (0 where it broadcasts); nullptr when absent.  Added after the scale
+  // and softcap: scores = softcap(q k^T * scale) + bias.
+  const void* attn_bias = nullptr;
+  int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
+
   double softmax_scale = 1.0;  // double so float64 inputs keep full precision
   double softcap = 0.0;  // 0 = off; else scores become softcap * tanh(scores / softcap)
 
@@ -45,6 +51,9 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
   bool deterministic = false;
+  // With a bias that needs a gradient: dS in the accumulator type, (batch, head_q, seqlen_q,
+  // seqlen_k) contiguous; the glue reduces it to the bias's shape.  nullptr otherwise.
+  void* dbias_full = nullptr;
 };
 
 }  // namespace flash_attn_ext

@@ -110,8 +110,11 @@ def _capability(index: int) -> tuple:
     return tuple(torch.cuda.get_device_capability(index))
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
-    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout."""
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_bias: bool = False) -> Plan:
+    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
+
+    ``has_bias``: the call passes an attention bias / mask.
+    """
     device = q.device.type
     dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
     reasons = []
@@ -124,6 +127,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
         if not ops.build_info()["cuda"]:
             reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
                            "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
+        if has_bias:
+            reasons.append("attn_mask/attn_bias is not implemented in the CUDA kernels yet")
         if q.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")
@@ -178,7 +183,7 @@ CUDA_BACKWARD_REASON = ("backward: the fused CUDA backward kernel is not written
 
 
 def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
-                       softcap):
+                       softcap, attn_bias=None):
     """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
 
     Used only where no fused kernel exists (see :func:`plan`); follows the same semantics
@@ -205,6 +210,8 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
         if window_right >= 0:
             visible &= j <= i + window_right
         scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(acc)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)

@@ -40,25 +40,31 @@ def _check_flags(causal, window_size, dropout_p) -> None:
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
         causal: bool, window_left: int, window_right: int, align_bottom_right: bool,
         softcap: float, dropout_p: float, deterministic: bool,
-        strict: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse)."""
+        strict: Optional[bool],
+        attn_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse).
+
+    ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None.
+    """
     _check_transforms(q, k, v)
-    p = dispatch.plan(q, k, v)
+    p = dispatch.plan(q, k, v, has_bias=attn_bias is not None)
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).
         ops.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                        dropout_p)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                              or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (attn_bias is not None and attn_bias.requires_grad))
     dispatch.record(p, strict, needs_grad)
     if p.fused:
         out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
-                                      align_bottom_right, softcap, None, None, dropout_p,
+                                      align_bottom_right, softcap, None, attn_bias, dropout_p,
                                       deterministic)
         return out, softmax_lse
     return dispatch.fallback_attention(q, k, v, softmax_scale, window_left,
-                                       0 if causal else window_right, align_bottom_right, softcap)
+                                       0 if causal else window_right, align_bottom_right, softcap,
+                                       attn_bias)
 
 
 def flash_attn_func(

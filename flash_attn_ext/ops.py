@@ -73,7 +73,10 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
         from . import dispatch
 
         dispatch.note_fallback(dispatch.CUDA_BACKWARD_REASON, dispatch.CHUNKED_BWD)
-    dbias = q.new_empty((0,))
+    if attn_bias is not None and bias_requires_grad:
+        dbias = attn_bias.new_empty(attn_bias.shape)
+    else:
+        dbias = q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 

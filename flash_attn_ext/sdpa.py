@@ -34,7 +34,10 @@ def scaled_dot_product_attention(
         value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
             case H must be a multiple of H_kv.  E and Ev: 1 to 256.  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
-        attn_mask: must be None for now (masks come with a later release).
+        attn_mask: boolean (True = attend) or additive float mask, broadcastable to
+            (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernel tile by tile
+            (CPU; CUDA falls back visibly for now); a float mask that requires grad gets one.
+            Rows the mask empties give 0 (PyTorch gives NaN there).
         dropout_p: must be 0.0 for now.
         is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
             (rows of query i see keys j <= i; with L > S the last rows see all keys).
@@ -49,15 +52,12 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
             H != H_kv without enable_gqa), and the errors of flash_attn_func.
-        NotImplementedError: attn_mask given or dropout_p > 0 (not implemented yet).
+        NotImplementedError: dropout_p > 0 (not implemented yet).
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
-    if attn_mask is not None:
-        if is_causal:
-            raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
-                             "torch.nn.functional.scaled_dot_product_attention)")
-        raise NotImplementedError("attn_mask is not implemented yet in flash_attn_ext; pass "
-                                  "attn_mask=None (or is_causal=True for a causal mask)")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
+                         "torch.nn.functional.scaled_dot_product_attention)")
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     if not 0.0 <= dropout_p < 1.0:
@@ -66,11 +66,33 @@ def scaled_dot_product_attention(
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
                                   "flash_attn_ext; pass dropout_p=0.0")
     q, k, v = to_bshd(query, key, value, enable_gqa)
+    bias = None if attn_mask is None else mask_to_bias(attn_mask, query)
     out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
                  window_right=-1, align_bottom_right=False, softcap=0.0, dropout_p=0.0,
-                 deterministic=False, strict=strict)
+                 deterministic=False, strict=strict, attn_bias=bias)
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """SDPA's attn_mask as an additive bias broadcastable to (N, H, L, S).
+
+    A boolean mask (True = attend) becomes 0 / -inf in float32 (float64 for float64 queries) at
+    the mask's own shape; a float mask is the bias itself (and gets a gradient if it requires
+    one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.
+    """
+    if attn_mask.dtype == torch.bool:
+        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
+        bias = bias.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask.is_floating_point():
+        bias = attn_mask
+    else:
+        raise ValueError(f"attn_mask must be a bool or floating tensor, got dtype "
+                         f"{attn_mask.dtype}")
+    if query.dim() == 3 and bias.dim() == 3:
+        bias = bias.unsqueeze(1)
+    return bias
 
 
 def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):

@@ -30,8 +30,9 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, w
 
 def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=False,
                   window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
-                  compute_dtype=torch.float64):
-    """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable."""
+                  attn_bias=None, compute_dtype=torch.float64, return_probs=False):
+    """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable
+    (and the probabilities (B, H, L, S) with ``return_probs``)."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -43,12 +44,16 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
         scores = softcap * torch.tanh(scores / softcap)
     visible = visible_mask(seqlen_q, seqlen_k, causal, window_left, window_right,
                            align_bottom_right, q.device)
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    empty = ~visible.any(dim=-1)  # rows that see no key: out = 0 (DESIGN.md section 2)
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty[:, None], 0.0)
+    # Rows that see no key: out = 0 and no gradient (DESIGN.md section 2).  Their scores are
+    # replaced before the softmax so that its backward does not turn them into NaN.
+    empty = (torch.isinf(lse) & (lse < 0)).unsqueeze(-1)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     out = torch.einsum("bhls,bshd->blhd", probs, vc)
-    return out, lse
+    return (out, lse, probs) if return_probs else (out, lse)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,7 +105,12 @@ def cancellation_scale(q, k, v, dout, **kw):
         probs = probs * visible
         dp_abs = torch.einsum("blhd,bshd->bhls", dod.abs(), vv.abs())
         delta_abs = (dod.abs() * out.abs()).sum(-1).transpose(1, 2).unsqueeze(-1)
-        a = probs * (dp_abs + delta_abs)
+        # delta = rowsum(dO * O) reads `out` rounded to the input dtype (as FlashAttention does):
+        # in fp16/bf16 its error is that dtype's eps, not eps32; scale its term to match.
+        ratio = 1.0
+        if q.dtype in (torch.float16, torch.bfloat16):
+            ratio = torch.finfo(q.dtype).eps / torch.finfo(torch.float32).eps
+        a = probs * (dp_abs + ratio * delta_abs)
         cdq = scale * torch.einsum("bhls,bshd->blhd", a, kk.abs())
         cdk = scale * torch.einsum("bhls,blhd->bshd", a, qd.abs())
         cdv = torch.einsum("bhls,blhd->bshd", probs, dod.abs())

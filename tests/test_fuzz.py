@@ -10,6 +10,32 @@ from flash_attn_ext import ops
 from reference import assert_error_rule, attention_ref, cancellation_scale
 
 
+def check_grads_with_bias(q, k, v, bias, dout, kw):
+    """dq, dk, dv (and dbias) against float64 autograd, relative to each gradient's size."""
+    inputs = [q, k, v] + ([bias] if bias.requires_grad else [])
+    out = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
+                  kw["window_right"], kw["align_bottom_right"], kw["softcap"], None, bias)[0]
+    ours = torch.autograd.grad(out, inputs, dout)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    ref, _, probs = attention_ref(*leaves[:3], attn_bias=leaves[3] if len(leaves) > 3 else bias,
+                                  return_probs=True, **kw)
+    refs = torch.autograd.grad(ref, leaves, dout.double())
+    tol = 1e-9 if q.dtype == torch.float64 else (1e-4 if q.dtype == torch.float32 else 5e-2)
+    # FlashAttention's D = rowsum(dO * O) reads `out` rounded to the input dtype: each dS_ij is
+    # off by up to P_ij * eps * sum_c |dO_ic O_ic|, and dbias sums dS over broadcast dimensions.
+    eps = torch.finfo(q.dtype).eps
+    delta_err = eps * (dout.double().abs() * ref.detach().abs()).sum(-1).transpose(1, 2)
+    dbias_bound = (probs.detach() * delta_err.unsqueeze(-1)).sum_to_size(bias.shape)
+    for name, a, r in zip(("dq", "dk", "dv", "dbias"), ours, refs):
+        r = r.nan_to_num(0.0)  # -inf bias entries: no gradient
+        scale = max(1.0, r.abs().max().item())
+        assert a.shape == r.shape and not torch.isnan(a).any(), name
+        err = (a.double() - r).abs()
+        if name == "dbias":
+            err = err - 4 * dbias_bound
+        assert err.max().item() <= tol * scale, name
+
+
 @st.composite
 def configs(draw):
     heads_kv = draw(st.integers(1, 3))
@@ -29,6 +55,10 @@ def configs(draw):
         softmax_scale=draw(st.sampled_from([None, None, 0.05, 1.3])),
         dtype=draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])),
         transposed=draw(st.booleans()),
+        # attention bias: None or a broadcast pattern over (batch, heads, rows, keys)
+        bias=draw(st.sampled_from([None, None, (1, 1, 0, 1), (0, 1, 1, 1), (0, 0, 0, 0),
+                                   (1, 0, 0, 1)])),
+        bias_grad=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -58,16 +88,26 @@ def test_fuzz_against_reference(c):
     kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"],
               window_left=c["window_left"], window_right=c["window_right"],
               align_bottom_right=c["align_bottom_right"], softcap=c["softcap"])
+    bias = None
+    if c["bias"] is not None:  # 1 = that dimension broadcasts
+        full = (c["batch"], heads, c["seqlen_q"], c["seqlen_k"])
+        shape = tuple(1 if bc else n for bc, n in zip(c["bias"], full))
+        bias = torch.randn(shape, dtype=c["dtype"])
+        bias = bias.masked_fill(torch.rand(shape) < 0.2, float("-inf")).requires_grad_(
+            c["bias_grad"])
     out, lse, _ = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
-                          kw["window_right"], kw["align_bottom_right"], kw["softcap"])
+                          kw["window_right"], kw["align_bottom_right"], kw["softcap"], None, bias)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     true_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    true_out, true_lse = attention_ref(*true_leaves, **kw)
-    low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], **kw)
+    true_out, true_lse = attention_ref(*true_leaves, attn_bias=bias, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], attn_bias=bias, **kw)
     assert_error_rule(out, low_out, true_out, 2.0, "out")
     assert torch.equal(torch.isfinite(lse), torch.isfinite(true_lse))
     if c["seqlen_k"] == 0:
+        return
+    if bias is not None:
+        check_grads_with_bias(q, k, v, bias, dout, kw)
         return
     true_grads = torch.autograd.grad(true_out, true_leaves, dout.double())
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)

@@ -12,6 +12,7 @@
 // threads the key tiles are split too, and the partial dQ are summed in a fixed order: the
 // result is deterministic for a given thread count.
 #include <ATen/Dispatch.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -55,6 +56,8 @@ void flash_bwd_cpu(const BwdParams& p) {
   auto* dq = static_cast<scalar_t*>(p.dq);
   auto* dk = static_cast<scalar_t*>(p.dk);
   auto* dv = static_cast<scalar_t*>(p.dv);
+  const auto* bias = static_cast<const acc_t*>(p.attn_bias);
+  auto* dbias = static_cast<acc_t*>(p.dbias_full);
 
   // Tasks are (batch, kv head) pairs.  With fewer pairs than threads (MQA, batch 1) each pair's
   // key tiles are also split into `chunks`: dK/dV rows stay disjoint, and each chunk adds its
@@ -132,11 +135,22 @@ void flash_bwd_cpu(const BwdParams& p) {
                   dtanh[r * BK + c] = acc_t(1) - t * t;
                 }
             }
+            if (bias != nullptr) {
+              add_bias(S, mq, nk, BK,
+                       bias + b * p.bias_batch_stride + h * p.bias_head_stride +
+                           i0 * p.bias_row_stride + j0 * p.bias_col_stride,
+                       p.bias_row_stride, p.bias_col_stride);
+            }
             apply_mask(S, mq, nk, BK, vis, i0, j0);
             probs_from_lse_rows(S, mq, nk, BK, lse + (b * p.heads_q + h) * L + i0);
             gemm(dv_acc.data(), Dv, Mat<acc_t>{S, BK}.t(), dom, nk, Dv, mq, 1.0, 1.0);
             gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);
             softmax_grad_rows(S, dP, mq, nk, BK, delta.data() + g * L + i0);
+            if (dbias != nullptr) {  // d(bias) = dS: scores = softcap(...) + bias
+              acc_t* dst = dbias + ((b * p.heads_q + h) * L + i0) * p.seqlen_k + j0;
+              for (int64_t r = 0; r < mq; ++r)
+                std::copy(dP + r * BK, dP + r * BK + nk, dst + r * p.seqlen_k);
+            }
             if (p.softcap > 0.0) {
               for (int64_t r = 0; r < mq; ++r)
                 for (int64_t c = 0; c < nk; ++c) dP[r * BK + c] *= dtanh[r * BK + c];
@@ -186,7 +200,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
     double dropout_p, bool deterministic, bool bias_requires_grad) {
   (void)rng_state;
-  (void)bias_requires_grad;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
@@ -207,12 +220,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dq = new_output(q.sizes(), q.options());
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
-  at::Tensor dbias = at::empty({0}, q.options());
+  const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
+  at::Tensor dbias_full = want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k},
+                                                 q.options().dtype(lse_dtype(q.scalar_type())))
+                                     : at::Tensor();
+  auto make_dbias = [&] {
+    if (!want_dbias) return at::empty({0}, q.options());
+    return at::sum_to(dbias_full, attn_bias->sizes()).to(attn_bias->scalar_type()).contiguous();
+  };
   if (a.batch * a.heads_q == 0) {  // nothing attends: k and v (which may exist) get zeros
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv, dbias};
+    return {dq, dk, dv, make_dbias()};
   }
 
   BwdParams p;
@@ -234,9 +254,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.dv_row_stride = dv.stride(1);
   p.dv_head_stride = dv.stride(2);
   p.deterministic = deterministic;  // the CPU backward is always deterministic
+  const at::Tensor bias_view = attn_bias.has_value()
+                                   ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
+                                   : at::Tensor();
+  p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
                                   [&] { flash_bwd_cpu<scalar_t>(p); });
-  return {dq, dk, dv, dbias};
+  return {dq, dk, dv, make_dbias()};
 }
 
 }  // namespace

@@ -22,6 +22,15 @@ inline void apply_softcap(T* S, int64_t rows, int64_t cols, int64_t ld, T softca
     for (int64_t c = 0; c < cols; ++c) S[r * ld + c] = softcap * std::tanh(S[r * ld + c] * inv);
 }
 
+// S += bias for a (rows x cols) tile; bias element (r, c) at bias[r * row_stride + c * col_stride]
+// (strides 0 where the bias broadcasts).
+template <typename T>
+inline void add_bias(T* S, int64_t rows, int64_t cols, int64_t ld, const T* bias,
+                     int64_t row_stride, int64_t col_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) S[r * ld + c] += bias[r * row_stride + c * col_stride];
+}
+
 // Sets S to -inf where key j0 + c is not visible to query i0 + r (see mask.h).
 template <typename T>
 inline void apply_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const VisibleKeys& vis,

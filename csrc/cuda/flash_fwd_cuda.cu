@@ -52,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
+                              "attn_bias (attn_mask) is not implemented in the CUDA kernels yet");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);

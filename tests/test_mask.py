@@ -1,0 +1,106 @@
+"""attn_mask (SDPA) / attn_bias (op) on the CPU kernels, against PyTorch's own SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_attn_ext import ops, scaled_dot_product_attention
+from reference import assert_error_rule
+
+B, H, HKV, L, S, E, EV = 2, 4, 2, 37, 53, 16, 24
+
+
+def torch_math(query, key, value, mask, gqa):
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    return out.nan_to_num(0.0)  # rows the mask empties: PyTorch NaN, ours 0 (DESIGN.md)
+
+
+MASKS = {
+    "padding_bool_B11S": lambda: torch.rand(B, 1, 1, S) > 0.3,
+    "bool_B1LS": lambda: torch.rand(B, 1, L, S) > 0.5,
+    "bool_LS": lambda: torch.rand(L, S) > 0.5,
+    "float_1HLS": lambda: torch.randn(1, H, L, S),
+    "float_BHLS": lambda: torch.randn(B, H, L, S),
+    "empty_rows": lambda: torch.arange(L)[:, None] % 5 != 0,  # rows 0, 5, ... see nothing
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(MASKS))
+@pytest.mark.parametrize("gqa", [False, True])
+def test_mask_matches_torch(dtype, name, gqa):
+    mask = MASKS[name]()
+    if name == "empty_rows":
+        mask = mask.expand(L, S).clone()
+    mask_grad = mask.is_floating_point()
+    if mask_grad:
+        mask = mask.to(dtype).requires_grad_()
+    heads_kv = HKV if gqa else H
+    query = torch.randn(B, H, L, E, dtype=dtype, requires_grad=True)
+    key = torch.randn(B, heads_kv, S, E, dtype=dtype, requires_grad=True)
+    value = torch.randn(B, heads_kv, S, EV, dtype=dtype, requires_grad=True)
+    inputs = [query, key, value] + ([mask] if mask_grad else [])
+    out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+
+    def theirs(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
+        m = leaves[3] if mask_grad else mask
+        o = torch_math(*leaves[:3], m, gqa)
+        return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
+
+    true, true_g = theirs(torch.float64)
+    low, low_g = theirs(dtype)
+    assert_error_rule(out, low, true, 2.0, "out")
+    names = ["dq", "dk", "dv", "dmask"]
+    for n, a, lo, t in zip(names, grads, low_g, true_g):
+        assert a.shape == t.shape
+        # Gradients of rows a mask empties are 0 on both sides (torch: NaN -> nan_to_num).
+        assert_error_rule(a, lo.nan_to_num(0.0), t.nan_to_num(0.0), 3.0, n)
+
+
+def test_mask_rows_emptied_give_zero_and_no_nan():
+    query = torch.randn(1, 2, 6, 8, requires_grad=True)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2] = False
+    out = scaled_dot_product_attention(query, query, query, attn_mask=mask)
+    assert (out[:, :, 2] == 0).all() and not torch.isnan(out).any()
+    (g,) = torch.autograd.grad(out.sum(), query)
+    assert not torch.isnan(g).any()
+
+
+def test_bias_op_opcheck():
+    q = torch.randn(2, 9, 4, 16, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, requires_grad=True)
+    bias = torch.randn(2, 1, 9, 13, requires_grad=True)
+    torch.library.opcheck(ops.fwd_op, (q, k, k, None, False, -1, -1, True, 0.0, None, bias, 0.0,
+                                       False))
+    q, k, bias = q.detach(), k.detach(), bias.detach()  # bwd has no backward of its own
+    out, lse, rng = ops.fwd(q, k, k, None, True, -1, -1, True, 0.0, None, bias)
+    torch.library.opcheck(ops.bwd_op, (torch.randn_like(out), q, k, k, out, lse, rng, None, True,
+                                       -1, -1, True, 0.0, None, bias, 0.0, False, True))
+
+
+def test_mask_under_compile():
+    torch._dynamo.reset()
+    query = torch.randn(2, 4, 17, 8, requires_grad=True)
+    mask = torch.rand(2, 1, 1, 17) > 0.2
+
+    def f(q):
+        return scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(query)
+    out.sum().backward()
+    assert torch.allclose(out, f(query), atol=1e-6)
+
+
+def test_mask_errors():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool or floating"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.int32))
