@@ -116,3 +116,11 @@ def test_fallback_through_the_public_api_on_meta():
         flash_attn_func(torch.empty(2, 7, 4, 300, device="meta"),
                         torch.empty(2, 7, 4, 300, device="meta"),
                         torch.empty(2, 7, 4, 300, device="meta"))
+
+
+def test_fallback_path_with_bias_is_correct():
+    q, k, v = torch.randn(2, 13, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 6)
+    bias = torch.randn(2, 1, 13, 9)
+    out, _ = dispatch.fallback_attention(q, k, v, None, -1, -1, True, 0.0, bias)
+    ref, _ = attention_ref(q, k, v, attn_bias=bias)
+    assert (out.double() - ref).abs().max() < 1e-5
