@@ -5,6 +5,7 @@ Public API:
     scaled_dot_product_attention    drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                         which kernel serves a call, and why a fused one does not
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
+    patch / unpatch                 route torch.nn.functional.scaled_dot_product_attention to ours
 
 Ops: torch.ops.flash_attn_ext.fwd / bwd (see flash_attn_ext.ops).
 """
@@ -24,11 +25,12 @@ from .dispatch import (
     set_strict,
 )
 from .interface import flash_attn_func
+from .patching import is_patched, patch, unpatch
 from .sdpa import scaled_dot_product_attention, to_bshd
 
 __all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "explain",
            "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
-           "last_plan", "ops"]
+           "last_plan", "ops", "patch", "unpatch", "is_patched"]
 
 
 _CALL_KEYWORDS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "softmax_scale",

@@ -1,0 +1,73 @@
+"""``flash_attn_ext.patch()``: route ``torch.nn.functional.scaled_dot_product_attention`` to ours.
+
+Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call time, as
+``torch.nn.MultiheadAttention``'s fast path and most model code do) then run on flash_attn_ext.
+Calls the drop-in cannot take yet (dropout_p > 0, ranks other than 3 or 4) go to PyTorch's own
+function, reported like every fallback (warning once, counted, an error in strict mode).
+Code that imported the function by name before patching keeps the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch.nn.functional as F
+
+from . import dispatch
+from .sdpa import scaled_dot_product_attention
+
+_ORIGINAL = F.scaled_dot_product_attention
+
+
+@functools.wraps(_ORIGINAL)
+def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False, **kwargs):
+    reason: Optional[str] = None
+    if kwargs:
+        reason = f"unsupported arguments {sorted(kwargs)}"
+    elif dropout_p > 0.0:
+        reason = "dropout_p > 0 is not implemented yet in flash_attn_ext"
+    elif query.dim() not in (3, 4):
+        reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or 4-D inputs"
+    if reason is not None:
+        dispatch.note_fallback(reason, "the original torch.nn.functional."
+                               "scaled_dot_product_attention")
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)
+    return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                        dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa)
+
+
+class _Patch(contextlib.AbstractContextManager):
+    def __init__(self) -> None:
+        self._previous = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _patched
+
+    def undo(self) -> None:
+        """Restores what was there before this patch."""
+        F.scaled_dot_product_attention = self._previous
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch() -> _Patch:
+    """Routes ``torch.nn.functional.scaled_dot_product_attention`` to flash_attn_ext.
+
+    Use as a context manager (``with flash_attn_ext.patch(): model(x)``), or call it and later
+    ``.undo()`` (or :func:`unpatch`).  Returns the patch handle.
+    """
+    return _Patch()
+
+
+def unpatch() -> None:
+    """Restores PyTorch's own ``scaled_dot_product_attention``."""
+    F.scaled_dot_product_attention = _ORIGINAL
+
+
+def is_patched() -> bool:
+    """Whether ``torch.nn.functional.scaled_dot_product_attention`` is ours right now."""
+    return F.scaled_dot_product_attention is _patched
