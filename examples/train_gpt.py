@@ -520,8 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     ours, ref = build_models(args, tokenizer.vocab_size, device, dtype)
     note = ""
     if device.type == "cuda" and dtype_name in ("bf16", "fp16"):
-        note = (" (flash_attn_ext does not support torch.autocast yet, so both models are cast "
-                "to this dtype: weights, activations and optimizer state)")
+        note = (" (both models are cast to this dtype: weights, activations and optimizer "
+                "state)")
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     compiled = ", torch.compile(fullgraph=True)" if args.compile else ""
     print(f"run:    {args.steps} steps on {device}{threads}, {dtype_name}{note}, batch "

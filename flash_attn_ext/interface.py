@@ -26,6 +26,18 @@ def _check_transforms(*tensors: torch.Tensor) -> None:
                 "gradient transforms); use torch.autograd.grad or loss.backward()")
 
 
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Under torch.autocast, float32/float64 inputs run in the autocast dtype, as
+    scaled_dot_product_attention does (it is on autocast's lower-precision list)."""
+    device = q.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    if q.dtype not in (torch.float32, torch.float64) or q.dtype == dtype:
+        return q, k, v
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def _check_flags(causal, window_size, dropout_p) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
@@ -47,6 +59,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None.
     """
     _check_transforms(q, k, v)
+    q, k, v = _autocast(q, k, v)
     p = dispatch.plan(q, k, v, has_bias=attn_bias is not None)
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path

@@ -1,0 +1,40 @@
+"""Under torch.autocast, float32 inputs run the low-precision kernels, as SDPA does."""
+
+import torch
+import torch.nn.functional as F
+
+from flash_attn_ext import flash_attn_func, last_plan, scaled_dot_product_attention
+
+
+def test_autocast_cpu_bf16_matches_explicit_cast_and_sdpa_dtype():
+    q, k, v = (torch.randn(2, 4, 33, 16, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == theirs.dtype == torch.bfloat16
+    assert last_plan().kernel == "cpu_flash_fwd_bf16"
+    explicit = scaled_dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v)),
+                                            is_causal=True)
+    assert torch.equal(out, explicit)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def test_autocast_off_or_low_precision_inputs_untouched():
+    q = torch.randn(1, 9, 2, 8)
+    assert flash_attn_func(q, q, q).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = q.half()
+        assert flash_attn_func(h, h, h).dtype == torch.float16
+
+
+def test_autocast_under_compile():
+    torch._dynamo.reset()
+    q = torch.randn(1, 17, 2, 8, requires_grad=True)
+    f = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True), fullgraph=True,
+                      backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = f(q)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad is not None
