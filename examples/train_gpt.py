@@ -471,7 +471,8 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
         diff = abs(loss_ours - loss_ref)
         if not diff <= stats.max_diff:  # also catches NaN
             stats.max_diff, stats.max_diff_step = diff, step
-        progress.set_postfix(loss=f"{loss_ours:.4f}", max_diff=f"{stats.max_diff:.1e}")
+        progress.set_postfix(loss=f"{loss_ours:.4f}", max_diff=f"{stats.max_diff:.1e}",
+                             refresh=False)  # redrawn at the bar's own pace
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             kernel = stats.plan.kernel if stats.plan is not None else "?"
             tqdm.write(f"{step:>6} {loss_ours:>11.7f} {loss_ref:>11.7f} {stats.max_diff:>10.2e} "
