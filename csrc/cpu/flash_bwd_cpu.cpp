@@ -56,7 +56,6 @@ void flash_bwd_cpu(const BwdParams& p) {
   auto* dq = static_cast<scalar_t*>(p.dq);
   auto* dk = static_cast<scalar_t*>(p.dk);
   auto* dv = static_cast<scalar_t*>(p.dv);
-  const auto* bias = static_cast<const acc_t*>(p.attn_bias);
   auto* dbias = static_cast<acc_t*>(p.dbias_full);
 
   // Tasks are (batch, kv head) pairs.  With fewer pairs than threads (MQA, batch 1) each pair's
@@ -125,23 +124,8 @@ void flash_bwd_cpu(const BwdParams& p) {
                 acc_view(do_ptr(h, i0), mq, Dv, p.dout_row_stride, do_buf.data());
             acc_t* S = s_buf.data();
             acc_t* dP = dp_buf.data();
-            gemm(S, BK, qm, km.t(), mq, nk, D, scale, 0.0);
-            if (p.softcap > 0.0) {
-              const acc_t cap = p.softcap;
-              for (int64_t r = 0; r < mq; ++r)
-                for (int64_t c = 0; c < nk; ++c) {
-                  const acc_t t = std::tanh(S[r * BK + c] / cap);
-                  S[r * BK + c] = cap * t;
-                  dtanh[r * BK + c] = acc_t(1) - t * t;
-                }
-            }
-            if (bias != nullptr) {
-              add_bias(S, mq, nk, BK,
-                       bias + b * p.bias_batch_stride + h * p.bias_head_stride +
-                           i0 * p.bias_row_stride + j0 * p.bias_col_stride,
-                       p.bias_row_stride, p.bias_col_stride);
-            }
-            apply_mask(S, mq, nk, BK, vis, i0, j0);
+            score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0,
+                       p.softcap > 0.0 ? dtanh.data() : nullptr);
             probs_from_lse_rows(S, mq, nk, BK, lse + (b * p.heads_q + h) * L + i0);
             gemm(dv_acc.data(), Dv, Mat<acc_t>{S, BK}.t(), dom, nk, Dv, mq, 1.0, 1.0);
             gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);

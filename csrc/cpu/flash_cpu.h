@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu/tile_gemm.h"
 #include "mask.h"
+#include "params.h"
 
 namespace flash_attn_ext::cpu {
 
@@ -14,12 +16,18 @@ namespace flash_attn_ext::cpu {
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 512;
 
-// S = softcap * tanh(S / softcap) (Gemma-2 style logit soft-capping).
+// S = softcap * tanh(S / softcap) (Gemma-2 style logit soft-capping); with `dtanh` (same layout
+// as S) also stores the derivative 1 - tanh^2 for the backward.
 template <typename T>
-inline void apply_softcap(T* S, int64_t rows, int64_t cols, int64_t ld, T softcap) {
+inline void apply_softcap(T* S, int64_t rows, int64_t cols, int64_t ld, T softcap,
+                          T* dtanh = nullptr) {
   const T inv = T(1) / softcap;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) S[r * ld + c] = softcap * std::tanh(S[r * ld + c] * inv);
+    for (int64_t c = 0; c < cols; ++c) {
+      const T t = std::tanh(S[r * ld + c] * inv);
+      S[r * ld + c] = softcap * t;
+      if (dtanh != nullptr) dtanh[r * ld + c] = T(1) - t * t;
+    }
 }
 
 // S += bias for a (rows x cols) tile; bias element (r, c) at bias[r * row_stride + c * col_stride]
@@ -42,6 +50,23 @@ inline void apply_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const Visib
     for (int64_t c = 0; c < std::min(lo, cols); ++c) s[c] = neg_inf;
     for (int64_t c = std::max<int64_t>(hi, 0); c < cols; ++c) s[c] = neg_inf;
   }
+}
+
+// The scores of the tile (query rows [i0, i0 + mq) of head h, keys [j0, j0 + nk)) into S with
+// leading dimension kBlockK, computed one way for the forward and the backward's recomputation:
+// S = softcap(scale * Q K^T) + bias, -inf where masked.  `dtanh`: see apply_softcap.
+template <typename T>
+inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int64_t nk,
+                       const FwdParams& p, const VisibleKeys& vis, int64_t b, int64_t h,
+                       int64_t i0, int64_t j0, T* dtanh = nullptr) {
+  gemm(S, kBlockK, qm, km.t(), mq, nk, p.head_dim, p.softmax_scale, 0.0);
+  if (p.softcap > 0.0) apply_softcap(S, mq, nk, kBlockK, static_cast<T>(p.softcap), dtanh);
+  if (p.attn_bias != nullptr) {
+    const T* bias = static_cast<const T*>(p.attn_bias) + b * p.bias_batch_stride +
+                    h * p.bias_head_stride + i0 * p.bias_row_stride + j0 * p.bias_col_stride;
+    add_bias(S, mq, nk, kBlockK, bias, p.bias_row_stride, p.bias_col_stride);
+  }
+  apply_mask(S, mq, nk, kBlockK, vis, i0, j0);
 }
 
 }  // namespace flash_attn_ext::cpu

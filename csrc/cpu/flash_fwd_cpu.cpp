@@ -42,7 +42,6 @@ void flash_fwd_cpu(const FwdParams& p) {
   const auto* v = static_cast<const scalar_t*>(p.v);
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
-  const auto* bias = static_cast<const acc_t*>(p.attn_bias);
 
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), k_buf(kInPlace ? 0 : BK * D),
@@ -71,15 +70,7 @@ void flash_fwd_cpu(const FwdParams& p) {
         const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
                                        v_buf.data());
         acc_t* S = s_buf.data();
-        gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);
-        if (p.softcap > 0.0) apply_softcap(S, mq, nk, BK, static_cast<acc_t>(p.softcap));
-        if (bias != nullptr) {
-          add_bias(S, mq, nk, BK,
-                   bias + b * p.bias_batch_stride + h * p.bias_head_stride +
-                       i0 * p.bias_row_stride + j0 * p.bias_col_stride,
-                   p.bias_row_stride, p.bias_col_stride);
-        }
-        apply_mask(S, mq, nk, BK, vis, i0, j0);
+        score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0);
         online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
         for (int64_t r = 0; r < mq; ++r) {
           if (alpha[r] == acc_t(1)) continue;

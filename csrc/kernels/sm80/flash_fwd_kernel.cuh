@@ -103,12 +103,17 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const float cap = static_cast<float>(p.softcap);
   const float cap_inv_scale = capped ? scale / cap : 0.f;
 
+  // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
+  auto load_kv = [&](int stage, int64_t n_block) {
+    Element* dst = kv_s + stage * 2 * T::kSmemKV;
+    load_tile_async<T, kN>(dst, k, p.k_row_stride, n_block * kN, p.seqlen_k,
+                           static_cast<int>(p.head_dim));
+    load_tile_async<T, kN>(dst + T::kSmemKV, v, p.v_row_stride, n_block * kN, p.seqlen_k,
+                           static_cast<int>(p.head_dim_v));
+  };
   if (n_begin < n_end) {
     load_tile_async<T, kM>(q_s, q, p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<T, kN>(kv_s, k, p.k_row_stride, n_begin * kN, p.seqlen_k,
-                           static_cast<int>(p.head_dim));
-    load_tile_async<T, kN>(kv_s + T::kSmemKV, v, p.v_row_stride, n_begin * kN, p.seqlen_k,
-                           static_cast<int>(p.head_dim_v));
+    load_kv(0, n_begin);
     cp_async_commit();
   }
 
@@ -138,11 +143,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = static_cast<int>((n_block - n_begin) & 1);
     if (n_block + 1 < n_end) {  // prefetch the next K/V tile into the other stage
-      Element* next = kv_s + (stage ^ 1) * 2 * T::kSmemKV;
-      load_tile_async<T, kN>(next, k, p.k_row_stride, (n_block + 1) * kN, p.seqlen_k,
-                             static_cast<int>(p.head_dim));
-      load_tile_async<T, kN>(next + T::kSmemKV, v, p.v_row_stride, (n_block + 1) * kN,
-                             p.seqlen_k, static_cast<int>(p.head_dim_v));
+      load_kv(stage ^ 1, n_block + 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
