@@ -29,7 +29,6 @@ def chunked_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, 
     group = heads // heads_kv
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     right = 0 if causal else window_right
-    offset = seqlen_k - seqlen_q if align_bottom_right else 0
 
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     kf = k.to(acc).permute(0, 2, 1, 3)  # (B, Hkv, S, D)
@@ -40,7 +39,6 @@ def chunked_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, 
                      dtype=acc)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, L, H)
     chunk = max(16, min(max(seqlen_q, 1), _CHUNK_BYTES // max(1, 4 * batch * heads * seqlen_k)))
-    j = torch.arange(seqlen_k, device=q.device)
     for i0 in range(0, seqlen_q, chunk):
         rows = slice(i0, min(i0 + chunk, seqlen_q))
         c = rows.stop - rows.start
@@ -52,12 +50,8 @@ def chunked_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, 
         if softcap > 0:
             t = torch.tanh(s / softcap)
             s = softcap * t
-        i = torch.arange(rows.start, rows.stop, device=q.device)[:, None] + offset
-        visible = torch.ones(c, seqlen_k, dtype=torch.bool, device=q.device)
-        if window_left >= 0:
-            visible &= j[None, :] >= i - window_left
-        if right >= 0:
-            visible &= j[None, :] <= i + right
+        visible = dispatch.visible_keys(range(rows.start, rows.stop), seqlen_q, seqlen_k,
+                                        window_left, right, align_bottom_right, q.device)
         lse_c = softmax_lse[:, :, rows].reshape(batch, heads_kv, group, c, 1)
         p = torch.exp(s - lse_c).masked_fill(~visible, 0.0)
         p = torch.where(torch.isinf(lse_c), torch.zeros_like(p), p)

@@ -182,6 +182,21 @@ CUDA_BACKWARD_REASON = ("backward: the fused CUDA backward kernel is not written
                         "backward recomputes P in chunked PyTorch ops")
 
 
+def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
+                 align_bottom_right: bool, device) -> torch.Tensor:
+    """(len(rows), seqlen_k) bool, True where key j is visible to query row i (the rule of
+    DESIGN.md section 2 and csrc/mask.h; causal already folded into window_right = 0)."""
+    offset = seqlen_k - seqlen_q if align_bottom_right else 0
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None] + offset
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(len(rows), seqlen_k, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= j >= i - window_left
+    if window_right >= 0:
+        visible &= j <= i + window_right
+    return visible
+
+
 def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
                        softcap, attn_bias=None):
     """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
@@ -201,14 +216,8 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * scale
     if window_left >= 0 or window_right >= 0:
-        offset = seqlen_k - seqlen_q if align_bottom_right else 0
-        i = torch.arange(seqlen_q, device=q.device)[:, None] + offset
-        j = torch.arange(seqlen_k, device=q.device)[None, :]
-        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-        if window_left >= 0:
-            visible &= j >= i - window_left
-        if window_right >= 0:
-            visible &= j <= i + window_right
+        visible = visible_keys(range(seqlen_q), seqlen_q, seqlen_k, window_left, window_right,
+                               align_bottom_right, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     if attn_bias is not None:
         scores = scores + attn_bias.to(acc)

@@ -38,15 +38,20 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _check_flags(causal, window_size, dropout_p) -> None:
+def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> None:
+    """Flag checks shared by flash_attn_func and scaled_dot_product_attention; dropout_p must
+    be in [0, 1) (ValueError) and 0 for now (NotImplementedError)."""
     if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+        raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                          f"got {window_size!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
+                                  "flash_attn_ext; pass dropout_p=0.0")
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
@@ -139,10 +144,7 @@ def flash_attn_func(
             forward-mode AD (torch.func.jvp) and torch.func gradient transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
-    _check_flags(causal, window_size, dropout_p)
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
-                                  "flash_attn_ext; pass dropout_p=0.0")
+    check_flags(causal, window_size, dropout_p)
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
                                   "alibi_slopes=None")

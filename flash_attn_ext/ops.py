@@ -36,7 +36,7 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_same_device(q, k, v):
+def _check_fake_args(q, k, v):
     """The checks of csrc/ops.cpp that fake kernels can make (they serve torch.compile tracing
     and mixed meta/real calls, which never reach the C++ checks)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -55,7 +55,7 @@ def _check_same_device(q, k, v):
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
               align_bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
               dropout_p=0.0, deterministic=False):
-    _check_same_device(q, k, v)
+    _check_fake_args(q, k, v)
     batch, seqlen_q, num_heads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, num_heads, v.shape[-1]))
     softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=lse_dtype(q.dtype))
@@ -68,7 +68,7 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
               window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
               bias_requires_grad=False):
-    _check_same_device(q, k, v)
+    _check_fake_args(q, k, v)
     if q.device.type == "cuda":  # traced here under torch.compile: note the backward fallback
         from . import dispatch
 

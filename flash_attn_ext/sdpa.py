@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .interface import run
+from .interface import check_flags, run
 
 
 def scaled_dot_product_attention(
@@ -58,13 +58,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
-                                  "flash_attn_ext; pass dropout_p=0.0")
+    check_flags(is_causal, (-1, -1), dropout_p, causal_name="is_causal")
     q, k, v = to_bshd(query, key, value, enable_gqa)
     bias = None if attn_mask is None else mask_to_bias(attn_mask, query)
     out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
