@@ -54,4 +54,12 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                      double softcap, bool align_bottom_right);
 
+// The backward's checks of out, dout (shape of out, q's dtype and device) and softmax_lse.
+void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
+                       const at::Tensor& softmax_lse, const at::Tensor& q);
+
+// Fills the dout/dq/dk/dv pointers and strides of BwdParams.
+void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq,
+                      const at::Tensor& dk, const at::Tensor& dv);
+
 }  // namespace flash_attn_ext

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 
 #if defined(__CUDACC__)
 #define FAE_HOST_DEVICE __host__ __device__ __forceinline__
@@ -39,6 +40,15 @@ struct VisibleKeys {
     return window_right < 0 ? seqlen_k : clamp(i + offset + window_right + 1, 0, seqlen_k);
   }
   FAE_HOST_DEVICE bool empty_row(int64_t i) const { return end(i) <= begin(i); }
+  // The query rows that can see a key in [j0, j1) (0 <= j0 < j1 <= seqlen_k) are
+  // [first_row(j0), row_limit(j1)), the caller clamping both to [0, seqlen_q]:
+  // first_row is the smallest i with end(i) > j0, row_limit the smallest i with begin(i) >= j1.
+  FAE_HOST_DEVICE int64_t first_row(int64_t j0) const {
+    return window_right < 0 ? INT64_MIN : j0 - offset - window_right;
+  }
+  FAE_HOST_DEVICE int64_t row_limit(int64_t j1) const {
+    return window_left < 0 ? INT64_MAX : j1 - offset + window_left;
+  }
 };
 
 }  // namespace flash_attn_ext

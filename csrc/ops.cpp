@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "checks.h"
 
@@ -198,6 +199,40 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
   p.window_left = a.window_left;
   p.window_right = a.window_right;
   p.align_bottom_right = align_bottom_right;
+}
+
+void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
+                       const at::Tensor& softmax_lse, const at::Tensor& q) {
+  const std::vector<int64_t> out_shape{a.batch, a.seqlen_q, a.heads_q, a.head_dim_v};
+  check_like(out, "out", out_shape, q);
+  check_like(dout, "dout", out_shape, q);
+  check_like(softmax_lse, "softmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q);
+  TORCH_CHECK_VALUE(out.scalar_type() == q.scalar_type() && dout.scalar_type() == q.scalar_type(),
+                    "out and dout must have q's dtype ", q.scalar_type(), ", got out.dtype=",
+                    out.scalar_type(), ", dout.dtype=", dout.scalar_type());
+  TORCH_CHECK_VALUE(softmax_lse.scalar_type() == lse_dtype(q.scalar_type()),
+                    "softmax_lse must have dtype ", lse_dtype(q.scalar_type()), ", got ",
+                    softmax_lse.scalar_type());
+}
+
+void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq,
+                      const at::Tensor& dk, const at::Tensor& dv) {
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dout_batch_stride = dout.stride(0);
+  p.dout_row_stride = dout.stride(1);
+  p.dout_head_stride = dout.stride(2);
+  p.dq_batch_stride = dq.stride(0);
+  p.dq_row_stride = dq.stride(1);
+  p.dq_head_stride = dq.stride(2);
+  p.dk_batch_stride = dk.stride(0);
+  p.dk_row_stride = dk.stride(1);
+  p.dk_head_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0);
+  p.dv_row_stride = dv.stride(1);
+  p.dv_head_stride = dv.stride(2);
 }
 
 }  // namespace flash_attn_ext

@@ -30,7 +30,6 @@ __all__ = ["FallbackError", "Plan", "plan", "set_strict", "strict_enabled", "fal
            "reset_fallback_counts", "last_plan", "FALLBACK"]
 
 FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
-CHUNKED_BWD = "fallback:chunked_torch_bwd"
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
                 torch.bfloat16: "bf16"}
@@ -139,9 +138,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_bias: bool = Fal
         if not reasons:  # pragma: no cover - needs a CUDA build
             padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
                 128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
-            return Plan(f"sm80_fwd_hdim{padded}_{dtype}", CHUNKED_BWD, True,
-                        backward_fused=False,
-                        backward_reasons=(CUDA_BACKWARD_REASON[len("backward: "):],))
+            return Plan(f"sm80_fwd_hdim{padded}_{dtype}", f"sm80_bwd_hdim{padded}_{dtype}", True)
     else:
         reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
@@ -176,10 +173,6 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
         _warned.add(reason)
         warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
                       "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)
-
-
-CUDA_BACKWARD_REASON = ("backward: the fused CUDA backward kernel is not written yet: the "
-                        "backward recomputes P in chunked PyTorch ops")
 
 
 def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,

@@ -125,7 +125,8 @@ def flash_attn_func(
             With causal=True, right is 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
         alibi_slopes: not supported yet; must be None.
-        deterministic: request bitwise-reproducible gradients (the CPU backward always is).
+        deterministic: request bitwise-reproducible gradients (the CPU and CUDA backward kernels
+            always are: neither uses atomics).
         return_softmax_lse: also return softmax_lse.
         strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
             unfused path (default: ``FLASH_ATTN_EXT_STRICT``).

@@ -69,10 +69,6 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
               bias_requires_grad=False):
     _check_fake_args(q, k, v)
-    if q.device.type == "cuda":  # traced here under torch.compile: note the backward fallback
-        from . import dispatch
-
-        dispatch.note_fallback(dispatch.CUDA_BACKWARD_REASON, dispatch.CHUNKED_BWD)
     if attn_bias is not None and bias_requires_grad:
         dbias = attn_bias.new_empty(attn_bias.shape)
     else:
@@ -120,12 +116,6 @@ torch.library.register_autograd("flash_attn_ext::fwd", _fwd_backward,
                                 setup_context=_fwd_setup_context)
 torch.library.register_autograd("flash_attn_ext::bwd", _bwd_backward,
                                 setup_context=_bwd_setup_context)
-
-
-if _BUILD_INFO["cuda"]:  # pragma: no cover - needs a CUDA build
-    from ._chunked_bwd import chunked_bwd
-
-    torch.library.register_kernel("flash_attn_ext::bwd", "cuda", chunked_bwd)
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,

@@ -187,17 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
-  const std::vector<int64_t> out_shape{a.batch, a.seqlen_q, a.heads_q, a.head_dim_v};
-  check_like(out_in, "out", out_shape, q_in);
-  check_like(dout_in, "dout", out_shape, q_in);
-  check_like(softmax_lse, "softmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q_in);
-  TORCH_CHECK_VALUE(out_in.scalar_type() == q_in.scalar_type() &&
-                        dout_in.scalar_type() == q_in.scalar_type(),
-                    "out and dout must have q's dtype ", q_in.scalar_type(), ", got out.dtype=",
-                    out_in.scalar_type(), ", dout.dtype=", dout_in.scalar_type());
-  TORCH_CHECK_VALUE(softmax_lse.scalar_type() == lse_dtype(q_in.scalar_type()),
-                    "softmax_lse must have dtype ", lse_dtype(q_in.scalar_type()), ", got ",
-                    softmax_lse.scalar_type());
+  check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in), out = last_dim_contiguous(out_in),
                    dout = last_dim_contiguous(dout_in), lse = softmax_lse.contiguous();
@@ -221,22 +211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
   BwdParams p;
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
-  p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dout_batch_stride = dout.stride(0);
-  p.dout_row_stride = dout.stride(1);
-  p.dout_head_stride = dout.stride(2);
-  p.dq_batch_stride = dq.stride(0);
-  p.dq_row_stride = dq.stride(1);
-  p.dq_head_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0);
-  p.dk_row_stride = dk.stride(1);
-  p.dk_head_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0);
-  p.dv_row_stride = dv.stride(1);
-  p.dv_head_stride = dv.stride(2);
+  fill_grad_params(p, dout, dq, dk, dv);
   p.deterministic = deterministic;  // the CPU backward is always deterministic
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)

@@ -7,15 +7,14 @@
 // sum l (FlashAttention-2, arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with
 // P re-used from the S accumulators as the A operand.  O / l and the LSE are written once.
 //
-// Shared tiles are row-major with 16-byte chunks XOR-swizzled by row (chunk ^ (row % 8)), so the
-// 8 rows an ldmatrix reads at one logical chunk hit 8 distinct bank groups.
+// Shared tiles and the warp GEMMs are those of tile.h.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "kernels/sm80/mma.h"
+#include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
 
@@ -40,28 +39,6 @@ struct FwdTraits {
   static_assert(kHeadDim % 64 == 0, "swizzle needs >= 8 chunks per row");
   static_assert(kBlockN % 16 == 0, "");
 };
-
-// Element offset of (row, 16-byte chunk) in a swizzled tile with kChunks chunks per row.
-template <int kChunks>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * kChunks * 8 + ((chunk ^ (row & 7)) * 8);
-}
-
-// Loads rows [row0, row0 + kRows) of a (rows x head_dim) global matrix into a swizzled tile;
-// rows >= num_rows and columns >= cols are zero-filled.
-template <typename T, int kRows>
-__device__ __forceinline__ void load_tile_async(typename T::Element* smem,
-                                                const typename T::Element* gmem,
-                                                int64_t row_stride, int64_t row0,
-                                                int64_t num_rows, int cols) {
-  constexpr int kTotal = kRows * T::kChunks;
-  for (int idx = threadIdx.x; idx < kTotal; idx += T::kThreads) {
-    const int r = idx / T::kChunks, c = idx % T::kChunks;
-    const bool valid = row0 + r < num_rows && c * 8 < cols;
-    const typename T::Element* src = valid ? gmem + (row0 + r) * row_stride + c * 8 : gmem;
-    cp_async_16(smem_addr(smem + swz<T::kChunks>(r, c)), src, valid);
-  }
-}
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams p,
@@ -106,25 +83,20 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * T::kSmemKV;
-    load_tile_async<T, kN>(dst, k, p.k_row_stride, n_block * kN, p.seqlen_k,
+    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN, p.seqlen_k,
                            static_cast<int>(p.head_dim));
-    load_tile_async<T, kN>(dst + T::kSmemKV, v, p.v_row_stride, n_block * kN, p.seqlen_k,
+    load_tile_async<Element, kN, kC, T::kThreads>(dst + T::kSmemKV, v, p.v_row_stride, n_block * kN, p.seqlen_k,
                            static_cast<int>(p.head_dim_v));
   };
   if (n_begin < n_end) {
-    load_tile_async<T, kM>(q_s, q, p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
     load_kv(0, n_begin);
     cp_async_commit();
   }
 
   constexpr int kMT = T::kMTiles;
   float o_acc[kMT][kDTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[mt][j][e] = 0.f;
+  zero(o_acc);
   // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or capped) scores and
   // this thread's share of the running sum.
   float m_row[kMT][2], l_row[kMT][2];
@@ -155,31 +127,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
     // S = Q K^T for this warp's rows and the tile's kN keys.
     float s[kMT][kNTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-        ldmatrix_x4(a[mt], smem_addr(q_s + swz<kC>((warp * kMT + mt) * 16 + lane % 16,
-                                                   kk * 2 + lane / 16)));
-#pragma unroll
-      for (int j2 = 0; j2 < kNTiles / 2; ++j2) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, smem_addr(k_s + swz<kC>(j2 * 16 + (lane / 16) * 8 + lane % 8,
-                                                kk * 2 + (lane / 8) % 2)));
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<Element>(s[mt][2 * j2], a[mt], bk[0], bk[1]);
-          mma_16816<Element>(s[mt][2 * j2 + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
+    zero(s);
+    gemm_ss<Element, kC, kMT, kNTiles, kD>(s, q_s, warp * kMT * 16, k_s, 0, lane);
 
     // Softcap, mask (only tiles that straddle a boundary), online softmax.
     const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
@@ -236,28 +185,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       }
     }
 
-    // O += P V, P taken from the S accumulators in the A-fragment order.
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = pack2<Element>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<Element>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<Element>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<Element>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int j2 = 0; j2 < kDTiles / 2; ++j2) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, smem_addr(v_s + swz<kC>(kk * 16 + lane % 16, j2 * 2 + lane / 16)));
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<Element>(o_acc[mt][2 * j2], a[mt], bv[0], bv[1]);
-          mma_16816<Element>(o_acc[mt][2 * j2 + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    // O += P V, P taken from the S accumulators.
+    gemm_rs<Element, kC, kMT, kN, kDTiles>(o_acc, s, v_s, 0, 0, lane);
     __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
   }
 

@@ -1,0 +1,150 @@
+// CUDA glue for flash_attn_ext::fwd and ::bwd: validate, make the inputs kernel-ready (16-byte
+// aligned rows, head dims padded to a multiple of 8 only where needed), allocate the outputs, pick
+// the instantiation by (head dim, dtype) and launch on the current stream.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "checks.h"
+#include "kernels/sm80/flash_bwd_launch.h"
+#include "kernels/sm80/flash_fwd_launch.h"
+
+namespace flash_attn_ext::cuda {
+
+namespace {
+
+constexpr int64_t kVecElems = 8;  // one 16-byte cp.async of fp16/bf16
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The kernel reads 16-byte chunks: every stride and the base address must be a multiple of
+// 8 elements, the last dimension contiguous and padded to a multiple of 8.  Tensors that already
+// are (the common case) pass through untouched; others are copied once, zero-padded.
+at::Tensor kernel_ready(const at::Tensor& t) {
+  const int64_t d = t.size(3);
+  const bool aligned = t.stride(3) == 1 && d % kVecElems == 0 &&
+                       t.stride(0) % kVecElems == 0 && t.stride(1) % kVecElems == 0 &&
+                       t.stride(2) % kVecElems == 0 &&
+                       reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  if (aligned) return t;
+  const int64_t padded = round_up(d, kVecElems);
+  at::Tensor out = at::zeros({t.size(0), t.size(1), t.size(2), padded}, t.options());
+  out.narrow(3, 0, d).copy_(t);
+  return out;
+}
+
+// The instantiation for the padded head dim (64, 128 or 256) of head_dim = max(d_qk, d_v).
+template <typename Element>
+cudaError_t run_fwd(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
+  if (head_dim <= 128) return sm80::run_flash_fwd<Element, 128>(p, stream);
+  return sm80::run_flash_fwd<Element, 256>(p, stream);
+}
+template <typename Element>
+cudaError_t run_bwd(int64_t head_dim, const BwdParams& p, float* delta, cudaStream_t stream) {
+  if (head_dim <= 64) return sm80::run_flash_bwd<Element, 64>(p, delta, stream);
+  if (head_dim <= 128) return sm80::run_flash_bwd<Element, 128>(p, delta, stream);
+  return sm80::run_flash_bwd<Element, 256>(p, delta, stream);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    bool align_bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p, bool deterministic) {
+  (void)deterministic;
+  const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
+                                     window_right, softcap, alibi_slopes, attn_bias, dropout_p);
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
+                              "attn_bias (attn_mask) is not implemented in the CUDA kernels yet");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
+  const int64_t dv_padded = v.size(3);
+  at::Tensor out_padded =
+      new_output({a.batch, a.seqlen_q, a.heads_q, dv_padded}, q.options());
+  at::Tensor lse = new_output({a.batch, a.heads_q, a.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+
+  if (out_padded.numel() > 0 || lse.numel() > 0) {
+    FwdParams p;
+    fill_fwd_params(p, a, q, k, v, out_padded, lse, softcap, align_bottom_right);
+    p.head_dim = q.size(3);       // padded columns are zeros: they add nothing to q k^T
+    p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
+    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaError_t err = q.scalar_type() == at::kBFloat16
+                          ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+                          : run_fwd<__half>(kernel_dim, p, stream);
+    C10_CUDA_CHECK(err);
+  }
+  at::Tensor out = dv_padded == a.head_dim_v ? out_padded
+                                             : out_padded.narrow(3, 0, a.head_dim_v).contiguous();
+  return {out, lse, rng_state};
+}
+
+// Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
+// kernels.  Gradients are bitwise reproducible whatever `deterministic` says (no atomics).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
+    double dropout_p, bool deterministic, bool bias_requires_grad) {
+  (void)rng_state;
+  (void)deterministic;
+  (void)bias_requires_grad;
+  const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
+                                     window_right, softcap, alibi_slopes, attn_bias, dropout_p);
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
+                              "attn_bias (attn_mask) is not implemented in the CUDA kernels yet");
+  check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
+  const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
+  const at::Tensor lse = softmax_lse.contiguous();
+  // Gradients in the padded head dims; the padded columns are sliced off below.
+  at::Tensor dq = new_output(q.sizes(), q.options());
+  at::Tensor dk = new_output(k.sizes(), k.options());
+  at::Tensor dv = new_output(v.sizes(), v.options());
+  if (dq.numel() + dk.numel() + dv.numel() > 0) {
+    if (a.batch * a.heads_q == 0) {  // no query heads: k and v get zeros
+      dk.zero_();
+      dv.zero_();
+    } else {
+      at::Tensor delta = at::empty({a.batch, a.heads_q, a.seqlen_q}, lse.options());
+      BwdParams p;
+      fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
+      fill_grad_params(p, dout, dq, dk, dv);
+      p.head_dim = q.size(3);
+      p.head_dim_v = v.size(3);
+      const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      float* delta_ptr = delta.data_ptr<float>();
+      cudaError_t err = q.scalar_type() == at::kBFloat16
+                            ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta_ptr, stream)
+                            : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
+      C10_CUDA_CHECK(err);
+    }
+  }
+  auto unpad = [](const at::Tensor& g, int64_t d) {
+    return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous();
+  };
+  return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v),
+          at::empty({0}, q.options())};
+}
+
+}  // namespace
+
+}  // namespace flash_attn_ext::cuda
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
+  m.impl("fwd", &flash_attn_ext::cuda::fwd_cuda);
+  m.impl("bwd", &flash_attn_ext::cuda::bwd_cuda);
+}

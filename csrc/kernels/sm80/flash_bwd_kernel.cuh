@@ -1,0 +1,383 @@
+// FlashAttention-2 backward for sm_80+ (mma.sync; also runs on sm_90), by recomputation
+// (arXiv:2205.14135 Algorithm 4; FlashAttention-2, arXiv:2307.08691, Algorithm 2).
+//
+// The forward saved out and the LSE only.  Three kernels, none with atomics, so the gradients are
+// bitwise reproducible run to run (deterministic=True costs nothing):
+//  1. delta:  D_i = rowsum(dO_i * O_i)  (fp32, one warp per row).
+//  2. dK/dV:  one CTA per (key block of 64 rows, batch, kv head[, half of the head dim]); each of
+//     the 4 warps owns 16 key rows and keeps their dK/dV accumulators in registers.  It streams
+//     Q/dO tiles of every query head of the GQA group (double-buffered cp.async) and per tile
+//     recomputes S^T = K Q^T and P^T = exp(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//     dV += P^T dO, dK += dS^T Q.  Summing the group's heads inside the CTA is the GQA reduction.
+//  3. dQ:     one CTA per (query block of 64 rows, batch, head); each warp owns 16 query rows and
+//     streams K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of a
+// single kernel that adds dQ with fp32 atomics, in exchange for determinism and no dQ buffer.
+//
+// Scores follow the forward (flash_fwd_kernel.cuh): s = x * scale, or softcap * tanh(x * scale /
+// softcap) with x = q.k; P = exp2(s * log2e - lse * log2e); dx = dS * scale (* (1 - tanh^2)).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/sm80/tile.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm80 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kSplitD_, int kBlockNQ_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v), multiple of 64
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  // dK/dV kernel: 16 key rows per warp, kBlockM query rows per step; each CTA produces
+  // kOutDim = kHeadDim / kSplitD columns of dK and dV (kSplitD = 2 at head dim 256 keeps the
+  // accumulators in registers, at the price of recomputing S and dP once more).
+  static constexpr int kBlockN = 16 * kWarps;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kSplitD = kSplitD_;
+  static constexpr int kOutDim = kHeadDim / kSplitD;
+  // K, V once; Q, dO double-buffered; lse*log2e and D per query row, double-buffered.
+  static constexpr int kSmemDkdv = (2 * kBlockN + 4 * kBlockM) * kHeadDim * int(sizeof(Element)) +
+                                   4 * kBlockM * int(sizeof(float));
+  // dQ kernel: 16 query rows per warp, kBlockNQ key rows per step.  Q, dO once; K, V
+  // double-buffered.
+  static constexpr int kBlockMQ = 16 * kWarps;
+  static constexpr int kBlockNQ = kBlockNQ_;
+  static constexpr int kSmemDq = (2 * kBlockMQ + 4 * kBlockNQ) * kHeadDim * int(sizeof(Element));
+  static_assert(kHeadDim % 64 == 0 && kOutDim % 16 == 0 && kBlockM % 16 == 0 &&
+                    kBlockNQ % 16 == 0, "");
+};
+
+// Scores of the forward from raw dot products, and the chain-rule factor back to them.
+struct ScoreFn {
+  float scale, scale_log2, cap, cap_inv_scale;
+  bool capped;
+  __device__ explicit ScoreFn(const FwdParams& p)
+      : scale(static_cast<float>(p.softmax_scale)),
+        cap(static_cast<float>(p.softcap)),
+        capped(p.softcap > 0.0) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    scale_log2 = capped ? kLog2e : scale * kLog2e;
+    cap_inv_scale = capped ? scale / cap : 0.f;
+  }
+  // Turns x = q.k into the exponent's units (x itself, or the capped score) and returns
+  // d(score)/dx.
+  __device__ __forceinline__ float apply(float& x) const {
+    if (!capped) return scale;
+    const float t = tanhf(x * cap_inv_scale);
+    x = cap * t;
+    return scale * (1.f - t * t);
+  }
+};
+
+// lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
+__device__ __forceinline__ float lse_log2(float lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// D = rowsum(dO * O) in fp32, (batch, heads_q, seqlen_q) contiguous; one warp per row.
+template <typename Element>
+__global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p, float* delta) {
+  const int64_t row_id = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row_id >= p.batch * p.heads_q * p.seqlen_q) return;
+  const int64_t i = row_id % p.seqlen_q, bh = row_id / p.seqlen_q;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
+                  i * p.out_row_stride + h * p.out_head_stride;
+  const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
+                  i * p.dout_row_stride + h * p.dout_head_stride;
+  float sum = 0.f;
+  for (int64_t c = lane; c < p.head_dim_v; c += 32)
+    sum += static_cast<float>(o[c]) * static_cast<float>(d[c]);
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+  if (lane == 0) delta[row_id] = sum;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdParams p,
+                                                                     const float* delta,
+                                                                     int64_t num_n_blocks) {
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kC = T::kChunks;
+  constexpr int kM8 = kM / 8, kOut8 = T::kOutDim / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Element* k_s = reinterpret_cast<Element*>(smem_raw);
+  Element* v_s = k_s + kN * kD;
+  Element* qdo_s = v_s + kN * kD;  // [stage][Q | dO], kM x kD each
+  float* stats_s = reinterpret_cast<float*>(qdo_s + 4 * kM * kD);  // [stage][lse_log2 | D]
+
+  const int64_t bid = blockIdx.x;
+  const int split = static_cast<int>(bid % T::kSplitD);
+  const int64_t n_block = (bid / T::kSplitD) % num_n_blocks;
+  const int64_t bhk = bid / T::kSplitD / num_n_blocks;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = n_block * kN;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int col_chunk0 = split * T::kOutDim / 8;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
+  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
+  row_lo = row_lo < 0 ? 0 : row_lo;
+  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  const int64_t m_begin = row_lo / kM;
+  const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
+  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const ScoreFn fn(p);
+
+  // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
+  auto load_step = [&](int stage, int64_t t) {
+    const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
+    Element* dst = qdo_s + stage * 2 * kM * kD;
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst + kM * kD,
+        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+    const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+    const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+    float* st = stats_s + stage * 2 * kM;
+    for (int r = tid; r < kM; r += T::kThreads) {
+      const bool in = m0 + r < p.seqlen_q;
+      st[r] = in ? lse_log2(lse[m0 + r]) : INFINITY;
+      st[kM + r] = in ? dlt[m0 + r] : 0.f;
+    }
+  };
+
+  if (steps > 0) {
+    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
+    load_step(0, 0);
+    cp_async_commit();
+  }
+
+  float dk_acc[1][kOut8][4], dv_acc[1][kOut8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  const int64_t key_of[2] = {n0 + warp * 16 + lane / 4, n0 + warp * 16 + lane / 4 + 8};
+
+  for (int64_t t = 0; t < steps; ++t) {
+    const int stage = static_cast<int>(t & 1);
+    if (t + 1 < steps) {
+      load_step(stage ^ 1, t + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Element* q_s = qdo_s + stage * 2 * kM * kD;
+    const Element* do_s = q_s + kM * kD;
+    const float* lse_s = stats_s + stage * 2 * kM;
+    const float* d_s = lse_s + kM;
+    const int64_t m0 = (m_begin + t % m_blocks) * kM;
+
+    // S^T (this warp's 16 keys x kM queries) and dP^T.
+    float st[1][kM8][4], dpt[1][kM8][4];
+    zero(st);
+    zero(dpt);
+    gemm_ss<Element, kC, 1, kM8, kD>(st, k_s, warp * 16, q_s, 0, lane);
+    gemm_ss<Element, kC, 1, kM8, kD>(dpt, v_s, warp * 16, do_s, 0, lane);
+
+    // Masking is needed unless every key of the block is visible to every row of the tile.
+    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
+#pragma unroll
+    for (int j = 0; j < kM8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * 8 + 2 * (lane % 4) + (e & 1);  // query row within the tile
+        const int64_t key = key_of[e / 2];
+        float x = st[0][j][e];
+        const float dscore = fn.apply(x);
+        float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
+        if (need_mask && (key < vis.begin(m0 + col) || key >= vis.end(m0 + col))) pr = 0.f;
+        st[0][j][e] = pr;
+        dpt[0][j][e] = pr * (dpt[0][j][e] - d_s[col]) * dscore;
+      }
+    gemm_rs<Element, kC, 1, kM, kOut8>(dv_acc, st, do_s, 0, col_chunk0, lane);
+    gemm_rs<Element, kC, 1, kM, kOut8>(dk_acc, dpt, q_s, 0, col_chunk0, lane);
+    __syncthreads();  // this stage is overwritten by the prefetch two steps from now
+  }
+
+  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+  const int col0 = split * T::kOutDim;
+  store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + warp * 16, p.seqlen_k, col0,
+                      static_cast<int>(p.head_dim), lane);
+  store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + warp * 16, p.seqlen_k, col0,
+                      static_cast<int>(p.head_dim_v), lane);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdParams p,
+                                                                   const float* delta,
+                                                                   int64_t num_m_blocks) {
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
+  constexpr int kN8 = kN / 8, kD8 = kD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Element* q_s = reinterpret_cast<Element*>(smem_raw);
+  Element* do_s = q_s + kM * kD;
+  Element* kv_s = do_s + kM * kD;  // [stage][K | V], kN x kD each
+
+  const int64_t bid = blockIdx.x;
+  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;
+  const int64_t bh = bid / num_m_blocks;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t m0 = m_block * kM;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+  const int64_t n_begin = key_begin / kN;
+  const int64_t n_end = key_end > key_begin ? (key_end + kN - 1) / kN : n_begin;
+  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const ScoreFn fn(p);
+
+  auto load_kv = [&](int stage, int64_t n_block) {
+    Element* dst = kv_s + stage * 2 * kN * kD;
+    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
+                                                  p.seqlen_k, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(dst + kN * kD, v, p.v_row_stride,
+                                                  n_block * kN, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
+  };
+  if (n_begin < n_end) {
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        q_s, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        do_s, static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
+                  h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+    load_kv(0, n_begin);
+    cp_async_commit();
+  }
+
+  int64_t row_of[2];
+  float lse_row[2], d_row[2];
+  const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+  const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_of[r] = m0 + warp * 16 + lane / 4 + 8 * r;
+    const bool in = row_of[r] < p.seqlen_q;
+    lse_row[r] = in ? lse_log2(lse[row_of[r]]) : INFINITY;
+    d_row[r] = in ? dlt[row_of[r]] : 0.f;
+  }
+  float dq_acc[1][kD8][4];
+  zero(dq_acc);
+
+  for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+    const int stage = static_cast<int>((n_block - n_begin) & 1);
+    if (n_block + 1 < n_end) {
+      load_kv(stage ^ 1, n_block + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Element* k_s = kv_s + stage * 2 * kN * kD;
+    const Element* v_s = k_s + kN * kD;
+
+    float s[1][kN8][4], dp[1][kN8][4];
+    zero(s);
+    zero(dp);
+    gemm_ss<Element, kC, 1, kN8, kD>(s, q_s, warp * 16, k_s, 0, lane);
+    gemm_ss<Element, kC, 1, kN8, kD>(dp, do_s, warp * 16, v_s, 0, lane);
+
+    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
+    const int64_t col0 = n_block * kN + 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+#pragma unroll
+      for (int j = 0; j < kN8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[0][j][2 * r + e];
+          const float dscore = fn.apply(x);
+          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
+          const int64_t col = col0 + j * 8 + e;
+          if (need_mask && (col < lo || col >= hi)) pr = 0.f;
+          x = pr * (dp[0][j][2 * r + e] - d_row[r]) * dscore;
+        }
+    }
+    gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
+    __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
+  }
+
+  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + warp * 16, p.seqlen_q, 0,
+                      static_cast<int>(p.head_dim), lane);
+}
+
+// Host side: the three launches on `stream`; `delta` is a (batch * heads_q * seqlen_q) fp32
+// scratch buffer.
+template <typename T>
+cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stream) {
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  if (rows > 0) {
+    const int64_t blocks = (rows + 3) / 4;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    flash_bwd_delta_kernel<typename T::Element>
+        <<<static_cast<unsigned>(blocks), 128, 0, stream>>>(p, delta);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv * T::kSplitD;
+  if (dkdv_blocks > 0) {
+    if (dkdv_blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    auto kernel = flash_bwd_dkdv_kernel<T>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           T::kSmemDkdv);
+    if (err != cudaSuccess) return err;
+    kernel<<<static_cast<unsigned>(dkdv_blocks), T::kThreads, T::kSmemDkdv, stream>>>(
+        p, delta, num_n_blocks);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockMQ - 1) / T::kBlockMQ;
+  const int64_t dq_blocks = num_m_blocks * p.batch * p.heads_q;
+  if (dq_blocks > 0) {
+    if (dq_blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    auto kernel = flash_bwd_dq_kernel<T>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           T::kSmemDq);
+    if (err != cudaSuccess) return err;
+    kernel<<<static_cast<unsigned>(dq_blocks), T::kThreads, T::kSmemDq, stream>>>(
+        p, delta, num_m_blocks);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace flash_attn_ext::sm80

@@ -1,0 +1,132 @@
+// Shared-memory tiles and the two warp-level GEMM shapes every sm_80 attention kernel is built
+// from (forward: S = Q K^T, O += P V; backward: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+// dK += dS^T Q, and S, dP, dQ += dS K for the dQ kernel).
+//
+// Tiles are row-major with kChunks 16-byte chunks per row, the chunk index XOR-swizzled by the
+// row (chunk ^ (row % 8)), so the 8 rows an ldmatrix reads at one logical chunk hit 8 distinct
+// bank groups.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sm80/mma.h"
+
+namespace flash_attn_ext::sm80 {
+
+// Element offset of (row, 16-byte chunk) in a swizzled tile with kChunks chunks per row.
+template <int kChunks>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * kChunks * 8 + ((chunk ^ (row & 7)) * 8);
+}
+
+// Loads rows [row0, row0 + kRows) of a (num_rows x cols) global matrix into a swizzled tile with
+// cp.async, all kThreads threads of the CTA taking part; rows >= num_rows and columns >= cols are
+// zero-filled.
+template <typename Element, int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
+                                                int64_t row_stride, int64_t row0,
+                                                int64_t num_rows, int cols) {
+  constexpr int kTotal = kRows * kChunks;
+  for (int idx = threadIdx.x; idx < kTotal; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = row0 + r < num_rows && c * 8 < cols;
+    const Element* src = valid ? gmem + (row0 + r) * row_stride + c * 8 : gmem;
+    cp_async_16(smem_addr(smem + swz<kChunks>(r, c)), src, valid);
+  }
+}
+
+// acc[mt][j] += sum_k A[a_row0 + 16 mt + i][k] * B[b_row0 + 8 j + n][k] for k < kK: both
+// operands are rows of swizzled shared tiles (e.g. S = Q K^T with A = Q rows, B = K rows).
+// acc is this lane's part of kMT x kN8 accumulator fragments (16 x 8 each, fp32).
+template <typename Element, int kChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN8][4], const Element* a_s, int a_row0,
+                                        const Element* b_s, int b_row0, int lane) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+      ldmatrix_x4(a[mt], smem_addr(a_s + swz<kChunks>(a_row0 + mt * 16 + lane % 16,
+                                                      kk * 2 + lane / 16)));
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, smem_addr(b_s + swz<kChunks>(b_row0 + j2 * 16 + (lane / 16) * 8 + lane % 8,
+                                                  kk * 2 + (lane / 8) % 2)));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[mt][j] += sum_k P[16 mt + i][k] * B[b_row0 + k][8 (chunk0 + j) + n] for k < kK, where P is
+// this lane's fp32 accumulator fragments of a previous GEMM (rounded to Element on the way: the
+// C layout of m16n8 is the A layout of m16k16 two tiles at a time) and B is kK rows of a
+// swizzled shared tile read transposed (e.g. O += P V, dQ += dS K).
+template <typename Element, int kChunks, int kMT, int kK, int kN8>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (&p)[kMT][kK / 8][4],
+                                        const Element* b_s, int b_row0, int chunk0, int lane) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      a[mt][0] = pack2<Element>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][1] = pack2<Element>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][2] = pack2<Element>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<Element>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, smem_addr(b_s + swz<kChunks>(b_row0 + kk * 16 + lane % 16,
+                                                        chunk0 + j2 * 2 + lane / 16)));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int kMT, int kN8>
+__device__ __forceinline__ void zero(float (&acc)[kMT][kN8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kN8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+}
+
+// Writes rows of fp32 fragments acc[mt][j] (rows row0 + 16 mt + lane/4 (+8), columns
+// col0 + 8 j + 2 (lane % 4) (+1)) to a row-major global matrix as Element, scaled by `mul`,
+// skipping rows >= num_rows and columns >= cols (cols even).
+template <typename Element, int kMT, int kN8>
+__device__ __forceinline__ void store_rows(Element* gmem, int64_t row_stride,
+                                           const float (&acc)[kMT][kN8][4], int64_t row0,
+                                           int64_t num_rows, int col0, int cols, int lane,
+                                           float mul = 1.f) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + mt * 16 + lane / 4 + 8 * r;
+      if (row >= num_rows) continue;
+#pragma unroll
+      for (int j = 0; j < kN8; ++j) {
+        const int col = col0 + j * 8 + 2 * (lane % 4);
+        if (col < cols)
+          *reinterpret_cast<uint32_t*>(gmem + row * row_stride + col) =
+              pack2<Element>(acc[mt][j][2 * r] * mul, acc[mt][j][2 * r + 1] * mul);
+      }
+    }
+}
+
+}  // namespace flash_attn_ext::sm80
