@@ -13,7 +13,10 @@ STUB=$(mktemp -d)
 trap 'rm -rf "$STUB"' EXIT
 mkdir -p "$STUB/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$STUB/c10/cuda/impl/cuda_cmake_macros.h"
-FLAGS=(-std=c++17 -O2 --use_fast_math -I csrc)
+# The flags torch's CUDAExtension adds: no implicit half/bfloat16 conversions or operators.
+FLAGS=(-std=c++17 -O2 --use_fast_math -I csrc -D__CUDA_NO_HALF_OPERATORS__
+       -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+       -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
 jobs=()
 for f in $(find csrc/kernels -name '*.cu' | sort); do
   for arch in 80 90a; do

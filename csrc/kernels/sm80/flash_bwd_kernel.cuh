@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p,
                   i * p.dout_row_stride + h * p.dout_head_stride;
   float sum = 0.f;
   for (int64_t c = lane; c < p.head_dim_v; c += 32)
-    sum += static_cast<float>(o[c]) * static_cast<float>(d[c]);
+    sum += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
   if (lane == 0) delta[row_id] = sum;

@@ -66,6 +66,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
+// One 16-bit element to float (explicit: torch builds with __CUDA_NO_*_CONVERSIONS__).
+template <typename Element>
+__device__ __forceinline__ float to_float(Element x) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else {
+    return __half2float(x);
+  }
+}
+
 // 16-byte global -> shared copy that bypasses registers; with !valid it writes 16 zero bytes.
 __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
