@@ -6,11 +6,14 @@ Public API:
     explain                         which kernel serves a call, and why a fused one does not
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
     patch / unpatch                 route torch.nn.functional.scaled_dot_product_attention to ours
+    register_transformers           attn_implementation="flash_attn_ext" in Hugging Face models
 
 Ops: torch.ops.flash_attn_ext.fwd / bwd (see flash_attn_ext.ops).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -24,13 +27,17 @@ from .dispatch import (
     reset_fallback_counts,
     set_strict,
 )
+from .integrations import register_transformers
 from .interface import flash_attn_func
 from .patching import is_patched, patch, unpatch
 from .sdpa import scaled_dot_product_attention, to_bshd
 
 __all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "explain",
            "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
-           "last_plan", "ops", "patch", "unpatch", "is_patched"]
+           "last_plan", "ops", "patch", "unpatch", "is_patched", "register_transformers"]
+
+if "transformers" in sys.modules:  # already imported: attn_implementation="flash_attn_ext" works
+    register_transformers()
 
 
 _CALL_KEYWORDS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "softmax_scale",
@@ -68,7 +75,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     elif layout != "blhd":
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     from .dispatch import plan
-    p = plan(query, key, value)
+    p = plan(query, key, value, has_bias=call_kwargs.get("attn_mask") is not None)
     if p.fused and query.device.type != "meta":
         ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
     return p

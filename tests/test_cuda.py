@@ -142,7 +142,9 @@ def test_compile_on_cuda():
     assert torch.equal(f(q.detach()), ref)
     q2 = q.detach().clone().requires_grad_(True)
     flash_attn_func(q2, q2, q2, causal=True).sum().backward()
-    assert torch.equal(q.grad, q2.grad)
+    # q is q, k and v at once: the three gradients are summed in an order of the compiler's
+    # choosing, so equal up to rounding.
+    torch.testing.assert_close(q.grad, q2.grad, atol=2e-2, rtol=2e-2)
     assert dispatch.fallback_counts() == {}
 
 

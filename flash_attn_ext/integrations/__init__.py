@@ -1,1 +1,5 @@
-"""Integrations with other libraries (added by later issues)."""
+"""Integrations with other libraries: Hugging Face transformers (``register_transformers``)."""
+
+from .transformers import attention_forward, register_transformers
+
+__all__ = ["attention_forward", "register_transformers"]
