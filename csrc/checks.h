@@ -58,6 +58,11 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
 void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
                        const at::Tensor& softmax_lse, const at::Tensor& q);
 
+// The bwd op's dbias: dbias_full ((batch, heads_q, seqlen_q, seqlen_k), the scores' gradient)
+// summed to attn_bias's shape and dtype when `wanted`; else an empty tensor like q.
+at::Tensor reduce_dbias(const at::Tensor& dbias_full, const std::optional<at::Tensor>& attn_bias,
+                        bool wanted, const at::Tensor& q);
+
 // Fills the dout/dq/dk/dv pointers and strides of BwdParams.
 void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq,
                       const at::Tensor& dk, const at::Tensor& dv);

@@ -215,6 +215,12 @@ void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tens
                     softmax_lse.scalar_type());
 }
 
+at::Tensor reduce_dbias(const at::Tensor& dbias_full, const std::optional<at::Tensor>& attn_bias,
+                        bool wanted, const at::Tensor& q) {
+  if (!wanted) return at::empty({0}, q.options());
+  return at::sum_to(dbias_full, attn_bias->sizes()).to(attn_bias->scalar_type()).contiguous();
+}
+
 void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq,
                       const at::Tensor& dk, const at::Tensor& dv) {
   p.dout = dout.data_ptr();

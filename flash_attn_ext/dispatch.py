@@ -126,8 +126,6 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_bias: bool = Fal
         if not ops.build_info()["cuda"]:
             reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
                            "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
-        if has_bias:
-            reasons.append("attn_mask/attn_bias is not implemented in the CUDA kernels yet")
         if q.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")

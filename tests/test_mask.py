@@ -1,4 +1,4 @@
-"""attn_mask (SDPA) / attn_bias (op) on the CPU kernels, against PyTorch's own SDPA."""
+"""attn_mask (SDPA) / attn_bias (op) in the CPU and CUDA kernels, against PyTorch's own SDPA."""
 
 import pytest
 import torch
@@ -8,7 +8,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flash_attn_ext import ops, scaled_dot_product_attention
 from reference import assert_error_rule
 
-B, H, HKV, L, S, E, EV = 2, 4, 2, 37, 53, 16, 24
+HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
+# (device, dtype, (B, H, L, S, E, Ev)): small odd shapes everywhere; on CUDA also shapes that
+# span several tiles of every kernel (the padded head dims 64/128 and 256).
+CASES = [("cpu", dt, (2, 4, 37, 53, 16, 24))
+         for dt in (torch.float32, torch.float64, torch.bfloat16)]
+if HAS_CUDA:  # pragma: no cover - needs a GPU
+    CASES += [("cuda", dt, (2, 4, 37, 53, 16, 24)) for dt in (torch.bfloat16, torch.float16)]
+    CASES += [("cuda", torch.bfloat16, (2, 4, 300, 517, 128, 128)),
+              ("cuda", torch.float16, (1, 2, 129, 200, 200, 256))]
 
 
 def torch_math(query, key, value, mask, gqa):
@@ -18,31 +26,32 @@ def torch_math(query, key, value, mask, gqa):
 
 
 MASKS = {
-    "padding_bool_B11S": lambda: torch.rand(B, 1, 1, S) > 0.3,
-    "bool_B1LS": lambda: torch.rand(B, 1, L, S) > 0.5,
-    "bool_LS": lambda: torch.rand(L, S) > 0.5,
-    "float_1HLS": lambda: torch.randn(1, H, L, S),
-    "float_BHLS": lambda: torch.randn(B, H, L, S),
-    "empty_rows": lambda: torch.arange(L)[:, None] % 5 != 0,  # rows 0, 5, ... see nothing
+    "padding_bool_B11S": lambda B, H, L, S: torch.rand(B, 1, 1, S) > 0.3,
+    "bool_B1LS": lambda B, H, L, S: torch.rand(B, 1, L, S) > 0.5,
+    "bool_LS": lambda B, H, L, S: torch.rand(L, S) > 0.5,
+    "float_1HLS": lambda B, H, L, S: torch.randn(1, H, L, S),
+    "float_BHLS": lambda B, H, L, S: torch.randn(B, H, L, S),
+    # rows 0, 5, ... see nothing
+    "empty_rows": lambda B, H, L, S: (torch.arange(L)[:, None] % 5 != 0).expand(L, S).clone(),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,dtype,shape", CASES, ids=str)
 @pytest.mark.parametrize("name", sorted(MASKS))
 @pytest.mark.parametrize("gqa", [False, True])
-def test_mask_matches_torch(dtype, name, gqa):
-    mask = MASKS[name]()
-    if name == "empty_rows":
-        mask = mask.expand(L, S).clone()
+def test_mask_matches_torch(device, dtype, shape, name, gqa):
+    B, H, L, S, E, EV = shape
+    mask = MASKS[name](B, H, L, S).to(device)
     mask_grad = mask.is_floating_point()
     if mask_grad:
         mask = mask.to(dtype).requires_grad_()
-    heads_kv = HKV if gqa else H
-    query = torch.randn(B, H, L, E, dtype=dtype, requires_grad=True)
-    key = torch.randn(B, heads_kv, S, E, dtype=dtype, requires_grad=True)
-    value = torch.randn(B, heads_kv, S, EV, dtype=dtype, requires_grad=True)
+    heads_kv = H // 2 if gqa else H
+    query = torch.randn(B, H, L, E, dtype=dtype, device=device, requires_grad=True)
+    key = torch.randn(B, heads_kv, S, E, dtype=dtype, device=device, requires_grad=True)
+    value = torch.randn(B, heads_kv, S, EV, dtype=dtype, device=device, requires_grad=True)
     inputs = [query, key, value] + ([mask] if mask_grad else [])
-    out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa,
+                                       strict=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, dout)
 

@@ -198,10 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dbias_full = want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k},
                                                  q.options().dtype(lse_dtype(q.scalar_type())))
                                      : at::Tensor();
-  auto make_dbias = [&] {
-    if (!want_dbias) return at::empty({0}, q.options());
-    return at::sum_to(dbias_full, attn_bias->sizes()).to(attn_bias->scalar_type()).contiguous();
-  };
+  auto make_dbias = [&] { return reduce_dbias(dbias_full, attn_bias, want_dbias, q); };
   if (a.batch * a.heads_q == 0) {  // nothing attends: k and v (which may exist) get zeros
     dq.zero_();
     dk.zero_();

@@ -60,8 +60,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
-                              "attn_bias (attn_mask) is not implemented in the CUDA kernels yet");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
@@ -75,6 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     fill_fwd_params(p, a, q, k, v, out_padded, lse, softcap, align_bottom_right);
     p.head_dim = q.size(3);       // padded columns are zeros: they add nothing to q k^T
     p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
+    const at::Tensor bias_view =
+        attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaError_t err = q.scalar_type() == at::kBFloat16
@@ -98,12 +98,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     double dropout_p, bool deterministic, bool bias_requires_grad) {
   (void)rng_state;
   (void)deterministic;
-  (void)bias_requires_grad;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_bias.has_value(),
-                              "attn_bias (attn_mask) is not implemented in the CUDA kernels yet");
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
@@ -113,6 +110,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   at::Tensor dq = new_output(q.sizes(), q.options());
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
+  const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
+  at::Tensor dbias_full =
+      want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k}, lse.options())
+                 : at::Tensor();
   if (dq.numel() + dk.numel() + dv.numel() > 0) {
     if (a.batch * a.heads_q == 0) {  // no query heads: k and v get zeros
       dk.zero_();
@@ -124,6 +125,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       fill_grad_params(p, dout, dq, dk, dv);
       p.head_dim = q.size(3);
       p.head_dim_v = v.size(3);
+      const at::Tensor bias_view =
+          attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+      p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       float* delta_ptr = delta.data_ptr<float>();
@@ -137,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous();
   };
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v),
-          at::empty({0}, q.options())};
+          reduce_dbias(dbias_full, attn_bias, want_dbias, q)};
 }
 
 }  // namespace

@@ -14,14 +14,16 @@
 // Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of a
 // single kernel that adds dQ with fp32 atomics, in exchange for determinism and no dQ buffer.
 //
-// Scores follow the forward (flash_fwd_kernel.cuh): s = x * scale, or softcap * tanh(x * scale /
-// softcap) with x = q.k; P = exp2(s * log2e - lse * log2e); dx = dS * scale (* (1 - tanh^2)).
+// Scores follow the forward (score.h: scale, softcap, bias); P = exp2(s * c - lse * log2 e),
+// dx = dS * ds/dx.  With a bias that needs a gradient, the dQ kernel also writes dS (the
+// gradient of the scores, = of the bias before broadcasting) to p.dbias_full.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -52,28 +54,6 @@ struct BwdTraits {
   static constexpr int kSmemDq = (2 * kBlockMQ + 4 * kBlockNQ) * kHeadDim * int(sizeof(Element));
   static_assert(kHeadDim % 64 == 0 && kOutDim % 16 == 0 && kBlockM % 16 == 0 &&
                     kBlockNQ % 16 == 0, "");
-};
-
-// Scores of the forward from raw dot products, and the chain-rule factor back to them.
-struct ScoreFn {
-  float scale, scale_log2, cap, cap_inv_scale;
-  bool capped;
-  __device__ explicit ScoreFn(const FwdParams& p)
-      : scale(static_cast<float>(p.softmax_scale)),
-        cap(static_cast<float>(p.softcap)),
-        capped(p.softcap > 0.0) {
-    constexpr float kLog2e = 1.4426950408889634f;
-    scale_log2 = capped ? kLog2e : scale * kLog2e;
-    cap_inv_scale = capped ? scale / cap : 0.f;
-  }
-  // Turns x = q.k into the exponent's units (x itself, or the capped score) and returns
-  // d(score)/dx.
-  __device__ __forceinline__ float apply(float& x) const {
-    if (!capped) return scale;
-    const float t = tanhf(x * cap_inv_scale);
-    x = cap * t;
-    return scale * (1.f - t * t);
-  }
 };
 
 // lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
@@ -137,7 +117,6 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
 
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  const ScoreFn fn(p);
 
   // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
   auto load_step = [&](int stage, int64_t t) {
@@ -189,6 +168,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
     const int64_t m0 = (m_begin + t % m_blocks) * kM;
+    const ScoreFn fn(p, b, hk * group + t / m_blocks);
 
     // S^T (this warp's 16 keys x kM queries) and dP^T.
     float st[1][kM8][4], dpt[1][kM8][4];
@@ -207,7 +187,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         const int col = j * 8 + 2 * (lane % 4) + (e & 1);  // query row within the tile
         const int64_t key = key_of[e / 2];
         float x = st[0][j][e];
-        const float dscore = fn.apply(x);
+        const int64_t row = m0 + col < p.seqlen_q ? m0 + col : p.seqlen_q - 1;
+        const float dscore = fn.apply(x, row, key < p.seqlen_k ? key : p.seqlen_k - 1);
         float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
         if (need_mask && (key < vis.begin(m0 + col) || key >= vis.end(m0 + col))) pr = 0.f;
         st[0][j][e] = pr;
@@ -257,7 +238,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
 
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  const ScoreFn fn(p);
+  const ScoreFn fn(p, b, h);
+  float* dbias = p.dbias_full == nullptr
+                     ? nullptr
+                     : static_cast<float*>(p.dbias_full) + (b * p.heads_q + h) * p.seqlen_q *
+                                                               p.seqlen_k;
 
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * kN * kD;
@@ -317,16 +302,20 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+      const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
 #pragma unroll
       for (int j = 0; j < kN8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[0][j][2 * r + e];
-          const float dscore = fn.apply(x);
-          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
           const int64_t col = col0 + j * 8 + e;
+          const float dscore = fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1);
+          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
-          x = pr * (dp[0][j][2 * r + e] - d_row[r]) * dscore;
+          const float ds = pr * (dp[0][j][2 * r + e] - d_row[r]);
+          if (dbias != nullptr && row_of[r] < p.seqlen_q && col < p.seqlen_k)
+            dbias[row_of[r] * p.seqlen_k + col] = ds;
+          x = ds * dscore;
         }
     }
     gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -73,12 +74,10 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
 
-  // Softcap folds the scale into tanh; the exp2 domain then only needs log2(e).
-  const bool capped = p.softcap > 0.0;
-  const float scale = static_cast<float>(p.softmax_scale);
-  const float scale_log2 = capped ? kLog2e : scale * kLog2e;
-  const float cap = static_cast<float>(p.softcap);
-  const float cap_inv_scale = capped ? scale / cap : 0.f;
+  const ScoreFn fn(p, b, h);
+  const float scale_log2 = fn.scale_log2;
+  // Softcap and bias go through ScoreFn::apply; plain scores need nothing before the exp2.
+  const bool transform = fn.capped || fn.bias != nullptr;
 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
@@ -97,7 +96,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr int kMT = T::kMTiles;
   float o_acc[kMT][kDTiles][4];
   zero(o_acc);
-  // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or capped) scores and
+  // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or transformed) scores and
   // this thread's share of the running sum.
   float m_row[kMT][2], l_row[kMT][2];
   int64_t row_of[kMT][2];
@@ -130,20 +129,21 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     zero(s);
     gemm_ss<Element, kC, kMT, kNTiles, kD>(s, q_s, warp * kMT * 16, k_s, 0, lane);
 
-    // Softcap, mask (only tiles that straddle a boundary), online softmax.
+    // Softcap and bias, mask (only tiles that straddle a boundary), online softmax.
     const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
     const int64_t col0 = n_block * kN + 2 * (lane % 4);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (capped) {
+        if (transform) {
+          const int64_t row = row_of[mt][r] < p.seqlen_q ? row_of[mt][r] : p.seqlen_q - 1;
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              float& x = s[mt][j][2 * r + e];
-              x = cap * tanhf(x * cap_inv_scale);
+              const int64_t col = col0 + j * 8 + e;
+              fn.apply(s[mt][j][2 * r + e], row, col < p.seqlen_k ? col : p.seqlen_k - 1);
             }
         }
         if (need_mask) {
