@@ -48,7 +48,6 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kC = T::kChunks;
   constexpr int kNTiles = kN / 8;  // 8-column tiles of S per warp
   constexpr int kDTiles = kD / 8;  // 8-column tiles of O per warp
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Element* q_s = reinterpret_cast<Element*>(smem_raw);
