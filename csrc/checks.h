@@ -58,6 +58,12 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
 void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
                        const at::Tensor& softmax_lse, const at::Tensor& q);
 
+// The bwd op's rng_state with dropout: the forward's int64[2] (seed, offset).
+void check_rng_state(const at::Tensor& rng_state);
+
+// Sets the dropout flag, threshold and scale of `p` (not the seed/offset: see params.h).
+void fill_dropout_params(FwdParams& p, double dropout_p);
+
 // The bwd op's dbias: dbias_full ((batch, heads_q, seqlen_q, seqlen_k), the scores' gradient)
 // summed to attn_bias's shape and dtype when `wanted`; else an empty tensor like q.
 at::Tensor reduce_dbias(const at::Tensor& dbias_full, const std::optional<at::Tensor>& attn_bias,

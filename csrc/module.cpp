@@ -3,6 +3,8 @@
 #include <torch/extension.h>
 
 #include "checks.h"
+#include "cpu/dropout_cpu.h"
+#include "dropout.h"
 
 #ifndef FLASH_ATTN_EXT_VERSION
 #define FLASH_ATTN_EXT_VERSION "unknown"
@@ -39,6 +41,22 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   /*kernel_dtypes=*/false);
 }
 
+// Testing aid: the dropout mask (True = kept) that every kernel applies for rng_state
+// (seed, offset), as a (batch, heads, seqlen_q, seqlen_k) bool CPU tensor (dropout.h).
+at::Tensor dropout_mask(int64_t seed, int64_t offset, int64_t batch, int64_t heads,
+                        int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p > 0.0 && dropout_p < 1.0, "dropout_p must be in (0, 1), got ",
+                    dropout_p);
+  at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, at::kBool);
+  auto* keep = reinterpret_cast<uint8_t*>(mask.data_ptr<bool>());
+  const uint32_t threshold = flash_attn_ext::dropout_threshold(dropout_p);
+  for (int64_t row = 0; row < batch * heads * seqlen_q; ++row)
+    flash_attn_ext::cpu::dropout_keep(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                                      threshold, static_cast<uint64_t>(row), 0, seqlen_k,
+                                      keep + row * seqlen_k);
+  return mask;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -47,4 +65,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_debug_poison", &flash_attn_ext::set_debug_poison,
         "Testing aid: outputs start as NaN so unwritten elements are caught.");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
+  m.def("dropout_mask", &dropout_mask,
+        "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "
+        "(batch, heads, seqlen_q, seqlen_k) bool.");
 }

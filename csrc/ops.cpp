@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "dropout.h"
 
 namespace flash_attn_ext {
 
@@ -119,9 +120,6 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                     "softcap must be finite and >= 0 (0 = off), got ", softcap);
   TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
                     "dropout_p must be in [0, 1), got ", dropout_p);
-  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0,
-                              "dropout_p > 0 is not implemented yet in flash_attn_ext, got "
-                              "dropout_p=", dropout_p);
   TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
                               "alibi_slopes is not implemented yet in flash_attn_ext");
   if (attn_bias.has_value()) {
@@ -213,6 +211,20 @@ void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tens
   TORCH_CHECK_VALUE(softmax_lse.scalar_type() == lse_dtype(q.scalar_type()),
                     "softmax_lse must have dtype ", lse_dtype(q.scalar_type()), ", got ",
                     softmax_lse.scalar_type());
+}
+
+void check_rng_state(const at::Tensor& rng_state) {
+  TORCH_CHECK_VALUE(rng_state.dim() == 1 && rng_state.size(0) == 2 &&
+                        rng_state.scalar_type() == at::kLong,
+                    "rng_state must be the forward's int64 tensor of 2 elements (seed, offset), "
+                    "got dtype ", rng_state.scalar_type(), " and shape ", rng_state.sizes());
+}
+
+void fill_dropout_params(FwdParams& p, double dropout_p) {
+  p.dropout = dropout_p > 0.0;
+  p.dropout_p = dropout_p;
+  p.dropout_threshold = p.dropout ? dropout_threshold(dropout_p) : 0u;
+  p.dropout_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
 }
 
 at::Tensor reduce_dbias(const at::Tensor& dbias_full, const std::optional<at::Tensor>& attn_bias,

@@ -39,6 +39,21 @@ struct FwdParams {
   // attention is window_right = 0 (the glue folds the `causal` flag in).
   int64_t window_left = -1, window_right = -1;
   bool align_bottom_right = true;
+
+  // Dropout on P (dropout.h): element (b, h, i, j) is kept iff its Philox word is below
+  // dropout_threshold; kept values are scaled by dropout_scale = 1 / (1 - dropout_p).
+  // The (seed, offset) pair comes from philox_seed/philox_offset, or, where the pointers are set
+  // (CUDA: under graph capture, and in the backward, which reads the forward's rng_state), from
+  // *philox_seed_ptr and *philox_offset_ptr + philox_offset_intragraph, read on the device.
+  bool dropout = false;
+  double dropout_p = 0.0;
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.f;
+  uint64_t philox_seed = 0, philox_offset = 0;
+  const int64_t* philox_seed_ptr = nullptr;
+  const int64_t* philox_offset_ptr = nullptr;
+  uint64_t philox_offset_intragraph = 0;
+  int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
 };
 
 struct BwdParams : FwdParams {

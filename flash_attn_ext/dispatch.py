@@ -109,11 +109,9 @@ def _capability(index: int) -> tuple:
     return tuple(torch.cuda.get_device_capability(index))
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_bias: bool = False) -> Plan:
-    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
-
-    ``has_bias``: the call passes an attention bias / mask.
-    """
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
+    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout (every mask and
+    dropout setting runs on the same kernels)."""
     device = q.device.type
     dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
     reasons = []
@@ -189,7 +187,7 @@ def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, wi
 
 
 def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
-                       softcap, attn_bias=None):
+                       softcap, attn_bias=None, dropout_p=0.0):
     """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
 
     Used only where no fused kernel exists (see :func:`plan`); follows the same semantics
@@ -214,5 +212,7 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
         scores = scores + attn_bias.to(acc)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
     out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)
     return out, lse.to(ops.lse_dtype(q.dtype))

@@ -39,8 +39,7 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> None:
-    """Flag checks shared by flash_attn_func and scaled_dot_product_attention; dropout_p must
-    be in [0, 1) (ValueError) and 0 for now (NotImplementedError)."""
+    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError)."""
     if not isinstance(causal, bool):
         raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -49,9 +48,6 @@ def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> 
                          f"got {window_size!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in "
-                                  "flash_attn_ext; pass dropout_p=0.0")
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
@@ -65,7 +61,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     """
     _check_transforms(q, k, v)
     q, k, v = _autocast(q, k, v)
-    p = dispatch.plan(q, k, v, has_bias=attn_bias is not None)
+    p = dispatch.plan(q, k, v)
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).
@@ -82,7 +78,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
         return out, softmax_lse
     return dispatch.fallback_attention(q, k, v, softmax_scale, window_left,
                                        0 if causal else window_right, align_bottom_right, softcap,
-                                       attn_bias)
+                                       attn_bias, dropout_p)
 
 
 def flash_attn_func(
@@ -116,7 +112,11 @@ def flash_attn_func(
             Any batch/seqlen/head strides; the last dimension should be contiguous (else copied).
             dtypes: float32, float64, float16, bfloat16 on CPU; float16, bfloat16 on CUDA.
             head_dim and head_dim_v: 1 to 256.
-        dropout_p: dropout probability on the attention weights; must be 0.0 for now.
+        dropout_p: dropout probability on the attention weights (after the softmax; kept
+            weights are scaled by 1 / (1 - dropout_p)), inside the kernels with a counter-based
+            Philox4x32-10 mask drawn from PyTorch's generator (``torch.manual_seed`` reproduces
+            it; CUDA-graph capture works) and regenerated, not stored, by the backward.
+            Applied whenever > 0, also in eval mode: pass 0.0 there.
         softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
         causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j
             when j <= i + seqlen_k - seqlen_q.
@@ -141,7 +141,7 @@ def flash_attn_func(
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
             num_heads not a multiple of num_heads_k, dtype/device mismatch or unsupported dtype,
             window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1).
-        NotImplementedError: dropout_p > 0 or alibi_slopes given (not implemented yet);
+        NotImplementedError: alibi_slopes given (not implemented yet);
             forward-mode AD (torch.func.jvp) and torch.func gradient transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
@@ -151,6 +151,7 @@ def flash_attn_func(
                                   "alibi_slopes=None")
     out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
                            window_left=int(window_size[0]), window_right=int(window_size[1]),
-                           align_bottom_right=True, softcap=float(softcap), dropout_p=0.0,
+                           align_bottom_right=True, softcap=float(softcap),
+                           dropout_p=float(dropout_p),
                            deterministic=deterministic, strict=strict)
     return (out, softmax_lse) if return_softmax_lse else out

@@ -38,7 +38,8 @@ def scaled_dot_product_attention(
             (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernel tile by tile
             (CPU; CUDA falls back visibly for now); a float mask that requires grad gets one.
             Rows the mask empties give 0 (PyTorch gives NaN there).
-        dropout_p: must be 0.0 for now.
+        dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
+            see :func:`flash_attn_ext.flash_attn_func` for the generator).
         is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
             (rows of query i see keys j <= i; with L > S the last rows see all keys).
         scale: multiplies q k^T; default 1 / sqrt(E).
@@ -52,7 +53,6 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
             H != H_kv without enable_gqa), and the errors of flash_attn_func.
-        NotImplementedError: dropout_p > 0 (not implemented yet).
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     if attn_mask is not None and is_causal:
@@ -62,7 +62,8 @@ def scaled_dot_product_attention(
     q, k, v = to_bshd(query, key, value, enable_gqa)
     bias = None if attn_mask is None else mask_to_bias(attn_mask, query)
     out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
-                 window_right=-1, align_bottom_right=False, softcap=0.0, dropout_p=0.0,
+                 window_right=-1, align_bottom_right=False, softcap=0.0,
+                 dropout_p=float(dropout_p),
                  deterministic=False, strict=strict, attn_bias=bias)
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out

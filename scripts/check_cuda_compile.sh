@@ -9,6 +9,30 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 if ! command -v nvcc >/dev/null; then echo "check_cuda_compile: no nvcc, skipped"; exit 0; fi
 TORCH_DIR=$($PY -c "import os, torch; print(os.path.dirname(torch.__file__))")
+# curand's headers (dropout's Philox): nvcc's own, else those of the pinned nvidia-curand wheel.
+curand_include() {
+  $PY - <<'PYEOF'
+import os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit(0)
+for d in nvidia.__path__:
+    inc = os.path.join(d, "cu13", "include")
+    if os.path.exists(os.path.join(inc, "curand_philox4x32_x.h")):
+        print(inc)
+        break
+PYEOF
+}
+EXTRA_INC=()
+if ! echo '#include <curand_philox4x32_x.h>' | nvcc -x cu -E - -o /dev/null 2>/dev/null; then
+  inc=$(curand_include)
+  if [ -z "$inc" ]; then
+    $PY -m pip install -q -r requirements-cuda-check.txt
+    inc=$(curand_include)
+  fi
+  [ -n "$inc" ] && EXTRA_INC=(-I "$inc")
+fi
 STUB=$(mktemp -d)
 trap 'rm -rf "$STUB"' EXIT
 mkdir -p "$STUB/c10/cuda/impl"
@@ -16,7 +40,7 @@ printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$STUB/c10/cuda/im
 # The flags torch's CUDAExtension adds: no implicit half/bfloat16 conversions or operators.
 FLAGS=(-std=c++17 -O2 --use_fast_math -I csrc -D__CUDA_NO_HALF_OPERATORS__
        -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
-       -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
+       -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr ${EXTRA_INC[@]+"${EXTRA_INC[@]}"})
 jobs=()
 for f in $(find csrc/kernels -name '*.cu' | sort); do
   for arch in 80 90a; do

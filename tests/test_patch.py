@@ -2,7 +2,6 @@
 
 import warnings
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,16 +45,22 @@ def test_patch_routes_and_undoes():
     assert F.scaled_dot_product_attention is original
 
 
-def test_patch_falls_back_visibly_for_dropout():
+def test_patch_runs_dropout_fused_and_falls_back_visibly_for_unknown_arguments():
     dispatch.reset_fallback_counts()
     model = TinyAttention()
-    with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(torch.randn(1, 5, 32), dropout_p=0.1)
-    assert any("dropout_p > 0" in str(w.message) for w in caught)
-    with flash_attn_ext.patch(), pytest.raises(flash_attn_ext.FallbackError):
+    x = torch.randn(1, 5, 32)
+    with flash_attn_ext.patch():
         dispatch.set_strict(True)
         try:
-            model(torch.randn(1, 5, 32), dropout_p=0.1)
+            torch.manual_seed(3)
+            first = model(x, dropout_p=0.3)
+            torch.manual_seed(3)
+            assert torch.equal(model(x, dropout_p=0.3), first)  # reproducible, fused
         finally:
             dispatch.set_strict(None)
+    q = torch.randn(1, 1, 2, 5, 8)  # 5-D: PyTorch's function takes it, ours does not
+    with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = F.scaled_dot_product_attention(q, q, q)
+    assert out.shape == q.shape
+    assert any("query.dim()=5" in str(w.message) for w in caught)

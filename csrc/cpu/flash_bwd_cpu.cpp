@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/dropout_cpu.h"
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
 #include "cpu/tile_gemm.h"
@@ -45,6 +46,7 @@ void flash_bwd_cpu(const BwdParams& p) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, L = p.seqlen_q;
   const int64_t group = p.heads_q / p.heads_kv;
   const acc_t scale = p.softmax_scale;
+  const acc_t drop_scale = p.dropout ? acc_t(1) / (acc_t(1) - acc_t(p.dropout_p)) : acc_t(1);
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -75,6 +77,8 @@ void flash_bwd_cpu(const BwdParams& p) {
     std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), do_buf(kInPlace ? 0 : BQ * Dv);
     std::vector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
     std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
+    std::vector<acc_t> pz_buf(p.dropout ? BQ * BK : 0);  // P with dropout applied
+    std::vector<uint8_t> keep(p.dropout ? BQ * BK : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
       const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -127,8 +131,24 @@ void flash_bwd_cpu(const BwdParams& p) {
             score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0,
                        p.softcap > 0.0 ? dtanh.data() : nullptr);
             probs_from_lse_rows(S, mq, nk, BK, lse + (b * p.heads_q + h) * L + i0);
-            gemm(dv_acc.data(), Dv, Mat<acc_t>{S, BK}.t(), dom, nk, Dv, mq, 1.0, 1.0);
+            if (p.dropout) {
+              // The forward's mask: dV = (P Z / (1 - p))^T dO and dP = Z / (1 - p) * dO V^T.
+              for (int64_t r = 0; r < mq; ++r) {
+                uint8_t* kr = keep.data() + r * BK;
+                dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
+                             (b * p.heads_q + h) * L + i0 + r, j0, nk, kr);
+                for (int64_t c = 0; c < nk; ++c)
+                  pz_buf[r * BK + c] = kr[c] ? S[r * BK + c] * drop_scale : acc_t(0);
+              }
+            }
+            gemm(dv_acc.data(), Dv, Mat<acc_t>{p.dropout ? pz_buf.data() : S, BK}.t(), dom, nk,
+                 Dv, mq, 1.0, 1.0);
             gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);
+            if (p.dropout) {
+              for (int64_t r = 0; r < mq; ++r)
+                for (int64_t c = 0; c < nk; ++c)
+                  dP[r * BK + c] = keep[r * BK + c] ? dP[r * BK + c] * drop_scale : acc_t(0);
+            }
             softmax_grad_rows(S, dP, mq, nk, BK, delta.data() + g * L + i0);
             if (dbias != nullptr) {  // d(bias) = dS: scores = softcap(...) + bias
               acc_t* dst = dbias + ((b * p.heads_q + h) * L + i0) * p.seqlen_k + j0;
@@ -183,7 +203,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
     double dropout_p, bool deterministic, bool bias_requires_grad) {
-  (void)rng_state;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
@@ -210,6 +229,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
   fill_grad_params(p, dout, dq, dk, dv);
   p.deterministic = deterministic;  // the CPU backward is always deterministic
+  fill_dropout_params(p, dropout_p);
+  if (p.dropout) {  // the forward's (seed, offset)
+    check_rng_state(rng_state);
+    const at::Tensor rng = rng_state.cpu();
+    p.philox_seed = static_cast<uint64_t>(rng[0].item<int64_t>());
+    p.philox_offset = static_cast<uint64_t>(rng[1].item<int64_t>());
+  }
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();

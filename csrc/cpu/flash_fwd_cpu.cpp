@@ -4,8 +4,10 @@
 // For each (batch, head, tile of kBlockQ query rows), in parallel: keep the query tile, the output
 // accumulator O and the running row max m / row sum l; stream the visible key/value tiles of
 // kBlockK rows; per tile S = scale * Q K^T (BLAS), softcap, mask, the online-softmax update, then
-// O = alpha * O + P V (BLAS).  Finally out = O / l and softmax_lse = m + log(l).  Scores exist only
+// O = alpha * O + P V (BLAS), where with dropout P loses its dropped elements after the row sum
+// l took them (dropout.h).  Finally out = O / l (/ (1 - dropout_p)) and softmax_lse = m + log(l).  Scores exist only
 // as one (kBlockQ x kBlockK) tile per thread: memory is O(seqlen), never O(seqlen_q * seqlen_k).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/dropout_cpu.h"
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
 #include "cpu/tile_gemm.h"
@@ -42,11 +45,13 @@ void flash_fwd_cpu(const FwdParams& p) {
   const auto* v = static_cast<const scalar_t*>(p.v);
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
+  const acc_t out_scale = p.dropout ? acc_t(1) / (acc_t(1) - acc_t(p.dropout_p)) : acc_t(1);
 
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), k_buf(kInPlace ? 0 : BK * D),
         v_buf(kInPlace ? 0 : BK * Dv);
     std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
+    std::vector<uint8_t> keep(p.dropout ? BK : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % q_tiles;
       const int64_t h = (task / q_tiles) % p.heads_q;
@@ -72,6 +77,14 @@ void flash_fwd_cpu(const FwdParams& p) {
         acc_t* S = s_buf.data();
         score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0);
         online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
+        if (p.dropout) {
+          for (int64_t r = 0; r < mq; ++r) {
+            dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
+                         (b * p.heads_q + h) * p.seqlen_q + i0 + r, j0, nk, keep.data());
+            for (int64_t c = 0; c < nk; ++c)
+              if (!keep[c]) S[r * BK + c] = acc_t(0);
+          }
+        }
         for (int64_t r = 0; r < mq; ++r) {
           if (alpha[r] == acc_t(1)) continue;
           acc_t* o = o_acc.data() + r * Dv;
@@ -85,7 +98,7 @@ void flash_fwd_cpu(const FwdParams& p) {
         scalar_t* o = out + b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
         const acc_t* acc = o_acc.data() + r * Dv;
         const bool empty = m[r] == -kInf;  // no visible key: out = 0, lse = -inf
-        const acc_t inv_l = empty ? acc_t(0) : acc_t(1) / l[r];
+        const acc_t inv_l = empty ? acc_t(0) : out_scale / l[r];
         for (int64_t c = 0; c < Dv; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_l);
         lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -kInf : m[r] + std::log(l[r]);
       }
@@ -112,6 +125,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
 
   FwdParams p;
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
+  fill_dropout_params(p, dropout_p);
+  if (p.dropout) {  // a fresh seed from PyTorch's CPU generator: torch.manual_seed reproduces it
+    at::CPUGeneratorImpl* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+        std::nullopt, at::detail::getDefaultCPUGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    p.philox_seed = gen->random64();
+    p.philox_offset = 0;
+    rng_state.data_ptr<int64_t>()[0] = static_cast<int64_t>(p.philox_seed);
+  }
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();

@@ -1,6 +1,7 @@
 // CUDA glue for flash_attn_ext::fwd and ::bwd: validate, make the inputs kernel-ready (16-byte
 // aligned rows, head dims padded to a multiple of 8 only where needed), allocate the outputs, pick
 // the instantiation by (head dim, dtype) and launch on the current stream.
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +11,7 @@
 #include <cstdint>
 
 #include "checks.h"
+#include "dropout.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
 
@@ -38,6 +40,27 @@ at::Tensor kernel_ready(const at::Tensor& t) {
 }
 
 // The instantiation for the padded head dim (64, 128 or 256) of head_dim = max(d_qk, d_v).
+// The forward's Philox (seed, offset) from PyTorch's CUDA generator (torch.manual_seed reproduces
+// it), advanced by the counters one call uses; under CUDA-graph capture the generator hands out
+// device pointers that each replay updates, which the kernel reads (and writes to rng_state).
+void take_philox_state(FwdParams& p, int64_t seqlen_k) {
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    state = gen->philox_cuda_state(dropout_counters_per_row(seqlen_k));
+  }
+  if (state.captured_) {
+    p.philox_seed_ptr = state.seed_.ptr;
+    p.philox_offset_ptr = state.offset_.ptr;
+    p.philox_offset_intragraph = state.offset_intragraph_;
+  } else {
+    p.philox_seed = state.seed_.val;
+    p.philox_offset = state.offset_.val;
+  }
+}
+
 template <typename Element>
 cudaError_t run_fwd(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
@@ -75,6 +98,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
     const at::Tensor bias_view =
         attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+    fill_dropout_params(p, dropout_p);
+    if (p.dropout) {
+      take_philox_state(p, a.seqlen_k);
+      p.rng_state = rng_state.data_ptr<int64_t>();
+    }
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaError_t err = q.scalar_type() == at::kBFloat16
@@ -96,7 +124,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
     double dropout_p, bool deterministic, bool bias_requires_grad) {
-  (void)rng_state;
   (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
@@ -128,6 +155,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       const at::Tensor bias_view =
           attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
+      fill_dropout_params(p, dropout_p);
+      if (p.dropout) {  // the forward's (seed, offset), read on the device
+        check_rng_state(rng_state);
+        TORCH_CHECK_VALUE(rng_state.device() == q.device(), "rng_state must be on ", q.device(),
+                          " (the forward's), got ", rng_state.device());
+        p.philox_seed_ptr = rng_state.data_ptr<int64_t>();
+        p.philox_offset_ptr = p.philox_seed_ptr + 1;
+      }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       float* delta_ptr = delta.data_ptr<float>();

@@ -15,7 +15,8 @@
 // single kernel that adds dQ with fp32 atomics, in exchange for determinism and no dQ buffer.
 //
 // Scores follow the forward (score.h: scale, softcap, bias); P = exp2(s * c - lse * log2 e),
-// dx = dS * ds/dx.  With a bias that needs a gradient, the dQ kernel also writes dS (the
+// dx = dS * ds/dx.  With dropout (mask Z regenerated from the forward's rng_state, dropout.h):
+// dV = (P Z / (1 - p))^T dO and dS = P (dP Z / (1 - p) - D).  With a bias that needs a gradient, the dQ kernel also writes dS (the
 // gradient of the scores, = of the bias before broadcasting) to p.dbias_full.
 #pragma once
 
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm80/dropout.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
@@ -117,6 +119,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
 
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const DropoutFn drop(p);
 
   // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
   auto load_step = [&](int stage, int64_t t) {
@@ -168,7 +171,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
     const int64_t m0 = (m_begin + t % m_blocks) * kM;
-    const ScoreFn fn(p, b, hk * group + t / m_blocks);
+    const int64_t h = hk * group + t / m_blocks;
+    const ScoreFn fn(p, b, h);
 
     // S^T (this warp's 16 keys x kM queries) and dP^T.
     float st[1][kM8][4], dpt[1][kM8][4];
@@ -191,8 +195,15 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         const float dscore = fn.apply(x, row, key < p.seqlen_k ? key : p.seqlen_k - 1);
         float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
         if (need_mask && (key < vis.begin(m0 + col) || key >= vis.end(m0 + col))) pr = 0.f;
+        float dp = dpt[0][j][e];
         st[0][j][e] = pr;
-        dpt[0][j][e] = pr * (dpt[0][j][e] - d_s[col]) * dscore;
+        if (drop.enabled) {
+          const auto row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
+          const bool kept = drop.keep(row_id, key);
+          st[0][j][e] = kept ? pr * drop.scale : 0.f;
+          dp = kept ? dp * drop.scale : 0.f;
+        }
+        dpt[0][j][e] = pr * (dp - d_s[col]) * dscore;
       }
     gemm_rs<Element, kC, 1, kM, kOut8>(dv_acc, st, do_s, 0, col_chunk0, lane);
     gemm_rs<Element, kC, 1, kM, kOut8>(dk_acc, dpt, q_s, 0, col_chunk0, lane);
@@ -239,6 +250,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   const ScoreFn fn(p, b, h);
+  const DropoutFn drop(p);
   float* dbias = p.dbias_full == nullptr
                      ? nullptr
                      : static_cast<float*>(p.dbias_full) + (b * p.heads_q + h) * p.seqlen_q *
@@ -303,8 +315,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
     for (int r = 0; r < 2; ++r) {
       const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
       const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
+      const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
 #pragma unroll
-      for (int j = 0; j < kN8; ++j)
+      for (int j = 0; j < kN8; ++j) {
+        uint4 w{};
+        if (drop.enabled) w = drop.words(row_id, col0 + j * 8);  // even: one block for both
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[0][j][2 * r + e];
@@ -312,11 +327,15 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
           const float dscore = fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1);
           float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
-          const float ds = pr * (dp[0][j][2 * r + e] - d_row[r]);
+          float dpv = dp[0][j][2 * r + e];
+          if (drop.enabled)
+            dpv = DropoutFn::word(w, col) < drop.threshold ? dpv * drop.scale : 0.f;
+          const float ds = pr * (dpv - d_row[r]);
           if (dbias != nullptr && row_of[r] < p.seqlen_q && col < p.seqlen_k)
             dbias[row_of[r] * p.seqlen_k + col] = ds;
           x = ds * dscore;
         }
+      }
     }
     gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
     __syncthreads();  // this stage is overwritten by the prefetch two tiles from now

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm80/dropout.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
@@ -74,6 +75,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
 
   const ScoreFn fn(p, b, h);
+  const DropoutFn drop(p);
+  if (p.rng_state != nullptr && bid == 0 && threadIdx.x == 0) {  // for the backward
+    p.rng_state[0] = static_cast<int64_t>(drop.seed);
+    p.rng_state[1] = static_cast<int64_t>(drop.offset);
+  }
   const float scale_log2 = fn.scale_log2;
   // Softcap and bias go through ScoreFn::apply; plain scores need nothing before the exp2.
   const bool transform = fn.capped || fn.bias != nullptr;
@@ -176,6 +182,18 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
             sum += x;
           }
         l_row[mt][r] = l_row[mt][r] * alpha + sum;
+        if (drop.enabled) {  // after the row sum: dropout acts on the normalised P
+          const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
+                                                        row_of[mt][r]);
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+            const int64_t col = col0 + j * 8;  // even: both elements share one Philox block
+            const uint4 w = drop.words(row_id, col);
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (DropoutFn::word(w, col + e) >= drop.threshold) s[mt][j][2 * r + e] = 0.f;
+          }
+        }
 #pragma unroll
         for (int j = 0; j < kDTiles; ++j) {
           o_acc[mt][j][2 * r] *= alpha;
@@ -189,7 +207,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
   }
 
-  // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
+  // Epilogue: out = O / l (/ (1 - dropout_p)) (0 for rows that saw nothing),
+  // lse = m * scale + ln(l).
   auto* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
   auto* lse = static_cast<float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
@@ -200,7 +219,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
       const bool empty = m_row[mt][r] == -INFINITY || !(l > 0.f);
-      const float inv_l = empty ? 0.f : 1.f / l;
+      const float inv_l = empty ? 0.f : drop.scale / l;
       const int64_t row = row_of[mt][r];
       if (row >= p.seqlen_q) continue;
       Element* o_row = out + row * p.out_row_stride;

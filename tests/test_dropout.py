@@ -1,0 +1,159 @@
+"""Dropout on the attention weights inside the kernels (CPU and CUDA).
+
+The mask is a pure function of the forward's rng_state (seed, offset) (csrc/dropout.h), which
+``_C.dropout_mask`` regenerates on the host: forward and all gradients must equal plain attention
+computed with that same mask, the kept fraction and scaling must be right, torch.manual_seed must
+reproduce a call, and on CUDA the device's Philox (curand) must drop exactly the elements the
+host's (ATen) drops, also inside a captured CUDA graph.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn_ext import _C, dispatch, flash_attn_func, ops, scaled_dot_product_attention
+from reference import assert_error_rule
+
+HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+LOW = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def reference(q, k, v, keep, dropout_p, causal, dtype):
+    """softmax(q k^T scale + causal mask) * keep / (1 - p) @ v in ``dtype``, (B, L, H, D)."""
+    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    s = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:  # bottom-right, as flash_attn_func
+        L, S = s.shape[-2:]
+        visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    p = p * keep.to(q.device) / (1 - dropout_p)
+    return (p @ vh).transpose(1, 2)
+
+
+def run_ours(q, k, v, dropout_p, causal):
+    out, lse, rng = ops.fwd(q, k, v, None, causal, -1, -1, True, 0.0, None, None, dropout_p)
+    return out, rng
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16), (1, 130, 200, 2, 1, 64)], ids=str)
+def test_forward_and_grads_equal_reference_with_the_same_mask(device, causal, shape):
+    B, L, S, H, HKV, D = shape
+    dtype, p_drop = LOW[device], 0.3
+    q = torch.randn(B, L, H, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, S, HKV, D, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, S, HKV, D, device=device, dtype=dtype, requires_grad=True)
+    out, rng = run_ours(q, k, v, p_drop, causal)
+    seed, offset = (int(x) for x in rng.cpu())
+    keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def theirs(compute):
+        leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
+        o = reference(*leaves, keep, p_drop, causal, compute)
+        return o, torch.autograd.grad(o, leaves, dout.to(compute))
+
+    true, true_g = theirs(torch.float64)
+    low, low_g = theirs(dtype)
+    assert_error_rule(out, low, true, 2.0, "out")
+    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_fraction_scaling_and_reproducibility(device):
+    p_drop, B, H, L, S = 0.2, 2, 3, 64, 301
+    # With v = 1 and uniform scores, out = (kept count / S) / (1 - p) per row: its mean is 1.
+    q = torch.zeros(B, L, H, 8, device=device, dtype=LOW[device])
+    v = torch.ones(B, S, H, 8, device=device, dtype=LOW[device])
+    torch.manual_seed(7)
+    out = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
+    rows = out[..., 0].float()
+    n = B * H * L * S
+    kept = rows.sum().item() * (1 - p_drop) * S
+    sigma = math.sqrt(n * p_drop * (1 - p_drop))
+    assert abs(kept - n * (1 - p_drop)) < 5 * sigma + 0.01 * n * (device == "cuda")
+    assert abs(rows.mean().item() - 1.0) < 0.02
+    torch.manual_seed(7)
+    again = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
+    assert torch.equal(out, again)
+    different = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
+    assert not torch.equal(out, different)
+
+
+def test_host_mask_statistics():
+    keep = _C.dropout_mask(123, 0, 2, 4, 100, 1000, 0.25)
+    frac = keep.float().mean().item()
+    assert abs(frac - 0.75) < 5 * math.sqrt(0.25 * 0.75 / keep.numel())
+    # Different rows, and different offsets, give different (independent-looking) masks.
+    assert (keep[0, 0, 0] != keep[0, 0, 1]).any()
+    other = _C.dropout_mask(123, 1000, 2, 4, 100, 1000, 0.25)
+    assert abs((keep == other).float().mean().item() - (0.75**2 + 0.25**2)) < 0.01
+
+
+def test_sdpa_dropout_is_fused_and_matches_reference():
+    dispatch.reset_fallback_counts()
+    q = torch.randn(2, 4, 33, 16, requires_grad=True)
+    torch.manual_seed(5)
+    out = scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=True, strict=True)
+    out.sum().backward()
+    assert dispatch.fallback_counts() == {}
+    assert torch.isfinite(q.grad).all() and (out == 0).any() is not None
+
+
+def test_dropout_under_compile():
+    torch._dynamo.reset()
+    q = torch.randn(1, 40, 2, 16, requires_grad=True)
+    f = torch.compile(lambda q: flash_attn_func(q, q, q, dropout_p=0.1), fullgraph=True)
+    torch.manual_seed(0)
+    out = f(q)
+    out.sum().backward()
+    torch.manual_seed(0)
+    assert torch.equal(out, flash_attn_func(q, q, q, dropout_p=0.1))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+def test_cuda_graph_capture_draws_fresh_masks_and_backward_regenerates_them():
+    B, L, S, H, D, p_drop = 1, 64, 96, 2, 64, 0.25
+    q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+    static = {}
+
+    def step():
+        out, rng = run_ours(q, k, v, p_drop, False)
+        static["out"], static["rng"] = out, rng
+        static["grads"] = torch.autograd.grad(out, (q, k, v), dout)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    results = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        seed, offset = (int(x) for x in static["rng"].cpu())
+        keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+        ref = reference(q.detach(), k.detach(), v.detach(), keep, p_drop, False, torch.float32)
+        assert (static["out"].float() - ref).abs().max().item() < 3e-2
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref_g = torch.autograd.grad(reference(*leaves, keep, p_drop, False, torch.float32),
+                                    leaves, dout.float())
+        for a, b in zip(static["grads"], ref_g):
+            assert (a.float() - b).abs().max().item() < 5e-2 * max(1.0, b.abs().max().item())
+        results.append((offset, static["out"].clone()))
+    assert results[0][0] != results[1][0]  # each replay advanced the generator's offset
+    assert not torch.equal(results[0][1], results[1][1])
