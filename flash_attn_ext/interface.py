@@ -125,8 +125,11 @@ def flash_attn_func(
             With causal=True, right is 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
         alibi_slopes: not supported yet; must be None.
-        deterministic: request bitwise-reproducible gradients (the CPU and CUDA backward kernels
-            always are: neither uses atomics).
+        deterministic: bitwise-reproducible gradients.  The CPU backward always is; the CUDA
+            backward by default adds dq with float32 atomics (FlashAttention-2's way), whose
+            order varies run to run, and with deterministic=True (and always with softcap, a
+            mask or dropout) runs a separate dq kernel without atomics (slower: it recomputes S
+            and dP once more).
         return_softmax_lse: also return softmax_lse.
         strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
             unfused path (default: ``FLASH_ATTN_EXT_STRICT``).

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/sm80/dropout.h"
+#include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
@@ -42,7 +43,9 @@ struct FwdTraits {
   static_assert(kBlockN % 16 == 0, "");
 };
 
-template <typename T>
+// kGeneral: softcap, attn_bias and dropout are handled (runtime flags); without it the kernel
+// serves plain/causal/windowed attention with fewer live registers.
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams p,
                                                                 int64_t num_m_blocks) {
   using Element = typename T::Element;
@@ -76,13 +79,13 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
   const ScoreFn fn(p, b, h);
   const DropoutFn drop(p);
-  if (p.rng_state != nullptr && bid == 0 && threadIdx.x == 0) {  // for the backward
+  if (kGeneral && p.rng_state != nullptr && bid == 0 && threadIdx.x == 0) {  // for the backward
     p.rng_state[0] = static_cast<int64_t>(drop.seed);
     p.rng_state[1] = static_cast<int64_t>(drop.offset);
   }
   const float scale_log2 = fn.scale_log2;
   // Softcap and bias go through ScoreFn::apply; plain scores need nothing before the exp2.
-  const bool transform = fn.capped || fn.bias != nullptr;
+  const bool transform = kGeneral && (fn.capped || fn.bias != nullptr);
 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
@@ -182,7 +185,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
             sum += x;
           }
         l_row[mt][r] = l_row[mt][r] * alpha + sum;
-        if (drop.enabled) {  // after the row sum: dropout acts on the normalised P
+        if (kGeneral && drop.enabled) {  // after the row sum: dropout acts on the normalised P
           const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
                                                         row_of[mt][r]);
 #pragma unroll
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
       const bool empty = m_row[mt][r] == -INFINITY || !(l > 0.f);
-      const float inv_l = empty ? 0.f : drop.scale / l;
+      const float inv_l = empty ? 0.f : (kGeneral ? drop.scale : 1.f) / l;
       const int64_t row = row_of[mt][r];
       if (row >= p.seqlen_q) continue;
       Element* o_row = out + row * p.out_row_stride;
@@ -238,19 +241,14 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   }
 }
 
-// Host side: grid, shared memory opt-in and launch on `stream`.
+// Host side: one CTA per (query block, batch, head), launched on `stream`.
 template <typename T>
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
-  const int64_t blocks = num_m_blocks * p.batch * p.heads_q;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  auto kernel = flash_fwd_kernel<T>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         T::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSmemBytes, stream>>>(p, num_m_blocks);
-  return cudaGetLastError();
+  const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
+  return launch(general ? flash_fwd_kernel<T, true> : flash_fwd_kernel<T, false>,
+                num_m_blocks * p.batch * p.heads_q, T::kThreads, T::kSmemBytes, stream, p,
+                num_m_blocks);
 }
 
 }  // namespace flash_attn_ext::sm80

@@ -1,0 +1,42 @@
+// Kernel launch with the dynamic shared-memory opt-in done once per (kernel, device) instead of
+// on every call, and the grid-size limit checked (1-D grids of up to 2^31 - 1 blocks).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
+
+namespace flash_attn_ext::sm80 {
+
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for `kernel` on the current device, once.
+inline cudaError_t opt_in_smem(const void* kernel, int bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({kernel, device}) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) done.insert({kernel, device});
+  return err;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), int64_t blocks, int threads, int smem_bytes,
+                   cudaStream_t stream, Args&&... args) {
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(kernel), smem_bytes);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(
+      std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_attn_ext::sm80
