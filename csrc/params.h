@@ -66,9 +66,6 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
   bool deterministic = false;
-  // Without `deterministic`: dQ accumulated here with fp32 atomics by the dK/dV kernel,
-  // (batch, heads_q, seqlen_q, head_dim) contiguous, zero-initialised (CUDA).
-  float* dq_accum = nullptr;
   // With a bias that needs a gradient: dS in the accumulator type, (batch, head_q, seqlen_q,
   // seqlen_k) contiguous; the glue reduces it to the bias's shape.  nullptr otherwise.
   void* dbias_full = nullptr;

@@ -125,11 +125,9 @@ def flash_attn_func(
             With causal=True, right is 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
         alibi_slopes: not supported yet; must be None.
-        deterministic: bitwise-reproducible gradients.  The CPU backward always is; the CUDA
-            backward by default adds dq with float32 atomics (FlashAttention-2's way), whose
-            order varies run to run, and with deterministic=True (and always with softcap, a
-            mask or dropout) runs a separate dq kernel without atomics (slower: it recomputes S
-            and dP once more).
+        deterministic: accepted for FlashAttention compatibility; gradients are always bitwise
+            reproducible (the CPU and CUDA backward kernels use no atomics: on CUDA a separate
+            dq kernel, which measured faster than adding dq with atomics).
         return_softmax_lse: also return softmax_lse.
         strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
             unfused path (default: ``FLASH_ATTN_EXT_STRICT``).

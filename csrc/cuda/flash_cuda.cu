@@ -115,10 +115,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   return {out, lse, rng_state};
 }
 
-// Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV kernel,
-// which by default also adds dQ into an fp32 buffer with atomics (converted here); with
-// `deterministic` (or a bias gradient, which the dQ kernel writes) a separate dQ kernel instead,
-// and the gradients are bitwise reproducible.
+// Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
+// kernels.  Gradients are bitwise reproducible whatever `deterministic` says (no atomics: an
+// atomic-dQ variant measured slower, see benchmarks/NOTES.md).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
@@ -126,6 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
     double dropout_p, bool deterministic, bool bias_requires_grad) {
+  (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
@@ -156,15 +156,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       const at::Tensor bias_view =
           attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
-      p.deterministic = deterministic;
-      // Atomic dQ serves plain attention (no softcap, bias or dropout); the rest takes the
-      // dQ kernel.
-      const bool atomic_dq = !deterministic && !attn_bias.has_value() && softcap == 0.0 &&
-                             dropout_p == 0.0;
-      at::Tensor dq_accum = atomic_dq ? at::zeros({a.batch, a.heads_q, a.seqlen_q, q.size(3)},
-                                                  lse.options())
-                                      : at::Tensor();
-      p.dq_accum = atomic_dq ? dq_accum.data_ptr<float>() : nullptr;
       fill_dropout_params(p, dropout_p);
       if (p.dropout) {  // the forward's (seed, offset), read on the device
         check_rng_state(rng_state);
@@ -180,7 +171,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                             ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta_ptr, stream)
                             : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
       C10_CUDA_CHECK(err);
-      if (atomic_dq) dq.copy_(dq_accum.permute({0, 2, 1, 3}));
     }
   }
   auto unpad = [](const at::Tensor& g, int64_t d) {

@@ -1,23 +1,20 @@
 // FlashAttention-2 backward for sm_80+ (mma.sync; also runs on sm_90), by recomputation
 // (arXiv:2205.14135 Algorithm 4; FlashAttention-2, arXiv:2307.08691, Algorithm 2).
 //
-// The forward saved out and the LSE only.  Up to three kernels:
+// The forward saved out and the LSE only.  Three kernels, none with atomics, so the gradients
+// are bitwise reproducible run to run (deterministic=True costs nothing):
 //  1. delta:  D_i = rowsum(dO_i * O_i)  (fp32, one warp per row).
 //  2. dK/dV:  one CTA per (key block of 64 rows, batch, kv head[, half of the head dim]); each of
 //     the 4 warps owns 16 key rows and keeps their dK/dV accumulators in registers.  It streams
 //     Q/dO tiles of every query head of the GQA group (double-buffered cp.async) and per tile
 //     recomputes S^T = K Q^T and P^T = exp(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //     dV += P^T dO, dK += dS^T Q.  Summing the group's heads inside the CTA is the GQA reduction.
-//  3. dQ, two ways:
-//     - default (plain attention): inside kernel 2, which writes each step's dS to shared
-//       memory and adds dQ += dS K for its key block into an fp32 buffer with atomics
-//       (FlashAttention-2's way; the glue converts the buffer).  The order of the atomic adds
-//       varies run to run.
-//     - deterministic=True, and with softcap, a bias or dropout: a separate kernel, one CTA per
-//       (query block of 64 rows, batch, head), each warp owning 16 query rows and streaming K/V
-//       tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.  It repeats two of kernel 2's GEMMs
-//       (7 GEMM passes instead of 5); no atomics anywhere, so gradients are bitwise
-//       reproducible.
+//  3. dQ:     one CTA per (query block of 64 rows, batch, head); each warp owns 16 query rows and
+//     streams K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of
+// FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant was built and
+// measured (commit b76b23a, benchmarks/NOTES.md): 11-21% slower than these two kernels at every
+// point on the H200, so it is not kept.
 //
 // Scores follow the forward (score.h: scale, softcap, bias); P = exp2(s * c - lse * log2 e),
 // dx = dS * ds/dx.  With dropout (mask Z regenerated from the forward's rng_state, dropout.h):
@@ -53,24 +50,16 @@ struct BwdTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kSplitD = kSplitD_;
   static constexpr int kOutDim = kHeadDim / kSplitD;
-  // K, V once; Q, dO double-buffered; lse*log2e and D per query row, double-buffered; with
-  // atomic dQ also dS (kBlockM x kBlockN).
+  // K, V once; Q, dO double-buffered; lse*log2e and D per query row, double-buffered.
   static constexpr int kSmemDkdv = (2 * kBlockN + 4 * kBlockM) * kHeadDim * int(sizeof(Element)) +
                                    4 * kBlockM * int(sizeof(float));
-  static constexpr int kSmemDkdvAtomic = kSmemDkdv + kBlockM * kBlockN * int(sizeof(Element));
-  // Atomic dQ: warps split the (kBlockM x kOutDim) dQ tile into kWarpsM row tiles of 16 and
-  // kWarpsD column ranges, each done in chunks of 32 columns.
-  static constexpr int kWarpsM = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
-  static constexpr int kWarpsD = kWarps / kWarpsM;
-  static constexpr int kDqCols = kOutDim / kWarpsD;
   // dQ kernel: 16 query rows per warp, kBlockNQ key rows per step.  Q, dO once; K, V
   // double-buffered.
   static constexpr int kBlockMQ = 16 * kWarps;
   static constexpr int kBlockNQ = kBlockNQ_;
   static constexpr int kSmemDq = (2 * kBlockMQ + 4 * kBlockNQ) * kHeadDim * int(sizeof(Element));
   static_assert(kHeadDim % 64 == 0 && kOutDim % 16 == 0 && kBlockM % 16 == 0 &&
-                    kBlockNQ % 16 == 0 && kWarpsM * kWarpsD == kWarps && kDqCols % 32 == 0,
-                "");
+                    kBlockNQ % 16 == 0, "");
 };
 
 // lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
@@ -100,8 +89,7 @@ __global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p,
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.
-// kAtomicDq: also add dQ with atomics (plain attention only).
-template <typename T, bool kGeneral, bool kAtomicDq>
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdParams p,
                                                                      const float* delta,
                                                                      int64_t num_n_blocks) {
@@ -113,8 +101,6 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
   Element* v_s = k_s + kN * kD;
   Element* qdo_s = v_s + kN * kD;  // [stage][Q | dO], kM x kD each
   float* stats_s = reinterpret_cast<float*>(qdo_s + 4 * kM * kD);  // [stage][lse_log2 | D]
-  Element* ds_s = reinterpret_cast<Element*>(stats_s + 4 * kM);  // kM x kN, with kAtomicDq
-  constexpr int kNC = kN / 8;  // chunks per row of ds_s
 
   const int64_t bid = blockIdx.x;
   const int split = static_cast<int>(bid % T::kSplitD);
@@ -226,44 +212,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         dpt[0][j][e] = pr * (dp - d_s[col]) * dscore;
       }
     gemm_rs<Element, kC, 1, kM, kOut8>(dv_acc, st, do_s, 0, col_chunk0, lane);
-    if constexpr (kAtomicDq) {  // dS (x ds/dx) to shared memory as dS[query][key]
-#pragma unroll
-      for (int j = 0; j < kM8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int query = j * 8 + 2 * (lane % 4) + (e & 1);
-          const int key = warp * 16 + lane / 4 + 8 * (e / 2);
-          ds_s[swz<kNC>(query, key / 8) + key % 8] = from_float<Element>(dpt[0][j][e]);
-        }
-    }
     gemm_rs<Element, kC, 1, kM, kOut8>(dk_acc, dpt, q_s, 0, col_chunk0, lane);
-    if constexpr (kAtomicDq) {
-      __syncthreads();  // all of dS is written
-      // dQ[m0 + rows, cols] += dS[rows, :] K[:, cols] for this warp's rows and columns.
-      const int row0 = (warp % T::kWarpsM) * 16;
-      const int colw = split * T::kOutDim + (warp / T::kWarpsM) * T::kDqCols;
-      float* dq_acc = p.dq_accum + (b * p.heads_q + h) * p.seqlen_q * p.head_dim;
-#pragma unroll 1  // one 32-column chunk live at a time: the dK/dV accumulators hold the registers
-      for (int c = 0; c < T::kDqCols; c += 32) {
-        float acc[1][4][4];
-        zero(acc);
-        gemm_ss_t<Element, kNC, kC, 1, kN, 4>(acc, ds_s, row0, k_s, (colw + c) / 8, lane);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t row = m0 + row0 + lane / 4 + 8 * r;
-          if (row >= p.seqlen_q) continue;
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = colw + c + j * 8 + 2 * (lane % 4) + e;
-              if (col < p.head_dim)
-                atomicAdd(dq_acc + row * p.head_dim + col, acc[0][j][2 * r + e]);
-            }
-        }
-      }
-    }
-    __syncthreads();  // this stage (and dS) is overwritten two steps (one step) from now
+    __syncthreads();  // this stage is overwritten by the prefetch two steps from now
   }
 
   auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
@@ -414,13 +364,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv * T::kSplitD;
   const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
-  if (p.dq_accum != nullptr) {  // dQ by atomics in the dK/dV kernel; the glue converts dq_accum
-    if (general) return cudaErrorInvalidValue;  // the glue never asks for this
-    return launch(flash_bwd_dkdv_kernel<T, false, true>, dkdv_blocks, T::kThreads,
-                  T::kSmemDkdvAtomic, stream, p, static_cast<const float*>(delta), num_n_blocks);
-  }
-  err = launch(general ? flash_bwd_dkdv_kernel<T, true, false>
-                       : flash_bwd_dkdv_kernel<T, false, false>,
+  err = launch(general ? flash_bwd_dkdv_kernel<T, true> : flash_bwd_dkdv_kernel<T, false>,
                dkdv_blocks, T::kThreads, T::kSmemDkdv, stream, p,
                static_cast<const float*>(delta), num_n_blocks);
   if (err != cudaSuccess) return err;

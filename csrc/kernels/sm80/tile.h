@@ -95,34 +95,6 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (
   }
 }
 
-// acc[mt][j] += sum_k A[a_row0 + 16 mt + i][k] * B[k][8 (chunk0 + j) + n] for k < kK: A is rows
-// of a swizzled shared tile (kAChunks chunks per row), B is kK rows of another (kBChunks chunks),
-// read transposed (e.g. dQ += dS K with dS and K both in shared memory).
-template <typename Element, int kAChunks, int kBChunks, int kMT, int kK, int kN8>
-__device__ __forceinline__ void gemm_ss_t(float (&acc)[kMT][kN8][4], const Element* a_s,
-                                          int a_row0, const Element* b_s, int chunk0, int lane) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-      ldmatrix_x4(a[mt], smem_addr(a_s + swz<kAChunks>(a_row0 + mt * 16 + lane % 16,
-                                                       kk * 2 + lane / 16)));
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, smem_addr(b_s + swz<kBChunks>(kk * 16 + lane % 16,
-                                                         chunk0 + j2 * 2 + lane / 16)));
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
 template <int kMT, int kN8>
 __device__ __forceinline__ void zero(float (&acc)[kMT][kN8][4]) {
 #pragma unroll
