@@ -35,8 +35,9 @@ def scaled_dot_product_attention(
             case H must be a multiple of H_kv.  E and Ev: 1 to 256.  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
         attn_mask: boolean (True = attend) or additive float mask, broadcastable to
-            (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernel tile by tile
-            (CPU; CUDA falls back visibly for now); a float mask that requires grad gets one.
+            (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernels (CPU and
+            CUDA) tile by tile; a float mask that requires grad gets one (that gradient
+            needs an fp32 (N, H, L, S) buffer).
             Rows the mask empties give 0 (PyTorch gives NaN there).
         dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
             see :func:`flash_attn_ext.flash_attn_func` for the generator).
