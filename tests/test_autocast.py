@@ -1,9 +1,10 @@
 """Under torch.autocast, float32 inputs run the low-precision kernels, as SDPA does."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_attn_ext import flash_attn_func, last_plan, scaled_dot_product_attention
+from flash_attn_ext import flash_attn_func, last_plan, ops, scaled_dot_product_attention
 
 
 def test_autocast_cpu_bf16_matches_explicit_cast_and_sdpa_dtype():
@@ -38,3 +39,20 @@ def test_autocast_under_compile():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert q.grad is not None
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_cuda_runs_the_fused_kernel(dtype):
+    # The usual mixed-precision training setup: float32 model, autocast on CUDA.
+    q, k, v = (torch.randn(2, 4, 257, 64, device="cuda", requires_grad=True) for _ in range(3))
+    with torch.autocast("cuda", dtype=dtype):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, strict=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    assert out.dtype == theirs.dtype == dtype
+    assert last_plan().kernel == f"sm80_fwd_hdim64_{name}"
+    assert (out.float() - theirs.float()).abs().max().item() < 3e-2
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
