@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, print the build/kernel table, run the CUDA tests,
-# then benchmark.  Logs go to $OUT (or ./gpu_out).  Usage: scripts/gpu_session.sh [bench args]
+# compute-sanitizer (SANITIZE=1), then benchmark (BENCH=0 skips it).  Logs go to $OUT (or
+# ./gpu_out).  Usage: scripts/gpu_session.sh [bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -17,8 +18,17 @@ NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} py
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20
 python3 -m flash_attn_ext info | tee "$OUT/info.txt"
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q ${PYTEST_ARGS:-tests/test_cuda.py} 2>&1 \
-  | tee "$OUT/tests.log" | tail -25
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE ${PYTEST_ARGS:-tests/test_cuda.py} 2>&1 \
+  > "$OUT/tests.log"
+grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
+grep -E "[0-9]+ (passed|failed|error)" "$OUT/tests.log" | tail -1
+if [ "${SANITIZE:-0}" = 1 ]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck synccheck; do
+    echo "compute-sanitizer $tool: $(timeout 120 "$SAN" --print-limit 5 --tool $tool \
+      python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --out-dir "$OUT" "$@" \
     2>&1 | grep -v Warning | tee "$OUT/bench.log" | tail -60
