@@ -46,8 +46,12 @@ def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> 
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                          f"got {window_size!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if any(w > 2**63 - 1 for w in window_size):
+        raise ValueError(f"window_size sides must fit in int64 (-1, or any length >= seqlen_q + "
+                         f"seqlen_k, means unbounded), got {window_size!r}")
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],

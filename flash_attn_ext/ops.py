@@ -36,9 +36,11 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_fake_args(q, k, v):
+def _check_fake_args(q, k, v, attn_bias=None):
     """The checks of csrc/ops.cpp that fake kernels can make (they serve torch.compile tracing
     and mixed meta/real calls, which never reach the C++ checks)."""
+    if attn_bias is not None and attn_bias.device != q.device:
+        raise ValueError(f"attn_bias must be on {q.device}, got {attn_bias.device}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, num_heads, head_dim), "
@@ -55,7 +57,7 @@ def _check_fake_args(q, k, v):
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
               align_bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
               dropout_p=0.0, deterministic=False):
-    _check_fake_args(q, k, v)
+    _check_fake_args(q, k, v, attn_bias)
     batch, seqlen_q, num_heads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, num_heads, v.shape[-1]))
     softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=lse_dtype(q.dtype))
@@ -68,7 +70,7 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
               window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
               bias_requires_grad=False):
-    _check_fake_args(q, k, v)
+    _check_fake_args(q, k, v, attn_bias)
     if attn_bias is not None and bias_requires_grad:
         dbias = attn_bias.new_empty(attn_bias.shape)
     else:

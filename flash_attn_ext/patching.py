@@ -5,7 +5,10 @@ Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call tim
 Calls the drop-in cannot take (unknown keyword arguments, ranks other than 3 or 4) go to
 PyTorch's own function, reported like every fallback (warning once, counted, an error in strict
 mode).
-Code that imported the function by name before patching keeps the original.
+Code that imported the function by name before patching keeps the original, and modules that
+never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
+(its default) computes the weights itself, and ``nn.TransformerEncoderLayer``'s native fast
+path (eval mode, no grad) runs a fused kernel of its own.
 """
 
 from __future__ import annotations
@@ -40,14 +43,25 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                                         enable_gqa=enable_gqa)
 
 
+_active: list = []  # live patch handles, in the order they were made
+
+
 class _Patch(contextlib.AbstractContextManager):
+    """One patch: the function stays ours while any handle is live, whatever order they are
+    undone in; the last undo restores what was there before the first."""
+
     def __init__(self) -> None:
-        self._previous = F.scaled_dot_product_attention
+        if not _active:
+            _Patch._before = F.scaled_dot_product_attention
+        _active.append(self)
         F.scaled_dot_product_attention = _patched
 
     def undo(self) -> None:
-        """Restores what was there before this patch."""
-        F.scaled_dot_product_attention = self._previous
+        """Ends this handle (idempotent); the last live handle restores the original."""
+        if self in _active:
+            _active.remove(self)
+            if not _active:
+                F.scaled_dot_product_attention = _Patch._before
 
     def __exit__(self, *exc) -> None:
         self.undo()
@@ -63,7 +77,8 @@ def patch() -> _Patch:
 
 
 def unpatch() -> None:
-    """Restores PyTorch's own ``scaled_dot_product_attention``."""
+    """Ends every patch and restores PyTorch's own ``scaled_dot_product_attention``."""
+    _active.clear()
     F.scaled_dot_product_attention = _ORIGINAL
 
 

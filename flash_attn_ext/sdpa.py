@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -56,12 +57,15 @@ def scaled_dot_product_attention(
             H != H_kv without enable_gqa), and the errors of flash_attn_func.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number (or None for 1/sqrt(E)), got {scale!r}")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")
     check_flags(is_causal, (-1, -1), dropout_p, causal_name="is_causal")
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    bias = None if attn_mask is None else mask_to_bias(attn_mask, query)
+    bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
     out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
                  window_right=-1, align_bottom_right=False, softcap=0.0,
                  dropout_p=float(dropout_p),
@@ -70,13 +74,30 @@ def scaled_dot_product_attention(
     return out.squeeze(1) if query.dim() == 3 else out
 
 
-def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
+                 key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SDPA's attn_mask as an additive bias broadcastable to (N, H, L, S).
 
     A boolean mask (True = attend) becomes 0 / -inf in float32 (float64 for float64 queries) at
     the mask's own shape; a float mask is the bias itself (and gets a gradient if it requires
-    one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.
+    one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.  With ``key`` (SDPA
+    layout), the mask's shape is checked against the call's (N, H, L, S) here, in the caller's
+    terms.
     """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask must be on query's device {query.device}, got "
+                         f"{attn_mask.device}")
+    if key is not None:
+        full = tuple(query.shape[:-1]) + (key.shape[-2],)  # (N, H, L, S) or (N, L, S)
+        ok = attn_mask.dim() <= len(full) and all(
+            m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full)))
+        if not ok:
+            dims = "(N, H, L, S)" if len(full) == 4 else "(N, L, S)"
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
+                             f"to the attention's {dims} = {full}")
     if attn_mask.dtype == torch.bool:
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
@@ -94,6 +115,8 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):
     """Validates SDPA-layout tensors and returns (B, L, H, E) views of them (no copies)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() not in (3, 4):
             raise ValueError(f"{name} must have 3 (N, L, E) or 4 (N, H, L, E) dimensions, got "
                              f"{name}.dim()={t.dim()} with shape {tuple(t.shape)}")

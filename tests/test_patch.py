@@ -64,3 +64,15 @@ def test_patch_runs_dropout_fused_and_falls_back_visibly_for_unknown_arguments()
         out = F.scaled_dot_product_attention(q, q, q)
     assert out.shape == q.shape
     assert any("query.dim()=5" in str(w.message) for w in caught)
+
+
+def test_patch_handles_undone_in_any_order():
+    original = F.scaled_dot_product_attention
+    h1 = flash_attn_ext.patch()
+    h2 = flash_attn_ext.patch()
+    h1.undo()
+    assert flash_attn_ext.is_patched()  # h2 is still live
+    h2.undo()
+    assert F.scaled_dot_product_attention is original and not flash_attn_ext.is_patched()
+    h2.undo()  # idempotent
+    assert F.scaled_dot_product_attention is original

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flash_attn_ext
 from flash_attn_ext import dispatch
@@ -110,3 +111,71 @@ def test_output_attentions_is_refused():
     ids, mask, _ = batch("cpu", "none")
     with pytest.raises(ValueError, match="output_attentions"):
         models["ours"](input_ids=ids, output_attentions=True)
+
+
+def _build(cls, cfg, impl):
+    torch.manual_seed(0)
+    return cls._from_config(copy.deepcopy(cfg), attn_implementation=impl,
+                            dtype=torch.float64).eval()
+
+
+def test_t5_position_bias_is_applied():
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                num_heads=4, decoder_start_token_id=0)
+    ids = torch.randint(0, 128, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    dec = torch.randint(0, 128, (2, 6))
+    logits = {impl: _build(transformers.T5ForConditionalGeneration, cfg, impl)(
+        input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        for impl in ("sdpa", "flash_attn_ext")}
+    assert (logits["flash_attn_ext"] - logits["sdpa"]).abs().max().item() < 1e-10
+
+
+def test_gemma2_softcap_reaches_the_kernel():
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16,
+                                    attn_logit_softcapping=5.0, sliding_window=5,
+                                    initializer_range=0.3)
+    ids = torch.randint(0, 128, (2, 12))
+    logits = {impl: _build(transformers.Gemma2ForCausalLM, cfg, impl)(input_ids=ids).logits
+              for impl in ("eager", "flash_attn_ext")}
+    # eager takes its softmax in float32: agreement to float32 rounding.
+    assert (logits["flash_attn_ext"] - logits["eager"]).abs().max().item() < 1e-4
+
+
+def test_packed_sequences_do_not_attend_across():
+    # What models that special-case FlashAttention pass instead of a mask (e.g. Qwen2-VL's
+    # vision tower): cu_seq_lens, or position ids that restart.
+    from flash_attn_ext.integrations.transformers import attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 10, 8, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 3, 10])
+    module = torch.nn.Module()
+    for causal in (False, True):
+        ref = torch.cat([F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal)
+            for a, b in ((0, 3), (3, 10))], dim=2).transpose(1, 2)
+        out, _ = attention_forward(module, q, k, v, None, is_causal=causal, cu_seq_lens_q=cu,
+                                   cu_seq_lens_k=cu)
+        assert (out - ref).abs().max().item() < 1e-12
+        pos = torch.cat([torch.arange(3), torch.arange(7)])[None]
+        out, _ = attention_forward(module, q, k, v, None, is_causal=causal, position_ids=pos)
+        assert (out - ref).abs().max().item() < 1e-12
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+
+
+def test_sdpa_named_registration_for_models_that_special_case_flash():
+    # Pixtral's vision tower drops its block mask for any "flash" name; "fae_sdpa" keeps it.
+    cfg = transformers.PixtralVisionConfig(hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           image_size=32, patch_size=8, head_dim=16)
+    pixels = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    sizes = torch.tensor([[32, 32], [16, 24]])
+    hidden = {impl: _build(transformers.PixtralVisionModel, cfg, impl)(
+        pixel_values=pixels, image_sizes=sizes).last_hidden_state
+        for impl in ("sdpa", "fae_sdpa")}
+    assert (hidden["fae_sdpa"] - hidden["sdpa"]).abs().max().item() < 1e-10

@@ -71,7 +71,7 @@ def test_window_scale_softcap_dropout():
             flash_attn_func(q, k, v, softmax_scale=bad)
     with pytest.raises(ValueError, match=r"softcap must be finite and >= 0.*got -1"):
         flash_attn_func(q, k, v, softcap=-1.0)
-    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got 1.5"):
         flash_attn_func(q, k, v, dropout_p=1.5)
     with pytest.raises(NotImplementedError, match=r"alibi_slopes"):
         flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
@@ -100,7 +100,7 @@ def test_sdpa_argument_errors():
     with pytest.raises(ValueError, match="attn_mask and is_causal"):
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool),
                                      is_causal=True)
-    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.0"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got 1.0"):
         scaled_dot_product_attention(q, k, v, dropout_p=1.0)
     with pytest.raises(ValueError, match=r"query must have 3 .* or 4 .* got query.dim\(\)=2"):
         scaled_dot_product_attention(q[0, 0], k, v)
@@ -116,9 +116,9 @@ def test_flag_types_and_dropout_range():
     with pytest.raises(ValueError, match="causal must be a bool"):
         flash_attn_func(q, k, v, causal=None)
     for bad in (1.5, -0.1):
-        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"dropout_p must be (a number )?in \[0, 1\)"):
             flash_attn_func(q, k, v, dropout_p=bad)
-        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"dropout_p must be (a number )?in \[0, 1\)"):
             scaled_dot_product_attention(q, k, v, dropout_p=bad)
     with pytest.raises(ValueError, match="softmax_scale must be finite and representable"):
         flash_attn_func(q, k, v, softmax_scale=1e300)
@@ -180,3 +180,26 @@ def test_fake_kernel_errors_are_clear_under_compile():
     f = torch.compile(lambda q, k, v: ops.fwd(q, k, v)[0], fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="q must have 4 dimensions"):
         f(torch.randn(4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8))
+
+
+def test_sdpa_errors_use_the_callers_names():
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4)
+    with pytest.raises(ValueError, match=r"attn_mask must be on query's device cpu, got meta"):
+        scaled_dot_product_attention(q, k, k, attn_mask=torch.randn(5, 7, device="meta"))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(2, 2, 5, 7\) is not "
+                                         r"broadcastable to the attention's \(N, L, S\)"):
+        scaled_dot_product_attention(q[:, 0], k[:, 0], k[:, 0], attn_mask=torch.randn(2, 2, 5, 7))
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or None, got list"):
+        scaled_dot_product_attention(q, k, k, attn_mask=[[True]])
+    with pytest.raises(TypeError, match="query must be a torch.Tensor, got ndarray"):
+        scaled_dot_product_attention(q.numpy(), k, k)
+    with pytest.raises(ValueError, match=r"scale must be a finite number .* got nan"):
+        scaled_dot_product_attention(q, k, k, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got '0.1'"):
+        scaled_dot_product_attention(q, k, k, dropout_p="0.1")
+    with pytest.raises(ValueError, match="window_size sides must fit in int64"):
+        flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                        window_size=(2**70, 0))
+    with pytest.raises(ValueError, match="attn_bias must be on cpu, got meta"):  # op level
+        ops.fwd(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                attn_bias=torch.randn(5, 7, device="meta"))

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..sdpa import scaled_dot_product_attention
+from ..interface import check_flags, run
+from ..sdpa import mask_to_bias, to_bshd
 
 NAME = "flash_attn_ext"
 
@@ -37,36 +38,101 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             H_kv (GQA runs natively, K/V are never repeated).
         attention_mask: None, or the boolean/additive mask of transformers' SDPA mask builder,
             broadcastable to (B, H, L, S).
-        dropout: attention dropout probability (must be 0.0 for now).
+        dropout: attention dropout probability on the weights (in the kernels).
         scaling: softmax scale (default 1/sqrt(E)).
         is_causal: as transformers' SDPA path: causal only when there is no mask and L > 1.
+        **kwargs: read where they change the result: ``softcap`` (Gemma-2 style logit
+            soft-capping, in the kernels), ``position_bias`` (T5-style additive bias, folded
+            into the mask as transformers' SDPA path does), ``cu_seq_lens_q/k`` and packed
+            ``position_ids`` (sequences packed into one row, which transformers hands to
+            FlashAttention-named implementations without a mask: turned into a block-diagonal
+            mask so that no token attends across sequences).  ``s_aux`` (attention sinks) is
+            refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
+            not change the result.
 
     Returns:
         (attn_output (B, L, H, Ev), None): no attention weights are ever materialised.
+
+    Raises:
+        ValueError: ``output_attentions=True``.
+        NotImplementedError: attention sinks (``s_aux``).
     """
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+
     if kwargs.get("output_attentions", False):
         raise ValueError("flash_attn_ext does not return attention weights "
                          "(output_attentions=True); use attn_implementation='eager' for that")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("flash_attn_ext does not implement attention sinks (s_aux, "
+                                  "e.g. GPT-OSS); use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None:
+        packed = _packed_sequence_mask(query, key, kwargs)
+        if packed is not None:
+            if is_causal and query.shape[2] > 1:
+                packed = packed & torch.ones_like(packed).tril()
+            attention_mask = packed
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                       dropout_p=dropout, is_causal=is_causal, scale=scaling,
-                                       enable_gqa=True)
-    return out.transpose(1, 2), None
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal,
+                                                   query, key)
+        is_causal = False
+    q, k, v = to_bshd(query, key, value, enable_gqa=True)
+    check_flags(is_causal, (-1, -1), dropout, causal_name="is_causal")
+    bias = None if attention_mask is None else mask_to_bias(attention_mask, query)
+    out, _ = run(q, k, v, softmax_scale=scaling, causal=is_causal, window_left=-1,
+                 window_right=-1, align_bottom_right=False,
+                 softcap=float(kwargs.get("softcap") or 0.0), dropout_p=float(dropout),
+                 deterministic=False, strict=None, attn_bias=bias)
+    return out, None
+
+
+def _packed_sequence_mask(query, key, kwargs) -> Optional[torch.Tensor]:
+    """(L, S) bool mask, True within one packed sequence, from ``cu_seq_lens_q/k`` or from
+    ``position_ids`` that restart (batch 1, as FlashAttention's varlen path reads them); None
+    when the call is not packed."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None or query.shape[0] != 1 or position_ids.dim() != 2 \
+                or position_ids.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]:
+            return None
+        pos = position_ids.reshape(-1)
+        if torch.equal(pos, torch.arange(pos.numel(), device=pos.device) + pos.min()):
+            return None  # one increasing sequence: not packed
+        starts = (pos == pos.min()).nonzero().view(-1)
+        cu_q = cu_k = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)])
+    rows = torch.arange(query.shape[2], device=query.device)
+    cols = torch.arange(key.shape[2], device=query.device)
+    seg_q = torch.searchsorted(cu_q[1:].to(query.device, torch.int64), rows, right=True)
+    seg_k = torch.searchsorted(cu_k[1:].to(query.device, torch.int64), cols, right=True)
+    return seg_q[:, None] == seg_k[None, :]
 
 
 _registered_flash_names: set = set()
 
+# The second name: transformers reads any name containing "flash" as a kernel with flash-attn's
+# varlen API, and some models (vision towers such as Pixtral's) then drop the attention mask and
+# describe packed images only through their own position ids.  Under a name without "flash"
+# (and with "sdpa", so transformers checks the model supports SDPA-style attention) every model
+# hands us the same masks as attn_implementation="sdpa".
+SDPA_NAME = "fae_sdpa"
+
 
 def register_transformers(name: str = NAME) -> None:
-    """Registers ``attn_implementation=name`` (default ``"flash_attn_ext"``) with transformers.
+    """Registers our attention with transformers under ``name`` (default ``"flash_attn_ext"``)
+    and, by default, also under ``"fae_sdpa"``.
 
-    transformers (5.x) takes every implementation name that contains "flash" for a kernel with
-    the flash-attn package's API and, when a model is created, tries to preload that package or a
-    hub kernel of that name (``lazy_import_flash_attention``), which fails for us: our attention
-    is a plain ``AttentionInterface`` function with nothing to preload.  For such names this
-    function therefore wraps transformers' preloader so that it skips exactly the names
-    registered here (and defers to the original for every other name).
+    * ``attn_implementation="flash_attn_ext"``: transformers treats every name containing
+      "flash" as a kernel with flash-attn's API: a model is created without trying to preload
+      a flash-attn package for it (this function wraps transformers' preloader so that it skips
+      exactly the names registered here), and models that special-case FlashAttention may pass
+      packed sequences as ``cu_seq_lens_q/k`` or restarting ``position_ids`` instead of a mask,
+      which :func:`attention_forward` turns into a block-diagonal mask.  A few models drop the
+      mask and describe packing in their own way (Pixtral's vision tower): use the second name.
+    * ``attn_implementation="fae_sdpa"``: the same kernels under SDPA's conventions; every model
+      that supports ``"sdpa"`` hands us exactly the masks it hands SDPA.
 
     Raises:
         ImportError: transformers is not installed (tested with transformers 5.17).
@@ -74,11 +140,14 @@ def register_transformers(name: str = NAME) -> None:
     from transformers import AttentionInterface, modeling_utils
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    if "flash" not in name:
+    names = [name] + ([SDPA_NAME] if name == NAME else [])
+    for n in names:
+        AttentionInterface.register(n, attention_forward)
+        AttentionMaskInterface.register(n, sdpa_mask)
+    flash_names = [n for n in names if "flash" in n]
+    if not flash_names:
         return
-    _registered_flash_names.add(name)
+    _registered_flash_names.update(flash_names)
     preload = getattr(modeling_utils, "lazy_import_flash_attention", None)
     if preload is not None and not getattr(preload, "_flash_attn_ext_guard", False):
         def lazy_import_flash_attention(implementation, *args, **kwargs):
