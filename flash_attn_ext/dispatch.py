@@ -30,6 +30,7 @@ __all__ = ["FallbackError", "Plan", "plan", "set_strict", "strict_enabled", "fal
            "reset_fallback_counts", "last_plan", "FALLBACK"]
 
 FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
+MAX_HEAD_DIM = 256  # the largest head dim the kernels instantiate (csrc/checks.h)
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
                 torch.bfloat16: "bf16"}
@@ -118,6 +119,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
     if q.dtype not in _DTYPE_NAMES:
         return Plan("none", "none", False,
                     (f"q.dtype={q.dtype} is not a floating dtype: no kernel or fallback takes it",))
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return Plan(FALLBACK, FALLBACK, False,
+                    (f"head_dim={q.shape[-1]}, head_dim_v={v.shape[-1]}: the kernels take head "
+                     f"dims up to {MAX_HEAD_DIM}",))
     if device == "cpu":
         return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
     if device == "cuda":

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from . import dispatch
 from .interface import check_flags, run
 
 
@@ -33,7 +34,8 @@ def scaled_dot_product_attention(
         query: (N, H, L, E) or (N, L, E).
         key: (N, H_kv, S, E) or (N, S, E).
         value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
-            case H must be a multiple of H_kv.  E and Ev: 1 to 256.  dtypes as in
+            case H must be a multiple of H_kv.  E and Ev: 1 to 256 in the kernels (larger
+            ones run PyTorch's own function, reported as a fallback).  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
         attn_mask: boolean (True = attend) or additive float mask, broadcastable to
             (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernels (CPU and
@@ -41,7 +43,7 @@ def scaled_dot_product_attention(
             needs an fp32 (N, H, L, S) buffer).
             Rows the mask empties give 0 (PyTorch gives NaN there).
         dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
-            see :func:`flash_attn_ext.flash_attn_func` for the generator).
+            1.0 gives zeros; see :func:`flash_attn_ext.flash_attn_func` for the generator).
         is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
             (rows of query i see keys j <= i; with L > S the last rows see all keys).
         scale: multiplies q k^T; default 1 / sqrt(E).
@@ -54,7 +56,8 @@ def scaled_dot_product_attention(
 
     Raises:
         ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
-            H != H_kv without enable_gqa), and the errors of flash_attn_func.
+            H != H_kv without enable_gqa), and the errors of flash_attn_func, except that
+            E or Ev > 256 runs PyTorch's own function, reported as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -63,14 +66,25 @@ def scaled_dot_product_attention(
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")
-    check_flags(is_causal, (-1, -1), dropout_p, causal_name="is_causal")
+    # PyTorch takes dropout_p = 1 (everything dropped: zeros); the kernels take [0, 1).
+    drop_all = not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) \
+        and dropout_p == 1.0
+    check_flags(is_causal, (-1, -1), 0.0 if drop_all else dropout_p, causal_name="is_causal")
     q, k, v = to_bshd(query, key, value, enable_gqa)
+    if max(q.shape[-1], v.shape[-1]) > dispatch.MAX_HEAD_DIM:
+        # Beyond the kernels' head dims: PyTorch's own function, reported as a fallback.
+        dispatch.record(dispatch.plan(q, k, v), strict)
+        from .patching import _ORIGINAL
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
     out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
                  window_right=-1, align_bottom_right=False, softcap=0.0,
-                 dropout_p=float(dropout_p),
+                 dropout_p=0.0 if drop_all else float(dropout_p),
                  deterministic=False, strict=strict, attn_bias=bias)
     out = out.transpose(1, 2)
+    if drop_all:
+        out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out
 
 

@@ -66,3 +66,26 @@ def test_sdpa_reads_views_without_copy():
     out = scaled_dot_product_attention(query, key, value, is_causal=True)
     ref = torch_sdpa(query, key, value, is_causal=True)
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_head_dim_beyond_the_kernels_falls_back_visibly():
+    import flash_attn_ext
+    from flash_attn_ext import dispatch
+
+    dispatch.reset_fallback_counts()
+    q = torch.randn(1, 2, 9, 288)
+    with pytest.warns(UserWarning, match="head dims up to 256"):
+        out = scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert not flash_attn_ext.explain(q, q, q).fused
+    with pytest.raises(dispatch.FallbackError, match="head dims up to 256"):
+        scaled_dot_product_attention(q, q, q, strict=True)
+
+
+def test_dropout_p_one_gives_zeros_like_torch():
+    q = torch.randn(1, 2, 9, 16, requires_grad=True)
+    out = scaled_dot_product_attention(q, q, q, dropout_p=1.0)
+    assert (out == 0).all() and torch.equal(out, F.scaled_dot_product_attention(q, q, q,
+                                                                                dropout_p=1.0))
+    (g,) = torch.autograd.grad(out.sum(), q)
+    assert (g == 0).all()

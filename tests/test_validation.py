@@ -100,8 +100,8 @@ def test_sdpa_argument_errors():
     with pytest.raises(ValueError, match="attn_mask and is_causal"):
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool),
                                      is_causal=True)
-    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got 1.0"):
-        scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got 1.5"):
+        scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match=r"query must have 3 .* or 4 .* got query.dim\(\)=2"):
         scaled_dot_product_attention(q[0, 0], k, v)
     with pytest.raises(ValueError, match="enable_gqa"):

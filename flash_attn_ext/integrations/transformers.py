@@ -11,7 +11,9 @@ when there is padding), so neither the causal nor the padding mask is dropped.
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="flash_attn_ext")
 
-``import flash_attn_ext`` registers it by itself when transformers is already imported.
+``import flash_attn_ext`` registers it by itself when transformers is already imported.  The
+same kernels are also registered as ``attn_implementation="fae_sdpa"`` (SDPA's conventions), for
+the few models that treat any "flash" name specially; see :func:`register_transformers`.
 """
 
 from __future__ import annotations
