@@ -147,7 +147,7 @@ def test_gemma2_softcap_reaches_the_kernel():
 
 def test_packed_sequences_do_not_attend_across():
     # What models that special-case FlashAttention pass instead of a mask (e.g. Qwen2-VL's
-    # vision tower): cu_seq_lens, or position ids that restart.
+    # vision tower): cu_seq_lens.
     from flash_attn_ext.integrations.transformers import attention_forward
 
     torch.manual_seed(0)
@@ -160,9 +160,6 @@ def test_packed_sequences_do_not_attend_across():
             for a, b in ((0, 3), (3, 10))], dim=2).transpose(1, 2)
         out, _ = attention_forward(module, q, k, v, None, is_causal=causal, cu_seq_lens_q=cu,
                                    cu_seq_lens_k=cu)
-        assert (out - ref).abs().max().item() < 1e-12
-        pos = torch.cat([torch.arange(3), torch.arange(7)])[None]
-        out, _ = attention_forward(module, q, k, v, None, is_causal=causal, position_ids=pos)
         assert (out - ref).abs().max().item() < 1e-12
     with pytest.raises(NotImplementedError, match="s_aux"):
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))

@@ -45,10 +45,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         is_causal: as transformers' SDPA path: causal only when there is no mask and L > 1.
         **kwargs: read where they change the result: ``softcap`` (Gemma-2 style logit
             soft-capping, in the kernels), ``position_bias`` (T5-style additive bias, folded
-            into the mask as transformers' SDPA path does), ``cu_seq_lens_q/k`` and packed
-            ``position_ids`` (sequences packed into one row, which transformers hands to
-            FlashAttention-named implementations without a mask: turned into a block-diagonal
-            mask so that no token attends across sequences).  ``s_aux`` (attention sinks) is
+            into the mask as transformers' SDPA path does), ``cu_seq_lens_q/k`` (sequences
+            packed into one row, which models hand FlashAttention-named implementations
+            instead of a mask: turned into a block-diagonal mask so that no token attends
+            across sequences).  Packing described only by ``position_ids`` is not read (that
+            would cost a device sync per call); decoders built on transformers' mask
+            functions already turn it into a mask.  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
             not change the result.
 
@@ -91,20 +93,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _packed_sequence_mask(query, key, kwargs) -> Optional[torch.Tensor]:
-    """(L, S) bool mask, True within one packed sequence, from ``cu_seq_lens_q/k`` or from
-    ``position_ids`` that restart (batch 1, as FlashAttention's varlen path reads them); None
-    when the call is not packed."""
+    """(L, S) bool mask, True within one packed sequence, from ``cu_seq_lens_q/k``; None when
+    the call does not pass them."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None or cu_k is None:
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None or query.shape[0] != 1 or position_ids.dim() != 2 \
-                or position_ids.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]:
-            return None
-        pos = position_ids.reshape(-1)
-        if torch.equal(pos, torch.arange(pos.numel(), device=pos.device) + pos.min()):
-            return None  # one increasing sequence: not packed
-        starts = (pos == pos.min()).nonzero().view(-1)
-        cu_q = cu_k = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)])
+        return None
     rows = torch.arange(query.shape[2], device=query.device)
     cols = torch.arange(key.shape[2], device=query.device)
     seg_q = torch.searchsorted(cu_q[1:].to(query.device, torch.int64), rows, right=True)
@@ -130,8 +123,8 @@ def register_transformers(name: str = NAME) -> None:
       "flash" as a kernel with flash-attn's API: a model is created without trying to preload
       a flash-attn package for it (this function wraps transformers' preloader so that it skips
       exactly the names registered here), and models that special-case FlashAttention may pass
-      packed sequences as ``cu_seq_lens_q/k`` or restarting ``position_ids`` instead of a mask,
-      which :func:`attention_forward` turns into a block-diagonal mask.  A few models drop the
+      packed sequences as ``cu_seq_lens_q/k`` instead of a mask, which
+      :func:`attention_forward` turns into a block-diagonal mask.  A few models drop the
       mask and describe packing in their own way (Pixtral's vision tower): use the second name.
     * ``attn_implementation="fae_sdpa"``: the same kernels under SDPA's conventions; every model
       that supports ``"sdpa"`` hands us exactly the masks it hands SDPA.
