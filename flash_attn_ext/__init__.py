@@ -75,7 +75,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     elif layout != "blhd":
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     from .dispatch import plan
-    p = plan(query, key, value)
+    scale = call_kwargs.get("softmax_scale", call_kwargs.get("scale"))
+    p = plan(query, key, value, scale)
     if p.fused and query.device.type != "meta":
         ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
     return p

@@ -110,7 +110,23 @@ def _capability(index: int) -> tuple:
     return tuple(torch.cuda.get_device_capability(index))
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
+@torch.compiler.assume_constant_result
+def _smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+def _sm80_smem_bytes(padded_dim: int) -> int:
+    """Dynamic shared memory of the largest sm80 kernel for a padded head dim: the dK/dV kernel
+    (csrc/kernels/sm80/flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv: K, V of 64 keys, Q/dO
+    double-buffered, two fp32 statistics per query row; 64 query rows per step up to head
+    dim 128, 32 above)."""
+    rows = 64 if padded_dim <= 128 else 32
+    return (2 * 64 + 4 * rows) * padded_dim * 2 + 4 * rows * 4
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         softmax_scale: Optional[float] = None) -> Plan:
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout (every mask and
     dropout setting runs on the same kernels)."""
     device = q.device.type
@@ -132,13 +148,22 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
         if q.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")
+        if softmax_scale is not None and softmax_scale <= 0:
+            # The kernels track the running max on raw q.k and scale afterwards, which needs a
+            # positive scale.
+            reasons.append(f"softmax_scale={softmax_scale}: the CUDA kernels take a positive "
+                           "scale")
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if not reasons and _capability(index) < (8, 0):
             major, minor = _capability(index)
             reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
+        padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
+            128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
+        if not reasons and 0 < _smem_per_block(index) < _sm80_smem_bytes(padded):
+            reasons.append(f"head_dim={max(q.shape[-1], v.shape[-1])}: the backward kernel "
+                           f"needs {_sm80_smem_bytes(padded)} bytes of shared memory per block, "
+                           f"this GPU allows {_smem_per_block(index)} (e.g. sm_86/sm_89)")
         if not reasons:  # pragma: no cover - needs a CUDA build
-            padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
-                128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
             return Plan(f"sm80_fwd_hdim{padded}_{dtype}", f"sm80_bwd_hdim{padded}_{dtype}", True)
     else:
         reasons.append(f"device type {device!r} has no flash_attn_ext kernel")

@@ -173,3 +173,17 @@ def test_float32_falls_back_visibly_and_correctly():
     assert (out - ref).abs().max().item() < 1e-4
     with pytest.raises(dispatch.FallbackError, match="float32"):
         flash_attn_func(q, q, q, strict=True)
+
+
+def test_non_positive_scale_falls_back_visibly_and_correctly():
+    dispatch.reset_fallback_counts()
+    q = torch.randn(1, 33, 2, 64, device="cuda", dtype=torch.bfloat16)
+    for scale in (-0.3, 0.0):
+        with pytest.warns(UserWarning, match="positive"):
+            out = flash_attn_func(q, q, q, softmax_scale=scale, causal=True)
+        ref, _ = attention_ref(q, q, q, softmax_scale=scale, causal=True,
+                               compute_dtype=torch.float32)
+        assert (out.float() - ref).abs().max().item() < 3e-2
+        dispatch.reset_fallback_counts()
+    with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
+        ops.fwd(q, q, q, -0.3)

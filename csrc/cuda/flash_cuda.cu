@@ -39,6 +39,13 @@ at::Tensor kernel_ready(const at::Tensor& t) {
   return out;
 }
 
+// The kernels keep the running max of raw q.k and scale it afterwards: that needs scale > 0
+// (flash_attn_ext's Python layer sends other scales to the fallback path).
+void check_positive_scale(const AttnArgs& a) {
+  TORCH_CHECK_NOT_IMPLEMENTED(a.softmax_scale > 0.0,
+                              "the CUDA kernels need softmax_scale > 0, got ", a.softmax_scale);
+}
+
 // The instantiation for the padded head dim (64, 128 or 256) of head_dim = max(d_qk, d_v).
 // The forward's Philox (seed, offset) from PyTorch's CUDA generator (torch.manual_seed reproduces
 // it), advanced by the counters one call uses; under CUDA-graph capture the generator hands out
@@ -83,6 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  check_positive_scale(a);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
@@ -129,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
+  check_positive_scale(a);
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
