@@ -30,9 +30,12 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, w
 
 def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=False,
                   window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
-                  attn_bias=None, compute_dtype=torch.float64, return_probs=False):
+                  attn_bias=None, compute_dtype=torch.float64, return_probs=False,
+                  dropout_keep=None, dropout_p=0.0):
     """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable
-    (and the probabilities (B, H, L, S) with ``return_probs``)."""
+    (and the probabilities (B, H, L, S) with ``return_probs``).  ``dropout_keep``: the (B, H, L,
+    S) bool mask of kept weights (kept ones scaled by 1 / (1 - dropout_p)) applied to P before
+    P V, as the kernels do."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -52,7 +55,10 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     # replaced before the softmax so that its backward does not turn them into NaN.
     empty = (torch.isinf(lse) & (lse < 0)).unsqueeze(-1)
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    out = torch.einsum("bhls,bshd->blhd", probs, vc)
+    weights = probs
+    if dropout_keep is not None:
+        weights = probs * dropout_keep.to(probs.device) / (1.0 - dropout_p)
+    out = torch.einsum("bhls,bshd->blhd", weights, vc)
     return (out, lse, probs) if return_probs else (out, lse)
 
 

@@ -6,15 +6,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flash_attn_ext import ops
+from flash_attn_ext import _C, ops
 from reference import assert_error_rule, attention_ref, cancellation_scale
 
 
-def check_grads_with_bias(q, k, v, bias, dout, kw):
-    """dq, dk, dv (and dbias) against float64 autograd, relative to each gradient's size."""
-    inputs = [q, k, v] + ([bias] if bias.requires_grad else [])
-    out = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
-                  kw["window_right"], kw["align_bottom_right"], kw["softcap"], None, bias)[0]
+def check_grads_relative(q, k, v, bias, out, dout, kw):
+    """dq, dk, dv (and dbias) of ``out`` against float64 autograd, relative to each gradient's
+    size (for calls with a bias or dropout; ``kw`` includes the dropout mask)."""
+    inputs = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
     ours = torch.autograd.grad(out, inputs, dout)
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     ref, _, probs = attention_ref(*leaves[:3], attn_bias=leaves[3] if len(leaves) > 3 else bias,
@@ -25,14 +24,20 @@ def check_grads_with_bias(q, k, v, bias, dout, kw):
     # off by up to P_ij * eps * sum_c |dO_ic O_ic|, and dbias sums dS over broadcast dimensions.
     eps = torch.finfo(q.dtype).eps
     delta_err = eps * (dout.double().abs() * ref.detach().abs()).sum(-1).transpose(1, 2)
-    dbias_bound = (probs.detach() * delta_err.unsqueeze(-1)).sum_to_size(bias.shape)
+    pd = probs.detach() * delta_err.unsqueeze(-1)  # bound on each |dS_ij| error, (B, H, L, S)
+    group = q.shape[2] // k.shape[2]
+    sm = kw["softmax_scale"] or q.shape[-1] ** -0.5
+    kabs = k.detach().double().abs().repeat_interleave(group, dim=2)
+    dq_bound = sm * torch.einsum("bhls,bshd->blhd", pd, kabs)
+    dk_bound = sm * torch.einsum("bhls,blhd->bshd", pd, q.detach().double().abs())
+    dk_bound = dk_bound.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(3)
+    bounds = {"dq": dq_bound, "dk": dk_bound, "dv": 0.0,
+              "dbias": pd.sum_to_size(bias.shape) if bias is not None else 0.0}
     for name, a, r in zip(("dq", "dk", "dv", "dbias"), ours, refs):
         r = r.nan_to_num(0.0)  # -inf bias entries: no gradient
         scale = max(1.0, r.abs().max().item())
         assert a.shape == r.shape and not torch.isnan(a).any(), name
-        err = (a.double() - r).abs()
-        if name == "dbias":
-            err = err - 4 * dbias_bound
+        err = (a.double() - r).abs() - 4 * bounds[name]
         assert err.max().item() <= tol * scale, name
 
 
@@ -59,6 +64,7 @@ def configs(draw):
         bias=draw(st.sampled_from([None, None, (1, 1, 0, 1), (0, 1, 1, 1), (0, 0, 0, 0),
                                    (1, 0, 0, 1)])),
         bias_grad=draw(st.booleans()),
+        dropout_p=draw(st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.6])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -95,22 +101,36 @@ def test_fuzz_against_reference(c):
         bias = torch.randn(shape, dtype=c["dtype"])
         bias = bias.masked_fill(torch.rand(shape) < 0.2, float("-inf")).requires_grad_(
             c["bias_grad"])
-    out, lse, _ = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
-                          kw["window_right"], kw["align_bottom_right"], kw["softcap"], None, bias)
+    p = c["dropout_p"]
+    out, lse, rng = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
+                            kw["window_right"], kw["align_bottom_right"], kw["softcap"], None,
+                            bias, p)
+    if p > 0:  # the kernels' mask, regenerated from rng_state, in the reference too
+        kw["dropout_keep"] = _C.dropout_mask(int(rng[0]), int(rng[1]), c["batch"], heads,
+                                             c["seqlen_q"], c["seqlen_k"], p)
+        kw["dropout_p"] = p
     dout = torch.randn_like(out)
+    if bias is not None:
+        true_out, true_lse = attention_ref(*(t.detach().double() for t in (q, k, v)),
+                                           attn_bias=bias, **kw)
+        low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], attn_bias=bias, **kw)
+        assert_error_rule(out, low_out, true_out, 2.0, "out")
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(true_lse))
+        if c["seqlen_k"] > 0:
+            check_grads_relative(q, k, v, bias, out, dout, kw)
+        return
     grads = torch.autograd.grad(out, (q, k, v), dout)
     true_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    true_out, true_lse = attention_ref(*true_leaves, attn_bias=bias, **kw)
-    low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], attn_bias=bias, **kw)
+    true_out, true_lse = attention_ref(*true_leaves, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], **kw)
     assert_error_rule(out, low_out, true_out, 2.0, "out")
     assert torch.equal(torch.isfinite(lse), torch.isfinite(true_lse))
     if c["seqlen_k"] == 0:
         return
-    if bias is not None:
-        check_grads_with_bias(q, k, v, bias, dout, kw)
-        return
     true_grads = torch.autograd.grad(true_out, true_leaves, dout.double())
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    attn_kw = {n: x for n, x in kw.items() if not n.startswith("dropout")}
+    # Dropout scales the kept weights, and so the cancelling terms, by up to 1 / (1 - p).
+    *cancel, score_scale = (x / (1.0 - p) for x in cancellation_scale(q, k, v, dout, **attn_kw))
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
