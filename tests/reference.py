@@ -122,8 +122,8 @@ def cancellation_scale(q, k, v, dout, **kw):
         cdv = torch.einsum("bhls,blhd->bshd", probs, dod.abs())
         # dk/dv of a key/value head sum over the query heads of its GQA group.
         b, s, h, _ = cdk.shape
-        cdk = cdk.reshape(b, s, h // group, group, -1).sum(3)
-        cdv = cdv.reshape(b, s, h // group, group, -1).sum(3)
+        cdk = cdk.reshape(b, s, h // group, group, cdk.shape[-1]).sum(3)
+        cdv = cdv.reshape(b, s, h // group, group, cdv.shape[-1]).sum(3)
         finite = scores.masked_fill(~visible, 0.0)
         score_mag = finite.abs().max().item() if finite.numel() else 0.0
         return tuple(t.max().item() if t.numel() else 0.0 for t in (cdq, cdk, cdv)) + (score_mag,)

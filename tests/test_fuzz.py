@@ -110,11 +110,16 @@ def test_fuzz_against_reference(c):
                                              c["seqlen_q"], c["seqlen_k"], p)
         kw["dropout_p"] = p
     dout = torch.randn_like(out)
+    attn_kw = {n: x for n, x in kw.items() if not n.startswith("dropout")}
+    # Forward slack for scores' rounding: an fp32 score of size |s| is off by ~eps32 |s|, which
+    # moves P (and out) relatively by that much; a different summation order than PyTorch's
+    # can cost it where PyTorch got lucky (large scale, few visible keys).
+    *cancel, score_scale = (x / (1.0 - p) for x in cancellation_scale(q, k, v, dout, **attn_kw))
     if bias is not None:
         true_out, true_lse = attention_ref(*(t.detach().double() for t in (q, k, v)),
                                            attn_bias=bias, **kw)
         low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], attn_bias=bias, **kw)
-        assert_error_rule(out, low_out, true_out, 2.0, "out")
+        assert_error_rule(out, low_out, true_out, 2.0, "out", 0.0, score_scale)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(true_lse))
         if c["seqlen_k"] > 0:
             check_grads_relative(q, k, v, bias, out, dout, kw)
@@ -123,14 +128,12 @@ def test_fuzz_against_reference(c):
     true_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     true_out, true_lse = attention_ref(*true_leaves, **kw)
     low_out, _ = attention_ref(q, k, v, compute_dtype=c["dtype"], **kw)
-    assert_error_rule(out, low_out, true_out, 2.0, "out")
+    assert_error_rule(out, low_out, true_out, 2.0, "out", 0.0, score_scale)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(true_lse))
     if c["seqlen_k"] == 0:
         return
     true_grads = torch.autograd.grad(true_out, true_leaves, dout.double())
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
-    attn_kw = {n: x for n, x in kw.items() if not n.startswith("dropout")}
-    # Dropout scales the kept weights, and so the cancelling terms, by up to 1 / (1 - p).
-    *cancel, score_scale = (x / (1.0 - p) for x in cancellation_scale(q, k, v, dout, **attn_kw))
+    # (cancel, score_scale: above; dropout scales the cancelling terms by up to 1 / (1 - p).)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
