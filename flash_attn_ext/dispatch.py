@@ -135,7 +135,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.dtype not in _DTYPE_NAMES:
         return Plan("none", "none", False,
                     (f"q.dtype={q.dtype} is not a floating dtype: no kernel or fallback takes it",))
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+    head_dim = max(q.shape[-1], v.shape[-1])
+    if head_dim > MAX_HEAD_DIM:
         return Plan(FALLBACK, FALLBACK, False,
                     (f"head_dim={q.shape[-1]}, head_dim_v={v.shape[-1]}: the kernels take head "
                      f"dims up to {MAX_HEAD_DIM}",))
@@ -157,12 +158,13 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not reasons and _capability(index) < (8, 0):
             major, minor = _capability(index)
             reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
-        padded = 64 if max(q.shape[-1], v.shape[-1]) <= 64 else (
-            128 if max(q.shape[-1], v.shape[-1]) <= 128 else 256)
-        if not reasons and 0 < _smem_per_block(index) < _sm80_smem_bytes(padded):
-            reasons.append(f"head_dim={max(q.shape[-1], v.shape[-1])}: the backward kernel "
-                           f"needs {_sm80_smem_bytes(padded)} bytes of shared memory per block, "
-                           f"this GPU allows {_smem_per_block(index)} (e.g. sm_86/sm_89)")
+        padded = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+        if not reasons:
+            need, allowed = _sm80_smem_bytes(padded), _smem_per_block(index)
+            if 0 < allowed < need:
+                reasons.append(f"head_dim={head_dim}: the backward kernel needs {need} bytes of "
+                               f"shared memory per block, this GPU allows {allowed} "
+                               "(e.g. sm_86/sm_89)")
         if not reasons:  # pragma: no cover - needs a CUDA build
             return Plan(f"sm80_fwd_hdim{padded}_{dtype}", f"sm80_bwd_hdim{padded}_{dtype}", True)
     else:

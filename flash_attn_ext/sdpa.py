@@ -77,15 +77,25 @@ def scaled_dot_product_attention(
         from .patching import _ORIGINAL
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
-    out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
-                 window_right=-1, align_bottom_right=False, softcap=0.0,
-                 dropout_p=0.0 if drop_all else float(dropout_p),
-                 deterministic=False, strict=strict, attn_bias=bias)
-    out = out.transpose(1, 2)
+    out = run_sdpa(q, k, v, query, key, attn_mask, 0.0 if drop_all else dropout_p, is_causal,
+                   scale, 0.0, strict).transpose(1, 2)
     if drop_all:
         out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
+             strict) -> torch.Tensor:
+    """SDPA's conventions on the kernels: (B, L, H, E) views q/k/v of the SDPA-layout
+    ``query``/``key`` (from :func:`to_bshd`), top-left causal, no window, ``attn_mask`` as an
+    additive bias (:func:`mask_to_bias`); returns out (B, L, H, Ev).  Shared by
+    :func:`scaled_dot_product_attention` and the transformers integration."""
+    bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
+    out, _ = run(q, k, v, softmax_scale=scale, causal=is_causal, window_left=-1,
+                 window_right=-1, align_bottom_right=False, softcap=softcap,
+                 dropout_p=float(dropout_p), deterministic=False, strict=strict,
+                 attn_bias=bias)
+    return out
 
 
 def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,

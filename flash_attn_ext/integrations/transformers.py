@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from ..interface import check_flags, run
-from ..sdpa import mask_to_bias, to_bshd
+from ..interface import check_flags
+from ..sdpa import run_sdpa, to_bshd
 
 NAME = "flash_attn_ext"
 
@@ -82,13 +82,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal,
                                                    query, key)
         is_causal = False
-    q, k, v = to_bshd(query, key, value, enable_gqa=True)
     check_flags(is_causal, (-1, -1), dropout, causal_name="is_causal")
-    bias = None if attention_mask is None else mask_to_bias(attention_mask, query)
-    out, _ = run(q, k, v, softmax_scale=scaling, causal=is_causal, window_left=-1,
-                 window_right=-1, align_bottom_right=False,
-                 softcap=float(kwargs.get("softcap") or 0.0), dropout_p=float(dropout),
-                 deterministic=False, strict=None, attn_bias=bias)
+    q, k, v = to_bshd(query, key, value, enable_gqa=True)
+    out = run_sdpa(q, k, v, query, key, attention_mask, dropout, is_causal, scaling,
+                   float(kwargs.get("softcap") or 0.0), None)
     return out, None
 
 
