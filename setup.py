@@ -9,10 +9,15 @@ Builds one extension module, ``flash_attn_ext._C``, that registers the ``flash_a
 * ``FLASH_ATTN_EXT_CUDA=0``: off (CPU only), even where CUDA is available.
 
 ``TORCH_CUDA_ARCH_LIST`` picks the GPU architectures (default ``8.0;9.0a``).  No GPU is needed to
-build.  Install with ``pip install --no-build-isolation .`` (torch must already be installed).
+build.  The Hopper kernels (``csrc/kernels/sm90``, for ``9.0a``) are written with CuTe and need the
+CUTLASS headers of the pinned ``nvidia-cutlass`` wheel (``pip install nvidia-cutlass==4.2.0.0``;
+or ``CUTLASS_INCLUDE_DIR``); without them the build warns and leaves them out (the portable sm80
+kernels then serve Hopper GPUs, and ``explain()`` says so).  Install with
+``pip install --no-build-isolation .`` (torch must already be installed).
 """
 
 import glob
+import importlib.util
 import os
 import re
 import sys
@@ -48,6 +53,22 @@ def cuda_requested() -> bool:
     return have_cuda_torch and have_nvcc
 
 
+def cutlass_include():
+    """The CUTLASS/CuTe include directory: $CUTLASS_INCLUDE_DIR, else the nvidia-cutlass wheel's
+    (found without importing it), else None."""
+    candidates = []
+    if os.environ.get("CUTLASS_INCLUDE_DIR"):
+        candidates.append(os.environ["CUTLASS_INCLUDE_DIR"])
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [os.path.join(p, "source", "include")
+                       for p in spec.submodule_search_locations]
+    for path in candidates:
+        if os.path.exists(os.path.join(path, "cute", "tensor.hpp")):
+            return path
+    return None
+
+
 def rel(paths):
     return sorted(os.path.relpath(p, HERE) for p in paths)
 
@@ -59,7 +80,7 @@ def make_extension():
     cpp_sources += rel(glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
     cuda_sources = rel(
         glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu"))
-        + glob.glob(os.path.join(HERE, "csrc", "kernels", "**", "*.cu"), recursive=True)
+        + glob.glob(os.path.join(HERE, "csrc", "kernels", "sm80", "*.cu"))
     )
     with_cuda = cuda_requested() and bool(cuda_sources)
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
@@ -67,8 +88,20 @@ def make_extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
 
     defines = [f'-DFLASH_ATTN_EXT_VERSION="{read_version()}"']
+    include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda:
         defines += ["-DFLASH_ATTN_EXT_WITH_CUDA", f'-DFLASH_ATTN_EXT_CUDA_ARCHS="{archs}"']
+        if "9.0a" in archs.replace(" ", ";").split(";"):
+            cutlass = cutlass_include()
+            if cutlass is None:
+                print("flash_attn_ext: WARNING: the CUTLASS headers were not found (pip install "
+                      "nvidia-cutlass==4.2.0.0, or set CUTLASS_INCLUDE_DIR): building without "
+                      "the Hopper (sm90) kernels", file=sys.stderr)
+            else:
+                include_dirs.append(cutlass)
+                defines.append("-DFLASH_ATTN_EXT_SM90")
+                cuda_sources += rel(glob.glob(os.path.join(HERE, "csrc", "kernels", "sm90",
+                                                           "*.cu")))
     cxx_flags = ["-O3", "-fopenmp-simd", *defines]
     link_flags = []
     if sys.platform.startswith("linux") and os.environ.get("FLASH_ATTN_EXT_OPENMP", "1") != "0":
@@ -76,7 +109,6 @@ def make_extension():
         # compiled with OpenMP; torch ships libgomp.so.1 and the loader reuses that copy.
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
-    include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda:
         return cpp_extension.CUDAExtension(
             "flash_attn_ext._C",
@@ -85,7 +117,7 @@ def make_extension():
             extra_link_args=link_flags,
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "--use_fast_math", *defines],
+                "nvcc": ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", *defines],
             },
         )
     return cpp_extension.CppExtension(

@@ -62,9 +62,24 @@ def implementations(flex: bool) -> Dict[str, Callable]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
-    impls = {"ours": ours, "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    def ours_sm80(q, k, v, causal):  # the portable kernels, where the Hopper forward serves "ours"
+        old = os.environ.get("FLASH_ATTN_EXT_KERNEL")
+        os.environ["FLASH_ATTN_EXT_KERNEL"] = "sm80"
+        try:
+            return ours(q, k, v, causal)
+        finally:
+            if old is None:
+                del os.environ["FLASH_ATTN_EXT_KERNEL"]
+            else:
+                os.environ["FLASH_ATTN_EXT_KERNEL"] = old
+
+    sample = torch.empty(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16)
+    impls = {"ours": ours}
+    if flash_attn_ext.explain(sample, sample, sample).kernel.startswith("sm90"):
+        impls["ours_sm80"] = ours_sm80
+    impls.update({"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
              "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-             "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+             "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)})
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         torch._dynamo.config.recompile_limit = 64  # one compile per benchmarked shape
@@ -202,11 +217,15 @@ def print_table(rows: List[dict]) -> None:
     keys = sorted({(r["d"], r["L"], r["causal"]) for r in rows})
     for metric in ("fwd_tflops", "bwd_tflops"):
         print(f"\n{metric}")
-        print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names))
+        print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names)
+              + "  ours/cudnn  ours/flash")
         for key in keys:
             vals = {r["impl"]: r.get(metric) for r in rows if (r["d"], r["L"], r["causal"]) == key}
             cells = " ".join(f"{vals[n]:14.1f}" if vals.get(n) else f"{'-':>14s}" for n in names)
-            print(f"{key[0]:4d} {key[1]:6d} {key[2]!s:>6s} {cells}")
+            ratios = "".join(
+                f"  {vals['ours'] / vals[peer]:10.2f}" if vals.get("ours") and vals.get(peer)
+                else f"  {'-':>10s}" for peer in ("sdpa_cudnn", "sdpa_flash"))
+            print(f"{key[0]:4d} {key[1]:6d} {key[2]!s:>6s} {cells}{ratios}")
 
 
 def plot(rows: List[dict], path: str) -> None:

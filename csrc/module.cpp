@@ -27,6 +27,11 @@ pybind11::dict build_info() {
   d["cuda"] = false;
   d["cuda_archs"] = "";
 #endif
+#ifdef FLASH_ATTN_EXT_SM90
+  d["sm90"] = true;  // the Hopper (sm_90a, TMA + wgmma) forward is built
+#else
+  d["sm90"] = false;
+#endif
   d["cpu"] = true;
   return d;
 }

@@ -55,8 +55,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             flash_attn_func takes them.
         layout: see above.
         enable_gqa: allow H_kv < H (as scaled_dot_product_attention's argument).
-        **call_kwargs: the call's other arguments (is_causal, scale, ...); accepted so that a call
-            can be explained as written; they do not change the kernel today.
+        **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
+            explained as written; softcap, dropout_p and attn_mask pick the portable forward
+            on sm_90 GPUs (``Plan.notes`` says so).
 
     Returns:
         A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
@@ -76,7 +77,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     from .dispatch import plan
     scale = call_kwargs.get("softmax_scale", call_kwargs.get("scale"))
-    p = plan(query, key, value, scale)
+    general = bool(call_kwargs.get("softcap") or call_kwargs.get("dropout_p")
+                   or call_kwargs.get("attn_mask") is not None)
+    p = plan(query, key, value, scale, general)
     if p.fused and query.device.type != "meta":
         ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
     return p

@@ -51,6 +51,8 @@ class Plan:
         reasons: why no fused kernel serves the forward (empty when ``fused``).
         backward_fused: True when a fused kernel serves the backward too.
         backward_reasons: why not (empty when ``backward_fused``).
+        notes: why a fused but slower kernel serves the call, e.g. the portable sm80 forward on
+            an sm_90 GPU (empty when the fastest kernel for the GPU serves it).
     """
 
     kernel: str
@@ -59,13 +61,16 @@ class Plan:
     reasons: tuple = ()
     backward_fused: bool = True
     backward_reasons: tuple = ()
+    notes: tuple = ()
 
     def __str__(self) -> str:
         text = self.kernel if self.fused else f"{self.kernel}, because: " + "; ".join(self.reasons)
         if self.backward_fused or not self.fused:
-            return f"{text} (backward: {self.backward_kernel})" if self.fused else text
-        return (f"{text} (backward: {self.backward_kernel}, because: "
-                + "; ".join(self.backward_reasons) + ")")
+            text = f"{text} (backward: {self.backward_kernel})" if self.fused else text
+        else:
+            text = (f"{text} (backward: {self.backward_kernel}, because: "
+                    + "; ".join(self.backward_reasons) + ")")
+        return text + "".join(f"; note: {n}" for n in self.notes)
 
 
 _strict_override: Optional[bool] = None
@@ -125,10 +130,46 @@ def _sm80_smem_bytes(padded_dim: int) -> int:
     return (2 * 64 + 4 * rows) * padded_dim * 2 + 4 * rows * 4
 
 
+KERNEL_ENV = "FLASH_ATTN_EXT_KERNEL"
+
+
+def kernel_choice() -> str:
+    """FLASH_ATTN_EXT_KERNEL: ``"auto"`` (default: the Hopper forward where it applies) or
+    ``"sm80"`` (the portable CUDA kernels on every GPU).  The CUDA glue reads the same variable
+    (csrc/cuda/flash_cuda.cu, force_portable)."""
+    value = os.environ.get(KERNEL_ENV, "")
+    if value not in ("", "auto", "sm80"):
+        raise ValueError(f"{KERNEL_ENV} must be 'auto' or 'sm80', got {value!r}")
+    return value or "auto"
+
+
+def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: bool) -> list:
+    """Why the Hopper forward (csrc/kernels/sm90) cannot serve a call on an sm_90 GPU; the same
+    rule as use_sm90_fwd in csrc/cuda/flash_cuda.cu."""
+    why = []
+    if not ops.build_info().get("sm90", False):
+        why.append("this build has no Hopper kernels (the CUTLASS headers were missing at build "
+                   "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
+    if kernel_choice() == "sm80":
+        why.append(f"{KERNEL_ENV}=sm80")
+    if general:
+        why.append("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        why.append("an empty sequence")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # A broadcast (stride-0) dimension that the glue passes through as it is (it copies
+        # tensors whose strides are not multiples of 8 elements) cannot be described to TMA.
+        as_is = t.stride(3) == 1 and t.shape[3] % 8 == 0 and all(s % 8 == 0 for s in t.stride())
+        if as_is and any(t.shape[i] > 1 and t.stride(i) == 0 for i in range(3)):
+            why.append(f"{name} has a broadcast (stride-0) dimension, which TMA cannot load")
+    return why
+
+
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         softmax_scale: Optional[float] = None) -> Plan:
-    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout (every mask and
-    dropout setting runs on the same kernels)."""
+         softmax_scale: Optional[float] = None, general: bool = False) -> Plan:
+    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout; ``general``: the
+    call has a softcap, an attn_mask/attn_bias or dropout (every such setting runs on a fused
+    kernel; on sm_90 they pick the portable forward)."""
     device = q.device.type
     dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
     reasons = []
@@ -166,7 +207,15 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                f"shared memory per block, this GPU allows {allowed} "
                                "(e.g. sm_86/sm_89)")
         if not reasons:  # pragma: no cover - needs a CUDA build
-            return Plan(f"sm80_fwd_hdim{padded}_{dtype}", f"sm80_bwd_hdim{padded}_{dtype}", True)
+            forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", ()
+            if _capability(index) == (9, 0):
+                why = _sm90_blockers(q, k, v, general)
+                if why:
+                    notes = ("forward on the portable sm80 kernel, not the Hopper one, because "
+                             + "; ".join(why),)
+                else:
+                    forward = f"sm90_fwd_hdim{padded}_{dtype}"
+            return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=notes)
     else:
         reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))

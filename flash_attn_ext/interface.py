@@ -65,7 +65,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     """
     _check_transforms(q, k, v)
     q, k, v = _autocast(q, k, v)
-    p = dispatch.plan(q, k, v, softmax_scale)
+    general = softcap > 0 or attn_bias is not None or dropout_p > 0
+    p = dispatch.plan(q, k, v, softmax_scale, general)
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).

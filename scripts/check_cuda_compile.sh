@@ -24,11 +24,30 @@ for d in nvidia.__path__:
         break
 PYEOF
 }
+# CUTLASS/CuTe headers (the Hopper kernels): the pinned nvidia-cutlass wheel's, found without
+# importing it (its Python dependencies are not needed for the headers).
+cutlass_include() {
+  $PY - <<'PYEOF'
+import importlib.util, os
+spec = importlib.util.find_spec("cutlass_library")
+for d in (spec.submodule_search_locations or []) if spec else []:
+    inc = os.path.join(d, "source", "include")
+    if os.path.exists(os.path.join(inc, "cute", "tensor.hpp")):
+        print(inc)
+        break
+PYEOF
+}
+CUTLASS_INC=$(cutlass_include)
+if [ -z "$CUTLASS_INC" ]; then
+  $PY -m pip install -q --no-deps -r requirements-cuda-check.txt
+  CUTLASS_INC=$(cutlass_include)
+fi
+[ -n "$CUTLASS_INC" ] || { echo "check_cuda_compile: CUTLASS headers not found"; exit 1; }
 EXTRA_INC=()
 if ! echo '#include <curand_philox4x32_x.h>' | nvcc -x cu -E - -o /dev/null 2>/dev/null; then
   inc=$(curand_include)
   if [ -z "$inc" ]; then
-    $PY -m pip install -q -r requirements-cuda-check.txt
+    $PY -m pip install -q --no-deps -r requirements-cuda-check.txt
     inc=$(curand_include)
   fi
   [ -n "$inc" ] && EXTRA_INC=(-I "$inc")
@@ -42,13 +61,17 @@ FLAGS=(-std=c++17 -O2 --use_fast_math -I csrc -D__CUDA_NO_HALF_OPERATORS__
        -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
        -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr ${EXTRA_INC[@]+"${EXTRA_INC[@]}"})
 jobs=()
-for f in $(find csrc/kernels -name '*.cu' | sort); do
+for f in $(find csrc/kernels/sm80 -name '*.cu' | sort); do
   for arch in 80 90a; do
     jobs+=("nvcc ${FLAGS[*]} -gencode arch=compute_${arch},code=sm_${arch} -c $f -o /dev/null")
   done
 done
+# The Hopper kernels: sm_90a only (their bodies are empty for other archs).
+for f in $(find csrc/kernels/sm90 -name '*.cu' | sort); do
+  jobs+=("nvcc ${FLAGS[*]} -I $CUTLASS_INC -gencode arch=compute_90a,code=sm_90a -c $f -o /dev/null")
+done
 for f in $(find csrc/cuda -name '*.cu' | sort); do
-  jobs+=("nvcc ${FLAGS[*]} -I $STUB -I $TORCH_DIR/include -I $TORCH_DIR/include/torch/csrc/api/include -gencode arch=compute_80,code=sm_80 -c $f -o /dev/null")
+  jobs+=("nvcc ${FLAGS[*]} -DFLASH_ATTN_EXT_SM90 -I $CUTLASS_INC -I $STUB -I $TORCH_DIR/include -I $TORCH_DIR/include/torch/csrc/api/include -gencode arch=compute_80,code=sm_80 -c $f -o /dev/null")
 done
 printf '%s\n' "${jobs[@]}" | xargs -P "$(nproc)" -I{} sh -c '{} 2>&1 | grep -E "error|warning: .*(spill|stack)" ; exit 0' > "$STUB/log"
 if grep -q "error" "$STUB/log"; then cat "$STUB/log"; echo "check_cuda_compile: FAILED"; exit 1; fi

@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # The device image's default C++ compiler (/opt/gcc) links a private copy of libstdc++ into the
 # extension, whose iostreams then crash on the process's (system) locale objects the first time a
 # TORCH_CHECK message formats a number.  The system g++ links libstdc++ dynamically.

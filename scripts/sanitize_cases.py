@@ -18,6 +18,10 @@ def main() -> None:
         (70, 65, 4, 2, 128, 128, False, (-1, -1), True, 0.0, True, 0.0),
         (33, 70, 2, 2, 256, 200, True, (-1, -1), False, 5.0, False, 0.2),
         (65, 65, 2, 1, 64, 64, False, (8, 3), True, 0.0, False, 0.1),
+        # Plain attention: the Hopper forward on sm_90 (several K/V tiles, partial last ones).
+        (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
+        (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
+        (300, 129, 2, 2, 64, 64, False, (40, 5), False, 0.0, False, 0.0),
     ]
     for L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p in cases:
         q = torch.randn(2, L, H, D, device=dev, dtype=dt)

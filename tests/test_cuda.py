@@ -127,7 +127,9 @@ def test_sdpa_api_on_cuda_and_plan():
                                                            is_causal=True)
     assert (out.float() - ref).abs().max() < 2e-2
     p = dispatch.plan(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
-    assert p.fused and p.kernel == "sm80_fwd_hdim64_bf16"
+    hopper = (torch.cuda.get_device_capability() == (9, 0) and ops.build_info()["sm90"]
+              and dispatch.kernel_choice() == "auto")
+    assert p.fused and p.kernel == ("sm90" if hopper else "sm80") + "_fwd_hdim64_bf16"
     assert p.backward_fused and p.backward_kernel == "sm80_bwd_hdim64_bf16"
 
 

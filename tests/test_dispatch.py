@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_attn_ext
-from flash_attn_ext import FallbackError, dispatch, explain, flash_attn_func
+from flash_attn_ext import FallbackError, dispatch, explain, flash_attn_func, ops
 from reference import attention_ref
 
 
@@ -124,3 +124,26 @@ def test_fallback_path_with_bias_is_correct():
     out, _ = dispatch.fallback_attention(q, k, v, None, -1, -1, True, 0.0, bias)
     ref, _ = attention_ref(q, k, v, attn_bias=bias)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_plan_notes_are_printed():
+    p = dispatch.Plan("sm80_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True,
+                      notes=("forward on the portable sm80 kernel, not the Hopper one, because x",))
+    assert str(p) == ("sm80_fwd_hdim64_bf16 (backward: sm80_bwd_hdim64_bf16); note: forward on "
+                      "the portable sm80 kernel, not the Hopper one, because x")
+
+
+def test_kernel_choice_env(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    assert dispatch.kernel_choice() == "auto"
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm80")
+    assert dispatch.kernel_choice() == "sm80"
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "hopper")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL must be 'auto' or 'sm80'"):
+        dispatch.kernel_choice()
+
+
+def test_build_info_reports_the_hopper_kernels():
+    info = ops.build_info()
+    assert isinstance(info["sm90"], bool)
+    assert not info["sm90"] or info["cuda"]

@@ -14,6 +14,12 @@
 #include "dropout.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
+#ifdef FLASH_ATTN_EXT_SM90
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/sm90/flash_fwd_sm90_launch.h"
+#endif
 
 namespace flash_attn_ext::cuda {
 
@@ -68,8 +74,50 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
   }
 }
 
+#ifdef FLASH_ATTN_EXT_SM90
+// FLASH_ATTN_EXT_KERNEL: "auto" (default; the Hopper kernel where it applies) or "sm80" (the
+// portable kernels everywhere, e.g. to compare the two).  flash_attn_ext/dispatch.py reads the
+// same variable to report the choice.
+bool force_portable() {
+  const char* env = std::getenv("FLASH_ATTN_EXT_KERNEL");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
+  TORCH_CHECK_VALUE(std::strcmp(env, "sm80") == 0,
+                    "FLASH_ATTN_EXT_KERNEL must be 'auto' or 'sm80', got '", env, "'");
+  return true;
+}
+
+// The Hopper forward (kernels/sm90) serves plain attention (any mask window, GQA, L != S) on
+// sm_90 when TMA can describe q, k and v: no zero (broadcast) strides on a dimension of size > 1.
+// dispatch.py's plan() applies the same rule.
+bool use_sm90_fwd(const FwdParams& p) {
+  if (p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout) return false;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0 || force_portable()) return false;
+  int device = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return false;
+  auto broadcast = [](int64_t size, int64_t stride) { return size > 1 && stride == 0; };
+  return !(broadcast(p.batch, p.q_batch_stride) || broadcast(p.batch, p.k_batch_stride) ||
+           broadcast(p.batch, p.v_batch_stride) || broadcast(p.heads_q, p.q_head_stride) ||
+           broadcast(p.heads_kv, p.k_head_stride) || broadcast(p.heads_kv, p.v_head_stride) ||
+           broadcast(p.seqlen_q, p.q_row_stride) || broadcast(p.seqlen_k, p.k_row_stride) ||
+           broadcast(p.seqlen_k, p.v_row_stride));
+}
+
+template <typename Element>
+cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
+  if (head_dim <= 128) return sm90::run_flash_fwd_sm90<Element, 128>(p, stream);
+  return sm90::run_flash_fwd_sm90<Element, 256>(p, stream);
+}
+#endif
+
 template <typename Element>
 cudaError_t run_fwd(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+#ifdef FLASH_ATTN_EXT_SM90
+  if (use_sm90_fwd(p)) return run_fwd_sm90<Element>(head_dim, p, stream);
+#endif
   if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
   if (head_dim <= 128) return sm80::run_flash_fwd<Element, 128>(p, stream);
   return sm80::run_flash_fwd<Element, 256>(p, stream);

@@ -1,0 +1,392 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma tensor-core GEMMs, warp
+// specialisation (FlashAttention-3, arXiv:2407.08608, sections 3.1-3.2), written with CuTe from
+// the pinned nvidia-cutlass headers.
+//
+// One CTA of three warpgroups per (block of 128 query rows, batch, head):
+//   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
+//     issues TMA loads: the Q tile once, then K and V tiles into a kStages-deep shared-memory
+//     ring, each stage guarded by a pair of mbarriers (CUTLASS's PipelineTmaAsync: "full" when
+//     the TMA bytes have landed, "empty" when both consumers are done with the stage).
+//   * warpgroups 1 and 2, the consumers: 64 query rows each.  Per K/V tile:
+//     S = Q K^T (wgmma, both operands in shared memory, fp32 accumulators in registers), mask,
+//     online softmax in the exp2 domain (running max m and sum l per row; FlashAttention-2,
+//     arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with P converted to
+//     16 bits in registers and fed to wgmma as its register A operand (the accumulator layout of
+//     S and the A-operand layout of P V hold the same rows and columns per thread).
+// O / l and the LSE are written once at the end.  Masking is csrc/mask.h's rule, applied only
+// on key tiles that straddle a boundary.  Plain attention only: softcap, attn_bias and dropout
+// go to the sm80 kernel (the dispatcher says so).
+#pragma once
+
+#ifndef NDEBUG
+#define NDEBUG  // CUTLASS's pipelines otherwise add device-side role checks to every wait
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernels/sm80/launch.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+using namespace cute;
+
+// CUTLASS's 16-bit types for CUDA's.
+template <typename T>
+struct CuteType;
+template <>
+struct CuteType<__half> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CuteType<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+
+// A (seqlen, head_dim, heads, batch) view of q, k, v or out: element strides, head dim unit-stride.
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_>
+struct Sm90FwdTraits {
+  using Element = typename CuteType<CudaElement>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128 or 256)
+  static constexpr int kBlockM = 128;         // query rows per CTA: 64 per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;    // keys per K/V tile
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = 2;        // consumer warpgroups
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows need head dims in multiples of 64");
+
+  // S = Q K^T: M = 128 (two 64-row warpgroup atoms), N = kBlockN, K = kHeadDim, operands in smem.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+  // O += P V: M = 128, N = kHeadDim, K = kBlockN; P from registers, V read "MN-major" (the head
+  // dim is V's contiguous axis and the GEMM's N axis).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+
+  // Shared tiles: rows of kHeadDim 16-bit elements in 128-byte swizzled atoms (what both TMA and
+  // wgmma read without bank conflicts).
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V seen as (head_dim, keys, stage): the B operand of P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                       take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTileBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTileBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+    alignas(8) uint64_t barrier_q;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+};
+
+template <typename T>
+struct Sm90FwdArgs {
+  typename T::TmaQ tma_q;
+  typename T::TmaKV tma_k;
+  typename T::TmaKV tma_v;
+  FwdParams p;
+  int32_t num_m_blocks;
+};
+
+// The wgmma issue sequence for C (+)= A B over the K modes of A and B; kZeroInit starts C from
+// 0.  kRegA: A is a register fragment (its writes must be ordered before wgmma.fence too).
+template <bool kZeroInit, bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, const TB& b, TC& c) {
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT const Sm90FwdArgs<T> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const FwdParams& p = args.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+
+  // Longest rows first under causal masking: the heaviest query blocks start first.
+  const int num_m_blocks = args.num_m_blocks;
+  const int64_t bid = blockIdx.x;
+  const int m_block = num_m_blocks - 1 - static_cast<int>(bid % num_m_blocks);
+  const int64_t bh = bid / num_m_blocks;
+  const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
+  const int hk = h / static_cast<int>(p.heads_q / p.heads_kv);
+  const int64_t m0 = static_cast<int64_t>(m_block) * kM;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+  const int n_begin = static_cast<int>(key_begin / kN);
+  const int n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
+
+  const int warp_group = threadIdx.x / 128;
+  using Pipeline = typename T::Pipeline;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kTileBytesKV;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer
+                                     : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = 128 * T::kConsumers;
+  Pipeline pipe_k(smem.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(smem.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutVt{});
+
+  if (warp_group == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x != 0 || n_begin >= n_end) return;
+    const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
+                            static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
+    const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
+                            static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+    const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
+                            static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+    Tensor gQ = local_tile(args.tma_q.get_tma_tensor(shape_q)(_, _, h, b),
+                           Shape<Int<kM>, Int<kD>>{}, make_coord(m_block, 0));
+    Tensor gK = local_tile(args.tma_k.get_tma_tensor(shape_k)(_, _, hk, b),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));  // (kN, kD, n)
+    Tensor gV = local_tile(args.tma_v.get_tma_tensor(shape_v)(_, _, hk, b),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+    auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+    auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
+                                                                   T::kTileBytesQ);
+    copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      pipe_k.producer_acquire(state);
+      copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
+           tKs(_, state.index()));
+      pipe_v.producer_acquire(state);
+      copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
+           tVs(_, state.index()));
+      ++state;
+    }
+    return;
+  }
+
+  // Consumers.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // shared-memory descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kM>, Int<kN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kM>, Int<kD>>{});
+  // (row, column) of every accumulator element of this thread, within the tile.
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
+
+  // wgmma's m64nNk16 accumulator: per thread, values (2 columns) x (rows r, r + 8) x (N / 8
+  // column groups), in that order, which is also the order of the m64nNk16 register A operand
+  // with K = N (16 columns = two groups per K step).
+  constexpr int kSVals = size(tSrS), kOVals = size(tOrO);
+  static_assert(kSVals == kN / 2 && kOVals == kD / 2, "unexpected wgmma accumulator layout");
+  auto s_index = [](int half, int c) { return (c & 1) + 2 * half + 4 * (c >> 1); };
+  Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
+  static_assert(size(tOrP) == kSVals, "");
+
+  int64_t row_of[2];
+  float m_row[2], l_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_of[r] = m0 + get<0>(tScS(2 * r));
+    m_row[r] = -INFINITY;
+    l_row[r] = 0.f;
+  }
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+  clear(tOrO);
+
+  if (n_begin < n_end) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
+    typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      pipe_k.consumer_wait(state);
+      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+      pipe_k.consumer_release(state);
+
+      const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
+                             static_cast<int64_t>(n_block + 1) * kN > interior_end;
+      const int64_t col0 = static_cast<int64_t>(n_block) * kN;
+      if (need_mask) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+#pragma unroll
+          for (int c = 0; c < kSVals / 2; ++c) {
+            const int i = s_index(r, c);
+            const int64_t col = col0 + get<1>(tScS(i));
+            if (col < lo || col >= hi) tSrS(i) = -INFINITY;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m_row[r], mx);
+        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+        const float alpha = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+        m_row[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          const int i = s_index(r, c);
+          const float e = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
+          sum += e;
+          tOrP(i) = static_cast<Element>(e);
+        }
+        l_row[r] = l_row[r] * alpha + sum;
+#pragma unroll
+        for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha;
+      }
+
+      pipe_v.consumer_wait(state);
+      wgmma_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
+      pipe_v.consumer_release(state);
+      ++state;
+    }
+  }
+
+  // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
+  auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
+              h * p.out_head_stride;
+  auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
+                                                       p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_row[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    const int64_t row = row_of[r];
+    if (row >= p.seqlen_q) continue;
+    Element* o_row = out + row * p.out_row_stride;
+#pragma unroll
+    for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
+      const int i = s_index(r, c);
+      const int col = get<1>(tOcO(i));
+      if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
+        Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
+                           static_cast<Element>(tOrO(i + 1) * inv_l)};
+        *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
+      }
+    }
+    if (get<1>(tScS(0)) == 0) {
+      lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// Host side: TMA descriptors for q, k, v (the caller guarantees 16-byte aligned rows and strides),
+// one CTA per (query block, batch, head) on `stream`.
+template <typename T>
+cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using Element = typename T::Element;
+  // A dimension of size 1 may carry any stride (0 included); TMA wants multiples of 16 bytes.
+  auto stride_of = [](int64_t size, int64_t stride) {
+    return size <= 1 ? int64_t{8} : stride;
+  };
+  auto gmem = [&](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch,
+                  int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       GmemShape(static_cast<int32_t>(rows), static_cast<int32_t>(dim),
+                                 static_cast<int32_t>(heads), static_cast<int32_t>(batch)),
+                       GmemStride(stride_of(rows, row_stride), _1{},
+                                  stride_of(heads, head_stride), stride_of(batch, batch_stride)));
+  };
+  Sm90FwdArgs<T> args{
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.q, p.seqlen_q, p.head_dim, p.heads_q, p.batch, p.q_row_stride,
+                         p.q_head_stride, p.q_batch_stride),
+                    typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.k, p.seqlen_k, p.head_dim, p.heads_kv, p.batch, p.k_row_stride,
+                         p.k_head_stride, p.k_batch_stride),
+                    take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.v, p.seqlen_k, p.head_dim_v, p.heads_kv, p.batch, p.v_row_stride,
+                         p.v_head_stride, p.v_batch_stride),
+                    take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
+      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM)};
+  return sm80::launch(flash_fwd_sm90_kernel<T>,
+                      static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q, T::kThreads,
+                      T::kSmemBytes, stream, args);
+}
+
+}  // namespace flash_attn_ext::sm90

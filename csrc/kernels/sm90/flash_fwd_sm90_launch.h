@@ -1,0 +1,27 @@
+// The Hopper forward instantiations: one translation unit each (flash_fwd_sm90_hdim*_*.cu),
+// compiled only where the build targets sm_90a and finds the CUTLASS headers
+// (FLASH_ATTN_EXT_SM90 is defined then).  Head dims are padded up to 64, 128 or 256.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+// Keys per K/V tile and pipeline stages, chosen so that S (64 x kBlockN per consumer warpgroup)
+// and O (64 x head dim) stay in registers and the Q tile plus the K/V ring fit in shared memory.
+template <int kHeadDim>
+constexpr int fwd_block_n() {
+  return kHeadDim <= 128 ? 128 : 64;
+}
+template <int kHeadDim>
+constexpr int fwd_stages() {
+  return 2;
+}
+
+// Defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>.cu for Element = __half / __nv_bfloat16.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+
+}  // namespace flash_attn_ext::sm90

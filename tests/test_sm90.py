@@ -1,0 +1,107 @@
+"""The Hopper forward (csrc/kernels/sm90: TMA + wgmma, warp-specialised): which calls it serves,
+and its answers against an fp32 reference next to the portable kernel's.
+
+The full CUDA grid (tests/test_cuda.py) runs on whichever forward the dispatcher picks, so on an
+H200 it exercises this kernel; FLASH_ATTN_EXT_KERNEL=sm80 runs the same grid on the portable one.
+Skipped without an sm_90 GPU and a build with the Hopper kernels.
+"""
+
+import pytest
+import torch
+
+from flash_attn_ext import dispatch, explain, flash_attn_func, ops
+from reference import assert_error_rule, attention_ref
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ops.build_info()["cuda"]
+         and ops.build_info().get("sm90", False)
+         and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU and a build with the Hopper kernels")
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim,padded", [(40, 64), (64, 64), (72, 128), (128, 128),
+                                             (200, 256), (256, 256)])
+def test_plan_names_the_hopper_forward(head_dim, padded):
+    q = rand(2, 100, 4, head_dim)
+    p = dispatch.plan(q, q, q)
+    assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused and not p.notes
+    assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
+
+
+def test_general_calls_and_the_env_switch_name_the_portable_forward(monkeypatch):
+    q = rand(2, 100, 4, 64)
+    p = explain(q, q, q, layout="blhd", softcap=5.0)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "softcap" in p.notes[0]
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm80")
+    p = dispatch.plan(q, q, q)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "FLASH_ATTN_EXT_KERNEL=sm80" in str(p)
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm70")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL"):
+        dispatch.plan(q, q, q)
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL"):
+        ops.fwd(q, q, q, None, False, -1, -1, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (129, 129),
+                                               (1000, 1000), (2048, 1023)])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal,window,bottom_right", [
+    (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
+    (False, (100, 7), True)])
+def test_hopper_and_portable_forward_both_meet_the_error_rule(
+        monkeypatch, dtype, seqlen_q, seqlen_k, head_dim, causal, window, bottom_right):
+    q, k, v = rand(2, seqlen_q, 4, head_dim, dtype=dtype), \
+        rand(2, seqlen_k, 2, head_dim, dtype=dtype), rand(2, seqlen_k, 2, head_dim, dtype=dtype)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              align_bottom_right=bottom_right)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    outs = {}
+    for choice in ("auto", "sm80"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", choice)
+        out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
+        assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({choice})")
+        finite = torch.isfinite(true_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        if finite.any():
+            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+        outs[choice] = out
+    # Same inputs, two kernels, two summation orders: close, not bitwise equal.
+    assert (outs["auto"].float() - outs["sm80"].float()).abs().max().item() < 0.05
+
+
+def test_strided_and_broadcast_inputs():
+    # (B, H, L, D) storage seen as (B, L, H, D): what scaled_dot_product_attention passes.
+    q = rand(3, 8, 333, 128).transpose(1, 2)
+    k = rand(3, 2, 400, 128).transpose(1, 2)
+    v = rand(3, 2, 400, 128).transpose(1, 2)
+    assert dispatch.plan(q, k, v).kernel.startswith("sm90")
+    out = flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=True,
+                           compute_dtype=torch.float32)
+    low, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.bfloat16)
+    assert_error_rule(out, low, ref.double(), 2.0, "out")
+    # A key/value head broadcast over the batch (stride 0): TMA cannot load it, the portable
+    # kernel does, and the plan says so.
+    kb, vb = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
+    p = dispatch.plan(q, kb, vb)
+    assert p.kernel.startswith("sm80") and "broadcast" in p.notes[0]
+    out = flash_attn_func(q, kb, vb)
+    ref, _ = attention_ref(q.float(), kb.float(), vb.float(), compute_dtype=torch.float32)
+    low, _ = attention_ref(q, kb, vb, compute_dtype=torch.bfloat16)
+    assert_error_rule(out, low, ref.double(), 2.0, "out (broadcast k, v)")
+
+
+def test_long_sequence_and_many_heads():
+    q, k, v = rand(1, 8192, 16, 128), rand(1, 8192, 16, 128), rand(1, 8192, 16, 128)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True).transpose(1, 2)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() < 2e-2
