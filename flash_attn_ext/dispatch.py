@@ -159,7 +159,8 @@ def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: b
     for name, t in (("q", q), ("k", k), ("v", v)):
         # A broadcast (stride-0) dimension that the glue passes through as it is (it copies
         # tensors whose strides are not multiples of 8 elements) cannot be described to TMA.
-        as_is = t.stride(3) == 1 and t.shape[3] % 8 == 0 and all(s % 8 == 0 for s in t.stride())
+        as_is = (t.stride(3) == 1 and t.shape[3] % 8 == 0
+                 and all(t.stride(i) % 8 == 0 for i in range(3)))
         if as_is and any(t.shape[i] > 1 and t.stride(i) == 0 for i in range(3)):
             why.append(f"{name} has a broadcast (stride-0) dimension, which TMA cannot load")
     return why

@@ -22,6 +22,7 @@ timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE ${PYTEST_ARGS:-tests/test
   > "$OUT/tests.log"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
 grep -E "[0-9]+ (passed|failed|error)" "$OUT/tests.log" | tail -1
+sed -n '/= FAILURES =/,/short test summary/p' "$OUT/tests.log" | grep -E "^(E |___|tests/)" | head -60
 if [ "${SANITIZE:-0}" = 1 ]; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck; do

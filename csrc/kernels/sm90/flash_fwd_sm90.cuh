@@ -123,25 +123,6 @@ struct Sm90FwdArgs {
   int32_t num_m_blocks;
 };
 
-// The wgmma issue sequence for C (+)= A B over the K modes of A and B; kZeroInit starts C from
-// 0.  kRegA: A is a register fragment (its writes must be ordered before wgmma.fence too).
-template <bool kZeroInit, bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, const TB& b, TC& c) {
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT const Sm90FwdArgs<T> args) {
@@ -264,59 +245,132 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
   clear(tOrO);
 
-  if (n_begin < n_end) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
-    typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-      pipe_k.consumer_wait(state);
-      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
-      pipe_k.consumer_release(state);
-
-      const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
-                             static_cast<int64_t>(n_block + 1) * kN > interior_end;
-      const int64_t col0 = static_cast<int64_t>(n_block) * kN;
+  // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
+  // rescale factors exp2(m_old - m_new) of O's two rows.
+  auto softmax_step = [&](int n_block, float (&alpha)[2]) {
+    const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
+                           static_cast<int64_t>(n_block + 1) * kN > interior_end;
+    const int64_t col0 = static_cast<int64_t>(n_block) * kN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
       if (need_mask) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
-#pragma unroll
-          for (int c = 0; c < kSVals / 2; ++c) {
-            const int i = s_index(r, c);
-            const int64_t col = col0 + get<1>(tScS(i));
-            if (col < lo || col >= hi) tSrS(i) = -INFINITY;
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m_row[r], mx);
-        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-        const float alpha = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
-        m_row[r] = m_new;
-        float sum = 0.f;
+        const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
 #pragma unroll
         for (int c = 0; c < kSVals / 2; ++c) {
           const int i = s_index(r, c);
-          const float e = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
-          sum += e;
-          tOrP(i) = static_cast<Element>(e);
+          const int64_t col = col0 + get<1>(tScS(i));
+          if (col < lo || col >= hi) tSrS(i) = -INFINITY;
         }
-        l_row[r] = l_row[r] * alpha + sum;
-#pragma unroll
-        for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha;
       }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m_row[r], mx);
+      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      alpha[r] = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+      m_row[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < kSVals / 2; ++c) {
+        const int i = s_index(r, c);
+        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
+        sum += tSrS(i);
+      }
+      l_row[r] = l_row[r] * alpha[r] + sum;
+    }
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha[r];
+  };
+  auto convert_p = [&]() {
+#pragma unroll
+    for (int i = 0; i < kSVals; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
+  };
+  // wgmma issue without waiting: S = Q K^T into tSrS, O += P V into tOrO (one commit group each).
+  auto issue_qk = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    mma_pv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+      cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    }
+    warpgroup_commit_batch();
+  };
+  // Pingpong (FlashAttention-3, section 3.1): the two consumer warpgroups take turns issuing
+  // their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores.  Named
+  // barrier `me` lets this warpgroup issue; after issuing, it lets the other one.  Warpgroup 2
+  // opens the first turn for warpgroup 1 and skips its very last hand-over, so every barrier
+  // sees as many arrivals as waits.  Both warpgroups have the same number of turns (one per
+  // key tile, plus one for the last P V).
+  const int me = warp_group - 1, other = 1 - me;
+  auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
+  auto turn_end = [&](bool last) {
+    if (!(last && me == 1)) cutlass::arch::NamedBarrier::arrive(256, other);
+  };
 
-      pipe_v.consumer_wait(state);
-      wgmma_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
-      pipe_v.consumer_release(state);
+  if (n_begin < n_end) {
+    if (me == 1) cutlass::arch::NamedBarrier::arrive(256, other);
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
+    typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
+    float alpha[2];
+    // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued together
+    // with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
+    pipe_k.consumer_wait(state);
+    turn_begin();
+    issue_qk(state.index());
+    turn_end(false);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(state);
+    softmax_step(n_begin, alpha);
+    convert_p();
+    auto prev = state;
+    ++state;
+    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+      pipe_k.consumer_wait(state);
+      pipe_v.consumer_wait(prev);
+      turn_begin();
+      issue_qk(state.index());
+      issue_pv(prev.index());
+      turn_end(false);
+      warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      warpgroup_fence_operand(tSrS);
+      pipe_k.consumer_release(state);
+      softmax_step(n_block, alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      pipe_v.consumer_release(prev);
+      rescale_o(alpha);
+      convert_p();
+      prev = state;
       ++state;
     }
+    pipe_v.consumer_wait(prev);
+    turn_begin();
+    issue_pv(prev.index());
+    turn_end(true);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipe_v.consumer_release(prev);
   }
 
   // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
