@@ -24,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cute/tensor.hpp>
@@ -121,6 +122,7 @@ struct Sm90FwdArgs {
   typename T::TmaKV tma_v;
   FwdParams p;
   int32_t num_m_blocks;
+  int32_t heads_per_section;
 };
 
 template <typename T>
@@ -134,11 +136,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
-  // Longest rows first under causal masking: the heaviest query blocks start first.
+  // Block order: the (batch, head) pairs go in sections of args.heads_per_section, small
+  // enough for a section's K and V to stay in L2 while its CTAs run; inside a section the query
+  // blocks go last-first, which under causal masking starts the longest rows first (the
+  // longest-processing-time-first order of FlashAttention-3's scheduler).
   const int num_m_blocks = args.num_m_blocks;
   const int64_t bid = blockIdx.x;
-  const int m_block = num_m_blocks - 1 - static_cast<int>(bid % num_m_blocks);
-  const int64_t bh = bid / num_m_blocks;
+  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * args.heads_per_section;
+  const int64_t section = bid / section_size, in_section = bid % section_size;
+  const int64_t heads_here = std::min<int64_t>(args.heads_per_section,
+                                               p.batch * p.heads_q - section *
+                                                   args.heads_per_section);
+  const int m_block = num_m_blocks - 1 - static_cast<int>(in_section / heads_here);
+  const int64_t bh = section * args.heads_per_section + in_section % heads_here;
   const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
   const int hk = h / static_cast<int>(p.heads_q / p.heads_kv);
   const int64_t m0 = static_cast<int64_t>(m_block) * kM;
@@ -437,7 +447,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM)};
+      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1};
+  // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.
+  const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
+  args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(
+      (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1), 1, p.batch * p.heads_q));
   return sm80::launch(flash_fwd_sm90_kernel<T>,
                       static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q, T::kThreads,
                       T::kSmemBytes, stream, args);
