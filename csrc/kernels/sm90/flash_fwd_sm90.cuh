@@ -110,8 +110,7 @@ struct Sm90FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    alignas(8) uint64_t barrier_q;        // the Q tile has landed
-    alignas(8) uint64_t barrier_q_empty;  // both consumers are done with the Q tile
+    alignas(8) uint64_t barrier_q;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
 };
@@ -124,41 +123,7 @@ struct Sm90FwdArgs {
   FwdParams p;
   int32_t num_m_blocks;
   int32_t heads_per_section;
-  int64_t num_tiles;  // num_m_blocks * batch * heads_q
 };
-
-// One work tile: a block of kBlockM query rows of one (batch, head), and its key-tile range.
-struct FwdTile {
-  int b, h, hk, m_block;
-  int64_t m0, last_row;
-  int n_begin, n_end;  // key tiles [n_begin, n_end); empty when the rows see no key
-};
-
-// Tile order: the (batch, head) pairs go in sections of heads_per_section, small enough for a
-// section's K and V to stay in L2 while its tiles run; inside a section the query blocks go
-// last-first, which under causal masking starts the longest rows first (the
-// longest-processing-time-first order of FlashAttention-3's scheduler).
-template <int kM, int kN>
-__device__ __forceinline__ FwdTile fwd_tile(const FwdParams& p, const VisibleKeys& vis,
-                                            int num_m_blocks, int heads_per_section,
-                                            int64_t tile) {
-  FwdTile t;
-  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * heads_per_section;
-  const int64_t section = tile / section_size, in_section = tile % section_size;
-  const int64_t heads_here =
-      std::min<int64_t>(heads_per_section, p.batch * p.heads_q - section * heads_per_section);
-  t.m_block = num_m_blocks - 1 - static_cast<int>(in_section / heads_here);
-  const int64_t bh = section * heads_per_section + in_section % heads_here;
-  t.b = static_cast<int>(bh / p.heads_q);
-  t.h = static_cast<int>(bh % p.heads_q);
-  t.hk = t.h / static_cast<int>(p.heads_q / p.heads_kv);
-  t.m0 = static_cast<int64_t>(t.m_block) * kM;
-  t.last_row = (t.m0 + kM < p.seqlen_q ? t.m0 + kM : p.seqlen_q) - 1;
-  const int64_t key_begin = vis.begin(t.m0), key_end = vis.end(t.last_row);
-  t.n_begin = static_cast<int>(key_begin / kN);
-  t.n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : t.n_begin;
-  return t;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -171,14 +136,29 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
+  // Block order: the (batch, head) pairs go in sections of args.heads_per_section, small
+  // enough for a section's K and V to stay in L2 while its CTAs run; inside a section the query
+  // blocks go last-first, which under causal masking starts the longest rows first (the
+  // longest-processing-time-first order of FlashAttention-3's scheduler).
+  const int num_m_blocks = args.num_m_blocks;
+  const int64_t bid = blockIdx.x;
+  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * args.heads_per_section;
+  const int64_t section = bid / section_size, in_section = bid % section_size;
+  const int64_t heads_here = std::min<int64_t>(args.heads_per_section,
+                                               p.batch * p.heads_q - section *
+                                                   args.heads_per_section);
+  const int m_block = num_m_blocks - 1 - static_cast<int>(in_section / heads_here);
+  const int64_t bh = section * args.heads_per_section + in_section % heads_here;
+  const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
+  const int hk = h / static_cast<int>(p.heads_q / p.heads_kv);
+  const int64_t m0 = static_cast<int64_t>(m_block) * kM;
+
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  // Persistent: this CTA serves tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the producer
-  // loads the next tile's Q and K/V while the consumers finish this one (its last P V and the
-  // epilogue).
-  auto tile_at = [&](int64_t tile) {
-    return fwd_tile<kM, kN>(p, vis, args.num_m_blocks, args.heads_per_section, tile);
-  };
+  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+  const int n_begin = static_cast<int>(key_begin / kN);
+  const int n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
 
   const int warp_group = threadIdx.x / 128;
   using Pipeline = typename T::Pipeline;
@@ -192,7 +172,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Pipeline pipe_v(smem.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
-    cutlass::arch::ClusterBarrier::init(&smem.barrier_q_empty, 128 * T::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -204,48 +183,37 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x != 0 || n_begin >= n_end) return;
     const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
                             static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
     const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
                             static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
     const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
                             static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
-    Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
-    Tensor mK = args.tma_k.get_tma_tensor(shape_k);
-    Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+    Tensor gQ = local_tile(args.tma_q.get_tma_tensor(shape_q)(_, _, h, b),
+                           Shape<Int<kM>, Int<kD>>{}, make_coord(m_block, 0));
+    Tensor gK = local_tile(args.tma_k.get_tma_tensor(shape_k)(_, _, hk, b),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));  // (kN, kD, n)
+    Tensor gV = local_tile(args.tma_v.get_tma_tensor(shape_v)(_, _, hk, b),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+    auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+    auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
+                                                                   T::kTileBytesQ);
+    copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
     auto state = cutlass::make_producer_start_state<Pipeline>();
-    int q_loads = 0;
-    for (int64_t tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
-      const FwdTile t = tile_at(tile);
-      if (t.n_begin >= t.n_end) continue;
-      Tensor gQ = local_tile(mQ(_, _, t.h, t.b), Shape<Int<kM>, Int<kD>>{},
-                             make_coord(t.m_block, 0));
-      Tensor gK = local_tile(mK(_, _, t.hk, t.b), Shape<Int<kN>, Int<kD>>{},
-                             make_coord(_, 0));  // (kN, kD, n)
-      Tensor gV = local_tile(mV(_, _, t.hk, t.b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
-      auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
-      if (q_loads > 0) {  // the previous tile's Q K^T GEMMs are done
-        cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (q_loads - 1) & 1);
-      }
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
-                                                                     T::kTileBytesQ);
-      copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
-      ++q_loads;
-      for (int n_block = t.n_begin; n_block < t.n_end; ++n_block) {
-        pipe_k.producer_acquire(state);
-        copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
-             tKs(_, state.index()));
-        pipe_v.producer_acquire(state);
-        copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
-             tVs(_, state.index()));
-        ++state;
-      }
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      pipe_k.producer_acquire(state);
+      copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
+           tKs(_, state.index()));
+      pipe_v.producer_acquire(state);
+      copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
+           tVs(_, state.index()));
+      ++state;
     }
     return;
   }
@@ -275,183 +243,175 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
   static_assert(size(tOrP) == kSVals, "");
 
+  int64_t row_of[2];
+  float m_row[2], l_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_of[r] = m0 + get<0>(tScS(2 * r));
+    m_row[r] = -INFINITY;
+    l_row[r] = 0.f;
+  }
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
-  int q_loads = 0;
-  for (int64_t tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
-    const FwdTile t = tile_at(tile);
-    const int b = t.b, h = t.h, n_begin = t.n_begin, n_end = t.n_end;
-    int64_t row_of[2];
-    float m_row[2], l_row[2];
+  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+  clear(tOrO);
+
+  // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
+  // rescale factors exp2(m_old - m_new) of O's two rows.
+  auto softmax_step = [&](int n_block, float (&alpha)[2]) {
+    const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
+                           static_cast<int64_t>(n_block + 1) * kN > interior_end;
+    const int64_t col0 = static_cast<int64_t>(n_block) * kN;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      row_of[r] = t.m0 + get<0>(tScS(2 * r));
-      m_row[r] = -INFINITY;
-      l_row[r] = 0.f;
-    }
-    const int64_t interior_begin = vis.begin(t.last_row), interior_end = vis.end(t.m0);
-    clear(tOrO);
-
-    // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
-    // rescale factors exp2(m_old - m_new) of O's two rows.
-    auto softmax_step = [&](int n_block, float (&alpha)[2]) {
-      const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
-                             static_cast<int64_t>(n_block + 1) * kN > interior_end;
-      const int64_t col0 = static_cast<int64_t>(n_block) * kN;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (need_mask) {
-          const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
-#pragma unroll
-          for (int c = 0; c < kSVals / 2; ++c) {
-            const int i = s_index(r, c);
-            const int64_t col = col0 + get<1>(tScS(i));
-            if (col < lo || col >= hi) tSrS(i) = -INFINITY;
-          }
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m_row[r], mx);
-        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-        alpha[r] = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
-        m_row[r] = m_new;
-        float sum = 0.f;
+      if (need_mask) {
+        const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
 #pragma unroll
         for (int c = 0; c < kSVals / 2; ++c) {
           const int i = s_index(r, c);
-          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
-          sum += tSrS(i);
+          const int64_t col = col0 + get<1>(tScS(i));
+          if (col < lo || col >= hi) tSrS(i) = -INFINITY;
         }
-        l_row[r] = l_row[r] * alpha[r] + sum;
       }
-    };
-    auto rescale_o = [&](const float (&alpha)[2]) {
+      float mx = -INFINITY;
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m_row[r], mx);
+      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      alpha[r] = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+      m_row[r] = m_new;
+      float sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha[r];
-    };
-    auto convert_p = [&]() {
-#pragma unroll
-      for (int i = 0; i < kSVals; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
-    };
-    // wgmma issue without waiting: S = Q K^T into tSrS, O += P V into tOrO (one commit group each).
-    auto issue_qk = [&](int stage) {
-      warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
-      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
-        mma_qk.accumulate_ = GMMA::ScaleOut::One;
+      for (int c = 0; c < kSVals / 2; ++c) {
+        const int i = s_index(r, c);
+        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
+        sum += tSrS(i);
       }
-      warpgroup_commit_batch();
-    };
-    auto issue_pv = [&](int stage) {
-      warpgroup_fence_operand(tOrP);
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-      mma_pv.accumulate_ = GMMA::ScaleOut::One;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) {
-        cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), tOrO);
-      }
-      warpgroup_commit_batch();
-    };
-    // Pingpong (FlashAttention-3, section 3.1): the two consumer warpgroups take turns issuing
-    // their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores.  Named
-    // barrier `me` lets this warpgroup issue; after issuing, it lets the other one.  Warpgroup 2
-    // opens the first turn for warpgroup 1 and skips its very last hand-over, so every barrier
-    // sees as many arrivals as waits.  Both warpgroups have the same number of turns (one per
-    // key tile, plus one for the last P V).
-    const int me = warp_group - 1, other = 1 - me;
-    auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
-    auto turn_end = [&](bool last) {
-      if (!(last && me == 1)) cutlass::arch::NamedBarrier::arrive(256, other);
-    };
+      l_row[r] = l_row[r] * alpha[r] + sum;
+    }
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha[r];
+  };
+  auto convert_p = [&]() {
+#pragma unroll
+    for (int i = 0; i < kSVals; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
+  };
+  // wgmma issue without waiting: S = Q K^T into tSrS, O += P V into tOrO (one commit group each).
+  auto issue_qk = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    mma_pv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+      cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    }
+    warpgroup_commit_batch();
+  };
+  // Pingpong (FlashAttention-3, section 3.1): the two consumer warpgroups take turns issuing
+  // their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores.  Named
+  // barrier `me` lets this warpgroup issue; after issuing, it lets the other one.  Warpgroup 2
+  // opens the first turn for warpgroup 1 and skips its very last hand-over, so every barrier
+  // sees as many arrivals as waits.  Both warpgroups have the same number of turns (one per
+  // key tile, plus one for the last P V).
+  const int me = warp_group - 1, other = 1 - me;
+  auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
+  auto turn_end = [&](bool last) {
+    if (!(last && me == 1)) cutlass::arch::NamedBarrier::arrive(256, other);
+  };
 
-    if (n_begin < n_end) {
-      if (me == 1) cutlass::arch::NamedBarrier::arrive(256, other);
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, q_loads & 1);
-      ++q_loads;
-      float alpha[2];
-      // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued together
-      // with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
+  if (n_begin < n_end) {
+    if (me == 1) cutlass::arch::NamedBarrier::arrive(256, other);
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
+    typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
+    float alpha[2];
+    // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued together
+    // with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
+    pipe_k.consumer_wait(state);
+    turn_begin();
+    issue_qk(state.index());
+    turn_end(false);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(state);
+    softmax_step(n_begin, alpha);
+    convert_p();
+    auto prev = state;
+    ++state;
+    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
       pipe_k.consumer_wait(state);
-      turn_begin();
-      issue_qk(state.index());
-      turn_end(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      pipe_k.consumer_release(state);
-      softmax_step(n_begin, alpha);
-      convert_p();
-      auto prev = state;
-      ++state;
-      for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
-        pipe_k.consumer_wait(state);
-        pipe_v.consumer_wait(prev);
-        turn_begin();
-        issue_qk(state.index());
-        issue_pv(prev.index());
-        turn_end(false);
-        warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
-        warpgroup_fence_operand(tSrS);
-        pipe_k.consumer_release(state);
-        softmax_step(n_block, alpha);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        pipe_v.consumer_release(prev);
-        rescale_o(alpha);
-        convert_p();
-        prev = state;
-        ++state;
-      }
-      // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
-      cutlass::arch::ClusterBarrier::arrive(&smem.barrier_q_empty);
       pipe_v.consumer_wait(prev);
       turn_begin();
+      issue_qk(state.index());
       issue_pv(prev.index());
-      turn_end(true);
+      turn_end(false);
+      warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      warpgroup_fence_operand(tSrS);
+      pipe_k.consumer_release(state);
+      softmax_step(n_block, alpha);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       pipe_v.consumer_release(prev);
+      rescale_o(alpha);
+      convert_p();
+      prev = state;
+      ++state;
     }
+    pipe_v.consumer_wait(prev);
+    turn_begin();
+    issue_pv(prev.index());
+    turn_end(true);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipe_v.consumer_release(prev);
+  }
 
-    // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
-    auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
-                h * p.out_head_stride;
-    auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
-                                                         p.seqlen_q;
+  // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
+  auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
+              h * p.out_head_stride;
+  auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
+                                                       p.seqlen_q;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = l_row[r];
-      l += __shfl_xor_sync(0xffffffff, l, 1);
-      l += __shfl_xor_sync(0xffffffff, l, 2);
-      const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
-      const float inv_l = empty ? 0.f : 1.f / l;
-      const int64_t row = row_of[r];
-      if (row >= p.seqlen_q) continue;
-      Element* o_row = out + row * p.out_row_stride;
+  for (int r = 0; r < 2; ++r) {
+    float l = l_row[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    const int64_t row = row_of[r];
+    if (row >= p.seqlen_q) continue;
+    Element* o_row = out + row * p.out_row_stride;
 #pragma unroll
-      for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
-        const int i = s_index(r, c);
-        const int col = get<1>(tOcO(i));
-        if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
-          Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
-                             static_cast<Element>(tOrO(i + 1) * inv_l)};
-          *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
-        }
-      }
-      if (get<1>(tScS(0)) == 0) {
-        lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+    for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
+      const int i = s_index(r, c);
+      const int col = get<1>(tOcO(i));
+      if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
+        Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
+                           static_cast<Element>(tOrO(i + 1) * inv_l)};
+        *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
       }
     }
-  }  // tiles
+    if (get<1>(tScS(0)) == 0) {
+      lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+    }
+  }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
@@ -487,21 +447,14 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1, 0};
-  args.num_tiles = static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q;
+      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1};
   // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(
       (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1), 1, p.batch * p.heads_q));
-  // One CTA per SM (each takes most of the SM's shared memory and registers).
-  int device = 0, num_sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  if (err != cudaSuccess) return err;
-  return sm80::launch(flash_fwd_sm90_kernel<T>, std::min<int64_t>(args.num_tiles, num_sms),
-                      T::kThreads, T::kSmemBytes, stream, args);
+  return sm80::launch(flash_fwd_sm90_kernel<T>,
+                      static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q, T::kThreads,
+                      T::kSmemBytes, stream, args);
 }
 
 }  // namespace flash_attn_ext::sm90
