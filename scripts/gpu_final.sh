@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: build, CUDA tests, compute-sanitizer, and only if every test passed the full
+# benchmark table (bench_attention.py defaults).  Usage on the GPU machine:
+#   OUT=... bash scripts/gpu_final.sh [extra pytest files]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+SANITIZE=1 BENCH=0 PYTEST_ARGS="--maxfail=15 --tb=short tests/test_sm90.py tests/test_cuda.py $*" \
+  bash scripts/gpu_session.sh
+if grep -qE "[0-9]+ failed|[0-9]+ error" "$OUT/tests.log" || ! grep -qE "[0-9]+ passed" "$OUT/tests.log"; then
+  echo "tests did not all pass: no benchmark"; exit 1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_attention.py --out-dir "$OUT" --flex-dims 128 \
+  2>&1 | grep -v Warning > "$OUT/bench.log"
+sed -n '/^fwd_tflops/,$p' "$OUT/bench.log"
+grep -iE "memory|GiB" "$OUT/bench.log" | head -8
