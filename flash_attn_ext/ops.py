@@ -1,13 +1,11 @@
 """The ``torch.ops.flash_attn_ext`` ops: fake (meta) kernels and autograd registration.
 
 The ops themselves are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(flash_attn_ext, ...)``)
-and implemented per device (``csrc/cpu``, ``csrc/cuda``).  This module loads the compiled library
-and registers, next to thin wrappers:
-
-* fake kernels, so that ``torch.compile`` and ``FakeTensor`` tracing know the output shapes;
-* autograd for ``fwd`` (its backward is the ``bwd`` op: recomputation from ``out`` and
-  ``softmax_lse``, FlashAttention-2 Algorithm 2), and an autograd rule for ``bwd`` that refuses
-  double backward with a clear error.
+and implemented per device (``csrc/cpu``, ``csrc/cuda``), with their autograd in C++
+(``csrc/autograd.cpp``: fwd's backward is the ``bwd`` op, recomputation from ``out`` and
+``softmax_lse``, FlashAttention-2 Algorithm 2; ``bwd`` refuses double backward with a clear
+error).  This module loads the compiled library and registers, next to thin wrappers, the fake
+kernels, so that ``torch.compile`` and ``FakeTensor`` tracing know the output shapes.
 
 Op layout is FlashAttention's: q (batch, seqlen_q, num_heads, head_dim), k
 (batch, seqlen_k, num_heads_k, head_dim), v (batch, seqlen_k, num_heads_k, head_dim_v).
@@ -78,79 +76,14 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right, softcap,
-     alibi_slopes, attn_bias, dropout_p, deterministic) = inputs
-    out, softmax_lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state, alibi_slopes, attn_bias)
-    ctx.flags = (softmax_scale, causal, window_left, window_right, align_bottom_right, softcap,
-                 dropout_p, deterministic)
-    ctx.bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
-    # The backward below does not propagate gradients that flow into softmax_lse: refuse them
-    # rather than drop them silently.
-    ctx.mark_non_differentiable(softmax_lse, rng_state)
-
-
-def _fwd_backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, softmax_lse, rng_state, alibi_slopes, attn_bias = ctx.saved_tensors
-    (softmax_scale, causal, window_left, window_right, align_bottom_right, softcap, dropout_p,
-     deterministic) = ctx.flags
-    dq, dk, dv, dbias = bwd_op(
-        dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
-        window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
-        deterministic, ctx.bias_requires_grad)
-    return (dq, dk, dv, None, None, None, None, None, None, None,
-            dbias if ctx.bias_requires_grad else None, None, None)
-
-
-def _bwd_setup_context(ctx, inputs, output):
-    pass
-
-
-def _bwd_backward(ctx, *grads):
-    raise RuntimeError(
-        "flash_attn_ext does not support double backward (a gradient of its gradient, e.g. "
-        "torch.autograd.grad(..., create_graph=True) followed by another backward); use "
-        "torch.nn.functional.scaled_dot_product_attention with the math backend for that")
-
-
-torch.library.register_autograd("flash_attn_ext::fwd", _fwd_backward,
-                                setup_context=_fwd_setup_context)
-torch.library.register_autograd("flash_attn_ext::bwd", _bwd_backward,
-                                setup_context=_bwd_setup_context)
-
-
-class _Fwd(torch.autograd.Function):
-    """The fwd op with the autograd registered above (same setup_context, same backward),
-    applied directly in eager mode: torch's generic register_autograd wrapper rebuilds the op's
-    argument list from its schema on every call, which cost ~55 us of CPU per training call
-    here, more than the whole forward kernel at short sequences.  Under torch.compile the op is
-    called as it is (the compiled graph has no per-call Python)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = fwd_op(*inputs)  # grad mode is off here: no second autograd node
-        _fwd_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse, drng):
-        return _fwd_backward(ctx, dout, dlse, drng)
-
-
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,
         causal: bool = False, window_left: int = -1, window_right: int = -1,
         align_bottom_right: bool = True, softcap: float = 0.0,
         alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
         dropout_p: float = 0.0, deterministic: bool = False):
     """Calls ``torch.ops.flash_attn_ext.fwd``; returns ``(out, softmax_lse, rng_state)``."""
-    args = (q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right,
-            softcap, alibi_slopes, attn_bias, dropout_p, deterministic)
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and (q.requires_grad or k.requires_grad or v.requires_grad
-                 or (attn_bias is not None and attn_bias.requires_grad))):
-        return _Fwd.apply(*args)
-    return fwd_op(*args)
+    return fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right,
+                  softcap, alibi_slopes, attn_bias, dropout_p, deterministic)
 
 
 def check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p):

@@ -1,0 +1,167 @@
+// Autograd for the flash_attn_ext ops, in C++ (the Autograd dispatch key, every device).
+//
+// fwd's backward is the bwd op: recomputation from q, k, v, out and softmax_lse
+// (FlashAttention-2, arXiv:2307.08691, Algorithm 2).  bwd itself has an autograd node whose
+// backward refuses double backward with a clear error.  Written in C++ rather than with
+// torch.library.register_autograd because that Python wrapper rebuilt the op's argument list from
+// its schema on every call: ~55 us of CPU per training call on a small machine, more than the
+// forward kernel at short sequences.  torch.compile traces through these kernels as it does
+// through any op with an Autograd kernel (tests/test_ops.py: opcheck, compile).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace flash_attn_ext {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Tensor = at::Tensor;
+using OptTensor = std::optional<at::Tensor>;
+using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// The ops below autograd (the backend kernels: CPU, CUDA, or fake under tracing); call_bwd with
+// `with_autograd` goes through bwd's own autograd node (fwd's backward under create_graph).
+Tensor3 call_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                 std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                 int64_t window_right, bool align_bottom_right, double softcap,
+                 const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
+                 bool deterministic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flash_attn_ext::fwd", "")
+                       .typed<Tensor3(const Tensor&, const Tensor&, const Tensor&,
+                                      std::optional<double>, bool, int64_t, int64_t, bool, double,
+                                      const OptTensor&, const OptTensor&, double, bool)>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right,
+                 softcap, alibi_slopes, attn_bias, dropout_p, deterministic);
+}
+
+Tensor4 call_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const Tensor& out, const Tensor& softmax_lse, const Tensor& rng_state,
+                 std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                 int64_t window_right, bool align_bottom_right, double softcap,
+                 const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
+                 bool deterministic, bool bias_requires_grad, bool with_autograd) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("flash_attn_ext::bwd", "")
+          .typed<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         const Tensor&, const Tensor&, const Tensor&, std::optional<double>, bool,
+                         int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&,
+                         double, bool, bool)>();
+  std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
+  if (!with_autograd) guard.emplace();
+  return op.call(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
+                 window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
+                 deterministic, bias_requires_grad);
+}
+
+OptTensor optional_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+class FwdFunction : public torch::autograd::Function<FwdFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, std::optional<double> softmax_scale, bool causal,
+                               int64_t window_left, int64_t window_right,
+                               bool align_bottom_right, double softcap,
+                               const OptTensor& alibi_slopes, const OptTensor& attn_bias,
+                               double dropout_p, bool deterministic) {
+    auto [out, softmax_lse, rng_state] =
+        call_fwd(q, k, v, softmax_scale, causal, window_left, window_right, align_bottom_right,
+                 softcap, alibi_slopes, attn_bias, dropout_p, deterministic);
+    ctx->save_for_backward({q, k, v, out, softmax_lse, rng_state,
+                            alibi_slopes.value_or(Tensor()), attn_bias.value_or(Tensor())});
+    ctx->saved_data["softmax_scale"] = softmax_scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["align_bottom_right"] = align_bottom_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["bias_requires_grad"] = attn_bias.has_value() && attn_bias->requires_grad();
+    // The backward does not propagate gradients that flow into softmax_lse: refuse them rather
+    // than drop them silently.
+    ctx->mark_non_differentiable({softmax_lse, rng_state});
+    return {out, softmax_lse, rng_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    const bool bias_requires_grad = d.at("bias_requires_grad").toBool();
+    auto [dq, dk, dv, dbias] = call_bwd(
+        grads[0], s[0], s[1], s[2], s[3], s[4], s[5], d.at("softmax_scale").toOptional<double>(),
+        d.at("causal").toBool(), d.at("window_left").toInt(), d.at("window_right").toInt(),
+        d.at("align_bottom_right").toBool(), d.at("softcap").toDouble(), optional_of(s[6]),
+        optional_of(s[7]), d.at("dropout_p").toDouble(), d.at("deterministic").toBool(),
+        bias_requires_grad, /*with_autograd=*/true);
+    return {dq,       dk,       dv,       Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            bias_requires_grad ? dbias : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+class BwdFunction : public torch::autograd::Function<BwdFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& dout, const Tensor& q,
+                               const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& softmax_lse, const Tensor& rng_state,
+                               std::optional<double> softmax_scale, bool causal,
+                               int64_t window_left, int64_t window_right,
+                               bool align_bottom_right, double softcap,
+                               const OptTensor& alibi_slopes, const OptTensor& attn_bias,
+                               double dropout_p, bool deterministic, bool bias_requires_grad) {
+    auto [dq, dk, dv, dbias] =
+        call_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
+                 window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
+                 deterministic, bias_requires_grad, /*with_autograd=*/false);
+    return {dq, dk, dv, dbias};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false,
+                "flash_attn_ext does not support double backward (a gradient of its gradient, "
+                "e.g. torch.autograd.grad(..., create_graph=True) followed by another backward); "
+                "use torch.nn.functional.scaled_dot_product_attention with the math backend for "
+                "that");
+  }
+};
+
+Tensor3 fwd_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                     std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                     int64_t window_right, bool align_bottom_right, double softcap,
+                     const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
+                     bool deterministic) {
+  const variable_list r =
+      FwdFunction::apply(q, k, v, softmax_scale, causal, window_left, window_right,
+                         align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
+                         deterministic);
+  return {r[0], r[1], r[2]};
+}
+
+Tensor4 bwd_autograd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& out, const Tensor& softmax_lse, const Tensor& rng_state,
+                     std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                     int64_t window_right, bool align_bottom_right, double softcap,
+                     const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
+                     bool deterministic, bool bias_requires_grad) {
+  const variable_list r = BwdFunction::apply(
+      dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
+      window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
+      deterministic, bias_requires_grad);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+}  // namespace
+}  // namespace flash_attn_ext
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, Autograd, m) {
+  m.impl("fwd", &flash_attn_ext::fwd_autograd);
+  m.impl("bwd", &flash_attn_ext::bwd_autograd);
+}
