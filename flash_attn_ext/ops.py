@@ -1,4 +1,4 @@
-"""The ``torch.ops.flash_attn_ext`` ops: fake (meta) kernels and autograd registration.
+"""The ``torch.ops.flash_attn_ext`` ops: thin wrappers and fake (meta) kernels.
 
 The ops themselves are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(flash_attn_ext, ...)``)
 and implemented per device (``csrc/cpu``, ``csrc/cuda``), with their autograd in C++
