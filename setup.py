@@ -91,7 +91,11 @@ def make_extension():
     include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda:
         defines += ["-DFLASH_ATTN_EXT_WITH_CUDA", f'-DFLASH_ATTN_EXT_CUDA_ARCHS="{archs}"']
-        if "9.0a" in archs.replace(" ", ";").split(";"):
+        tokens = [a.strip().split("+")[0] for a in re.split(r"[;\s]+", archs) if a.strip()]
+        if "9.0" in tokens and "9.0a" not in tokens:
+            print("flash_attn_ext: WARNING: TORCH_CUDA_ARCH_LIST has 9.0 but not 9.0a: the Hopper "
+                  "kernels (wgmma/TMA need sm_90a) are left out", file=sys.stderr)
+        if "9.0a" in tokens:
             cutlass = cutlass_include()
             if cutlass is None:
                 print("flash_attn_ext: WARNING: the CUTLASS headers were not found (pip install "

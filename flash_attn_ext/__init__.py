@@ -76,10 +76,11 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     elif layout != "blhd":
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     from .dispatch import plan
+    from .interface import autocast_dtype
     scale = call_kwargs.get("softmax_scale", call_kwargs.get("scale"))
     general = bool(call_kwargs.get("softcap") or call_kwargs.get("dropout_p")
                    or call_kwargs.get("attn_mask") is not None)
-    p = plan(query, key, value, scale, general)
+    p = plan(query, key, value, scale, general, run_dtype=autocast_dtype(query))
     if p.fused and query.device.type != "meta":
         ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
     return p

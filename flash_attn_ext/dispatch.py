@@ -136,7 +136,8 @@ KERNEL_ENV = "FLASH_ATTN_EXT_KERNEL"
 def kernel_choice() -> str:
     """FLASH_ATTN_EXT_KERNEL: ``"auto"`` (default: the Hopper forward where it applies) or
     ``"sm80"`` (the portable CUDA kernels on every GPU).  The CUDA glue reads the same variable
-    (csrc/cuda/flash_cuda.cu, force_portable)."""
+    (csrc/cuda/flash_cuda.cu, force_portable); both look at it on sm_90 GPUs only, on every call
+    (under torch.compile: when the call is traced)."""
     value = os.environ.get(KERNEL_ENV, "")
     if value not in ("", "auto", "sm80"):
         raise ValueError(f"{KERNEL_ENV} must be 'auto' or 'sm80', got {value!r}")
@@ -148,8 +149,9 @@ def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: b
     rule as use_sm90_fwd in csrc/cuda/flash_cuda.cu."""
     why = []
     if not ops.build_info().get("sm90", False):
-        why.append("this build has no Hopper kernels (the CUTLASS headers were missing at build "
-                   "time: pip install nvidia-cutlass==4.2.0.0 and rebuild)")
+        why.append("this build has no Hopper kernels (they need 9.0a in TORCH_CUDA_ARCH_LIST "
+                   "and the CUTLASS headers at build time: pip install --no-deps "
+                   "nvidia-cutlass==4.2.0.0 and rebuild)")
     if kernel_choice() == "sm80":
         why.append(f"{KERNEL_ENV}=sm80")
     if general:
@@ -167,16 +169,19 @@ def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: b
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         softmax_scale: Optional[float] = None, general: bool = False) -> Plan:
+         softmax_scale: Optional[float] = None, general: bool = False,
+         run_dtype: Optional[torch.dtype] = None) -> Plan:
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout; ``general``: the
     call has a softcap, an attn_mask/attn_bias or dropout (every such setting runs on a fused
-    kernel; on sm_90 they pick the portable forward)."""
+    kernel; on sm_90 they pick the portable forward); ``run_dtype``: the dtype the call runs in
+    when it differs from q's (torch.autocast)."""
     device = q.device.type
-    dtype = _DTYPE_NAMES.get(q.dtype, str(q.dtype).replace("torch.", ""))
+    q_dtype = run_dtype or q.dtype
+    dtype = _DTYPE_NAMES.get(q_dtype, str(q_dtype).replace("torch.", ""))
     reasons = []
-    if q.dtype not in _DTYPE_NAMES:
+    if q_dtype not in _DTYPE_NAMES:
         return Plan("none", "none", False,
-                    (f"q.dtype={q.dtype} is not a floating dtype: no kernel or fallback takes it",))
+                    (f"q.dtype={q_dtype} is not a floating dtype: no kernel or fallback takes it",))
     head_dim = max(q.shape[-1], v.shape[-1])
     if head_dim > MAX_HEAD_DIM:
         return Plan(FALLBACK, FALLBACK, False,
@@ -188,8 +193,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not ops.build_info()["cuda"]:
             reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
                            "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"q.dtype={q.dtype}: the CUDA kernels take float16 and bfloat16 "
+        if q_dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"q.dtype={q_dtype}: the CUDA kernels take float16 and bfloat16 "
                            "(cast the inputs or use torch.autocast)")
         if softmax_scale is not None and softmax_scale <= 0:
             # The kernels track the running max on raw q.k and scale afterwards, which needs a

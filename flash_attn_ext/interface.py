@@ -26,14 +26,22 @@ def _check_transforms(*tensors: torch.Tensor) -> None:
                 "gradient transforms); use torch.autograd.grad or loss.backward()")
 
 
-def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Under torch.autocast, float32/float64 inputs run in the autocast dtype, as
-    scaled_dot_product_attention does (it is on autocast's lower-precision list)."""
+def autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype a call on ``q`` runs in under torch.autocast (None: q's own): float32/float64
+    inputs run in the autocast dtype, as scaled_dot_product_attention does (it is on autocast's
+    lower-precision list)."""
     device = q.device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
-        return q, k, v
+        return None
     dtype = torch.get_autocast_dtype(device)
     if q.dtype not in (torch.float32, torch.float64) or q.dtype == dtype:
+        return None
+    return dtype
+
+
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    dtype = autocast_dtype(q)
+    if dtype is None:
         return q, k, v
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
@@ -141,7 +149,9 @@ def flash_attn_func(
         out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype; with return_softmax_lse also
         softmax_lse (batch, num_heads, seqlen_q), float32 (float64 for float64 inputs), the
         natural-log log-sum-exp of each row's scaled scores.  Rows that see no key get out = 0,
-        softmax_lse = -inf and zero gradients.
+        softmax_lse = -inf and zero gradients.  softmax_lse is not differentiable (as in
+        FlashAttention): it has requires_grad=False, so a loss term on it contributes no
+        gradient to q or k; only out's gradient flows.
 
     Raises:
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,

@@ -3,7 +3,8 @@
 # error is caught in CI before anyone reaches a GPU.  Kernels (csrc/kernels, torch-free) for each
 # default arch; the glue (csrc/cuda, includes torch) for sm_80 against the installed torch's
 # headers (a CPU wheel lacks one generated c10/cuda header; a stub stands in for this check).
-# Objects are thrown away.  Skips (exit 0) when nvcc is missing.
+# Objects are thrown away.  Skips (exit 0) when nvcc is missing; without the CUTLASS headers
+# (and no way to install them) the Hopper kernels are skipped with a warning.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -39,10 +40,16 @@ PYEOF
 }
 CUTLASS_INC=$(cutlass_include)
 if [ -z "$CUTLASS_INC" ]; then
-  $PY -m pip install -q --no-deps -r requirements-cuda-check.txt
+  $PY -m pip install -q --no-deps -r requirements-cuda-check.txt || true
   CUTLASS_INC=$(cutlass_include)
 fi
-[ -n "$CUTLASS_INC" ] || { echo "check_cuda_compile: CUTLASS headers not found"; exit 1; }
+SM90_FLAGS=""
+if [ -n "$CUTLASS_INC" ]; then
+  SM90_FLAGS="-DFLASH_ATTN_EXT_SM90 -I $CUTLASS_INC"
+else  # e.g. offline: the rest is still checked, the Hopper kernels are not
+  echo "check_cuda_compile: WARNING: no CUTLASS headers (pip install --no-deps" \
+       "nvidia-cutlass==4.2.0.0): the Hopper kernels are not compile-checked"
+fi
 EXTRA_INC=()
 if ! echo '#include <curand_philox4x32_x.h>' | nvcc -x cu -E - -o /dev/null 2>/dev/null; then
   inc=$(curand_include)
@@ -67,11 +74,11 @@ for f in $(find csrc/kernels/sm80 -name '*.cu' | sort); do
   done
 done
 # The Hopper kernels: sm_90a only (their bodies are empty for other archs).
-for f in $(find csrc/kernels/sm90 -name '*.cu' | sort); do
-  jobs+=("nvcc ${FLAGS[*]} -I $CUTLASS_INC -gencode arch=compute_90a,code=sm_90a -c $f -o /dev/null")
+for f in $( [ -n "$SM90_FLAGS" ] && find csrc/kernels/sm90 -name '*.cu' | sort); do
+  jobs+=("nvcc ${FLAGS[*]} $SM90_FLAGS -gencode arch=compute_90a,code=sm_90a -c $f -o /dev/null")
 done
 for f in $(find csrc/cuda -name '*.cu' | sort); do
-  jobs+=("nvcc ${FLAGS[*]} -DFLASH_ATTN_EXT_SM90 -I $CUTLASS_INC -I $STUB -I $TORCH_DIR/include -I $TORCH_DIR/include/torch/csrc/api/include -gencode arch=compute_80,code=sm_80 -c $f -o /dev/null")
+  jobs+=("nvcc ${FLAGS[*]} $SM90_FLAGS -I $STUB -I $TORCH_DIR/include -I $TORCH_DIR/include/torch/csrc/api/include -gencode arch=compute_80,code=sm_80 -c $f -o /dev/null")
 done
 printf '%s\n' "${jobs[@]}" | xargs -P "$(nproc)" -I{} sh -c '{} 2>&1 | grep -E "error|warning: .*(spill|stack)" ; exit 0' > "$STUB/log"
 if grep -q "error" "$STUB/log"; then cat "$STUB/log"; echo "check_cuda_compile: FAILED"; exit 1; fi

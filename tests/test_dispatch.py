@@ -147,3 +147,12 @@ def test_build_info_reports_the_hopper_kernels():
     info = ops.build_info()
     assert isinstance(info["sm90"], bool)
     assert not info["sm90"] or info["cuda"]
+
+
+def test_explain_follows_autocast():
+    q = torch.randn(1, 2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert explain(q, q, q).kernel == "cpu_flash_fwd_bf16"
+        flash_attn_ext.scaled_dot_product_attention(q, q, q)
+        assert dispatch.last_plan().kernel == "cpu_flash_fwd_bf16"
+    assert explain(q, q, q).kernel == "cpu_flash_fwd_fp32"

@@ -90,13 +90,14 @@ bool force_portable() {
 // sm_90 when TMA can describe q, k and v: no zero (broadcast) strides on a dimension of size > 1.
 // dispatch.py's plan() applies the same rule.
 bool use_sm90_fwd(const FwdParams& p) {
-  if (p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout) return false;
-  if (p.seqlen_q == 0 || p.seqlen_k == 0 || force_portable()) return false;
   int device = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0) return false;
+  if (force_portable()) return false;  // checked on every sm_90 call, as dispatch.py does
+  if (p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout) return false;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return false;
   auto broadcast = [](int64_t size, int64_t stride) { return size > 1 && stride == 0; };
   return !(broadcast(p.batch, p.q_batch_stride) || broadcast(p.batch, p.k_batch_stride) ||
            broadcast(p.batch, p.v_batch_stride) || broadcast(p.heads_q, p.q_head_stride) ||
