@@ -121,6 +121,32 @@ def _smem_per_block(index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
+def arch_runs_on(archs: str, capability: tuple) -> bool:
+    """Whether a build for TORCH_CUDA_ARCH_LIST-style ``archs`` (e.g. ``"8.0;9.0a"``) has code
+    that runs on a GPU of ``capability``: machine code (SASS) for the same major version and a
+    minor version not above the GPU's ("9.0a" counts only on 9.0 itself), or PTX ("+PTX") for a
+    version not above the GPU's, which the driver compiles."""
+    for token in archs.replace(" ", ";").split(";"):
+        token = token.strip()
+        if not token:
+            continue
+        ptx = token.endswith("+PTX")
+        name = token[:-4] if ptx else token
+        specific = name.endswith("a")
+        try:
+            major, minor = (int(x) for x in name.rstrip("a").split("."))
+        except ValueError:
+            continue
+        if specific:
+            if (major, minor) == tuple(capability):
+                return True
+        elif major == capability[0] and minor <= capability[1]:
+            return True
+        if ptx and not specific and (major, minor) <= tuple(capability):
+            return True
+    return False
+
+
 def _sm80_smem_bytes(padded_dim: int) -> int:
     """Dynamic shared memory of the largest sm80 kernel for a padded head dim: the dK/dV kernel
     (csrc/kernels/sm80/flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv: K, V of 64 keys, Q/dO
@@ -205,6 +231,11 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not reasons and _capability(index) < (8, 0):
             major, minor = _capability(index)
             reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
+        archs = ops.build_info().get("cuda_archs", "")
+        if not reasons and not arch_runs_on(archs, _capability(index)):
+            major, minor = _capability(index)
+            reasons.append(f"GPU sm_{major}{minor}: this build's CUDA code ({archs}) does not run "
+                           "on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, or a +PTX arch)")
         padded = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
         if not reasons:
             need, allowed = _sm80_smem_bytes(padded), _smem_per_block(index)

@@ -156,3 +156,14 @@ def test_explain_follows_autocast():
         flash_attn_ext.scaled_dot_product_attention(q, q, q)
         assert dispatch.last_plan().kernel == "cpu_flash_fwd_bf16"
     assert explain(q, q, q).kernel == "cpu_flash_fwd_fp32"
+
+
+@pytest.mark.parametrize("archs,capability,runs", [
+    ("8.0;9.0a", (8, 0), True), ("8.0;9.0a", (8, 6), True), ("8.0;9.0a", (8, 9), True),
+    ("8.0;9.0a", (9, 0), True), ("8.0;9.0a", (10, 0), False), ("8.0;9.0a", (12, 0), False),
+    ("8.0;9.0a", (7, 5), False), ("8.6", (8, 0), False), ("9.0a", (8, 0), False),
+    ("8.0+PTX", (10, 0), True), ("8.0 9.0+PTX", (10, 0), True), ("9.0a+PTX", (10, 0), False),
+    ("9.0", (9, 0), True),
+    ("", (9, 0), False)])
+def test_arch_runs_on(archs, capability, runs):
+    assert dispatch.arch_runs_on(archs, capability) is runs
