@@ -14,8 +14,9 @@ def _check_transforms(*tensors: torch.Tensor) -> None:
     if torch.compiler.is_compiling():
         return
     import torch.autograd.forward_ad as fwad
+    dual = fwad._current_level >= 0  # a tensor can carry a tangent only inside a dual level
     for t in tensors:
-        if fwad.unpack_dual(t).tangent is not None:
+        if dual and fwad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(
                 "flash_attn_ext does not support forward-mode AD (torch.func.jvp, "
                 "torch.autograd.forward_ad): its tangent would be silently zero; use reverse mode "
