@@ -1,7 +1,8 @@
 // Autograd for the flash_attn_ext ops, in C++ (the Autograd dispatch key, every device).
 //
 // fwd's backward is the bwd op: recomputation from q, k, v, out and softmax_lse
-// (FlashAttention-2, arXiv:2307.08691, Algorithm 2).  bwd itself has an autograd node whose
+// (FlashAttention-2, arXiv:2307.08691, Algorithm 2), including the gradient that flows into
+// softmax_lse (e.g. from merging attention chunks).  bwd itself has an autograd node whose
 // backward refuses double backward with a clear error.  Written in C++ rather than with
 // torch.library.register_autograd because that Python wrapper rebuilt the op's argument list from
 // its schema on every call: ~55 us of CPU per training call on a small machine, more than the
@@ -46,19 +47,20 @@ Tensor4 call_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Ten
                  std::optional<double> softmax_scale, bool causal, int64_t window_left,
                  int64_t window_right, bool align_bottom_right, double softcap,
                  const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
-                 bool deterministic, bool bias_requires_grad, bool with_autograd) {
+                 bool deterministic, bool bias_requires_grad, const OptTensor& dsoftmax_lse,
+                 bool with_autograd) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("flash_attn_ext::bwd", "")
           .typed<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                          const Tensor&, const Tensor&, const Tensor&, std::optional<double>, bool,
                          int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&,
-                         double, bool, bool)>();
+                         double, bool, bool, const OptTensor&)>();
   std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
   if (!with_autograd) guard.emplace();
   return op.call(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
                  window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
-                 deterministic, bias_requires_grad);
+                 deterministic, bias_requires_grad, dsoftmax_lse);
 }
 
 OptTensor optional_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -85,9 +87,10 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->saved_data["bias_requires_grad"] = attn_bias.has_value() && attn_bias->requires_grad();
-    // The backward does not propagate gradients that flow into softmax_lse: refuse them rather
-    // than drop them silently.
-    ctx->mark_non_differentiable({softmax_lse, rng_state});
+    // softmax_lse is differentiable (its gradient enters the bwd op as dsoftmax_lse); the
+    // gradients of unused outputs stay undefined rather than zero-filled.
+    ctx->mark_non_differentiable({rng_state});
+    ctx->set_materialize_grads(false);
     return {out, softmax_lse, rng_state};
   }
 
@@ -95,12 +98,13 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
     const variable_list s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     const bool bias_requires_grad = d.at("bias_requires_grad").toBool();
+    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
     auto [dq, dk, dv, dbias] = call_bwd(
-        grads[0], s[0], s[1], s[2], s[3], s[4], s[5], d.at("softmax_scale").toOptional<double>(),
+        dout, s[0], s[1], s[2], s[3], s[4], s[5], d.at("softmax_scale").toOptional<double>(),
         d.at("causal").toBool(), d.at("window_left").toInt(), d.at("window_right").toInt(),
         d.at("align_bottom_right").toBool(), d.at("softcap").toDouble(), optional_of(s[6]),
         optional_of(s[7]), d.at("dropout_p").toDouble(), d.at("deterministic").toBool(),
-        bias_requires_grad, /*with_autograd=*/true);
+        bias_requires_grad, optional_of(grads[1]), /*with_autograd=*/true);
     return {dq,       dk,       dv,       Tensor(), Tensor(),
             Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
             bias_requires_grad ? dbias : Tensor(), Tensor(), Tensor()};
@@ -116,11 +120,12 @@ class BwdFunction : public torch::autograd::Function<BwdFunction> {
                                int64_t window_left, int64_t window_right,
                                bool align_bottom_right, double softcap,
                                const OptTensor& alibi_slopes, const OptTensor& attn_bias,
-                               double dropout_p, bool deterministic, bool bias_requires_grad) {
+                               double dropout_p, bool deterministic, bool bias_requires_grad,
+                               const OptTensor& dsoftmax_lse) {
     auto [dq, dk, dv, dbias] =
         call_bwd(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
                  window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
-                 deterministic, bias_requires_grad, /*with_autograd=*/false);
+                 deterministic, bias_requires_grad, dsoftmax_lse, /*with_autograd=*/false);
     return {dq, dk, dv, dbias};
   }
 
@@ -150,11 +155,11 @@ Tensor4 bwd_autograd(const Tensor& dout, const Tensor& q, const Tensor& k, const
                      std::optional<double> softmax_scale, bool causal, int64_t window_left,
                      int64_t window_right, bool align_bottom_right, double softcap,
                      const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
-                     bool deterministic, bool bias_requires_grad) {
+                     bool deterministic, bool bias_requires_grad, const OptTensor& dsoftmax_lse) {
   const variable_list r = BwdFunction::apply(
       dout, q, k, v, out, softmax_lse, rng_state, softmax_scale, causal, window_left,
       window_right, align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,
-      deterministic, bias_requires_grad);
+      deterministic, bias_requires_grad, dsoftmax_lse);
   return {r[0], r[1], r[2], r[3]};
 }
 

@@ -58,6 +58,11 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
 void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
                        const at::Tensor& softmax_lse, const at::Tensor& q);
 
+// The bwd op's optional dsoftmax_lse: checked like softmax_lse, made contiguous, pointed to by
+// p.dsoftmax_lse; the returned tensor must outlive the kernels.
+at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const AttnArgs& a,
+                        const at::Tensor& q, BwdParams& p);
+
 // The bwd op's rng_state with dropout: the forward's int64[2] (seed, offset).
 void check_rng_state(const at::Tensor& rng_state);
 

@@ -213,6 +213,18 @@ void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tens
                     softmax_lse.scalar_type());
 }
 
+at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const AttnArgs& a,
+                        const at::Tensor& q, BwdParams& p) {
+  if (!dsoftmax_lse.has_value()) return at::Tensor();
+  check_like(*dsoftmax_lse, "dsoftmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q);
+  TORCH_CHECK_VALUE(dsoftmax_lse->scalar_type() == lse_dtype(q.scalar_type()),
+                    "dsoftmax_lse must have softmax_lse's dtype ", lse_dtype(q.scalar_type()),
+                    ", got ", dsoftmax_lse->scalar_type());
+  at::Tensor t = dsoftmax_lse->contiguous();
+  p.dsoftmax_lse = t.data_ptr();
+  return t;
+}
+
 void check_rng_state(const at::Tensor& rng_state) {
   TORCH_CHECK_VALUE(rng_state.dim() == 1 && rng_state.size(0) == 2 &&
                         rng_state.scalar_type() == at::kLong,
@@ -265,11 +277,13 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
       "bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)");
   // Returns (dq, dk, dv, dbias); dbias is empty unless attn_bias is given and bias_requires_grad.
+  // dsoftmax_lse: the gradient flowing into softmax_lse (like it, or None); since
+  // d lse_i / d s_ij = P_ij it enters as delta_i = rowsum(dO_i * O_i) - dlse_i.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
       "int window_right=-1, bool align_bottom_right=True, float softcap=0.0, "
       "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
-      "bool deterministic=False, bool bias_requires_grad=False) "
+      "bool deterministic=False, bool bias_requires_grad=False, Tensor? dsoftmax_lse=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
 }

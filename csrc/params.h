@@ -69,6 +69,9 @@ struct BwdParams : FwdParams {
   // With a bias that needs a gradient: dS in the accumulator type, (batch, head_q, seqlen_q,
   // seqlen_k) contiguous; the glue reduces it to the bias's shape.  nullptr otherwise.
   void* dbias_full = nullptr;
+  // The gradient flowing into softmax_lse, (batch, head_q, seqlen_q) contiguous in the
+  // accumulator type, or nullptr: the kernels use delta = rowsum(dO * O) - dsoftmax_lse.
+  const void* dsoftmax_lse = nullptr;
 };
 
 }  // namespace flash_attn_ext

@@ -150,9 +150,9 @@ def flash_attn_func(
         out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype; with return_softmax_lse also
         softmax_lse (batch, num_heads, seqlen_q), float32 (float64 for float64 inputs), the
         natural-log log-sum-exp of each row's scaled scores.  Rows that see no key get out = 0,
-        softmax_lse = -inf and zero gradients.  softmax_lse is not differentiable (as in
-        FlashAttention): it has requires_grad=False, so a loss term on it contributes no
-        gradient to q or k; only out's gradient flows.
+        softmax_lse = -inf and zero gradients.  softmax_lse is differentiable: a loss term on
+        it (e.g. merging attention chunks) reaches q, k (and a float mask) exactly; the
+        backward folds it into delta = rowsum(dO * O) - dlse.
 
     Raises:
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,

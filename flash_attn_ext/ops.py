@@ -67,7 +67,7 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_
 def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, causal=False,
               window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
-              bias_requires_grad=False):
+              bias_requires_grad=False, dsoftmax_lse=None):
     _check_fake_args(q, k, v, attn_bias)
     if attn_bias is not None and bias_requires_grad:
         dbias = attn_bias.new_empty(attn_bias.shape)

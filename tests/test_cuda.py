@@ -189,3 +189,30 @@ def test_non_positive_scale_falls_back_visibly_and_correctly():
         dispatch.reset_fallback_counts()
     with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
         ops.fwd(q, q, q, -0.3)
+
+
+@pytest.mark.parametrize("causal,bias", [(False, False), (True, False), (False, True)])
+def test_lse_gradient_on_cuda(causal, bias):
+    # A loss on out and softmax_lse (chunk merging): the gradient through lse enters the
+    # backward as delta - dlse.  Error rule against the fp32 reference.
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(2, 77, 4, 64, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(2, 130, 2, 64, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(2, 130, 2, 64, device=dev, dtype=dt, requires_grad=True)
+    b = torch.randn(2, 1, 77, 130, device=dev, requires_grad=True) if bias else None
+    w_out = torch.randn(2, 77, 4, 64, device=dev)
+    w_lse = torch.randn(2, 4, 77, device=dev)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, -1, -1, True, 0.0, None, b)
+    leaves = [q, k, v] + ([b] if bias else [])
+    ours = torch.autograd.grad((out.float() * w_out).sum() + (lse * w_lse).sum(), leaves)
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves]
+    kw = dict(causal=causal, attn_bias=leaves32[3] if bias else None)
+    o32, l32 = attention_ref(*leaves32[:3], compute_dtype=torch.float32, **kw)
+    true_g = torch.autograd.grad((o32 * w_out).sum() + (l32 * w_lse).sum(), leaves32)
+    low_leaves = [t.detach().requires_grad_() for t in leaves]
+    kw_low = dict(causal=causal, attn_bias=low_leaves[3] if bias else None)
+    ol, ll = attention_ref(*low_leaves[:3], compute_dtype=dt, **kw_low)
+    low_g = torch.autograd.grad((ol.float() * w_out).sum() + (ll.float() * w_lse).sum(),
+                                low_leaves)
+    for name, a, lo, t in zip(("dq", "dk", "dv", "dbias"), ours, low_g, true_g):
+        assert_error_rule(a, lo, t.double(), 3.0, name)

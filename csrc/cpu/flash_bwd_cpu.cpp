@@ -2,7 +2,8 @@
 // Algorithm 2; FlashAttention-2, arXiv:2307.08691, Algorithm 2).
 //
 // The forward saved only out and softmax_lse.  Per (batch, key/value head) task, in parallel:
-// delta = rowsum(dO * O) for every query row of the heads in the GQA group; then for each key tile
+// delta = rowsum(dO * O) (minus the gradient flowing into softmax_lse, if any) for every query row
+// of the heads in the GQA group; then for each key tile
 // (kBlockK rows, dK/dV accumulated on chip) and each query tile that sees it:
 //   P  = exp(scale * Q K^T - lse)            recomputed, never stored
 //   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
@@ -59,6 +60,7 @@ void flash_bwd_cpu(const BwdParams& p) {
   auto* dk = static_cast<scalar_t*>(p.dk);
   auto* dv = static_cast<scalar_t*>(p.dv);
   auto* dbias = static_cast<acc_t*>(p.dbias_full);
+  const auto* dlse = static_cast<const acc_t*>(p.dsoftmax_lse);
 
   // Tasks are (batch, kv head) pairs.  With fewer pairs than threads (MQA, batch 1) each pair's
   // key tiles are also split into `chunks`: dK/dV rows stay disjoint, and each chunk adds its
@@ -101,7 +103,7 @@ void flash_bwd_cpu(const BwdParams& p) {
           acc_t acc = 0;
           for (int64_t c = 0; c < Dv; ++c)
             acc += static_cast<acc_t>(d_o[c]) * static_cast<acc_t>(o[c]);
-          delta[g * L + i] = acc;
+          delta[g * L + i] = dlse == nullptr ? acc : acc - dlse[(b * p.heads_q + h) * L + i];
         }
       }
       std::fill(dq_acc, dq_acc + group * L * D, acc_t(0));
@@ -202,7 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& rng_state, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
-    double dropout_p, bool deterministic, bool bias_requires_grad) {
+    double dropout_p, bool deterministic, bool bias_requires_grad,
+    const std::optional<at::Tensor>& dsoftmax_lse) {
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
@@ -240,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();
   p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
+  const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
                                   [&] { flash_bwd_cpu<scalar_t>(p); });
   return {dq, dk, dv, make_dbias()};

@@ -181,7 +181,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& rng_state, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, bool align_bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
-    double dropout_p, bool deterministic, bool bias_requires_grad) {
+    double dropout_p, bool deterministic, bool bias_requires_grad,
+    const std::optional<at::Tensor>& dsoftmax_lse) {
   (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
@@ -214,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       const at::Tensor bias_view =
           attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
+      const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
       fill_dropout_params(p, dropout_p);
       if (p.dropout) {  // the forward's (seed, offset), read on the device
         check_rng_state(rng_state);

@@ -3,7 +3,8 @@
 //
 // The forward saved out and the LSE only.  Three kernels, none with atomics, so the gradients
 // are bitwise reproducible run to run (deterministic=True costs nothing):
-//  1. delta:  D_i = rowsum(dO_i * O_i)  (fp32, one warp per row).
+//  1. delta:  D_i = rowsum(dO_i * O_i) - dlse_i  (fp32, one warp per row; dlse_i, the gradient
+//     flowing into softmax_lse, is 0 when absent).
 //  2. dK/dV:  one CTA per (key block of 64 rows, batch, kv head[, half of the head dim]); each of
 //     the 4 warps owns 16 key rows and keeps their dK/dV accumulators in registers.  It streams
 //     Q/dO tiles of every query head of the GQA group (double-buffered cp.async) and per tile
@@ -68,7 +69,8 @@ __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
-// D = rowsum(dO * O) in fp32, (batch, heads_q, seqlen_q) contiguous; one warp per row.
+// D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; one warp per
+// row.  (A gradient g_i flowing into lse_i adds g_i * P_ij to dS_ij, i.e. subtracts it from D.)
 template <typename Element>
 __global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p, float* delta) {
   const int64_t row_id = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
@@ -85,7 +87,10 @@ __global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p,
     sum += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
-  if (lane == 0) delta[row_id] = sum;
+  if (lane == 0) {
+    const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);  // (B, H, L) like delta
+    delta[row_id] = dlse == nullptr ? sum : sum - dlse[row_id];
+  }
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.
