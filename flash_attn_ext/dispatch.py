@@ -170,11 +170,12 @@ def kernel_choice() -> str:
     return value or "auto"
 
 
-def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: bool) -> list:
-    """Why the Hopper forward (csrc/kernels/sm90) cannot serve a call on an sm_90 GPU; the same
-    rule as use_sm90_fwd in csrc/cuda/flash_cuda.cu."""
+def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: bool,
+                   info: dict) -> list:
+    """Why the Hopper forward (csrc/kernels/sm90) cannot serve a call on an sm_90 GPU (``info``:
+    ops.build_info()); the same rule as use_sm90_fwd in csrc/cuda/flash_cuda.cu."""
     why = []
-    if not ops.build_info().get("sm90", False):
+    if not info.get("sm90", False):
         why.append("this build has no Hopper kernels (they need 9.0a in TORCH_CUDA_ARCH_LIST "
                    "and the CUTLASS headers at build time: pip install --no-deps "
                    "nvidia-cutlass==4.2.0.0 and rebuild)")
@@ -216,7 +217,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device == "cpu":
         return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
     if device == "cuda":
-        if not ops.build_info()["cuda"]:
+        info = ops.build_info()
+        if not info["cuda"]:
             reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
                            "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
         if q_dtype not in (torch.float16, torch.bfloat16):
@@ -228,14 +230,15 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             reasons.append(f"softmax_scale={softmax_scale}: the CUDA kernels take a positive "
                            "scale")
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if not reasons and _capability(index) < (8, 0):
-            major, minor = _capability(index)
-            reasons.append(f"GPU sm_{major}{minor}: the CUDA kernels need sm_80 or newer")
-        archs = ops.build_info().get("cuda_archs", "")
-        if not reasons and not arch_runs_on(archs, _capability(index)):
-            major, minor = _capability(index)
-            reasons.append(f"GPU sm_{major}{minor}: this build's CUDA code ({archs}) does not run "
-                           "on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, or a +PTX arch)")
+        if not reasons:
+            cap = _capability(index)
+            archs = info.get("cuda_archs", "")
+            if cap < (8, 0):
+                reasons.append(f"GPU sm_{cap[0]}{cap[1]}: the CUDA kernels need sm_80 or newer")
+            elif not arch_runs_on(archs, cap):
+                reasons.append(f"GPU sm_{cap[0]}{cap[1]}: this build's CUDA code ({archs}) does "
+                               "not run on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, or a "
+                               "+PTX arch)")
         padded = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
         if not reasons:
             need, allowed = _sm80_smem_bytes(padded), _smem_per_block(index)
@@ -245,8 +248,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                "(e.g. sm_86/sm_89)")
         if not reasons:  # pragma: no cover - needs a CUDA build
             forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", ()
-            if _capability(index) == (9, 0):
-                why = _sm90_blockers(q, k, v, general)
+            if cap == (9, 0):
+                why = _sm90_blockers(q, k, v, general, info)
                 if why:
                     notes = ("forward on the portable sm80 kernel, not the Hopper one, because "
                              + "; ".join(why),)

@@ -167,3 +167,31 @@ def test_explain_follows_autocast():
     ("", (9, 0), False)])
 def test_arch_runs_on(archs, capability, runs):
     assert dispatch.arch_runs_on(archs, capability) is runs
+
+
+class _CudaLike:
+    """Shape, dtype, strides and a CUDA device: what plan() reads, without a GPU."""
+
+    def __init__(self, shape, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
+        self._strides = torch.empty(shape).stride()
+
+    def stride(self, i=None):
+        return self._strides if i is None else self._strides[i]
+
+
+@pytest.mark.parametrize("cap,sm90,kernel,text", [
+    ((9, 0), True, "sm90_fwd_hdim64_bf16", ""),
+    ((9, 0), False, "sm80_fwd_hdim64_bf16", "no Hopper kernels"),
+    ((8, 6), True, "sm80_fwd_hdim64_bf16", ""),
+    ((10, 0), True, dispatch.FALLBACK, "does not run on it"),
+    ((7, 5), True, dispatch.FALLBACK, "need sm_80 or newer")])
+def test_cuda_plan_by_gpu_and_build(monkeypatch, cap, sm90, kernel, text):
+    monkeypatch.setattr(dispatch, "_capability", lambda index: cap)
+    monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(dispatch.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": sm90})
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    q = _CudaLike((2, 100, 4, 64))
+    p = dispatch.plan(q, q, q)
+    assert p.kernel == kernel and text in str(p)
