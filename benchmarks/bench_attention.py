@@ -6,7 +6,9 @@ B * L = 16384 tokens, H * d = 2048, d in {64, 128, 256}, L in {512 ... 16384}, c
 
 FLOPs are counted the FlashAttention way: forward 4 * B * H * L * S * d (halved when causal),
 backward 2.5x forward.  Times are medians of CUDA-event-timed repetitions after warm-up, with
-fresh random inputs (never zeros).  Writes a table to stdout and JSON + PNG to --out-dir.
+fresh random inputs (never zeros); --timing queued (default) times back-to-back calls, single
+times one call from an idle stream (see median_ms).  Writes a table to stdout and JSON + PNG
+to --out-dir.
 
 Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
 the math path (which materialises L x L scores; OOM is reported as such).
@@ -34,18 +36,42 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
-def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
+TIMING = "queued"  # set from --timing in main()
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5) -> float:
+    """Median milliseconds per call of fn.
+
+    "queued" (default): events around `reps` back-to-back calls, no synchronisation between
+    them, so the host prepares the next call while the GPU runs this one, as in a training
+    step; median over `groups` such runs of the per-call mean.  This is the GPU time of a call
+    when the host keeps up (host time per call is printed separately by --host-overhead).
+    "single": events around each call started from an idle, synchronised stream, so the host
+    time spent before the first kernel launch is in the number (the timing used before
+    2026-11-29).
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    if TIMING == "single":
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(groups):
+            fn()  # one call ahead so the queue is not empty when the timed calls start
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
 
@@ -131,6 +157,27 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=()) -> List[
     return rows
 
 
+def host_us_per_call(impls, calls: int = 200) -> Dict[str, float]:
+    """Host microseconds per forward call (autograd recording) at a tiny shape (B=1, H=16,
+    L=128, d=128), where the GPU work is short and the loop is bound by the host."""
+    import time
+    q, k, v = (torch.randn(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = {}
+    for name, fn in impls.items():
+        if name == "flex":
+            continue
+        for _ in range(10):
+            fn(q, k, v, False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(q, k, v, False)
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def peak_memory(seqlen: int, impl: str) -> Optional[float]:
     """Peak extra GiB of forward+backward at (B=1, H=16, L, d=128); None on OOM."""
     torch.cuda.empty_cache()
@@ -164,10 +211,18 @@ def main() -> int:
     parser.add_argument("--flex-dims", type=int, nargs="*", default=[64, 128, 256],
                         help="head dims at which FlexAttention runs (each shape compiles)")
     parser.add_argument("--memory-seqlens", type=int, nargs="*", default=[8192, 32768, 131072])
+    parser.add_argument("--timing", choices=("queued", "single"), default="queued",
+                        help="queued: back-to-back calls (GPU time per call); single: one call "
+                             "from an idle stream (adds the host time before the launch)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
+    global TIMING
+    TIMING = args.timing
 
     impls = implementations(not args.no_flex)
+    host_us = host_us_per_call(impls)
+    print("host us per forward call (tiny shape): "
+          + ", ".join(f"{n} {t:.1f}" for n, t in host_us.items()), flush=True)
     rows = []
     for d in args.dims:
         for seqlen in args.seqlens:
@@ -196,12 +251,13 @@ def main() -> int:
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), commit=commit,
+                timing=args.timing,
                 plan=str(flash_attn_ext.explain(*(torch.empty(1, 16, 128, 128, device="cuda",
                                                               dtype=torch.bfloat16),) * 3)))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"gpu_{datetime.date.today():%Y%m%d}_{commit}")
     with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows, memory=memory), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, memory=memory, host_us_per_call=host_us), f, indent=1)
     print(f"wrote {stem}.json")
     print_table(rows)
     try:
