@@ -2,12 +2,14 @@
 // specialisation (FlashAttention-3, arXiv:2407.08608, sections 3.1-3.2), written with CuTe from
 // the pinned nvidia-cutlass headers.
 //
-// One CTA of three warpgroups per (block of 128 query rows, batch, head):
+// One CTA of 1 + kConsumers warpgroups per (block of 64 * kConsumers query rows, batch, head):
 //   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
 //     issues TMA loads: the Q tile once, then K and V tiles into a kStages-deep shared-memory
 //     ring, each stage guarded by a pair of mbarriers (CUTLASS's PipelineTmaAsync: "full" when
 //     the TMA bytes have landed, "empty" when both consumers are done with the stage).
-//   * warpgroups 1 and 2, the consumers: 64 query rows each.  Per K/V tile:
+//   * warpgroups 1 .. kConsumers, the consumers: 64 query rows each (two at head dims 128 and
+//     256; three at 64, where the softmax costs as much as the GEMMs and two other warpgroups'
+//     GEMMs must cover it).  Per K/V tile:
 //     S = Q K^T (wgmma, both operands in shared memory, fp32 accumulators in registers), mask,
 //     online softmax in the exp2 domain (running max m and sum l per row; FlashAttention-2,
 //     arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with P converted to
@@ -58,24 +60,31 @@ struct CuteType<__nv_bfloat16> {
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
-template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128 or 256)
-  static constexpr int kBlockM = 128;         // query rows per CTA: 64 per consumer warpgroup
-  static constexpr int kBlockN = kBlockN_;    // keys per K/V tile
+  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups
+  static constexpr int kBlockM = 64 * kConsumers;  // query rows per CTA
+  static constexpr int kBlockN = kBlockN_;         // keys per K/V tile
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumers = 2;        // consumer warpgroups
   static constexpr int kThreads = 128 * (kConsumers + 1);
+  // setmaxnreg budgets (per thread) of the producer and of each consumer warpgroup: together
+  // at most the SM's 64K registers.
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static_assert(kConsumers == 2 || kConsumers == 3, "");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "");
   static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows need head dims in multiples of 64");
 
-  // S = Q K^T: M = 128 (two 64-row warpgroup atoms), N = kBlockN, K = kHeadDim, operands in smem.
+  // S = Q K^T: M = kBlockM (one 64-row atom per consumer warpgroup), N = kBlockN,
+  // K = kHeadDim, operands in smem.
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kConsumers>, _1, _1>>{}));
-  // O += P V: M = 128, N = kHeadDim, K = kBlockN; P from registers, V read "MN-major" (the head
-  // dim is V's contiguous axis and the GEMM's N axis).
+  // O += P V: M = kBlockM, N = kHeadDim, K = kBlockN; P from registers, V read "MN-major" (the
+  // head dim is V's contiguous axis and the GEMM's N axis).
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
@@ -182,7 +191,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutVt{});
 
   if (warp_group == 0) {  // producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x != 0 || n_begin >= n_end) return;
     const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
                             static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
@@ -219,8 +228,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
 
   // Consumers.
-  cutlass::arch::warpgroup_reg_alloc<240>();
-  const int ctid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;  // 0 .. 128 * kConsumers - 1 over the consumer warpgroups
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ctid);
@@ -243,33 +252,37 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
   static_assert(size(tOrP) == kSVals, "");
 
-  int64_t row_of[2];
+  // Rows, columns and key bounds fit in 32 bits (TMA's shapes are int32); keeping them 32-bit
+  // frees registers for the accumulators.  Keys [key_lo[r], key_hi[r]) are visible to row r.
+  int32_t row_of[2], key_lo[2], key_hi[2];
   float m_row[2], l_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    row_of[r] = m0 + get<0>(tScS(2 * r));
+    row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
+    key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r]));
+    key_hi[r] = static_cast<int32_t>(vis.end(row_of[r]));
     m_row[r] = -INFINITY;
     l_row[r] = 0.f;
   }
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+  // Key tiles inside [interior_begin, interior_end) are visible to every row of the block.
+  const int32_t interior_begin = static_cast<int32_t>(vis.begin(last_row)),
+                interior_end = static_cast<int32_t>(vis.end(m0));
   clear(tOrO);
 
   // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
   // rescale factors exp2(m_old - m_new) of O's two rows.
   auto softmax_step = [&](int n_block, float (&alpha)[2]) {
-    const bool need_mask = static_cast<int64_t>(n_block) * kN < interior_begin ||
-                           static_cast<int64_t>(n_block + 1) * kN > interior_end;
-    const int64_t col0 = static_cast<int64_t>(n_block) * kN;
+    const int32_t col0 = n_block * kN;
+    const bool need_mask = col0 < interior_begin || col0 + kN > interior_end;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (need_mask) {
-        const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
 #pragma unroll
         for (int c = 0; c < kSVals / 2; ++c) {
           const int i = s_index(r, c);
-          const int64_t col = col0 + get<1>(tScS(i));
-          if (col < lo || col >= hi) tSrS(i) = -INFINITY;
+          const int32_t col = col0 + get<1>(tScS(i));
+          if (col < key_lo[r] || col >= key_hi[r]) tSrS(i) = -INFINITY;
         }
       }
       float mx = -INFINITY;
@@ -325,20 +338,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     warpgroup_commit_batch();
   };
-  // Pingpong (FlashAttention-3, section 3.1): the two consumer warpgroups take turns issuing
-  // their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores.  Named
-  // barrier `me` lets this warpgroup issue; after issuing, it lets the other one.  Warpgroup 2
-  // opens the first turn for warpgroup 1 and skips its very last hand-over, so every barrier
-  // sees as many arrivals as waits.  Both warpgroups have the same number of turns (one per
-  // key tile, plus one for the last P V).
-  const int me = warp_group - 1, other = 1 - me;
+  // Pingpong (FlashAttention-3, section 3.1): the consumer warpgroups take turns issuing their
+  // GEMMs, in a ring, so one's softmax runs while the others' GEMMs occupy the tensor cores.
+  // Named barrier `me` lets this warpgroup issue; after issuing, it lets the next one.  The last
+  // warpgroup opens the first turn for the first and skips its very last hand-over, so every
+  // barrier sees as many arrivals as waits.  All warpgroups have the same number of turns (one
+  // per key tile, plus one for the last P V).
+  constexpr int kLastWg = T::kConsumers - 1;
+  const int me = warp_group - 1, next = me == kLastWg ? 0 : me + 1;
   auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
   auto turn_end = [&](bool last) {
-    if (!(last && me == 1)) cutlass::arch::NamedBarrier::arrive(256, other);
+    if (!(last && me == kLastWg)) cutlass::arch::NamedBarrier::arrive(256, next);
   };
 
   if (n_begin < n_end) {
-    if (me == 1) cutlass::arch::NamedBarrier::arrive(256, other);
+    if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
     typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
     float alpha[2];

@@ -6,7 +6,8 @@ namespace flash_attn_ext::sm90 {
 
 template <>
 cudaError_t run_flash_fwd_sm90<__nv_bfloat16, 128>(const FwdParams& p, cudaStream_t stream) {
-  using Traits = Sm90FwdTraits<__nv_bfloat16, 128, fwd_block_n<128>(), fwd_stages<128>()>;
+  using Traits = Sm90FwdTraits<__nv_bfloat16, 128, fwd_block_n<128>(), fwd_stages<128>(),
+                               fwd_consumers<128>()>;
   return launch_flash_fwd_sm90<Traits>(p, stream);
 }
 

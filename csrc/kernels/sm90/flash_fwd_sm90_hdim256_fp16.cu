@@ -6,7 +6,8 @@ namespace flash_attn_ext::sm90 {
 
 template <>
 cudaError_t run_flash_fwd_sm90<__half, 256>(const FwdParams& p, cudaStream_t stream) {
-  using Traits = Sm90FwdTraits<__half, 256, fwd_block_n<256>(), fwd_stages<256>()>;
+  using Traits = Sm90FwdTraits<__half, 256, fwd_block_n<256>(), fwd_stages<256>(),
+                               fwd_consumers<256>()>;
   return launch_flash_fwd_sm90<Traits>(p, stream);
 }
 

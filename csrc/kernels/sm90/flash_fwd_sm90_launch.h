@@ -20,6 +20,14 @@ constexpr int fwd_stages() {
   return 2;
 }
 
+// Consumer warpgroups of 64 query rows: three at head dim 64 (FlashAttention-3's 192-row tiles;
+// there the exp2s of a tile take about as long as its two GEMMs), two above (the O accumulator
+// needs the registers).
+template <int kHeadDim>
+constexpr int fwd_consumers() {
+  return kHeadDim <= 64 ? 3 : 2;
+}
+
 // Defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>.cu for Element = __half / __nv_bfloat16.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream);
