@@ -7,8 +7,9 @@ B * L = 16384 tokens, H * d = 2048, d in {64, 128, 256}, L in {512 ... 16384}, c
 FLOPs are counted the FlashAttention way: forward 4 * B * H * L * S * d (halved when causal),
 backward 2.5x forward.  Times are medians of CUDA-event-timed repetitions after warm-up, with
 fresh random inputs (never zeros); --timing queued (default) times back-to-back calls, single
-times one call from an idle stream (see median_ms).  Writes a table to stdout and JSON + PNG
-to --out-dir.
+times one call from an idle stream (see median_ms); fwd_graph times the forward (no autograd)
+replayed from a CUDA graph, the GPU time without any host work.  Writes a table to stdout and
+JSON + PNG to --out-dir.
 
 Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
 the math path (which materialises L x L scores; OOM is reported as such).
@@ -72,6 +73,33 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Milliseconds per call of fn replayed from a captured CUDA graph: the GPU time alone, with
+    no host work between the kernels (median of 5 groups of `reps` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
 
@@ -152,6 +180,13 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=()) -> List[
                        fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
         except Exception as e:  # a backend that refuses a shape is recorded, not fatal
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if "error" not in row and name != "flex":
+            try:  # the forward's GPU time alone (inference call replayed from a CUDA graph)
+                with torch.no_grad():
+                    ms = graph_ms(lambda fn=fn: fn(q, k, v, causal))
+                row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9)
+            except Exception as e:
+                row.update(graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
         rows.append(row)
         torch.cuda.empty_cache()
     return rows
@@ -271,7 +306,7 @@ def main() -> int:
 def print_table(rows: List[dict]) -> None:
     names = sorted({r["impl"] for r in rows}, key=lambda n: (n != "ours", n))
     keys = sorted({(r["d"], r["L"], r["causal"]) for r in rows})
-    for metric in ("fwd_tflops", "bwd_tflops"):
+    for metric in ("fwd_tflops", "fwd_graph_tflops", "bwd_tflops"):
         print(f"\n{metric}")
         print(f"{'d':>4s} {'L':>6s} {'causal':>6s} " + " ".join(f"{n:>14s}" for n in names)
               + "  ours/cudnn  ours/flash")

@@ -217,47 +217,70 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device == "cpu":
         return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
     if device == "cuda":
-        info = ops.build_info()
-        if not info["cuda"]:
-            reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
-                           "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
-        if q_dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"q.dtype={q_dtype}: the CUDA kernels take float16 and bfloat16 "
-                           "(cast the inputs or use torch.autocast)")
-        if softmax_scale is not None and softmax_scale <= 0:
-            # The kernels track the running max on raw q.k and scale afterwards, which needs a
-            # positive scale.
-            reasons.append(f"softmax_scale={softmax_scale}: the CUDA kernels take a positive "
-                           "scale")
+        if torch.compiler.is_compiling():
+            return _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim)
+        # Eager calls: the plan depends on the tensors only through what the key holds (the
+        # stride rule only when some stride is 0), so it is computed once per key.
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if not reasons:
-            cap = _capability(index)
-            archs = info.get("cuda_archs", "")
-            if cap < (8, 0):
-                reasons.append(f"GPU sm_{cap[0]}{cap[1]}: the CUDA kernels need sm_80 or newer")
-            elif not arch_runs_on(archs, cap):
-                reasons.append(f"GPU sm_{cap[0]}{cap[1]}: this build's CUDA code ({archs}) does "
-                               "not run on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, or a "
-                               "+PTX arch)")
-        padded = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
-        if not reasons:
-            need, allowed = _sm80_smem_bytes(padded), _smem_per_block(index)
-            if 0 < allowed < need:
-                reasons.append(f"head_dim={head_dim}: the backward kernel needs {need} bytes of "
-                               f"shared memory per block, this GPU allows {allowed} "
-                               "(e.g. sm_86/sm_89)")
-        if not reasons:  # pragma: no cover - needs a CUDA build
-            forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", ()
-            if cap == (9, 0):
-                why = _sm90_blockers(q, k, v, general, info)
-                if why:
-                    notes = ("forward on the portable sm80 kernel, not the Hopper one, because "
-                             + "; ".join(why),)
-                else:
-                    forward = f"sm90_fwd_hdim{padded}_{dtype}"
-            return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=notes)
-    else:
-        reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
+        broadcast = 0 in q.stride() or 0 in k.stride() or 0 in v.stride()
+        key = (index, q_dtype, q.shape[-1], v.shape[-1], general,
+               softmax_scale if softmax_scale is not None and softmax_scale <= 0 else None,
+               os.environ.get(KERNEL_ENV, ""), q.shape[1] == 0 or k.shape[1] == 0)
+        cached = None if broadcast else _cuda_plans.get(key)
+        if cached is None:
+            cached = _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim)
+            if not broadcast:
+                _cuda_plans[key] = cached
+        return cached
+    reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
+    return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
+
+
+_cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
+
+
+def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim) -> Plan:
+    """plan() for a CUDA tensor (see there)."""
+    reasons = []
+    info = ops.build_info()
+    if not info["cuda"]:
+        reasons.append("this build of flash_attn_ext has no CUDA kernels (built without "
+                       "CUDA; see FLASH_ATTN_EXT_CUDA in README.md)")
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"q.dtype={q_dtype}: the CUDA kernels take float16 and bfloat16 "
+                       "(cast the inputs or use torch.autocast)")
+    if softmax_scale is not None and softmax_scale <= 0:
+        # The kernels track the running max on raw q.k and scale afterwards, which needs a
+        # positive scale.
+        reasons.append(f"softmax_scale={softmax_scale}: the CUDA kernels take a positive "
+                       "scale")
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if not reasons:
+        cap = _capability(index)
+        archs = info.get("cuda_archs", "")
+        if cap < (8, 0):
+            reasons.append(f"GPU sm_{cap[0]}{cap[1]}: the CUDA kernels need sm_80 or newer")
+        elif not arch_runs_on(archs, cap):
+            reasons.append(f"GPU sm_{cap[0]}{cap[1]}: this build's CUDA code ({archs}) does "
+                           "not run on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, or a "
+                           "+PTX arch)")
+    padded = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+    if not reasons:
+        need, allowed = _sm80_smem_bytes(padded), _smem_per_block(index)
+        if 0 < allowed < need:
+            reasons.append(f"head_dim={head_dim}: the backward kernel needs {need} bytes of "
+                           f"shared memory per block, this GPU allows {allowed} "
+                           "(e.g. sm_86/sm_89)")
+    if not reasons:  # pragma: no cover - needs a CUDA build
+        forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", ()
+        if cap == (9, 0):
+            why = _sm90_blockers(q, k, v, general, info)
+            if why:
+                notes = ("forward on the portable sm80 kernel, not the Hopper one, because "
+                         + "; ".join(why),)
+            else:
+                forward = f"sm90_fwd_hdim{padded}_{dtype}"
+        return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=notes)
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwad
 
 from . import dispatch, ops
 
@@ -13,8 +14,9 @@ def _check_transforms(*tensors: torch.Tensor) -> None:
     """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
     if torch.compiler.is_compiling():
         return
-    import torch.autograd.forward_ad as fwad
     dual = fwad._current_level >= 0  # a tensor can carry a tangent only inside a dual level
+    if not dual and torch._C._functorch.peek_interpreter_stack() is None:
+        return  # no forward-AD level and no functorch transform active: the common case
     for t in tensors:
         if dual and fwad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(

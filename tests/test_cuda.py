@@ -216,3 +216,19 @@ def test_lse_gradient_on_cuda(causal, bias):
                                 low_leaves)
     for name, a, lo, t in zip(("dq", "dk", "dv", "dbias"), ours, low_g, true_g):
         assert_error_rule(a, lo, t.double(), 3.0, name)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sm80"])
+def test_rng_state_is_written_without_dropout(kernel, monkeypatch):
+    # The forward kernel writes rng_state ((0, 0) without dropout; no separate fill launch):
+    # recycle a block the caching allocator hands back, filled with garbage first.
+    monkeypatch.setenv(dispatch.KERNEL_ENV, kernel)
+    q = torch.randn(2, 77, 4, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        junk = torch.full((2,), 12345, device="cuda", dtype=torch.int64)
+        del junk
+        _, _, rng_state = ops.fwd(q, q, q)
+        assert rng_state.tolist() == [0, 0]
+    torch.manual_seed(7)
+    _, _, rng_state = ops.fwd(q, q, q, dropout_p=0.3)  # (seed, offset) of torch's generator
+    assert rng_state.dtype == torch.int64 and rng_state.tolist()[0] == 7

@@ -192,6 +192,36 @@ def test_cuda_plan_by_gpu_and_build(monkeypatch, cap, sm90, kernel, text):
     monkeypatch.setattr(dispatch.ops, "build_info",
                         lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": sm90})
     monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "_cuda_plans", {})  # plans are cached per process
     q = _CudaLike((2, 100, 4, 64))
     p = dispatch.plan(q, q, q)
     assert p.kernel == kernel and text in str(p)
+    assert dispatch.plan(q, q, q) is p  # eager CUDA plans are computed once per key
+
+
+def test_cuda_plan_cache_keys(monkeypatch):
+    # What the cached CUDA plan depends on is in its key: the kernel variable, softcap/mask/
+    # dropout ("general"), the dtype; a stride-0 (broadcast) input is planned afresh.
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(dispatch.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": True})
+    monkeypatch.setattr(dispatch, "_cuda_plans", {})
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    q = _CudaLike((2, 100, 4, 128))
+    assert dispatch.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    assert dispatch.plan(q, q, q, general=True).kernel == "sm80_fwd_hdim128_bf16"
+    assert dispatch.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm80")
+    assert dispatch.plan(q, q, q).kernel == "sm80_fwd_hdim128_bf16"
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "auto")
+    assert dispatch.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL"):
+        dispatch.plan(q, q, q)
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL")
+    k = _CudaLike((2, 100, 4, 128))
+    k._strides = (0, 512, 128, 1)  # batch broadcast: TMA cannot describe it
+    assert dispatch.plan(q, k, k).kernel == "sm80_fwd_hdim128_bf16"
+    assert dispatch.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    assert len(dispatch._cuda_plans) == 5  # unset, general, fp16, sm80, auto; not the broadcast

@@ -146,7 +146,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   at::Tensor out_padded =
       new_output({a.batch, a.seqlen_q, a.heads_q, dv_padded}, q.options());
   at::Tensor lse = new_output({a.batch, a.heads_q, a.seqlen_q}, q.options().dtype(at::kFloat));
-  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+  // Written by the forward kernel: (seed, offset) with dropout, (0, 0) without.
+  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
 
   if (out_padded.numel() > 0 || lse.numel() > 0) {
     FwdParams p;
@@ -156,16 +157,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor bias_view =
         attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
     fill_dropout_params(p, dropout_p);
-    if (p.dropout) {
-      take_philox_state(p, a.seqlen_k);
-      p.rng_state = rng_state.data_ptr<int64_t>();
-    }
+    if (p.dropout) take_philox_state(p, a.seqlen_k);
+    p.rng_state = rng_state.data_ptr<int64_t>();
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaError_t err = q.scalar_type() == at::kBFloat16
                           ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
                           : run_fwd<__half>(kernel_dim, p, stream);
     C10_CUDA_CHECK(err);
+  } else {
+    rng_state.zero_();  // no kernel runs for an empty output
   }
   at::Tensor out = dv_padded == a.head_dim_v ? out_padded
                                              : out_padded.narrow(3, 0, a.head_dim_v).contiguous();

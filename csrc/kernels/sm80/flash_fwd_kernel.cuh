@@ -79,9 +79,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
   const ScoreFn fn(p, b, h);
   const DropoutFn drop(p);
-  if (kGeneral && p.rng_state != nullptr && bid == 0 && threadIdx.x == 0) {  // for the backward
-    p.rng_state[0] = static_cast<int64_t>(drop.seed);
-    p.rng_state[1] = static_cast<int64_t>(drop.offset);
+  // (seed, offset) for the backward; (0, 0) without dropout.  Written here rather than by a
+  // separate fill launch.
+  if (p.rng_state != nullptr && bid == 0 && threadIdx.x == 0) {
+    p.rng_state[0] = kGeneral ? static_cast<int64_t>(drop.seed) : 0;
+    p.rng_state[1] = kGeneral ? static_cast<int64_t>(drop.offset) : 0;
   }
   const float scale_log2 = fn.scale_log2;
   // Softcap and bias go through ScoreFn::apply; plain scores need nothing before the exp2.

@@ -169,6 +169,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int n_begin = static_cast<int>(key_begin / kN);
   const int n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
 
+  if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    p.rng_state[0] = p.rng_state[1] = 0;  // no dropout in this kernel: (seed, offset) = (0, 0)
+  }
+
   const int warp_group = threadIdx.x / 128;
   using Pipeline = typename T::Pipeline;
   typename Pipeline::Params pipe_params;
