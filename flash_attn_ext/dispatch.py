@@ -151,7 +151,9 @@ def _sm80_smem_bytes(padded_dim: int) -> int:
     """Dynamic shared memory of the largest sm80 kernel for a padded head dim: the dK/dV kernel
     (csrc/kernels/sm80/flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv: K, V of 64 keys, Q/dO
     double-buffered, two fp32 statistics per query row; 64 query rows per step up to head
-    dim 128, 32 above)."""
+    dim 128, 32 above).  The faster plain-attention kernels of flash_bwd_lean.cuh (head dims 64
+    and 128: up to 161 KB) run only where the GPU allows them; elsewhere (sm_86 / sm_89) the
+    backward uses these, so this stays the requirement."""
     rows = 64 if padded_dim <= 128 else 32
     return (2 * 64 + 4 * rows) * padded_dim * 2 + 4 * rows * 4
 

@@ -17,6 +17,10 @@
 // measured (commit b76b23a, benchmarks/NOTES.md): 11-21% slower than these two kernels at every
 // point on the H200, so it is not kept.
 //
+// Plain attention (no softcap / bias / dropout) at padded head dims 64 and 128 runs the 8-warp
+// kernels of flash_bwd_lean.cuh instead of 2 and 3 where the GPU's shared memory allows them
+// (launch_flash_bwd picks); the kernels here serve everything else.
+//
 // Scores follow the forward (score.h: scale, softcap, bias); P = exp2(s * c - lse * log2 e),
 // dx = dS * ds/dx.  With dropout (mask Z regenerated from the forward's rng_state, dropout.h):
 // dV = (P Z / (1 - p))^T dO and dS = P (dP Z / (1 - p) - D).  With a bias that needs a
@@ -29,6 +33,7 @@
 #include <cstdint>
 
 #include "kernels/sm80/dropout.h"
+#include "kernels/sm80/flash_bwd_lean.cuh"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm80/tile.h"
@@ -366,9 +371,14 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
   cudaError_t err = launch(flash_bwd_delta_kernel<typename T::Element>, (rows + 3) / 4, 128, 0,
                            stream, p, delta);
   if (err != cudaSuccess) return err;
+  const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
+  if constexpr (T::kHeadDim <= 128) {
+    // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits.
+    using Lean = LeanBwdTraits<typename T::Element, T::kHeadDim>;
+    if (!general && lean_bwd_fits<Lean>()) return launch_flash_bwd_lean<Lean>(p, delta, stream);
+  }
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv * T::kSplitD;
-  const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
   err = launch(general ? flash_bwd_dkdv_kernel<T, true> : flash_bwd_dkdv_kernel<T, false>,
                dkdv_blocks, T::kThreads, T::kSmemDkdv, stream, p,
                static_cast<const float*>(delta), num_n_blocks);

@@ -81,6 +81,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
+// 4-byte global -> shared copy (through L1: cp.async.cg takes 16 bytes only); with !valid it
+// writes 4 zero bytes.  For per-row fp32 statistics whose rows need not be 16-byte aligned.
+__device__ __forceinline__ void cp_async_4(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

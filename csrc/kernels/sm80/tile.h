@@ -95,6 +95,25 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (
   }
 }
 
+// Rounds this lane's fp32 fragments acc[mt][j] to Element and writes them to a swizzled shared
+// tile with kChunks chunks per row: rows row0 + 16 mt + lane/4 (+8), columns
+// 8 (chunk0 + j) + 2 (lane % 4) (+1).  row0 must be a multiple of 8; one 4-byte store per pair,
+// conflict-free (the 8 rows of a store land in 8 distinct chunks).
+template <typename Element, int kChunks, int kMT, int kN8>
+__device__ __forceinline__ void store_frag_smem(Element* s, const float (&acc)[kMT][kN8][4],
+                                                int row0, int chunk0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + mt * 16 + lane / 4 + 8 * r;
+#pragma unroll
+      for (int j = 0; j < kN8; ++j)
+        *reinterpret_cast<uint32_t*>(s + swz<kChunks>(row, chunk0 + j) + 2 * (lane % 4)) =
+            pack2<Element>(acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
+    }
+}
+
 template <int kMT, int kN8>
 __device__ __forceinline__ void zero(float (&acc)[kMT][kN8][4]) {
 #pragma unroll

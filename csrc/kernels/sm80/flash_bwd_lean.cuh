@@ -1,0 +1,492 @@
+// Backward kernels for plain attention (no softcap, attn_bias or dropout: the `kGeneral = false`
+// case) at padded head dims 64 and 128, on sm_80+ (mma.sync; also runs on sm_90).  The general
+// case and head dim 256 keep the kernels of flash_bwd_kernel.cuh, which also serve GPUs whose
+// shared memory per block is too small for these (sm_86 / sm_89: 99 KB).
+//
+// Same algorithm and the same two-kernel split as flash_bwd_kernel.cuh (dK/dV, then dQ, no
+// atomics, so bitwise reproducible whatever `deterministic` says), with FlashAttention-2's
+// warp tiling instead of one 16-row tile per warp, which left every shared-memory fragment
+// feeding one or two MMAs (ldmatrix-bound, benchmarks/NOTES.md):
+//
+//  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a 64-row Q / dO tile of
+//    one query head of the GQA group (double-buffered cp.async, lse and D with it).
+//    S^T = K Q^T and dP^T = V dO^T (128 x 64) are split 4 x 2 over the warps (32 keys x 32
+//    queries each); P^T and dS^T = P^T (dP^T - D) go to shared memory as 16-bit values; after a
+//    barrier dV += P^T dO and dK += dS^T Q (128 x head dim) are split 4 x 2 again (32 keys x
+//    half the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
+//    2-4 MMAs (0.375-0.5 ldmatrix.x4 per m16n8k16 instead of ~0.6-1).
+//  dQ: one CTA of 8 warps per (128 query rows, batch, head), K / V tiles of 64 keys double-
+//    buffered; S and dP (128 x 64) split 4 x 2 (32 x 32 each), dS to shared memory, then
+//    dQ += dS K (128 x head dim) split 4 x 2 (32 rows x half the head dim each).
+// The softmax scale multiplies dK and dQ at the store instead of every dS element.
+//
+// Rows and keys beyond the sequences are zero-filled by the loads; a query row beyond seqlen_q
+// then has S = dP = 0, lse = D = 0 (zero-filled statistics) and so P = 1 but dS = 0 and a zero
+// dO row: it adds nothing.  Keys beyond seqlen_k are masked (they are >= VisibleKeys::end) and
+// their dK / dV rows are not stored.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "kernels/sm80/launch.h"
+#include "kernels/sm80/tile.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm80 {
+
+template <typename Element_, int kHeadDim_>
+struct LeanBwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v): 64 or 128
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  // Both kernels lay their 8 warps out as 4 along the CTA's own rows (keys for dK/dV, queries
+  // for dQ) by 2 along the other GEMM dimension: 32 rows per warp, two m16 tiles.
+  static constexpr int kWarpsRow = 4, kWarpsCol = 2;
+  static constexpr int kStages = 2;  // cp.async ring depth of the streamed tiles (sm_80's smem)
+  // dK/dV kernel: kBlockN keys per CTA, kBlockM query rows per step.  Shared memory: K, V;
+  // [stage] Q, dO; P^T, dS^T; [stage] lse, D (fp32).
+  static constexpr int kBlockN = 128, kBlockM = 64;
+  static constexpr int kSmemDkdv =
+      (2 * kBlockN + 2 * kStages * kBlockM) * kHeadDim * int(sizeof(Element)) +
+      2 * kBlockN * kBlockM * int(sizeof(Element)) + 2 * kStages * kBlockM * int(sizeof(float));
+  // dQ kernel: kBlockMQ query rows per CTA, kBlockNQ keys per step.  Shared memory: Q, dO;
+  // [stage] K, V; dS.
+  static constexpr int kBlockMQ = 128, kBlockNQ = 64;
+  static constexpr int kSmemDq =
+      (2 * kBlockMQ + 2 * kStages * kBlockNQ) * kHeadDim * int(sizeof(Element)) +
+      kBlockMQ * kBlockNQ * int(sizeof(Element));
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "");
+  // The 16-bit P^T / dS^T / dS tiles are swizzled over 8 chunks per row (tile.h: swz).
+  static_assert(kBlockM == 64 && kBlockNQ == 64 && kBlockN == 32 * kWarpsRow &&
+                    kBlockMQ == 32 * kWarpsRow && kWarpsRow * kWarpsCol == kWarps,
+                "");
+  static_assert(kSmemDkdv <= 163 * 1024 && kSmemDq <= 163 * 1024, "sm_80 allows 163 KB");
+};
+
+// lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
+__device__ __forceinline__ float lean_lse_log2(float lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// The GEMMs of tile.h (gemm_ss; gemm_rs with A from shared memory) with operands given as per-lane shared addresses.
+// tile.h recomputes swz(row, chunk) for every k step, and since the swizzle is an XOR the
+// compiler keeps one address register per (operand, k step): ~50 registers in these kernels,
+// which made the head-dim-128 kernels spill.  Here each operand has one base address, that of
+// its first ldmatrix, and the others follow from it: an ldmatrix address moves by whole
+// 16-row groups (a constant, the row % 8 of every lane is unchanged) and by compile-time
+// chunk steps c, which swz_step applies as an XOR on the swizzled chunk bits (bits 4-6 of the
+// address, c % 8) plus a constant (c / 8 whole 8-chunk groups).  That is exact when the chunk
+// the base was computed for and c % 8 share no bit (the base's chunk is lane / 16 or
+// (lane / 8) % 2, plus a multiple of kN8 for the transposed operand, and c a multiple of 2
+// below 8 or of 8) and every tile starts 128-byte aligned.
+__device__ __forceinline__ uint32_t swz_step(uint32_t base, int c) {
+  return (base ^ static_cast<uint32_t>((c & 7) << 4)) + static_cast<uint32_t>((c & ~7) << 4);
+}
+
+// Base address of the A operand of lean_gemm_ss / lean_gemm_ss_t (rows row0.., k from 0), and
+// of the B operand of lean_gemm_ss (rows row0.. of a tile read untransposed).
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t a_base(const Element* s, int row0, int lane) {
+  return smem_addr(s + swz<kChunks>(row0 + lane % 16, lane / 16));
+}
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t b_base(const Element* s, int row0, int lane) {
+  return smem_addr(s + swz<kChunks>(row0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+}
+// Base address of the transposed B operand of lean_gemm_ss_t (rows from 0, columns from
+// 8 * chunk0, chunk0 a multiple of the GEMM's kN8).
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t bt_base(const Element* s, int chunk0, int lane) {
+  return smem_addr(s + swz<kChunks>(lane % 16, chunk0 + lane / 16));
+}
+
+// acc[mt][j] += sum_k A[16 mt + i][k] * B[8 j + n][k], k < kK (tile.h gemm_ss).
+template <typename Element, int kChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void lean_gemm_ss(float (&acc)[kMT][kN8][4], uint32_t a, uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
+  constexpr uint32_t kGroup = 16 * kChunks * 16;  // bytes of 16 rows
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kGroup);
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, swz_step(b, 2 * kk) + j2 * kGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, B read transposed (as tile.h
+// gemm_rs), A staged in shared memory by other warps (dV += P^T dO, dK += dS^T Q, dQ += dS K).
+template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32_t a,
+                                               uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
+  constexpr uint32_t kAGroup = 16 * kAChunks * 16, kBGroup = 16 * kBChunks * 16;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kAGroup);
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    flash_bwd_dkdv_lean_kernel(const BwdParams p, const float* delta, int64_t num_n_blocks) {
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kC = T::kChunks;
+  constexpr int kStages = T::kStages;
+  constexpr int kMC = kM / 8;                    // chunks per row of the P^T / dS^T tiles
+  constexpr int kRowsW = kN / T::kWarpsRow;      // keys per warp, both phases
+  constexpr int kMT = kRowsW / 16;               // m16 tiles per warp
+  constexpr int kS8 = kM / T::kWarpsCol / 8;     // n8 tiles (queries) per warp of S^T
+  constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dK / dV
+  extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
+  Element* k_s = reinterpret_cast<Element*>(lean_smem);
+  if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
+  Element* v_s = k_s + kN * kD;
+  Element* qdo_s = v_s + kN * kD;                   // [stage][Q | dO], kM x kD each
+  Element* pt_s = qdo_s + kStages * 2 * kM * kD;    // P^T, kN x kM
+  Element* dst_s = pt_s + kN * kM;                  // dS^T, kN x kM
+  float* stats_s = reinterpret_cast<float*>(dst_s + kN * kM);  // [stage][lse | D], raw
+
+  const int64_t bid = blockIdx.x;
+  const int64_t n_block = bid % num_n_blocks;
+  const int64_t bhk = bid / num_n_blocks;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = n_block * kN;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wr = warp % T::kWarpsRow, wc = warp / T::kWarpsRow;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
+  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
+  row_lo = row_lo < 0 ? 0 : row_lo;
+  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  const int64_t m_begin = row_lo / kM;
+  const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
+  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const float scale = static_cast<float>(p.softmax_scale);
+  const float scale_log2 = scale * 1.4426950408889634f;  // as ScoreFn's for plain scores
+
+  // Issues the async loads of step t's Q and dO tiles and its raw lse and D (zero-filled
+  // beyond seqlen_q).
+  auto load_step = [&](int stage, int64_t t) {
+    const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
+    Element* dst = qdo_s + stage * 2 * kM * kD;
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst + kM * kD,
+        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+    static_assert(2 * kM <= T::kThreads, "one statistic per thread");
+    if (tid < 2 * kM) {
+      const int r = tid % kM;
+      const float* src = tid < kM ? static_cast<const float*>(p.softmax_lse) : delta;
+      src += (b * p.heads_q + h) * p.seqlen_q;
+      const bool in = m0 + r < p.seqlen_q;
+      cp_async_4(smem_addr(stats_s + stage * 2 * kM + tid), in ? src + m0 + r : src, in);
+    }
+  };
+
+  if (steps > 0) {
+    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
+    load_step(0, 0);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < steps) load_step(s, s);
+    cp_async_commit();  // one group per stage, empty or not, keeps the wait counts fixed
+  }
+
+  // Per-lane ldmatrix base addresses (stage 0 for Q and dO).
+  const uint32_t k_a = a_base<kC>(k_s, wr * kRowsW, lane);
+  const uint32_t v_a = a_base<kC>(v_s, wr * kRowsW, lane);
+  const uint32_t q_b = b_base<kC>(qdo_s, wc * kS8 * 8, lane);
+  const uint32_t do_b = b_base<kC>(qdo_s + kM * kD, wc * kS8 * 8, lane);
+  const uint32_t pt_a = a_base<kMC>(pt_s, wr * kRowsW, lane);
+  const uint32_t dst_a = a_base<kMC>(dst_s, wr * kRowsW, lane);
+  const uint32_t q_bt = bt_base<kC>(qdo_s, wc * kD8, lane);
+  const uint32_t do_bt = bt_base<kC>(qdo_s + kM * kD, wc * kD8, lane);
+
+  float dk_acc[kMT][kD8][4], dv_acc[kMT][kD8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+
+  for (int64_t t = 0; t < steps; ++t) {
+    const int stage = static_cast<int>(t % kStages);
+    cp_async_wait<kStages - 2>();  // step t's group has landed (for this thread) ...
+    __syncthreads();  // ... for all threads; and every warp is done with step t - 1
+    // The stage step t - 1 used, and P^T / dS^T, are free now.
+    if (t + kStages - 1 < steps) load_step(static_cast<int>((t + kStages - 1) % kStages),
+                                           t + kStages - 1);
+    cp_async_commit();
+
+    const float* lse_s = stats_s + stage * 2 * kM;
+    const float* d_s = lse_s + kM;
+    const int64_t m0 = (m_begin + t % m_blocks) * kM;
+
+    // S^T and dP^T: this warp's 32 keys x 32 queries.
+    float st[kMT][kS8][4], dpt[kMT][kS8][4];
+    zero(st);
+    zero(dpt);
+    const uint32_t stage_bytes = static_cast<uint32_t>(stage * 2 * kM * kD * sizeof(Element));
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(st, k_a, q_b + stage_bytes);
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(dpt, v_a, do_b + stage_bytes);
+
+    // Masking is needed unless every key of the block is visible to every row of the tile.
+    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
+#pragma unroll
+    for (int j = 0; j < kS8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int q = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // query row within the tile
+        const float lse2 = lean_lse_log2(lse_s[q]);
+        const float dd = d_s[q];
+        int64_t lo = 0, hi = kN;  // visible keys of row q, relative to n0
+        if (need_mask) {
+          lo = vis.begin(m0 + q) - n0;
+          hi = vis.end(m0 + q) - n0;
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int key = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // within the block
+            float pr = exp2f(fmaf(st[mt][j][2 * r + c], scale_log2, -lse2));
+            if (need_mask && (key < lo || key >= hi)) pr = 0.f;
+            st[mt][j][2 * r + c] = pr;
+            dpt[mt][j][2 * r + c] = pr * (dpt[mt][j][2 * r + c] - dd);
+          }
+      }
+    store_frag_smem<Element, kMC>(pt_s, st, wr * kRowsW, wc * kS8, lane);
+    store_frag_smem<Element, kMC>(dst_s, dpt, wr * kRowsW, wc * kS8, lane);
+    __syncthreads();  // P^T and dS^T complete
+
+    // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x half the head dim.
+    lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dv_acc, pt_a, do_bt + stage_bytes);
+    lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dk_acc, dst_a, q_bt + stage_bytes);
+  }
+  cp_async_wait<0>();  // only empty groups can be left; no copy outlives the CTA
+
+  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+  store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
+                      static_cast<int>(p.head_dim), lane, scale);
+  store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
+                      static_cast<int>(p.head_dim_v), lane);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    flash_bwd_dq_lean_kernel(const BwdParams p, const float* delta, int64_t num_m_blocks) {
+  using Element = typename T::Element;
+  constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
+  constexpr int kStages = T::kStages;
+  constexpr int kNC = kN / 8;                    // chunks per row of the dS tile
+  constexpr int kRowsW = kM / T::kWarpsRow;      // query rows per warp, both phases
+  constexpr int kMT = kRowsW / 16;
+  constexpr int kS8 = kN / T::kWarpsCol / 8;     // n8 tiles (keys) per warp of S
+  constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dQ
+  extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
+  Element* q_s = reinterpret_cast<Element*>(lean_smem);
+  if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
+  Element* do_s = q_s + kM * kD;
+  Element* kv_s = do_s + kM * kD;                 // [stage][K | V], kN x kD each
+  Element* ds_s = kv_s + kStages * 2 * kN * kD;   // dS, kM x kN
+
+  const int64_t bid = blockIdx.x;
+  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;  // long rows first (causal)
+  const int64_t bh = bid / num_m_blocks;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t m0 = m_block * kM;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wr = warp % T::kWarpsRow, wc = warp / T::kWarpsRow;
+
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+  const int64_t n_begin = key_begin / kN;
+  const int64_t n_end = key_end > key_begin ? (key_end + kN - 1) / kN : n_begin;
+  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const float scale = static_cast<float>(p.softmax_scale);
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  auto load_kv = [&](int stage, int64_t n_block) {
+    Element* dst = kv_s + stage * 2 * kN * kD;
+    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
+                                                  p.seqlen_k, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(dst + kN * kD, v, p.v_row_stride,
+                                                  n_block * kN, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
+  };
+  if (n_begin < n_end) {
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        q_s, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        do_s, static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
+                  h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+    load_kv(0, n_begin);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (n_begin + s < n_end) load_kv(s, n_begin + s);
+    cp_async_commit();
+  }
+
+  // This lane's rows: m0 + wr * kRowsW + 16 mt + lane / 4 + 8 r.
+  float lse_row[kMT][2], d_row[kMT][2];
+  const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+  const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
+      const bool in = row < p.seqlen_q;
+      lse_row[mt][r] = in ? lean_lse_log2(lse[row]) : INFINITY;
+      d_row[mt][r] = in ? dlt[row] : 0.f;
+    }
+  // Per-lane ldmatrix base addresses (stage 0 for K and V).
+  const uint32_t q_a = a_base<kC>(q_s, wr * kRowsW, lane);
+  const uint32_t do_a = a_base<kC>(do_s, wr * kRowsW, lane);
+  const uint32_t k_b = b_base<kC>(kv_s, wc * kS8 * 8, lane);
+  const uint32_t v_b = b_base<kC>(kv_s + kN * kD, wc * kS8 * 8, lane);
+  const uint32_t ds_a = a_base<kNC>(ds_s, wr * kRowsW, lane);
+  const uint32_t k_bt = bt_base<kC>(kv_s, wc * kD8, lane);
+
+  float dq_acc[kMT][kD8][4];
+  zero(dq_acc);
+
+  const int64_t n_count = n_end - n_begin;
+  for (int64_t i = 0; i < n_count; ++i) {
+    const int64_t n_block = n_begin + i;
+    const int stage = static_cast<int>(i % kStages);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // K/V of block i visible; every warp done with block i - 1 (its stage, dS)
+    if (i + kStages - 1 < n_count)
+      load_kv(static_cast<int>((i + kStages - 1) % kStages), n_block + kStages - 1);
+    cp_async_commit();
+    const uint32_t stage_bytes = static_cast<uint32_t>(stage * 2 * kN * kD * sizeof(Element));
+
+    // S and dP: this warp's 32 rows x 32 keys.
+    float s[kMT][kS8][4], dp[kMT][kS8][4];
+    zero(s);
+    zero(dp);
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(s, q_a, k_b + stage_bytes);
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(dp, do_a, v_b + stage_bytes);
+
+    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int64_t lo = 0, hi = kN;  // visible keys of this row, relative to the block
+        if (need_mask) {
+          const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
+          lo = vis.begin(row) - n_block * kN;
+          hi = vis.end(row) - n_block * kN;
+        }
+#pragma unroll
+        for (int j = 0; j < kS8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
+            float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
+            if (need_mask && (key < lo || key >= hi)) pr = 0.f;
+            s[mt][j][2 * r + c] = pr * (dp[mt][j][2 * r + c] - d_row[mt][r]);
+          }
+      }
+    store_frag_smem<Element, kNC>(ds_s, s, wr * kRowsW, wc * kS8, lane);
+    __syncthreads();  // dS complete
+
+    // dQ += dS K: this warp's 32 rows x half the head dim.
+    lean_gemm_ss_t<Element, kNC, kC, kMT, kD8, kN>(dq_acc, ds_a, k_bt + stage_bytes);
+  }
+  cp_async_wait<0>();
+
+  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + wr * kRowsW, p.seqlen_q, wc * kD8 * 8,
+                      static_cast<int>(p.head_dim), lane, scale);
+}
+
+// Largest dynamic shared memory a block may opt in to on the current device, queried once per
+// device (0 if the query fails).
+inline int max_smem_optin_per_block() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // static storage: zero = not queried yet
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device < kMaxDevices && (bytes = cache[device].load(std::memory_order_relaxed)) != 0)
+    return bytes;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+      cudaSuccess)
+    return 0;
+  if (device < kMaxDevices) cache[device].store(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
+template <typename T>
+bool lean_bwd_fits() {
+  const int need = T::kSmemDkdv > T::kSmemDq ? T::kSmemDkdv : T::kSmemDq;
+  return max_smem_optin_per_block() >= need;
+}
+
+// The dK/dV and dQ launches (delta already computed) on `stream`.
+template <typename T>
+cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaStream_t stream) {
+  const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  cudaError_t err = launch(flash_bwd_dkdv_lean_kernel<T>, num_n_blocks * p.batch * p.heads_kv,
+                           T::kThreads, T::kSmemDkdv, stream, p, delta, num_n_blocks);
+  if (err != cudaSuccess) return err;
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockMQ - 1) / T::kBlockMQ;
+  return launch(flash_bwd_dq_lean_kernel<T>, num_m_blocks * p.batch * p.heads_q, T::kThreads,
+                T::kSmemDq, stream, p, delta, num_m_blocks);
+}
+
+}  // namespace flash_attn_ext::sm80
