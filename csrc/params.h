@@ -54,7 +54,6 @@ struct FwdParams {
   const int64_t* philox_offset_ptr = nullptr;
   uint64_t philox_offset_intragraph = 0;
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
-  int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
 };
 
 struct BwdParams : FwdParams {

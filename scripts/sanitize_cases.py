@@ -22,7 +22,7 @@ def main() -> None:
         (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
         (300, 129, 2, 2, 64, 64, False, (40, 5), False, 0.0, False, 0.0),
-        # More tiles than SMs: the persistent Hopper forward runs several tiles per CTA.
+        # More (query block, head) tiles than SMs.
         (260, 260, 40, 8, 64, 64, True, (-1, -1), True, 0.0, False, 0.0),
     ]
     for L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p in cases:

@@ -116,6 +116,9 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 
 template <typename Element>
 cudaError_t run_fwd(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+#ifdef FLASH_ATTN_EXT_SM90
+  if (use_sm90_fwd(p)) return run_fwd_sm90<Element>(head_dim, p, stream);
+#endif
   if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
   if (head_dim <= 128) return sm80::run_flash_fwd<Element, 128>(p, stream);
   return sm80::run_flash_fwd<Element, 256>(p, stream);
@@ -158,21 +161,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     p.rng_state = rng_state.data_ptr<int64_t>();
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const bool bf16 = q.scalar_type() == at::kBFloat16;
-    cudaError_t err;
-#ifdef FLASH_ATTN_EXT_SM90
-    at::Tensor tile_counter;  // the Hopper kernel's scheduler scratch (zeroed by its launcher)
-    if (use_sm90_fwd(p)) {
-      tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-      p.tile_counter = tile_counter.data_ptr<int32_t>();
-      err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd_sm90<__half>(kernel_dim, p, stream);
-    } else
-#endif
-    {
-      err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd<__half>(kernel_dim, p, stream);
-    }
+    cudaError_t err = q.scalar_type() == at::kBFloat16
+                          ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+                          : run_fwd<__half>(kernel_dim, p, stream);
     C10_CUDA_CHECK(err);
   } else {
     rng_state.zero_();  // no kernel runs for an empty output
