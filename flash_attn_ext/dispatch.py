@@ -172,6 +172,28 @@ def kernel_choice() -> str:
     return value or "auto"
 
 
+def _lean_bwd_smem_bytes(padded_dim: int) -> int:
+    """Dynamic shared memory of the 8-warp plain-attention backward (csrc/kernels/sm80/
+    flash_bwd_lean.cuh, LeanBwdTraits::kSmemDkdv, the larger of its two kernels): K and V of
+    128 keys, Q and dO of 64 rows double-buffered, P^T and dS^T, lse and D per row."""
+    return (2 * 128 + 2 * 2 * 64) * padded_dim * 2 + 2 * 128 * 64 * 2 + 2 * 2 * 64 * 4
+
+
+def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> list:
+    """Why the 8-warp backward kernels do not serve a CUDA call (launch_flash_bwd in
+    csrc/kernels/sm80/flash_bwd_kernel.cuh applies the same rule); ``allowed_smem``: the GPU's
+    opt-in shared memory per block (0 = unknown)."""
+    why = []
+    if general:
+        why.append("softcap, attn_mask/attn_bias and dropout run on them")
+    if padded_dim > 128:
+        why.append(f"head dim {padded_dim} (the 8-warp kernels take up to 128)")
+    elif 0 < allowed_smem < _lean_bwd_smem_bytes(padded_dim):
+        why.append(f"they need {_lean_bwd_smem_bytes(padded_dim)} bytes of shared memory per "
+                   f"block, this GPU allows {allowed_smem}")
+    return why
+
+
 def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: bool,
                    info: dict) -> list:
     """Why the Hopper forward (csrc/kernels/sm90) cannot serve a call on an sm_90 GPU (``info``:
@@ -274,15 +296,19 @@ def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim) -> Pla
                            f"shared memory per block, this GPU allows {allowed} "
                            "(e.g. sm_86/sm_89)")
     if not reasons:  # pragma: no cover - needs a CUDA build
-        forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", ()
+        forward, notes = f"sm80_fwd_hdim{padded}_{dtype}", []
         if cap == (9, 0):
             why = _sm90_blockers(q, k, v, general, info)
             if why:
-                notes = ("forward on the portable sm80 kernel, not the Hopper one, because "
-                         + "; ".join(why),)
+                notes.append("forward on the portable sm80 kernel, not the Hopper one, because "
+                             + "; ".join(why))
             else:
                 forward = f"sm90_fwd_hdim{padded}_{dtype}"
-        return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=notes)
+        why = _lean_bwd_blockers(padded, general, allowed)
+        if why:
+            notes.append("backward on the 4-warp sm80 kernels, not the faster 8-warp ones, "
+                         "because " + "; ".join(why))
+        return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=tuple(notes))
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
 
 

@@ -225,3 +225,29 @@ def test_cuda_plan_cache_keys(monkeypatch):
     assert dispatch.plan(q, k, k).kernel == "sm80_fwd_hdim128_bf16"
     assert dispatch.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
     assert len(dispatch._cuda_plans) == 5  # unset, general, fp16, sm80, auto; not the broadcast
+
+
+@pytest.mark.parametrize("cap,smem,head_dim,general,text", [
+    ((9, 0), 232448, 128, False, None),
+    ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),
+    ((9, 0), 232448, 256, False, "head dim 256"),
+    ((8, 6), 101376, 64, False, None),            # 97 KB: the d=64 kernels fit
+    ((8, 6), 101376, 128, False, "164864 bytes of shared memory"),
+    ((8, 0), 166912, 128, False, None)])
+def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, general,
+                                                 text):
+    # The 8-warp backward serves plain attention at head dims <= 128 where the GPU's shared
+    # memory allows; otherwise the plan says that the 4-warp kernels serve it, and why.
+    monkeypatch.setattr(dispatch, "_capability", lambda index: cap)
+    monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: smem)
+    monkeypatch.setattr(dispatch.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;8.6;9.0a", "sm90": True})
+    monkeypatch.setattr(dispatch, "_cuda_plans", {})
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    q = _CudaLike((2, 100, 4, head_dim))
+    p = dispatch.plan(q, q, q, general=general)
+    backward_notes = [n for n in p.notes if n.startswith("backward")]
+    if text is None:
+        assert not backward_notes
+    else:
+        assert len(backward_notes) == 1 and text in backward_notes[0] and text in str(p)
