@@ -1,7 +1,8 @@
 // Backward kernels for plain attention (no softcap, attn_bias or dropout: the `kGeneral = false`
 // case) at padded head dims 64 and 128, on sm_80+ (mma.sync; also runs on sm_90).  The general
 // case and head dim 256 keep the kernels of flash_bwd_kernel.cuh, which also serve GPUs whose
-// shared memory per block is too small for these (sm_86 / sm_89: 99 KB).
+// shared memory per block is too small for these (sm_86 / sm_89, 99 KB: head dim 128; their
+// head dim 64 kernels need 97 KB and run there, measured on sm_90 only).
 //
 // Same algorithm and the same two-kernel split as flash_bwd_kernel.cuh (dK/dV, then dQ, no
 // atomics, so bitwise reproducible whatever `deterministic` says), with FlashAttention-2's
@@ -18,7 +19,8 @@
 //  dQ: one CTA of 8 warps per (128 query rows, batch, head), K / V tiles of 64 keys double-
 //    buffered; S and dP (128 x 64) split 4 x 2 (32 x 32 each), dS to shared memory, then
 //    dQ += dS K (128 x head dim) split 4 x 2 (32 rows x half the head dim each).
-// The softmax scale multiplies dK and dQ at the store instead of every dS element.
+// dS is multiplied by the softmax scale before it is rounded to 16 bits (as in the 4-warp
+// kernels; unscaled, fp16 dS would overflow 1 / scale times sooner).
 //
 // Rows and keys beyond the sequences are zero-filled by the loads; a query row beyond seqlen_q
 // then has S = dP = 0, lse = D = 0 (zero-filled statistics) and so P = 1 but dS = 0 and a zero
@@ -75,7 +77,8 @@ __device__ __forceinline__ float lean_lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
-// The GEMMs of tile.h (gemm_ss; gemm_rs with A from shared memory) with operands given as per-lane shared addresses.
+// The GEMMs of tile.h (gemm_ss; gemm_rs with A from shared memory) with operands given as
+// per-lane shared addresses.
 // tile.h recomputes swz(row, chunk) for every k step, and since the swizzle is an XOR the
 // compiler keeps one address register per (operand, k step): ~50 registers in these kernels,
 // which made the head-dim-128 kernels spill.  Here each operand has one base address, that of
@@ -293,7 +296,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             float pr = exp2f(fmaf(st[mt][j][2 * r + c], scale_log2, -lse2));
             if (need_mask && (key < lo || key >= hi)) pr = 0.f;
             st[mt][j][2 * r + c] = pr;
-            dpt[mt][j][2 * r + c] = pr * (dpt[mt][j][2 * r + c] - dd);
+            // dS^T * scale (the gradient of the scaled scores) is what goes to 16 bits, as in
+            // the 4-warp kernels: unscaled, fp16 would overflow 1 / scale times sooner.
+            dpt[mt][j][2 * r + c] = pr * scale * (dpt[mt][j][2 * r + c] - dd);
           }
       }
     store_frag_smem<Element, kMC>(pt_s, st, wr * kRowsW, wc * kS8, lane);
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
   auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
   store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
-                      static_cast<int>(p.head_dim), lane, scale);
+                      static_cast<int>(p.head_dim), lane);
   store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
                       static_cast<int>(p.head_dim_v), lane);
 }
@@ -439,7 +444,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
             float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
             if (need_mask && (key < lo || key >= hi)) pr = 0.f;
-            s[mt][j][2 * r + c] = pr * (dp[mt][j][2 * r + c] - d_row[mt][r]);
+            s[mt][j][2 * r + c] = pr * scale * (dp[mt][j][2 * r + c] - d_row[mt][r]);
           }
       }
     store_frag_smem<Element, kNC>(ds_s, s, wr * kRowsW, wc * kS8, lane);
@@ -452,7 +457,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
   store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + wr * kRowsW, p.seqlen_q, wc * kD8 * 8,
-                      static_cast<int>(p.head_dim), lane, scale);
+                      static_cast<int>(p.head_dim), lane);
 }
 
 // Largest dynamic shared memory a block may opt in to on the current device, queried once per
@@ -465,8 +470,10 @@ inline int max_smem_optin_per_block() {
   if (device < kMaxDevices && (bytes = cache[device].load(std::memory_order_relaxed)) != 0)
     return bytes;
   if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-      cudaSuccess)
+      cudaSuccess) {
+    (void)cudaGetLastError();  // not left for the next launch check to report
     return 0;
+  }
   if (device < kMaxDevices) cache[device].store(bytes, std::memory_order_relaxed);
   return bytes;
 }
