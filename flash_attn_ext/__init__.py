@@ -71,16 +71,32 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     unknown = set(call_kwargs) - _CALL_KEYWORDS
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
+    from .dispatch import plan
+    from .interface import autocast_dtype, check_flags, check_scale
+    from .sdpa import mask_to_bias
+    attn_mask = call_kwargs.get("attn_mask")
     if layout == "bhld":
+        if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
+            mask_to_bias(attn_mask, query, key)
         query, key, value = to_bshd(query, key, value, enable_gqa)
     elif layout != "blhd":
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
-    from .dispatch import plan
-    from .interface import autocast_dtype
-    scale = call_kwargs.get("softmax_scale", call_kwargs.get("scale"))
-    general = bool(call_kwargs.get("softcap") or call_kwargs.get("dropout_p")
-                   or call_kwargs.get("attn_mask") is not None)
+    causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
+    window = call_kwargs.get("window_size", (-1, -1))
+    dropout_p = call_kwargs.get("dropout_p", 0.0)
+    # SDPA takes dropout_p = 1 (all dropped); the kernels' own rule is [0, 1).
+    check_flags(causal, window, 0.0 if dropout_p == 1.0 and layout == "bhld" else dropout_p)
+    scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
+                        "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
+    softcap = call_kwargs.get("softcap", 0.0)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    general = bool(softcap or dropout_p or attn_mask is not None)
     p = plan(query, key, value, scale, general, run_dtype=autocast_dtype(query))
+    if p.kernel == "none":  # not a floating dtype: a call raises
+        raise ValueError("; ".join(p.reasons))
     if p.fused and query.device.type != "meta":
-        ops.check_args(query, key, value, None, False, -1, -1, 0.0, 0.0)
+        wl, wr = window
+        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr,
+                       float(softcap), 0.0 if dropout_p == 1.0 else float(dropout_p))
     return p

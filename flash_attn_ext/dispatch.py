@@ -82,13 +82,17 @@ _last_plan: Optional[Plan] = None
 def set_strict(enabled: Optional[bool]) -> None:
     """Turns strict mode on or off for this process; ``None`` defers to FLASH_ATTN_EXT_STRICT."""
     global _strict_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_strict takes True, False or None, got {enabled!r}")
     _strict_override = enabled
 
 
 def strict_enabled(strict: Optional[bool] = None) -> bool:
     """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else the env var."""
     if strict is not None:
-        return bool(strict)
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict must be True, False or None, got {strict!r}")
+        return strict
     if _strict_override is not None:
         return _strict_override
     return os.environ.get("FLASH_ATTN_EXT_STRICT", "0").strip().lower() in ("1", "true", "yes")
@@ -320,6 +324,8 @@ def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
     ``needs_grad``, strict mode only refuses it early, before any work.
     """
     global _last_plan
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"strict must be True, False or None, got {strict!r}")
     _last_plan = p
     if not p.fused:
         note_fallback("; ".join(p.reasons), FALLBACK, strict)
@@ -330,6 +336,7 @@ def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
 
 def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> None:
     """Raises in strict mode; else counts the fallback and warns once per reason."""
+    target = target.removeprefix("fallback:")
     if strict_enabled(strict):
         raise FallbackError(
             f"flash_attn_ext strict mode: no fused kernel serves this call ({reason}); it would "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -29,24 +30,45 @@ def _check_transforms(*tensors: torch.Tensor) -> None:
                 "gradient transforms); use torch.autograd.grad or loss.backward()")
 
 
-def autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype a call on ``q`` runs in under torch.autocast (None: q's own): float32/float64
-    inputs run in the autocast dtype, as scaled_dot_product_attention does (it is on autocast's
-    lower-precision list)."""
-    device = q.device.type
+def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype a tensor of the call runs in under torch.autocast (None: its own).
+    scaled_dot_product_attention is on autocast's lower-precision list: every floating input
+    except float64 is cast to the autocast dtype (float64 stays, as in PyTorch)."""
+    device = t.device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return None
     dtype = torch.get_autocast_dtype(device)
-    if q.dtype not in (torch.float32, torch.float64) or q.dtype == dtype:
+    if not t.is_floating_point() or t.dtype in (torch.float64, dtype):
         return None
     return dtype
 
 
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    dtype = autocast_dtype(q)
-    if dtype is None:
-        return q, k, v
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    def cast(t):
+        dtype = autocast_dtype(t)
+        return t if dtype is None else t.to(dtype)
+    return cast(q), cast(k), cast(v)
+
+
+def check_scale(scale, name: str) -> Optional[float]:
+    """A softmax scale as the kernels take it: None, or a finite real number (a Python number or
+    a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
+            and not scale.is_complex():
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{name} must be a finite number or a 0-d real tensor (None: "
+                         f"1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def check_bool(value, name: str) -> bool:
+    """ValueError unless ``value`` is a bool (so that e.g. the string "no" is not taken as True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> None:
@@ -60,6 +82,10 @@ def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
             or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    for side, w in zip(("window_left", "window_right"), window_size):
+        if w < -1:
+            raise ValueError(f"{side} must be >= -1 (-1 = unbounded), got {w} "
+                             f"(window_size={window_size!r})")
     if any(w > 2**63 - 1 for w in window_size):
         raise ValueError(f"window_size sides must fit in int64 (-1, or any length >= seqlen_q + "
                          f"seqlen_k, means unbounded), got {window_size!r}")
@@ -164,7 +190,15 @@ def flash_attn_func(
             forward-mode AD (torch.func.jvp) and torch.func gradient transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_flags(causal, window_size, dropout_p)
+    softmax_scale = check_scale(softmax_scale, "softmax_scale")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    check_bool(deterministic, "deterministic")
+    check_bool(return_softmax_lse, "return_softmax_lse")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
                                   "alibi_slopes=None")

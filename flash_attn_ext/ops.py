@@ -17,7 +17,13 @@ from typing import Optional
 
 import torch
 
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # e.g. `import flash_attn_ext` from an unbuilt source checkout
+    raise ImportError(
+        "flash_attn_ext's compiled library (_C) could not be loaded: build it first (pip install "
+        ". or make build, see README.md), or run from outside the source tree so that the "
+        f"installed package is imported ({e})") from e
 
 fwd_op = torch.ops.flash_attn_ext.fwd.default
 bwd_op = torch.ops.flash_attn_ext.bwd.default
@@ -34,11 +40,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_fake_args(q, k, v, attn_bias=None):
+def _check_fake_args(q, k, v, attn_bias=None, **others):
     """The checks of csrc/ops.cpp that fake kernels can make (they serve torch.compile tracing
-    and mixed meta/real calls, which never reach the C++ checks)."""
-    if attn_bias is not None and attn_bias.device != q.device:
-        raise ValueError(f"attn_bias must be on {q.device}, got {attn_bias.device}")
+    and mixed meta/real calls, which never reach the C++ checks).  ``others``: the op's other
+    tensor arguments by name (None where absent); every one must be on q's device, or a call
+    mixing meta and real tensors would return meta-shaped garbage instead of an error."""
+    for name, t in (("attn_bias", attn_bias),) + tuple(others.items()):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device} (the device of q)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, num_heads, head_dim), "
@@ -55,7 +64,7 @@ def _check_fake_args(q, k, v, attn_bias=None):
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
               align_bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
               dropout_p=0.0, deterministic=False):
-    _check_fake_args(q, k, v, attn_bias)
+    _check_fake_args(q, k, v, attn_bias, alibi_slopes=alibi_slopes)
     batch, seqlen_q, num_heads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, num_heads, v.shape[-1]))
     softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=lse_dtype(q.dtype))
@@ -68,7 +77,8 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
               window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
               alibi_slopes=None, attn_bias=None, dropout_p=0.0, deterministic=False,
               bias_requires_grad=False, dsoftmax_lse=None):
-    _check_fake_args(q, k, v, attn_bias)
+    _check_fake_args(q, k, v, attn_bias, dout=dout, out=out, softmax_lse=softmax_lse,
+                     rng_state=rng_state, alibi_slopes=alibi_slopes, dsoftmax_lse=dsoftmax_lse)
     if attn_bias is not None and bias_requires_grad:
         dbias = attn_bias.new_empty(attn_bias.shape)
     else:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from . import dispatch
-from .interface import check_flags, run
+from .interface import check_flags, check_scale, run
 
 
 def scaled_dot_product_attention(
@@ -60,9 +59,7 @@ def scaled_dot_product_attention(
             E or Ev > 256 runs PyTorch's own function, reported as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number (or None for 1/sqrt(E)), got {scale!r}")
+    scale = check_scale(scale, "scale")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")
@@ -141,6 +138,10 @@ def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(f"{name} is a nested tensor, which flash_attn_ext does not take: "
+                             "use torch.nn.functional.scaled_dot_product_attention (under "
+                             "flash_attn_ext.patch() such calls go to it)")
         if t.dim() not in (3, 4):
             raise ValueError(f"{name} must have 3 (N, L, E) or 4 (N, H, L, E) dimensions, got "
                              f"{name}.dim()={t.dim()} with shape {tuple(t.shape)}")
@@ -168,7 +169,9 @@ def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_
         if heads != heads_kv and not enable_gqa:
             raise ValueError(f"query has {heads} heads (query.size(1)) and key has {heads_kv} "
                              "(key.size(1)): they must be equal unless enable_gqa=True")
-        if heads_kv == 0 or heads % heads_kv != 0:
+        if heads_kv == 0 and heads != 0:
+            raise ValueError(f"key.size(1)=0 heads cannot serve query.size(1)={heads} heads")
+        if heads_kv != 0 and heads % heads_kv != 0:
             raise ValueError(f"with enable_gqa, query.size(1)={heads} must be a multiple of "
                              f"key.size(1)={heads_kv}")
     if query.dim() == 3:

@@ -21,12 +21,26 @@ def test_autocast_cpu_bf16_matches_explicit_cast_and_sdpa_dtype():
     assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
 
 
-def test_autocast_off_or_low_precision_inputs_untouched():
+def test_autocast_casts_as_sdpa_does():
+    # Autocast off: inputs untouched.  On: every floating input but float64 runs in the
+    # autocast dtype (mixed q/k/v dtypes included), float64 stays, as PyTorch's SDPA.
     q = torch.randn(1, 9, 2, 8)
     assert flash_attn_func(q, q, q).dtype == torch.float32
+    qs = q.transpose(1, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = q.half()
-        assert flash_attn_func(h, h, h).dtype == torch.float16
+        assert flash_attn_func(h, h, h).dtype == torch.bfloat16
+        d = q.double()
+        assert flash_attn_func(d, d, d).dtype == torch.float64
+        for args in ((qs.bfloat16(), qs, qs), (qs, qs.bfloat16(), qs.half()),
+                     (qs.half(), qs.half(), qs.half())):
+            out = scaled_dot_product_attention(*args)
+            assert out.dtype == F.scaled_dot_product_attention(*args).dtype == torch.bfloat16
+            assert torch.equal(out, scaled_dot_product_attention(
+                *(t.bfloat16() for t in args)))
+        d = qs.double()
+        assert scaled_dot_product_attention(d, d, d).dtype == torch.float64
+        assert last_plan().kernel == "cpu_flash_fwd_fp64"
 
 
 def test_autocast_under_compile():

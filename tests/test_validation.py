@@ -67,7 +67,7 @@ def test_window_scale_softcap_dropout():
     with pytest.raises(ValueError, match=r"window_size must be a pair"):
         flash_attn_func(q, k, v, window_size=(1, 2, 3))
     for bad in (float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"softmax_scale must be finite.*got"):
+        with pytest.raises(ValueError, match=r"softmax_scale must be a finite number.*got"):
             flash_attn_func(q, k, v, softmax_scale=bad)
     with pytest.raises(ValueError, match=r"softcap must be finite and >= 0.*got -1"):
         flash_attn_func(q, k, v, softcap=-1.0)
@@ -171,8 +171,21 @@ def test_explain_checks_like_a_call():
         explain(q, q, q, is_casual=True)
     with pytest.raises(ValueError):
         explain(q, torch.randn(1, 2, 3, 9), q)
-    p = explain(q.long(), q.long(), q.long())
-    assert not p.fused and "not a floating dtype" in p.reasons[0]
+    with pytest.raises(ValueError, match="not a floating dtype"):  # as a call raises
+        explain(q.long(), q.long(), q.long())
+    # The call's own flags and mask are checked as the call checks them.
+    with pytest.raises(ValueError, match="not broadcastable"):
+        explain(q, q, q, attn_mask=torch.ones(5, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout_p"):
+        explain(q, q, q, dropout_p=2.0)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        explain(q, q, q, scale=float("inf"))
+    with pytest.raises(ValueError, match="softcap"):
+        explain(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="window_left must be >= -1"):
+        explain(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), layout="blhd",
+                window_size=(-5, 0))
+    assert explain(q, q, q, dropout_p=1.0, is_causal=True).fused  # SDPA takes dropout_p=1
 
 
 def test_fake_kernel_errors_are_clear_under_compile():
@@ -203,3 +216,68 @@ def test_sdpa_errors_use_the_callers_names():
     with pytest.raises(ValueError, match="attn_bias must be on cpu, got meta"):  # op level
         ops.fwd(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
                 attn_bias=torch.randn(5, 7, device="meta"))
+
+
+def test_scale_as_in_pytorch_and_strict_type_checks():
+    # A 0-d tensor scale is taken as PyTorch takes it; bools and strings are refused.
+    q = torch.randn(2, 4, 9, 32)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+    for scale in (torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64), 0.5):
+        assert torch.allclose(scaled_dot_product_attention(q, q, q, scale=scale), ref, atol=1e-6)
+        assert torch.allclose(flash_attn_func(*(t.transpose(1, 2) for t in (q, q, q)),
+                                              softmax_scale=scale).transpose(1, 2), ref, atol=1e-6)
+    qt = q.transpose(1, 2)
+    for bad in (True, "0.5", torch.tensor([0.5]), torch.tensor(True)):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            scaled_dot_product_attention(q, q, q, scale=bad)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            flash_attn_func(qt, qt, qt, softmax_scale=bad)
+    for bad in (None, "3", True):
+        with pytest.raises(ValueError, match="softcap must be a number"):
+            flash_attn_func(qt, qt, qt, softcap=bad)
+    with pytest.raises(ValueError, match="deterministic must be a bool, got 'no'"):
+        flash_attn_func(qt, qt, qt, deterministic="no")
+    with pytest.raises(ValueError, match="return_softmax_lse must be a bool, got 'yes'"):
+        flash_attn_func(qt, qt, qt, return_softmax_lse="yes")
+    with pytest.raises(ValueError, match=r"window_left must be >= -1 \(-1 = unbounded\), got"):
+        flash_attn_func(qt, qt, qt, window_size=(-2**70, 0))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        flash_attn_func(qt.tolist(), qt, qt)
+    from flash_attn_ext import set_strict
+    with pytest.raises(ValueError, match="set_strict takes True, False or None, got 'false'"):
+        set_strict("false")
+    with pytest.raises(ValueError, match="strict must be True, False or None, got 'no'"):
+        scaled_dot_product_attention(q, q, q, strict="no")
+
+
+def test_zero_heads_and_nested_tensors():
+    q = torch.randn(2, 0, 9, 32)
+    out = scaled_dot_product_attention(q, q, q)  # as PyTorch: an empty result
+    assert out.shape == (2, 0, 9, 32)
+    with pytest.raises(ValueError, match=r"key.size\(1\)=0 heads cannot serve"):
+        scaled_dot_product_attention(torch.randn(2, 4, 9, 32), q, q, enable_gqa=True)
+    nt = torch.nested.nested_tensor([torch.randn(5, 4, 16), torch.randn(3, 4, 16)],
+                                    layout=torch.jagged).transpose(1, 2)
+    with pytest.raises(ValueError, match="query is a nested tensor"):
+        scaled_dot_product_attention(nt, nt, nt)
+    import flash_attn_ext.dispatch as dispatch
+    from flash_attn_ext import patch
+    dispatch.reset_fallback_counts()
+    with patch(), pytest.warns(UserWarning, match="nested"):
+        out = torch.nn.functional.scaled_dot_product_attention(nt, nt, nt)
+    assert out.is_nested and any("nested" in r for r in dispatch.fallback_counts())
+
+
+def test_raw_ops_refuse_mixed_meta_arguments():
+    # A meta tensor among the other arguments sends the call to the fake kernel, which must
+    # refuse it rather than return uninitialised CPU memory.
+    q = torch.randn(1, 8, 2, 16)
+    out, lse, rng = ops.fwd(q, q, q, dropout_p=0.5)
+    dout = torch.randn_like(out)
+    for name, args in (("rng_state", (dout, q, q, q, out, lse, rng.to("meta"))),
+                       ("out", (dout, q, q, q, out.to("meta"), lse, rng)),
+                       ("dout", (dout.to("meta"), q, q, q, out, lse, rng))):
+        with pytest.raises(ValueError, match=f"{name} must be on cpu, got meta"):
+            ops.bwd_op(*args, None, False, -1, -1, True, 0.0, None, None, 0.5)
+    with pytest.raises(ValueError, match="alibi_slopes must be on cpu, got meta"):
+        torch.ops.flash_attn_ext.fwd(q, q, q, alibi_slopes=torch.ones(2, device="meta"))
