@@ -34,7 +34,7 @@ def info() -> int:
     print("\nkernel per configuration (q/k/v of shape (2, 1024, 8, head_dim)):")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             for head_dim in (64, 128):
                 q = torch.empty(2, 1024, 8, head_dim, dtype=dtype, device=device)
                 p = dispatch.plan(q, q, q)

@@ -136,6 +136,7 @@ def flash_attn_func(
     deterministic: bool = False,
     return_softmax_lse: bool = False,
     *,
+    return_attn_probs: bool = False,
     strict: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention, computed the FlashAttention way, in (batch, seqlen, num_heads, head_dim).
@@ -171,6 +172,9 @@ def flash_attn_func(
             reproducible (the CPU and CUDA backward kernels use no atomics: on CUDA a separate
             dq kernel, which measured faster than adding dq with atomics).
         return_softmax_lse: also return softmax_lse.
+        return_attn_probs: FlashAttention-2's argument, for code written against it: with True
+            the call returns (out, softmax_lse, None); the attention probabilities are never
+            stored, so the third item is None.
         strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
             unfused path (default: ``FLASH_ATTN_EXT_STRICT``).
 
@@ -180,7 +184,8 @@ def flash_attn_func(
         natural-log log-sum-exp of each row's scaled scores.  Rows that see no key get out = 0,
         softmax_lse = -inf and zero gradients.  softmax_lse is differentiable: a loss term on
         it (e.g. merging attention chunks) reaches q, k (and a float mask) exactly; the
-        backward folds it into delta = rowsum(dO * O) - dlse.
+        backward folds it into delta = rowsum(dO * O) - dlse.  With return_attn_probs:
+        (out, softmax_lse, None).
 
     Raises:
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
@@ -199,6 +204,7 @@ def flash_attn_func(
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     check_bool(deterministic, "deterministic")
     check_bool(return_softmax_lse, "return_softmax_lse")
+    check_bool(return_attn_probs, "return_attn_probs")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
                                   "alibi_slopes=None")
@@ -207,4 +213,6 @@ def flash_attn_func(
                            align_bottom_right=True, softcap=float(softcap),
                            dropout_p=float(dropout_p),
                            deterministic=deterministic, strict=strict)
+    if return_attn_probs:
+        return out, softmax_lse, None
     return (out, softmax_lse) if return_softmax_lse else out

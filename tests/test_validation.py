@@ -281,3 +281,12 @@ def test_raw_ops_refuse_mixed_meta_arguments():
             ops.bwd_op(*args, None, False, -1, -1, True, 0.0, None, None, 0.5)
     with pytest.raises(ValueError, match="alibi_slopes must be on cpu, got meta"):
         torch.ops.flash_attn_ext.fwd(q, q, q, alibi_slopes=torch.ones(2, device="meta"))
+
+
+def test_flash_attention_2_return_attn_probs():
+    q = torch.randn(1, 9, 2, 16)
+    out, lse, probs = flash_attn_func(q, q, q, causal=True, return_attn_probs=True)
+    assert probs is None and lse.shape == (1, 2, 9)
+    assert torch.equal(out, flash_attn_func(q, q, q, causal=True, return_attn_probs=False))
+    with pytest.raises(ValueError, match="return_attn_probs must be a bool"):
+        flash_attn_func(q, q, q, return_attn_probs=1)
