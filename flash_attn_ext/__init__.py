@@ -71,8 +71,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     unknown = set(call_kwargs) - _CALL_KEYWORDS
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
-    from .dispatch import plan
-    from .interface import autocast_dtype, check_flags, check_scale
+    from .dispatch import is_general, plan
+    from .interface import autocast_dtype, check_flags, check_scale, check_softcap
     from .sdpa import mask_to_bias
     attn_mask = call_kwargs.get("attn_mask")
     if layout == "bhld":
@@ -84,19 +84,18 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)
-    # SDPA takes dropout_p = 1 (all dropped); the kernels' own rule is [0, 1).
-    check_flags(causal, window, 0.0 if dropout_p == 1.0 and layout == "bhld" else dropout_p)
+    # SDPA takes dropout_p = 1 (all dropped: no kernel work); the kernels' own rule is [0, 1).
+    kernel_dropout = 0.0 if dropout_p == 1.0 and layout == "bhld" else dropout_p
+    check_flags(causal, window, kernel_dropout)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
-    softcap = call_kwargs.get("softcap", 0.0)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
-    general = bool(softcap or dropout_p or attn_mask is not None)
-    p = plan(query, key, value, scale, general, run_dtype=autocast_dtype(query))
+    softcap = check_softcap(call_kwargs.get("softcap", 0.0))
+    p = plan(query, key, value, scale, is_general(softcap, dropout_p, attn_mask is not None),
+             run_dtype=autocast_dtype(query))
     if p.kernel == "none":  # not a floating dtype: a call raises
         raise ValueError("; ".join(p.reasons))
     if p.fused and query.device.type != "meta":
         wl, wr = window
-        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr,
-                       float(softcap), 0.0 if dropout_p == 1.0 else float(dropout_p))
+        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
+                       float(kernel_dropout))
     return p

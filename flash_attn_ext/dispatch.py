@@ -87,11 +87,17 @@ def set_strict(enabled: Optional[bool]) -> None:
     _strict_override = enabled
 
 
+def _check_strict(strict) -> None:
+    """ValueError unless a call's ``strict`` is True, False or None (a string like "no" is not
+    taken as True)."""
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"strict must be True, False or None, got {strict!r}")
+
+
 def strict_enabled(strict: Optional[bool] = None) -> bool:
     """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else the env var."""
+    _check_strict(strict)
     if strict is not None:
-        if not isinstance(strict, bool):
-            raise ValueError(f"strict must be True, False or None, got {strict!r}")
         return strict
     if _strict_override is not None:
         return _strict_override
@@ -198,6 +204,12 @@ def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> lis
     return why
 
 
+def is_general(softcap: float, dropout_p: float, has_bias: bool) -> bool:
+    """Whether a call needs the kernels' general variant (softcap, an attn_mask/attn_bias or
+    dropout), which plan() reports and which picks the portable forward on sm_90."""
+    return bool(softcap > 0 or dropout_p > 0 or has_bias)
+
+
 def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: bool,
                    info: dict) -> list:
     """Why the Hopper forward (csrc/kernels/sm90) cannot serve a call on an sm_90 GPU (``info``:
@@ -245,18 +257,19 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device == "cpu":
         return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
     if device == "cuda":
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if torch.compiler.is_compiling():
-            return _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim)
+            return _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index)
         # Eager calls: the plan depends on the tensors only through what the key holds (the
         # stride rule only when some stride is 0), so it is computed once per key.
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         broadcast = 0 in q.stride() or 0 in k.stride() or 0 in v.stride()
         key = (index, q_dtype, q.shape[-1], v.shape[-1], general,
                softmax_scale if softmax_scale is not None and softmax_scale <= 0 else None,
                os.environ.get(KERNEL_ENV, ""), q.shape[1] == 0 or k.shape[1] == 0)
         cached = None if broadcast else _cuda_plans.get(key)
         if cached is None:
-            cached = _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim)
+            cached = _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim,
+                                index)
             if not broadcast:
                 _cuda_plans[key] = cached
         return cached
@@ -267,8 +280,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
 
 
-def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim) -> Plan:
-    """plan() for a CUDA tensor (see there)."""
+def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index) -> Plan:
+    """plan() for a CUDA tensor on device ``index`` (see there)."""
     reasons = []
     info = ops.build_info()
     if not info["cuda"]:
@@ -282,7 +295,6 @@ def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim) -> Pla
         # positive scale.
         reasons.append(f"softmax_scale={softmax_scale}: the CUDA kernels take a positive "
                        "scale")
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if not reasons:
         cap = _capability(index)
         archs = info.get("cuda_archs", "")
@@ -324,8 +336,7 @@ def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
     ``needs_grad``, strict mode only refuses it early, before any work.
     """
     global _last_plan
-    if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"strict must be True, False or None, got {strict!r}")
+    _check_strict(strict)
     _last_plan = p
     if not p.fused:
         note_fallback("; ".join(p.reasons), FALLBACK, strict)

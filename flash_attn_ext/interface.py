@@ -64,6 +64,13 @@ def check_scale(scale, name: str) -> Optional[float]:
     return float(scale)
 
 
+def check_softcap(softcap) -> float:
+    """ValueError unless ``softcap`` is a number (bools refused); the kernels check its range."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
 def check_bool(value, name: str) -> bool:
     """ValueError unless ``value`` is a bool (so that e.g. the string "no" is not taken as True)."""
     if not isinstance(value, bool):
@@ -102,8 +109,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     """
     _check_transforms(q, k, v)
     q, k, v = _autocast(q, k, v)
-    general = softcap > 0 or attn_bias is not None or dropout_p > 0
-    p = dispatch.plan(q, k, v, softmax_scale, general)
+    p = dispatch.plan(q, k, v, softmax_scale,
+                      dispatch.is_general(softcap, dropout_p, attn_bias is not None))
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).
@@ -200,8 +207,7 @@ def flash_attn_func(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_flags(causal, window_size, dropout_p)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    softcap = check_softcap(softcap)
     check_bool(deterministic, "deterministic")
     check_bool(return_softmax_lse, "return_softmax_lse")
     check_bool(return_attn_probs, "return_attn_probs")
@@ -210,7 +216,7 @@ def flash_attn_func(
                                   "alibi_slopes=None")
     out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
                            window_left=int(window_size[0]), window_right=int(window_size[1]),
-                           align_bottom_right=True, softcap=float(softcap),
+                           align_bottom_right=True, softcap=softcap,
                            dropout_p=float(dropout_p),
                            deterministic=deterministic, strict=strict)
     if return_attn_probs:
