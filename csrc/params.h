@@ -54,6 +54,8 @@ struct FwdParams {
   const int64_t* philox_offset_ptr = nullptr;
   uint64_t philox_offset_intragraph = 0;
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
+  int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
+  int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
 };
 
 struct BwdParams : FwdParams {

@@ -113,12 +113,14 @@ def test_long_sequence_and_many_heads():
     (700, 1500, True, (-1, -1), False),    # top-left causal, L < S
     (1200, 1200, False, (150, 0), True),   # sliding window: a band of key tiles per block
     (333, 2500, False, (-1, -1), True)])   # few query blocks, long rows
-def test_many_tiles_empty_short_and_long_mixed(head_dim, seqlen_q, seqlen_k, causal, window,
-                                               bottom_right):
+@pytest.mark.parametrize("schedule", ["dynamic", "static", "tile"])
+def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, head_dim, seqlen_q,
+                                               seqlen_k, causal, window, bottom_right):
     # Hundreds of (query block, head) tiles, more than the GPU has SMs, long, short and empty ones
     # (rows that see no key) mixed in one launch; outputs are poisoned by conftest, so every
     # element must be written.  (Written for a persistent version of the kernel, which runs
     # several tiles per CTA; kept for the one-CTA-per-tile kernel.)
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
     q = rand(3, seqlen_q, 20, head_dim)
     k, v = rand(3, seqlen_k, 4, head_dim), rand(3, seqlen_k, 4, head_dim)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
@@ -133,3 +135,10 @@ def test_many_tiles_empty_short_and_long_mixed(head_dim, seqlen_q, seqlen_k, cau
         finite = torch.isfinite(true_lse)
         assert torch.equal(torch.isfinite(lse), finite)
         assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+
+
+def test_schedule_variable_is_checked(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
+    q = rand(1, 64, 2, 64)
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_SCHEDULE"):
+        ops.fwd(q, q, q)

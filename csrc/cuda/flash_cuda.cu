@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "checks.h"
 #include "dropout.h"
@@ -17,6 +19,7 @@
 #ifdef FLASH_ATTN_EXT_SM90
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
 #endif
@@ -106,6 +109,23 @@ bool use_sm90_fwd(const FwdParams& p) {
            broadcast(p.seqlen_k, p.v_row_stride));
 }
 
+// FLASH_ATTN_EXT_SM90_SCHEDULE (experimental, to compare schedules in one build): "dynamic"
+// (default: one CTA per SM, an atomic tile counter; see flash_fwd_sm90.cuh), "static" (one CTA
+// per SM, CTA c computes tiles c, c + grid, ...) or "tile" (one CTA per tile, the kernel on
+// main before the persistent version).
+enum class Sm90Schedule { kDynamic, kStatic, kTile };
+Sm90Schedule sm90_schedule() {
+  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_SCHEDULE");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "dynamic") == 0) {
+    return Sm90Schedule::kDynamic;
+  }
+  if (std::strcmp(env, "static") == 0) return Sm90Schedule::kStatic;
+  TORCH_CHECK_VALUE(std::strcmp(env, "tile") == 0,
+                    "FLASH_ATTN_EXT_SM90_SCHEDULE must be 'dynamic', 'static' or 'tile', got '",
+                    env, "'");
+  return Sm90Schedule::kTile;
+}
+
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
@@ -116,9 +136,6 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 
 template <typename Element>
 cudaError_t run_fwd(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-#ifdef FLASH_ATTN_EXT_SM90
-  if (use_sm90_fwd(p)) return run_fwd_sm90<Element>(head_dim, p, stream);
-#endif
   if (head_dim <= 64) return sm80::run_flash_fwd<Element, 64>(p, stream);
   if (head_dim <= 128) return sm80::run_flash_fwd<Element, 128>(p, stream);
   return sm80::run_flash_fwd<Element, 256>(p, stream);
@@ -161,9 +178,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     p.rng_state = rng_state.data_ptr<int64_t>();
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    cudaError_t err = q.scalar_type() == at::kBFloat16
-                          ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
-                          : run_fwd<__half>(kernel_dim, p, stream);
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    cudaError_t err;
+#ifdef FLASH_ATTN_EXT_SM90
+    at::Tensor tile_counter;  // the Hopper kernel's scheduler scratch (zeroed by its launcher)
+    if (use_sm90_fwd(p)) {
+      const Sm90Schedule schedule = sm90_schedule();
+      if (schedule == Sm90Schedule::kDynamic) {
+        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int32_t>();
+      }
+      if (schedule == Sm90Schedule::kTile) p.max_ctas = std::numeric_limits<int32_t>::max();
+      err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
+                 : run_fwd_sm90<__half>(kernel_dim, p, stream);
+    } else
+#endif
+    {
+      err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+                 : run_fwd<__half>(kernel_dim, p, stream);
+    }
     C10_CUDA_CHECK(err);
   } else {
     rng_state.zero_();  // no kernel runs for an empty output

@@ -119,7 +119,9 @@ struct Sm90FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    alignas(8) uint64_t barrier_q;
+    alignas(8) uint64_t barrier_q;        // Q landed (TMA transaction bytes), tile announced
+    alignas(8) uint64_t barrier_q_empty;  // every consumer thread is done with Q and `tile`
+    int32_t tile;                         // the tile being computed; -1 = no more tiles
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
 };
@@ -132,8 +134,38 @@ struct Sm90FwdArgs {
   FwdParams p;
   int32_t num_m_blocks;
   int32_t heads_per_section;
+  int32_t num_tiles;     // num_m_blocks * batch * heads_q
+  int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
+  // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
+  // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).
+  bool dynamic;
 };
 
+// Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in sections of
+// heads_per_section, small enough for a section's K and V to stay in L2 while its tiles run;
+// inside a section the query blocks go last-first, which under causal masking starts the
+// longest rows first (longest-processing-time-first, as FlashAttention-3's scheduler).
+struct TileCoord {
+  int m_block;
+  int64_t bh;
+};
+__device__ __forceinline__ TileCoord tile_coord(int32_t tile, int num_m_blocks,
+                                                int heads_per_section, int64_t batch_heads) {
+  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * heads_per_section;
+  const int64_t section = tile / section_size, in_section = tile % section_size;
+  const int64_t heads_here =
+      std::min<int64_t>(heads_per_section, batch_heads - section * heads_per_section);
+  return {num_m_blocks - 1 - static_cast<int>(in_section / heads_here),
+          section * heads_per_section + in_section % heads_here};
+}
+
+// Persistent: gridDim.x CTAs (at most one per SM) loop over tiles of 64 * kConsumers query rows.
+// A CTA's first tile is blockIdx.x; the producer thread takes each next one from an atomic
+// counter (dynamic scheduling: whichever CTA is free first takes the next-longest tile) and
+// announces it to the consumers in shared memory together with the tile's Q load.  The K/V ring
+// runs on across tiles (the producer issues the next tile's first K before it needs the Q
+// buffer back), so the consumers find the next tile's data waiting when they finish a tile,
+// instead of a new CTA's start-up and first loads.
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT const Sm90FwdArgs<T> args) {
@@ -144,30 +176,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const FwdParams& p = args.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
-
-  // Block order: the (batch, head) pairs go in sections of args.heads_per_section, small
-  // enough for a section's K and V to stay in L2 while its CTAs run; inside a section the query
-  // blocks go last-first, which under causal masking starts the longest rows first (the
-  // longest-processing-time-first order of FlashAttention-3's scheduler).
   const int num_m_blocks = args.num_m_blocks;
-  const int64_t bid = blockIdx.x;
-  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * args.heads_per_section;
-  const int64_t section = bid / section_size, in_section = bid % section_size;
-  const int64_t heads_here = std::min<int64_t>(args.heads_per_section,
-                                               p.batch * p.heads_q - section *
-                                                   args.heads_per_section);
-  const int m_block = num_m_blocks - 1 - static_cast<int>(in_section / heads_here);
-  const int64_t bh = section * args.heads_per_section + in_section % heads_here;
-  const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
-  const int hk = h / static_cast<int>(p.heads_q / p.heads_kv);
-  const int64_t m0 = static_cast<int64_t>(m_block) * kM;
-
+  const int64_t batch_heads = p.batch * p.heads_q;
+  const int group = static_cast<int>(p.heads_q / p.heads_kv);
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
-  const int n_begin = static_cast<int>(key_begin / kN);
-  const int n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
+  // Key tiles [n_begin, n_end) of the query block starting at row m0.
+  auto key_tiles = [&](int64_t m0, int& n_begin, int& n_end) {
+    const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
+    n_begin = static_cast<int>(key_begin / kN);
+    n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
+  };
 
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     p.rng_state[0] = p.rng_state[1] = 0;  // no dropout in this kernel: (seed, offset) = (0, 0)
@@ -185,6 +205,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Pipeline pipe_v(smem.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+    cutlass::arch::ClusterBarrier::init(&smem.barrier_q_empty, 128 * T::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -194,41 +215,82 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutVt{});
 
+  // The producer writes the tile number before the mbarrier arrive that releases it (the
+  // consumers read it after their wait on the same barrier, which acquires).
+  auto publish_tile = [&](int32_t tile) {
+    *reinterpret_cast<volatile int32_t*>(&smem.tile) = tile;
+    asm volatile("" ::: "memory");
+  };
+
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x != 0 || n_begin >= n_end) return;
+    if (threadIdx.x != 0) return;
     const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
                             static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
     const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
                             static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
     const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
                             static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
-    Tensor gQ = local_tile(args.tma_q.get_tma_tensor(shape_q)(_, _, h, b),
-                           Shape<Int<kM>, Int<kD>>{}, make_coord(m_block, 0));
-    Tensor gK = local_tile(args.tma_k.get_tma_tensor(shape_k)(_, _, hk, b),
-                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));  // (kN, kD, n)
-    Tensor gV = local_tile(args.tma_v.get_tma_tensor(shape_v)(_, _, hk, b),
-                           Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
-    auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                    group_modes<0, 2>(gQ));
-    auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                    group_modes<0, 2>(gK));
-    auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                    group_modes<0, 2>(gV));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
-                                                                   T::kTileBytesQ);
-    copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
+    Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
+    Tensor mK = args.tma_k.get_tma_tensor(shape_k);
+    Tensor mV = args.tma_v.get_tma_tensor(shape_v);
     auto state = cutlass::make_producer_start_state<Pipeline>();
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-      pipe_k.producer_acquire(state);
-      copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
-           tKs(_, state.index()));
-      pipe_v.producer_acquire(state);
-      copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
-           tVs(_, state.index()));
-      ++state;
+    int32_t tile = blockIdx.x;
+    for (int iter = 0;; ++iter) {
+      if (tile >= args.num_tiles) {
+        if (args.dynamic) {  // tell the consumers to stop, once they released Q
+          if (iter > 0) {
+            cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
+          }
+          publish_tile(-1);
+          cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
+        }
+        return;
+      }
+      const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads);
+      const int b = static_cast<int>(tc.bh / p.heads_q), h = static_cast<int>(tc.bh % p.heads_q);
+      const int hk = h / group;
+      int n_begin, n_end;
+      key_tiles(static_cast<int64_t>(tc.m_block) * kM, n_begin, n_end);
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{},
+                             make_coord(tc.m_block, 0));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{},
+                             make_coord(_, 0));  // (kN, kD, n)
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+      // The first K tile goes into the ring before the Q buffer is waited for: it may be freed
+      // by the previous tile's consumers sooner.
+      if (n_begin < n_end) {
+        pipe_k.producer_acquire(state);
+        copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_begin),
+             tKs(_, state.index()));
+      }
+      if (iter > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
+      if (args.dynamic) publish_tile(tile);  // released by the barrier arrive below
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
+                                                                     T::kTileBytesQ);
+      copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
+      for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        if (n_block > n_begin) {
+          pipe_k.producer_acquire(state);
+          copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
+               tKs(_, state.index()));
+        }
+        pipe_v.producer_acquire(state);
+        copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
+             tVs(_, state.index()));
+        ++state;
+      }
+      // Claimed only now, with this tile's loads issued: claiming it earlier would hold a long
+      // (causal) tile for this CTA while another CTA may become free sooner.
+      tile = args.dynamic ? atomicAdd(args.tile_counter, 1) + static_cast<int32_t>(gridDim.x)
+                          : tile + static_cast<int32_t>(gridDim.x);
     }
-    return;
   }
 
   // Consumers.
@@ -255,24 +317,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto s_index = [](int half, int c) { return (c & 1) + 2 * half + 4 * (c >> 1); };
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
   static_assert(size(tOrP) == kSVals, "");
-
-  // Rows, columns and key bounds fit in 32 bits (TMA's shapes are int32); keeping them 32-bit
-  // frees registers for the accumulators.  Keys [key_lo[r], key_hi[r]) are visible to row r.
-  int32_t row_of[2], key_lo[2], key_hi[2];
-  float m_row[2], l_row[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
-    key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r]));
-    key_hi[r] = static_cast<int32_t>(vis.end(row_of[r]));
-    m_row[r] = -INFINITY;
-    l_row[r] = 0.f;
-  }
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  // Key tiles inside [interior_begin, interior_end) are visible to every row of the block.
-  const int32_t interior_begin = static_cast<int32_t>(vis.begin(last_row)),
-                interior_end = static_cast<int32_t>(vis.end(m0));
-  clear(tOrO);
+
+  // Per-tile state.  Rows, columns and key bounds fit in 32 bits (TMA's shapes are int32);
+  // keeping them 32-bit frees registers for the accumulators.  Keys [key_lo[r], key_hi[r]) are
+  // visible to row r; key tiles inside [interior_begin, interior_end) to every row of the tile.
+  int32_t row_of[2], key_lo[2], key_hi[2], interior_begin, interior_end;
+  float m_row[2], l_row[2];
 
   // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
   // rescale factors exp2(m_old - m_new) of O's two rows.
@@ -344,97 +395,147 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   };
   // Pingpong (FlashAttention-3, section 3.1): the consumer warpgroups take turns issuing their
   // GEMMs, in a ring, so one's softmax runs while the others' GEMMs occupy the tensor cores.
-  // Named barrier `me` lets this warpgroup issue; after issuing, it lets the next one.  The last
-  // warpgroup opens the first turn for the first and skips its very last hand-over, so every
-  // barrier sees as many arrivals as waits.  All warpgroups have the same number of turns (one
-  // per key tile, plus one for the last P V).
+  // Named barrier `me` lets this warpgroup issue; after issuing, it lets the next one.  In every
+  // tile the last warpgroup opens the first turn for the first and skips its own last hand-over,
+  // so every barrier sees as many arrivals as waits.  All warpgroups have the same number of
+  // turns in a tile (one per key tile, plus one for the last P V).
   constexpr int kLastWg = T::kConsumers - 1;
   const int me = warp_group - 1, next = me == kLastWg ? 0 : me + 1;
   auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
   auto turn_end = [&](bool last) {
     if (!(last && me == kLastWg)) cutlass::arch::NamedBarrier::arrive(256, next);
   };
+  // Every consumer thread tells the producer that it is done with this tile's Q buffer and tile
+  // number (after the warpgroup_wait that covers its last Q K^T GEMM, or at once for a tile
+  // without visible keys): the producer overwrites both only after all of them arrived.
+  auto release_q = [&]() { cutlass::arch::ClusterBarrier::arrive(&smem.barrier_q_empty); };
 
-  if (n_begin < n_end) {
-    if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
-    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0);
-    typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
-    float alpha[2];
-    // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued together
-    // with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
-    pipe_k.consumer_wait(state);
-    turn_begin();
-    issue_qk(state.index());
-    turn_end(false);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    pipe_k.consumer_release(state);
-    softmax_step(n_begin, alpha);
-    convert_p();
-    auto prev = state;
-    ++state;
-    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+  typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
+  for (int iter = 0;; ++iter) {
+    int32_t tile = static_cast<int32_t>(blockIdx.x + iter * gridDim.x);  // static schedule
+    if (!args.dynamic && tile >= args.num_tiles) break;
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, iter & 1);
+    if (args.dynamic) {
+      asm volatile("" ::: "memory");  // CUTLASS's wait has no memory clobber: read after it
+      tile = *reinterpret_cast<volatile int32_t*>(&smem.tile);
+      if (tile < 0) break;
+    }
+    const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads);
+    const int b = static_cast<int>(tc.bh / p.heads_q), h = static_cast<int>(tc.bh % p.heads_q);
+    const int64_t m0 = static_cast<int64_t>(tc.m_block) * kM;
+    int n_begin, n_end;
+    key_tiles(m0, n_begin, n_end);
+    const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    interior_begin = static_cast<int32_t>(vis.begin(last_row));
+    interior_end = static_cast<int32_t>(vis.end(m0));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
+      key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r]));
+      key_hi[r] = static_cast<int32_t>(vis.end(row_of[r]));
+      m_row[r] = -INFINITY;
+      l_row[r] = 0.f;
+    }
+    clear(tOrO);
+
+    if (n_begin < n_end) {
+      if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
+      float alpha[2];
+      // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
+      // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
       pipe_k.consumer_wait(state);
-      pipe_v.consumer_wait(prev);
       turn_begin();
       issue_qk(state.index());
-      issue_pv(prev.index());
       turn_end(false);
-      warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(state);
-      softmax_step(n_block, alpha);
+      if (n_begin + 1 == n_end) release_q();
+      softmax_step(n_begin, alpha);
+      convert_p();
+      auto prev = state;
+      ++state;
+      for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+        pipe_k.consumer_wait(state);
+        pipe_v.consumer_wait(prev);
+        turn_begin();
+        issue_qk(state.index());
+        issue_pv(prev.index());
+        turn_end(false);
+        warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+        warpgroup_fence_operand(tSrS);
+        pipe_k.consumer_release(state);
+        if (n_block + 1 == n_end) release_q();
+        softmax_step(n_block, alpha);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        pipe_v.consumer_release(prev);
+        rescale_o(alpha);
+        convert_p();
+        prev = state;
+        ++state;
+      }
+      pipe_v.consumer_wait(prev);
+      turn_begin();
+      issue_pv(prev.index());
+      turn_end(true);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       pipe_v.consumer_release(prev);
-      rescale_o(alpha);
-      convert_p();
-      prev = state;
-      ++state;
+    } else {
+      release_q();  // no visible key: nothing reads Q
     }
-    pipe_v.consumer_wait(prev);
-    turn_begin();
-    issue_pv(prev.index());
-    turn_end(true);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    pipe_v.consumer_release(prev);
-  }
 
-  // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
-  auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
-              h * p.out_head_stride;
-  auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
-                                                       p.seqlen_q;
+    // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
+    auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
+                h * p.out_head_stride;
+    auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
+                                                         p.seqlen_q;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_row[r];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
-    const float inv_l = empty ? 0.f : 1.f / l;
-    const int64_t row = row_of[r];
-    if (row >= p.seqlen_q) continue;
-    Element* o_row = out + row * p.out_row_stride;
+    for (int r = 0; r < 2; ++r) {
+      float l = l_row[r];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
+      const float inv_l = empty ? 0.f : 1.f / l;
+      const int64_t row = row_of[r];
+      if (row >= p.seqlen_q) continue;
+      Element* o_row = out + row * p.out_row_stride;
 #pragma unroll
-    for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
-      const int i = s_index(r, c);
-      const int col = get<1>(tOcO(i));
-      if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
-        Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
-                           static_cast<Element>(tOrO(i + 1) * inv_l)};
-        *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
+      for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
+        const int i = s_index(r, c);
+        const int col = get<1>(tOcO(i));
+        if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
+          Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
+                             static_cast<Element>(tOrO(i + 1) * inv_l)};
+          *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
+        }
       }
-    }
-    if (get<1>(tScS(0)) == 0) {
-      lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+      if (get<1>(tScS(0)) == 0) {
+        lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+      }
     }
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
+// Streaming multiprocessors of the current device (queried once per device).
+inline cudaError_t sm_count(int* count) {
+  static int cached[64] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 64 && cached[device] > 0) {
+    *count = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < 64) cached[device] = *count;
+  return err;
+}
+
 // Host side: TMA descriptors for q, k, v (the caller guarantees 16-byte aligned rows and strides),
-// one CTA per (query block, batch, head) on `stream`.
+// the tile counter zeroed, then min(tiles, SMs) persistent CTAs on `stream`.
 template <typename T>
 cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Element = typename T::Element;
@@ -465,14 +566,25 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1};
+      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1, 0,
+      p.tile_counter, p.tile_counter != nullptr};
   // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(
       (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1), 1, p.batch * p.heads_q));
-  return sm80::launch(flash_fwd_sm90_kernel<T>,
-                      static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q, T::kThreads,
-                      T::kSmemBytes, stream, args);
+  const int64_t num_tiles = static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q;
+  if (num_tiles == 0) return cudaSuccess;
+  if (num_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
+  args.num_tiles = static_cast<int32_t>(num_tiles);
+  int sms = 0;
+  cudaError_t err = sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  if (args.dynamic) {
+    err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t ctas = std::min<int64_t>(num_tiles, p.max_ctas > 0 ? p.max_ctas : sms);
+  return sm80::launch(flash_fwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
 }
 
 }  // namespace flash_attn_ext::sm90
