@@ -28,7 +28,9 @@ def rand(*shape, dtype=torch.bfloat16):
 def test_plan_names_the_hopper_forward(head_dim, padded):
     q = rand(2, 100, 4, head_dim)
     p = dispatch.plan(q, q, q)
-    assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused and not p.notes
+    assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
+    # The only note: head dims above 128 run the 4-warp backward kernels.
+    assert len(p.notes) == (padded > 128) and all("4-warp" in n for n in p.notes)
     assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
 
 
@@ -113,14 +115,16 @@ def test_long_sequence_and_many_heads():
     (700, 1500, True, (-1, -1), False),    # top-left causal, L < S
     (1200, 1200, False, (150, 0), True),   # sliding window: a band of key tiles per block
     (333, 2500, False, (-1, -1), True)])   # few query blocks, long rows
-@pytest.mark.parametrize("schedule", ["dynamic", "static", "tile"])
-def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, head_dim, seqlen_q,
-                                               seqlen_k, causal, window, bottom_right):
+@pytest.mark.parametrize("schedule", ["auto", "dynamic", "static", "tile"])
+@pytest.mark.parametrize("epilogue", ["tma", "direct"])
+def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, epilogue, head_dim,
+                                               seqlen_q, seqlen_k, causal, window, bottom_right):
     # Hundreds of (query block, head) tiles, more than the GPU has SMs, long, short and empty ones
     # (rows that see no key) mixed in one launch; outputs are poisoned by conftest, so every
     # element must be written.  (Written for a persistent version of the kernel, which runs
     # several tiles per CTA; kept for the one-CTA-per-tile kernel.)
     monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_EPILOGUE", epilogue)
     q = rand(3, seqlen_q, 20, head_dim)
     k, v = rand(3, seqlen_k, 4, head_dim), rand(3, seqlen_k, 4, head_dim)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],

@@ -109,20 +109,23 @@ bool use_sm90_fwd(const FwdParams& p) {
            broadcast(p.seqlen_k, p.v_row_stride));
 }
 
-// FLASH_ATTN_EXT_SM90_SCHEDULE (experimental, to compare schedules in one build): "dynamic"
-// (default: one CTA per SM, an atomic tile counter; see flash_fwd_sm90.cuh), "static" (one CTA
-// per SM, CTA c computes tiles c, c + grid, ...) or "tile" (one CTA per tile, the kernel on
-// main before the persistent version).
+// The Hopper forward's tile schedule (see flash_fwd_sm90.cuh).  FLASH_ATTN_EXT_SM90_SCHEDULE
+// (to compare schedules in one build): "auto" (default: "dynamic" when a causal mask or window
+// makes tiles unequal, else "static"), "dynamic" (one CTA per SM, each takes its next tile from
+// an atomic counter: the longest-first order balances unequal tiles), "static" (one CTA per
+// SM, CTA c computes tiles c, c + grid, ...: no counter to zero) or "tile" (one CTA per tile).
 enum class Sm90Schedule { kDynamic, kStatic, kTile };
-Sm90Schedule sm90_schedule() {
+Sm90Schedule sm90_schedule(const FwdParams& p) {
   const char* env = std::getenv("FLASH_ATTN_EXT_SM90_SCHEDULE");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "dynamic") == 0) {
-    return Sm90Schedule::kDynamic;
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
+    const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
+    return unequal_tiles ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
   }
+  if (std::strcmp(env, "dynamic") == 0) return Sm90Schedule::kDynamic;
   if (std::strcmp(env, "static") == 0) return Sm90Schedule::kStatic;
   TORCH_CHECK_VALUE(std::strcmp(env, "tile") == 0,
-                    "FLASH_ATTN_EXT_SM90_SCHEDULE must be 'dynamic', 'static' or 'tile', got '",
-                    env, "'");
+                    "FLASH_ATTN_EXT_SM90_SCHEDULE must be 'auto', 'dynamic', 'static' or 'tile', "
+                    "got '", env, "'");
   return Sm90Schedule::kTile;
 }
 
@@ -183,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 #ifdef FLASH_ATTN_EXT_SM90
     at::Tensor tile_counter;  // the Hopper kernel's scheduler scratch (zeroed by its launcher)
     if (use_sm90_fwd(p)) {
-      const Sm90Schedule schedule = sm90_schedule();
+      const Sm90Schedule schedule = sm90_schedule(p);
       if (schedule == Sm90Schedule::kDynamic) {
         tile_counter = at::empty({1}, q.options().dtype(at::kInt));
         p.tile_counter = tile_counter.data_ptr<int32_t>();

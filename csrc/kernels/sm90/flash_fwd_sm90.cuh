@@ -15,7 +15,8 @@
 //     arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with P converted to
 //     16 bits in registers and fed to wgmma as its register A operand (the accumulator layout of
 //     S and the A-operand layout of P V hold the same rows and columns per thread).
-// O / l and the LSE are written once at the end.  Masking is csrc/mask.h's rule, applied only
+// O / l and the LSE are written once at the end (O through shared memory and a TMA store at
+// head dims 64 and 128, straight from registers at 256).  Masking is csrc/mask.h's rule, applied only
 // on key tiles that straddle a boundary.  Plain attention only: softcap, attn_bias and dropout
 // go to the sm80 kernel (the dispatcher says so).
 #pragma once
@@ -28,6 +29,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -109,6 +113,19 @@ struct Sm90FwdTraits {
                                        take<0, 2>(SmemLayoutKV{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
+  // The epilogue: each consumer warpgroup writes its 64 x kHeadDim slice of O to shared memory
+  // and one of its threads stores it with TMA, so the warpgroup goes on to its next tile while
+  // the copy runs.  Not at head dim 256, where Q and the K/V ring leave no room for it: there
+  // the threads store O from registers.
+  static constexpr bool kTmaStoreO = kHeadDim <= 128;
+  using SmemLayoutO = decltype(tile_to_shape(
+      SmemAtom{}, Shape<_64, Int<kHeadDim>, Int<kConsumers>>{}));  // (row, col, warpgroup)
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             GmemShape{}, GmemStride{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{},
+                                      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{},
+                                      _1{}));
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kTileBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTileBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -117,6 +134,7 @@ struct Sm90FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    array_aligned<Element, kTmaStoreO ? cosize_v<SmemLayoutO> : 8, 1024> o;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     alignas(8) uint64_t barrier_q;        // Q landed (TMA transaction bytes), tile announced
@@ -139,6 +157,8 @@ struct Sm90FwdArgs {
   // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
   // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).
   bool dynamic;
+  typename T::TmaO tma_o;  // set when tma_store_o
+  bool tma_store_o;        // T::kTmaStoreO and out's address and strides suit TMA
 };
 
 // Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in sections of
@@ -409,6 +429,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // number (after the warpgroup_wait that covers its last Q K^T GEMM, or at once for a tile
   // without visible keys): the producer overwrites both only after all of them arrived.
   auto release_q = [&]() { cutlass::arch::ClusterBarrier::arrive(&smem.barrier_q_empty); };
+  // Named barriers 0 .. kLastWg are the pingpong ring; kConsumers + me is this warpgroup's own
+  // (the epilogue's shared-memory handoff to its TMA-issuing thread).
+  auto warpgroup_sync = [&]() { cutlass::arch::NamedBarrier::sync(128, T::kConsumers + me); };
+  const bool o_leader = ctid % 128 == 0;  // issues this warpgroup's TMA stores of O
 
   typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
   for (int iter = 0;; ++iter) {
@@ -425,6 +449,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int64_t m0 = static_cast<int64_t>(tc.m_block) * kM;
     int n_begin, n_end;
     key_tiles(m0, n_begin, n_end);
+    // A warpgroup whose 64 rows all lie past seqlen_q (the last query block when seqlen_q is
+    // not a multiple of kBlockM) issues no GEMMs and no softmax; it still waits for and
+    // releases every K/V stage and takes its pingpong turns, so the other warpgroups' barriers
+    // count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192 rows: without this,
+    // the last tile's two empty warpgroups cost the tensor cores a full tile.)
+    const bool idle = m0 + 64 * me >= p.seqlen_q;
     const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
     interior_begin = static_cast<int32_t>(vis.begin(last_row));
     interior_end = static_cast<int32_t>(vis.end(m0));
@@ -438,7 +468,26 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     clear(tOrO);
 
-    if (n_begin < n_end) {
+    if (n_begin < n_end && idle) {
+      // The same waits, releases and turns as below, without the math.
+      if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
+      auto prev = state;
+      for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        pipe_k.consumer_wait(state);
+        if (n_block > n_begin) pipe_v.consumer_wait(prev);
+        turn_begin();
+        turn_end(false);
+        pipe_k.consumer_release(state);
+        if (n_block + 1 == n_end) release_q();
+        if (n_block > n_begin) pipe_v.consumer_release(prev);
+        prev = state;
+        ++state;
+      }
+      pipe_v.consumer_wait(prev);
+      turn_begin();
+      turn_end(true);
+      pipe_v.consumer_release(prev);
+    } else if (n_begin < n_end) {
       if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
       float alpha[2];
       // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
@@ -487,34 +536,97 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
 
     // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
-    auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
-                h * p.out_head_stride;
-    auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
-                                                         p.seqlen_q;
+    if (idle) continue;  // no row of this warpgroup exists
+    float inv_l[2];
+    bool empty[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float l = l_row[r];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      const bool empty = m_row[r] == -INFINITY || !(l > 0.f);
-      const float inv_l = empty ? 0.f : 1.f / l;
-      const int64_t row = row_of[r];
-      if (row >= p.seqlen_q) continue;
-      Element* o_row = out + row * p.out_row_stride;
+      empty[r] = m_row[r] == -INFINITY || !(l > 0.f);
+      inv_l[r] = empty[r] ? 0.f : 1.f / l;
+      l_row[r] = l;
+    }
+    // The value pairs (two adjacent columns) of row half r, scaled and rounded to 16 bits.
+    auto o_pair = [&](int r, int c) {
+      const int i = s_index(r, c);
+      Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l[r]),
+                         static_cast<Element>(tOrO(i + 1) * inv_l[r])};
+      return *reinterpret_cast<const uint32_t*>(pair);
+    };
+    if constexpr (T::kTmaStoreO) {
+      if (args.tma_store_o) {
+        // This warpgroup's rows go to its own (64, kD) slice of smem.o, laid out as SmemLayoutO
+        // (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of its 128-byte
+        // row; atoms of 8 rows x 64 columns, row atoms first), then one thread stores the slice
+        // with TMA, which leaves rows past seqlen_q and columns past head_dim_v alone.  Thread
+        // (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns 8 g + 2 (lane % 4) + {0, 1}
+        // (wgmma's accumulator layout): each 4-byte store of a warp lands in 8 different chunks,
+        // no bank conflict.  The byte offsets are written out by hand (checked against CuTe's
+        // layout on the host) so that no per-value address stays live across the main loop.
+        if (o_leader) tma_store_wait<0>();  // the previous tile's store has read the slice
+        warpgroup_sync();
+        {
+          const int lane = ctid % 32, warp = (ctid % 128) / 32, row8 = lane / 4;
+          unsigned char* slice = reinterpret_cast<unsigned char*>(smem.o.data()) +
+                                 me * (64 * kD * sizeof(Element)) + warp * 2048 + row8 * 128 +
+                                 (lane % 4) * 4;
 #pragma unroll
-      for (int c = 0; c < kOVals / 2; c += 2) {  // value pairs: two adjacent columns
-        const int i = s_index(r, c);
-        const int col = get<1>(tOcO(i));
-        if (col < p.head_dim_v) {  // head_dim_v is even (the glue pads to a multiple of 8)
-          Element pair[2] = {static_cast<Element>(tOrO(i) * inv_l),
-                             static_cast<Element>(tOrO(i + 1) * inv_l)};
-          *reinterpret_cast<uint32_t*>(o_row + col) = *reinterpret_cast<const uint32_t*>(pair);
+          for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int g = 0; g < kD / 8; ++g) {
+              *reinterpret_cast<uint32_t*>(slice + r * 1024 + (g / 8) * 8192 +
+                                           (((g % 8) ^ row8) * 16)) = o_pair(r, 2 * g);
+            }
+          }
+        }
+        tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
+        warpgroup_sync();
+        if (o_leader) {
+          Tensor sO =
+              make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
+          Tensor mO = args.tma_o.get_tma_tensor(
+              GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
+                        static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
+          Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kD>>{},
+                                 make_coord(tc.m_block * T::kConsumers + me, 0));
+          auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
+                                          group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(args.tma_o, tOs, tOg);
+          tma_store_arrive();
         }
       }
-      if (get<1>(tScS(0)) == 0) {
-        lse[row] = empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l)) * kLn2;
+    }
+    if (!(T::kTmaStoreO && args.tma_store_o)) {
+      auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
+                  h * p.out_head_stride;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (row_of[r] >= p.seqlen_q) continue;
+        Element* o_row = out + static_cast<int64_t>(row_of[r]) * p.out_row_stride;
+#pragma unroll
+        for (int c = 0; c < kOVals / 2; c += 2) {
+          const int col = get<1>(tOcO(s_index(r, c)));
+          // head_dim_v is even (the glue pads it to a multiple of 8)
+          if (col < p.head_dim_v) *reinterpret_cast<uint32_t*>(o_row + col) = o_pair(r, c);
+        }
       }
     }
+    auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
+                                                         p.seqlen_q;
+    if (get<1>(tScS(0)) == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (row_of[r] < p.seqlen_q) {
+          lse[row_of[r]] =
+              empty[r] ? -INFINITY : (m_row[r] * scale_log2 + log2f(l_row[r])) * kLn2;
+        }
+      }
+    }
+  }
+  if constexpr (T::kTmaStoreO) {
+    if (o_leader) tma_store_wait<0>();  // smem.o must outlive the last store's read
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
@@ -543,9 +655,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   auto stride_of = [](int64_t size, int64_t stride) {
     return size <= 1 ? int64_t{8} : stride;
   };
-  auto gmem = [&](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch,
+  auto gmem = [&](auto* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch,
                   int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+    using Ptr = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(ptr)>>,
+                                   const Element*, Element*>;
+    return make_tensor(make_gmem_ptr(static_cast<Ptr>(ptr)),
                        GmemShape(static_cast<int32_t>(rows), static_cast<int32_t>(dim),
                                  static_cast<int32_t>(heads), static_cast<int32_t>(batch)),
                        GmemStride(stride_of(rows, row_stride), _1{},
@@ -567,7 +681,28 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1, 0,
-      p.tile_counter, p.tile_counter != nullptr};
+      p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{}, false};
+  if constexpr (T::kTmaStoreO) {
+    // TMA needs a 16-byte aligned address and strides (the glue's out always has them).
+    auto aligned = [](int64_t size, int64_t stride) {
+      return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
+    };
+    // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
+    // the threads store O from registers, as at head dim 256.
+    const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
+    const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
+    args.tma_store_o = !direct && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                       aligned(p.seqlen_q, p.out_row_stride) &&
+                       aligned(p.heads_q, p.out_head_stride) &&
+                       aligned(p.batch, p.out_batch_stride);
+    if (args.tma_store_o) {
+      args.tma_o = make_tma_copy(SM90_TMA_STORE{},
+                                 gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,
+                                      p.out_row_stride, p.out_head_stride, p.out_batch_stride),
+                                 take<0, 2>(typename T::SmemLayoutO{}),
+                                 Shape<_64, Int<T::kHeadDim>>{}, _1{});
+    }
+  }
   // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(
