@@ -15,8 +15,7 @@
 //     arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with P converted to
 //     16 bits in registers and fed to wgmma as its register A operand (the accumulator layout of
 //     S and the A-operand layout of P V hold the same rows and columns per thread).
-// O / l and the LSE are written once at the end (O through shared memory and a TMA store at
-// head dims 64 and 128, straight from registers at 256).  Masking is csrc/mask.h's rule, applied only
+// O / l and the LSE are written once at the end (O through shared memory and TMA stores).  Masking is csrc/mask.h's rule, applied only
 // on key tiles that straddle a boundary.  Plain attention only: softcap, attn_bias and dropout
 // go to the sm80 kernel (the dispatcher says so).
 #pragma once
@@ -113,17 +112,18 @@ struct Sm90FwdTraits {
                                        take<0, 2>(SmemLayoutKV{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
-  // The epilogue: each consumer warpgroup writes its 64 x kHeadDim slice of O to shared memory
-  // and one of its threads stores it with TMA, so the warpgroup goes on to its next tile while
-  // the copy runs.  Not at head dim 256, where Q and the K/V ring leave no room for it: there
-  // the threads store O from registers.
-  static constexpr bool kTmaStoreO = kHeadDim <= 128;
+  // The epilogue: each consumer warpgroup writes its 64 rows of O to shared memory, kOCols
+  // columns at a time, and one of its threads stores them with TMA, so the warpgroup goes on
+  // to its next tile while the last copy runs.  At head dim 256 the Q tile and the K/V ring
+  // leave room for 128 columns only: two chunks, the second written once TMA has read the first.
+  static constexpr bool kTmaStoreO = true;
+  static constexpr int kOCols = kHeadDim < 128 ? kHeadDim : 128;
   using SmemLayoutO = decltype(tile_to_shape(
-      SmemAtom{}, Shape<_64, Int<kHeadDim>, Int<kConsumers>>{}));  // (row, col, warpgroup)
+      SmemAtom{}, Shape<_64, Int<kOCols>, Int<kConsumers>>{}));  // (row, col, warpgroup)
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                              GmemShape{}, GmemStride{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{},
-                                      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{},
+                                      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kOCols>>{},
                                       _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -142,6 +142,7 @@ struct Sm90FwdTraits {
     int32_t tile;                         // the tile being computed; -1 = no more tiles
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
 };
 
 template <typename T>
@@ -557,44 +558,48 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     };
     if constexpr (T::kTmaStoreO) {
       if (args.tma_store_o) {
-        // This warpgroup's rows go to its own (64, kD) slice of smem.o, laid out as SmemLayoutO
-        // (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of its 128-byte
-        // row; atoms of 8 rows x 64 columns, row atoms first), then one thread stores the slice
-        // with TMA, which leaves rows past seqlen_q and columns past head_dim_v alone.  Thread
-        // (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns 8 g + 2 (lane % 4) + {0, 1}
-        // (wgmma's accumulator layout): each 4-byte store of a warp lands in 8 different chunks,
-        // no bank conflict.  The byte offsets are written out by hand (checked against CuTe's
-        // layout on the host) so that no per-value address stays live across the main loop.
-        if (o_leader) tma_store_wait<0>();  // the previous tile's store has read the slice
-        warpgroup_sync();
-        {
-          const int lane = ctid % 32, warp = (ctid % 128) / 32, row8 = lane / 4;
+        // This warpgroup's rows go to its own (64, kOCols) slice of smem.o, laid out as
+        // SmemLayoutO (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of
+        // its 128-byte row; atoms of 8 rows x 64 columns, row atoms first), then one thread
+        // stores the slice with TMA, which leaves rows past seqlen_q and columns past head_dim_v
+        // alone.  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
+        // 8 g + 2 (lane % 4) + {0, 1} (wgmma's accumulator layout): each 4-byte store of a warp
+        // lands in 8 different chunks, no bank conflict.  The byte offsets are written out by
+        // hand (checked against CuTe's layout on the host) so that no per-value address stays
+        // live across the main loop.
+        constexpr int kOCols = T::kOCols, kGroups = kOCols / 8;  // 8-column groups per chunk
+        const int lane = ctid % 32, warp = (ctid % 128) / 32, row8 = lane / 4;
+#pragma unroll
+        for (int chunk = 0; chunk < kD / kOCols; ++chunk) {
+          if (o_leader) tma_store_wait<0>();  // the previous store has read the slice
+          warpgroup_sync();
           unsigned char* slice = reinterpret_cast<unsigned char*>(smem.o.data()) +
-                                 me * (64 * kD * sizeof(Element)) + warp * 2048 + row8 * 128 +
-                                 (lane % 4) * 4;
+                                 me * (64 * kOCols * sizeof(Element)) + warp * 2048 +
+                                 row8 * 128 + (lane % 4) * 4;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
 #pragma unroll
-            for (int g = 0; g < kD / 8; ++g) {
+            for (int g = 0; g < kGroups; ++g) {
               *reinterpret_cast<uint32_t*>(slice + r * 1024 + (g / 8) * 8192 +
-                                           (((g % 8) ^ row8) * 16)) = o_pair(r, 2 * g);
+                                           (((g % 8) ^ row8) * 16)) =
+                  o_pair(r, 2 * (chunk * kGroups + g));
             }
           }
-        }
-        tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
-        warpgroup_sync();
-        if (o_leader) {
-          Tensor sO =
-              make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
-          Tensor mO = args.tma_o.get_tma_tensor(
-              GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
-                        static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
-          Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kD>>{},
-                                 make_coord(tc.m_block * T::kConsumers + me, 0));
-          auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
-                                          group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-          copy(args.tma_o, tOs, tOg);
-          tma_store_arrive();
+          tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
+          warpgroup_sync();
+          if (o_leader) {
+            Tensor sO =
+                make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
+            Tensor mO = args.tma_o.get_tma_tensor(
+                GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
+                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
+            Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kOCols>>{},
+                                   make_coord(tc.m_block * T::kConsumers + me, chunk));
+            auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
+                                            group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+            copy(args.tma_o, tOs, tOg);
+            tma_store_arrive();
+          }
         }
       }
     }
@@ -700,7 +705,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                                  gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,
                                       p.out_row_stride, p.out_head_stride, p.out_batch_stride),
                                  take<0, 2>(typename T::SmemLayoutO{}),
-                                 Shape<_64, Int<T::kHeadDim>>{}, _1{});
+                                 Shape<_64, Int<T::kOCols>>{}, _1{});
     }
   }
   // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.

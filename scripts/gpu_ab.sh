@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call: A/B of the Hopper forward against a baseline source tree in the same call
+# (the speed of one H200 differs from call to call by several percent, so only same-call numbers
+# compare).  Builds this tree (9.0a only) and $BASE (default ab_base/, e.g. `git archive main`
+# unpacked there), runs tests/test_sm90.py, tests/test_cuda.py and compute-sanitizer here, then
+# benchmarks/sm90_variants.py alternately in each tree, $ROUNDS times ($BASE_ARGS / $NEW_ARGS: its
+# variant arguments per tree; a tree whose kernel reads no variant variable runs its one kernel).
+# Usage on the GPU machine: OUT=... BASE=ab_base bash scripts/gpu_ab.sh [sm90_variants args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; BASE=${BASE:-ab_base}; ROUNDS=${ROUNDS:-2}
+BASE_ARGS=${BASE_ARGS:---schedules tile --epilogues direct}
+NEW_ARGS=${NEW_ARGS:---schedules auto --epilogues tma}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+build() {
+  (cd "$1" && TORCH_CUDA_ARCH_LIST=9.0a FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=8 \
+    python3 setup.py -q build_ext --inplace > "$OUT/build_$2.log" 2>&1) || { tail -30 "$OUT/build_$2.log"; exit 1; }
+}
+start=$(date +%s)
+build . new & build "$BASE" base & wait
+echo "builds: $(( $(date +%s) - start )) s"
+export PYTHONPATH_NEW=$PWD PYTHONPATH_BASE=$(cd "$BASE" && pwd)
+PYTHONPATH=$PYTHONPATH_NEW:${PYTHONPATH:-} timeout 150 python3 -m pytest -q -rfE tests/test_sm90.py \
+  tests/test_cuda.py > "$OUT/tests.log" 2>&1
+echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in racecheck memcheck; do
+  echo "$tool: $(PYTHONPATH=$PYTHONPATH_NEW:${PYTHONPATH:-} timeout 90 "$SAN" --print-limit 5 \
+    --tool $tool python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
+done
+for round in $(seq "$ROUNDS"); do
+  for tree in base new; do
+    if [ $tree = base ]; then pp=$PYTHONPATH_BASE; args=$BASE_ARGS; else pp=$PYTHONPATH_NEW; args=$NEW_ARGS; fi
+    # shellcheck disable=SC2086
+    PYTHONPATH=$pp:${PYTHONPATH:-} timeout 150 python3 benchmarks/sm90_variants.py --rounds 1 $args "$@" \
+      2>&1 | grep -v Warning | sed "s/^/$tree r$round /" | tee -a "$OUT/ab.txt"
+  done
+done
