@@ -72,12 +72,16 @@ struct Sm90FwdTraits {
   static constexpr int kBlockN = kBlockN_;         // keys per K/V tile
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  // setmaxnreg budgets (per thread) of the producer and of each consumer warpgroup: together
-  // at most the SM's 64K registers.
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // setmaxnreg budgets (per thread) of the producer and of each consumer warpgroup.  They must
+  // fit in what the CTA got at launch, 65536 / kThreads per thread rounded down to a multiple
+  // of 8 (168 for 384 threads), or the consumers' increase waits forever.  Head dim 128: 40 for
+  // the persistent producer's tile loop (24 spilled ~90 bytes there) and 232 for the consumers
+  // (no spill); head dim 256's O accumulator needs 240 (232 spills in the main loop).
+  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kHeadDim == 128 ? 40 : 24;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kHeadDim == 128 ? 232 : 240;
   static_assert(kConsumers == 2 || kConsumers == 3, "");
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
+                    kThreads * (65536 / kThreads / 8 * 8), "");
   static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows need head dims in multiples of 64");
 
   // S = Q K^T: M = kBlockM (one 64-row atom per consumer warpgroup), N = kBlockN,
@@ -166,18 +170,19 @@ struct Sm90FwdArgs {
 // heads_per_section, small enough for a section's K and V to stay in L2 while its tiles run;
 // inside a section the query blocks go last-first, which under causal masking starts the
 // longest rows first (longest-processing-time-first, as FlashAttention-3's scheduler).
+// All in 32 bits (the launcher checks that the tile count fits): 64-bit divisions would cost
+// the 24-register producer spills.
 struct TileCoord {
-  int m_block;
-  int64_t bh;
+  int32_t m_block, b, h;
 };
-__device__ __forceinline__ TileCoord tile_coord(int32_t tile, int num_m_blocks,
-                                                int heads_per_section, int64_t batch_heads) {
-  const int64_t section_size = static_cast<int64_t>(num_m_blocks) * heads_per_section;
-  const int64_t section = tile / section_size, in_section = tile % section_size;
-  const int64_t heads_here =
-      std::min<int64_t>(heads_per_section, batch_heads - section * heads_per_section);
-  return {num_m_blocks - 1 - static_cast<int>(in_section / heads_here),
-          section * heads_per_section + in_section % heads_here};
+__device__ __forceinline__ TileCoord tile_coord(int32_t tile, int32_t num_m_blocks,
+                                                int32_t heads_per_section, int32_t batch_heads,
+                                                int32_t heads_q) {
+  const int32_t section_size = num_m_blocks * heads_per_section;
+  const int32_t section = tile / section_size, in_section = tile - section * section_size;
+  const int32_t heads_here = min(heads_per_section, batch_heads - section * heads_per_section);
+  const int32_t bh = section * heads_per_section + in_section % heads_here;
+  return {num_m_blocks - 1 - in_section / heads_here, bh / heads_q, bh % heads_q};
 }
 
 // Persistent: gridDim.x CTAs (at most one per SM) loop over tiles of 64 * kConsumers query rows.
@@ -198,7 +203,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const int num_m_blocks = args.num_m_blocks;
-  const int64_t batch_heads = p.batch * p.heads_q;
+  const int32_t batch_heads = static_cast<int32_t>(p.batch * p.heads_q);  // <= tiles < 2^31
   const int group = static_cast<int>(p.heads_q / p.heads_kv);
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
@@ -268,8 +273,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
         return;
       }
-      const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads);
-      const int b = static_cast<int>(tc.bh / p.heads_q), h = static_cast<int>(tc.bh % p.heads_q);
+      const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
+                                      static_cast<int32_t>(p.heads_q));
+      const int b = tc.b, h = tc.h;
       const int hk = h / group;
       int n_begin, n_end;
       key_tiles(static_cast<int64_t>(tc.m_block) * kM, n_begin, n_end);
@@ -445,17 +451,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       tile = *reinterpret_cast<volatile int32_t*>(&smem.tile);
       if (tile < 0) break;
     }
-    const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads);
-    const int b = static_cast<int>(tc.bh / p.heads_q), h = static_cast<int>(tc.bh % p.heads_q);
-    const int64_t m0 = static_cast<int64_t>(tc.m_block) * kM;
+    const int64_t m0 = static_cast<int64_t>(
+        tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
+                   static_cast<int32_t>(p.heads_q)).m_block) * kM;
     int n_begin, n_end;
     key_tiles(m0, n_begin, n_end);
     // A warpgroup whose 64 rows all lie past seqlen_q (the last query block when seqlen_q is
     // not a multiple of kBlockM) issues no GEMMs and no softmax; it still waits for and
     // releases every K/V stage and takes its pingpong turns, so the other warpgroups' barriers
     // count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192 rows: without this,
-    // the last tile's two empty warpgroups cost the tensor cores a full tile.)
-    const bool idle = m0 + 64 * me >= p.seqlen_q;
+    // the last tile's two empty warpgroups cost the tensor cores a full tile.)  Only with three
+    // consumers (192-row tiles, which power-of-two lengths never fill): at head dim 256 the
+    // extra code path made the main loop spill.
+    const bool idle = T::kConsumers == 3 && m0 + 64 * me >= p.seqlen_q;
     const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
     interior_begin = static_cast<int32_t>(vis.begin(last_row));
     interior_end = static_cast<int32_t>(vis.end(m0));
@@ -538,6 +546,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
     // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
     if (idle) continue;  // no row of this warpgroup exists
+    // The tile's coordinates again, from `tile` through an opaque move so that the compiler
+    // cannot reuse (and keep live across the main loop) the ones computed above: registers are
+    // what the main loop is short of, a few integer divisions per tile are not.
+    int32_t tile_again;
+    asm volatile("mov.b32 %0, %1;" : "=r"(tile_again) : "r"(tile));
+    const TileCoord tc = tile_coord(tile_again, num_m_blocks, args.heads_per_section,
+                                    batch_heads, static_cast<int32_t>(p.heads_q));
+    const int b = tc.b, h = tc.h;
     float inv_l[2];
     bool empty[2];
 #pragma unroll
