@@ -5,6 +5,7 @@
 # unpacked there), runs tests/test_sm90.py, tests/test_cuda.py and compute-sanitizer here, then
 # benchmarks/sm90_variants.py alternately in each tree, $ROUNDS times ($BASE_ARGS / $NEW_ARGS: its
 # variant arguments per tree; a tree whose kernel reads no variant variable runs its one kernel).
+# $ALT (optional): a third tree, built and timed like this one ("alt"), e.g. a variant of it.
 # Usage on the GPU machine: OUT=... BASE=ab_base bash scripts/gpu_ab.sh [sm90_variants args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,24 +16,32 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
 build() {
-  (cd "$1" && TORCH_CUDA_ARCH_LIST=9.0a FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=8 \
+  (cd "$1" && TORCH_CUDA_ARCH_LIST=9.0a FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-8} \
     python3 setup.py -q build_ext --inplace > "$OUT/build_$2.log" 2>&1) || { tail -30 "$OUT/build_$2.log"; exit 1; }
 }
 start=$(date +%s)
-build . new & build "$BASE" base & wait
+build . new & build "$BASE" base &
+if [ -n "${ALT:-}" ]; then build "$ALT" alt & fi
+wait
 echo "builds: $(( $(date +%s) - start )) s"
 export PYTHONPATH_NEW=$PWD PYTHONPATH_BASE=$(cd "$BASE" && pwd)
+TREES="base new"
+if [ -n "${ALT:-}" ]; then PYTHONPATH_ALT=$(cd "$ALT" && pwd); TREES="base new alt"; fi
 PYTHONPATH=$PYTHONPATH_NEW:${PYTHONPATH:-} timeout 150 python3 -m pytest -q -rfE tests/test_sm90.py \
   tests/test_cuda.py > "$OUT/tests.log" 2>&1
 echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for tool in racecheck memcheck; do
+for tool in ${SANITIZERS:-racecheck memcheck}; do
   echo "$tool: $(PYTHONPATH=$PYTHONPATH_NEW:${PYTHONPATH:-} timeout 90 "$SAN" --print-limit 5 \
     --tool $tool python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
 done
 for round in $(seq "$ROUNDS"); do
-  for tree in base new; do
-    if [ $tree = base ]; then pp=$PYTHONPATH_BASE; args=$BASE_ARGS; else pp=$PYTHONPATH_NEW; args=$NEW_ARGS; fi
+  for tree in $TREES; do
+    case $tree in
+      base) pp=$PYTHONPATH_BASE; args=$BASE_ARGS ;;
+      new) pp=$PYTHONPATH_NEW; args=$NEW_ARGS ;;
+      *) pp=$PYTHONPATH_ALT; args=$NEW_ARGS ;;
+    esac
     # shellcheck disable=SC2086
     PYTHONPATH=$pp:${PYTHONPATH:-} timeout 150 python3 benchmarks/sm90_variants.py --rounds 1 $args "$@" \
       2>&1 | grep -v Warning | sed "s/^/$tree r$round /" | tee -a "$OUT/ab.txt"
