@@ -40,9 +40,13 @@ if "transformers" in sys.modules:  # already imported: attn_implementation="flas
     register_transformers()
 
 
-_CALL_KEYWORDS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "softmax_scale",
-                           "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
-                           "return_softmax_lse", "strict"})
+# The keywords each layout's function takes (besides the tensors and enable_gqa).
+_CALL_KEYWORDS = {
+    "bhld": frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "strict"}),
+    "blhd": frozenset({"dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                       "alibi_slopes", "deterministic", "return_softmax_lse",
+                       "return_attn_probs", "strict"}),
+}
 
 
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -68,19 +72,24 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             call).
         TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``).
     """
-    unknown = set(call_kwargs) - _CALL_KEYWORDS
+    if layout not in _CALL_KEYWORDS:
+        raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
+    unknown = set(call_kwargs) - _CALL_KEYWORDS[layout]
     if unknown:
-        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
+        function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
+        raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
+                        f"does not take: {sorted(unknown)}")
     from .dispatch import is_general, plan
     from .interface import autocast_dtype, check_flags, check_scale, check_softcap
     from .sdpa import mask_to_bias
     attn_mask = call_kwargs.get("attn_mask")
     if layout == "bhld":
+        if attn_mask is not None and call_kwargs.get("is_causal", False):
+            raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
+                             "torch.nn.functional.scaled_dot_product_attention)")
         if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
             mask_to_bias(attn_mask, query, key)
         query, key, value = to_bshd(query, key, value, enable_gqa)
-    elif layout != "blhd":
-        raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)

@@ -116,7 +116,8 @@ def reset_fallback_counts() -> None:
 
 
 def last_plan() -> Optional[Plan]:
-    """The plan of the most recent call (under torch.compile: of the most recent trace)."""
+    """The plan of the most recent eager call.  Calls inside torch.compile are not recorded
+    (``explain()`` gives their plan; strict mode still refuses their fallbacks when traced)."""
     return _last_plan
 
 
@@ -337,7 +338,10 @@ def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
     """
     global _last_plan
     _check_strict(strict)
-    _last_plan = p
+    if not torch.compiler.is_compiling():
+        # Not while tracing: inside activation checkpointing (a higher-order op) dynamo refuses
+        # the write to a module global, and fullgraph=True would fail.
+        _last_plan = p
     if not p.fused:
         note_fallback("; ".join(p.reasons), FALLBACK, strict)
     elif needs_grad and not p.backward_fused and strict_enabled(strict) \

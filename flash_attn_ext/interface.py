@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
@@ -50,14 +51,25 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return cast(q), cast(k), cast(v)
 
 
+def as_number(x):
+    """``x`` as a Python number when it is a real number PyTorch's function accepts in its
+    place (a NumPy scalar, a 0-d real tensor); anything else unchanged, bools included, for the
+    checks to refuse."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 and x.dtype != torch.bool and not x.is_complex():
+            return x.item()
+        return x
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        return int(x) if isinstance(x, numbers.Integral) else float(x)
+    return x
+
+
 def check_scale(scale, name: str) -> Optional[float]:
-    """A softmax scale as the kernels take it: None, or a finite real number (a Python number or
-    a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
+    """A softmax scale as the kernels take it: None, or a finite real number (a Python or NumPy
+    number or a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
     if scale is None:
         return None
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
-            and not scale.is_complex():
-        scale = scale.item()
+    scale = as_number(scale)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"{name} must be a finite number or a 0-d real tensor (None: "
                          f"1/sqrt(head_dim)), got {scale!r}")

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .interface import check_flags, check_scale, run
+from .interface import as_number, check_flags, check_scale, run
 
 
 def scaled_dot_product_attention(
@@ -60,6 +60,7 @@ def scaled_dot_product_attention(
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     scale = check_scale(scale, "scale")
+    dropout_p = as_number(dropout_p)  # NumPy scalars and 0-d tensors, as PyTorch takes them
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")

@@ -145,6 +145,28 @@ def test_compile_dynamic_shapes_no_graph_break():
     assert not counters["graph_break"]
 
 
+def test_compile_fullgraph_inside_activation_checkpointing():
+    # Dynamo refuses side effects inside a higher-order op such as checkpoint: tracing must not
+    # write module state (it did: the last plan), or fullgraph=True fails.
+    from torch.utils.checkpoint import checkpoint
+    torch._dynamo.reset()
+    flash_attn_ext.dispatch._last_plan = None
+
+    def block(q):
+        return scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    compiled = torch.compile(lambda q: checkpoint(block, q, use_reentrant=False),
+                             fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    q_ref = q.detach().clone().requires_grad_()
+    out = compiled(q)
+    out.sum().backward()
+    ref = block(q_ref)
+    ref.sum().backward()
+    assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(q.grad, q_ref.grad, atol=1e-5)
+    assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp32"  # the eager call's
+
+
 def test_build_info_and_version():
     info = ops.build_info()
     assert info["version"] == flash_attn_ext.__version__

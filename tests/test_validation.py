@@ -181,7 +181,15 @@ def test_explain_checks_like_a_call():
     with pytest.raises(ValueError, match="scale must be a finite number"):
         explain(q, q, q, scale=float("inf"))
     with pytest.raises(ValueError, match="softcap"):
-        explain(q, q, q, softcap=-1.0)
+        explain(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), layout="blhd",
+                softcap=-1.0)
+    with pytest.raises(ValueError, match="cannot be used together"):
+        explain(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
+    # Only the keywords of the layout's own function (SDPA has no window or softcap).
+    with pytest.raises(TypeError, match="window_size"):
+        explain(q, q, q, window_size=(4, 0))
+    with pytest.raises(TypeError, match="attn_mask"):
+        explain(q, q, q, layout="blhd", attn_mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="window_left must be >= -1"):
         explain(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), layout="blhd",
                 window_size=(-5, 0))
@@ -222,12 +230,22 @@ def test_scale_as_in_pytorch_and_strict_type_checks():
     # A 0-d tensor scale is taken as PyTorch takes it; bools and strings are refused.
     q = torch.randn(2, 4, 9, 32)
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
-    for scale in (torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64), 0.5):
+    np = pytest.importorskip("numpy")
+    for scale in (torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64), 0.5,
+                  np.float32(0.5), np.float64(0.5)):
         assert torch.allclose(scaled_dot_product_attention(q, q, q, scale=scale), ref, atol=1e-6)
         assert torch.allclose(flash_attn_func(*(t.transpose(1, 2) for t in (q, q, q)),
                                               softmax_scale=scale).transpose(1, 2), ref, atol=1e-6)
+    assert torch.equal(scaled_dot_product_attention(q, q, q, scale=np.int64(1)),
+                       scaled_dot_product_attention(q, q, q, scale=1.0))
+    # dropout_p as a NumPy number or a 0-d tensor, as PyTorch takes it (same mask as the float).
+    outs = []
+    for p in (0.25, np.float32(0.25), torch.tensor(0.25)):
+        torch.manual_seed(0)
+        outs.append(scaled_dot_product_attention(q, q, q, dropout_p=p))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     qt = q.transpose(1, 2)
-    for bad in (True, "0.5", torch.tensor([0.5]), torch.tensor(True)):
+    for bad in (True, "0.5", torch.tensor([0.5]), torch.tensor(True), np.bool_(True)):
         with pytest.raises(ValueError, match="scale must be a finite number"):
             scaled_dot_product_attention(q, q, q, scale=bad)
         with pytest.raises(ValueError, match="softmax_scale must be a finite number"):

@@ -65,11 +65,17 @@ void flash_bwd_cpu(const BwdParams& p) {
   // Tasks are (batch, kv head) pairs.  With fewer pairs than threads (MQA, batch 1) each pair's
   // key tiles are also split into `chunks`: dK/dV rows stay disjoint, and each chunk adds its
   // share of dQ into its own buffer, summed in a fixed order afterwards (still deterministic).
+  // Each chunk's buffer is a float copy of the whole dQ, so chunks are capped at kMaxChunks and
+  // at what kChunkBytes allows: memory stays O(L), not O(L x threads) (a 64-thread machine
+  // wanted 64 copies).
+  constexpr int64_t kMaxChunks = 4, kChunkBytes = int64_t{1} << 31;
   const int64_t pairs = p.batch * p.heads_kv;
   const int64_t key_tiles = (p.seqlen_k + BK - 1) / BK;
   const int64_t threads = at::get_num_threads();
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min(key_tiles, (threads + pairs - 1) / pairs));
+  const int64_t dq_bytes = std::max<int64_t>(
+      1, pairs * group * L * D * static_cast<int64_t>(sizeof(acc_t)));
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({key_tiles, (threads + pairs - 1) / pairs, kMaxChunks, kChunkBytes / dq_bytes}));
   const int64_t tiles_per_chunk = chunks > 1 ? (key_tiles + chunks - 1) / chunks : key_tiles;
   std::vector<acc_t> dq_partial(chunks > 1 ? chunks * pairs * group * L * D : 0);
 

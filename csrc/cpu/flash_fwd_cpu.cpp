@@ -97,7 +97,9 @@ void flash_fwd_cpu(const FwdParams& p) {
         const int64_t i = i0 + r;
         scalar_t* o = out + b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
         const acc_t* acc = o_acc.data() + r * Dv;
-        const bool empty = m[r] == -kInf;  // no visible key: out = 0, lse = -inf
+        // No visible key: out = 0, lse = -inf.  (l = 0 too: a NaN score leaves m = -inf, as
+        // the max skips it, but makes l NaN, and NaN must come out, not an empty row.)
+        const bool empty = m[r] == -kInf && l[r] == acc_t(0);
         const acc_t inv_l = empty ? acc_t(0) : out_scale / l[r];
         for (int64_t c = 0; c < Dv; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_l);
         lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -kInf : m[r] + std::log(l[r]);

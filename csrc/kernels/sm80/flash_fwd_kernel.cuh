@@ -223,7 +223,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       float l = l_row[mt][r];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      const bool empty = m_row[mt][r] == -INFINITY || !(l > 0.f);
+      // No visible key (m = -inf, l = 0).  A NaN score makes l NaN: not empty, NaN comes out.
+      const bool empty = m_row[mt][r] == -INFINITY && l == 0.f;
       const float inv_l = empty ? 0.f : (kGeneral ? drop.scale : 1.f) / l;
       const int64_t row = row_of[mt][r];
       if (row >= p.seqlen_q) continue;

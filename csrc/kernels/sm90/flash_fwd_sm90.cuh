@@ -561,7 +561,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       float l = l_row[r];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      empty[r] = m_row[r] == -INFINITY || !(l > 0.f);
+      // No visible key (m = -inf, l = 0).  A NaN score makes l NaN: not empty, NaN comes out.
+      empty[r] = m_row[r] == -INFINITY && l == 0.f;
       inv_l[r] = empty[r] ? 0.f : 1.f / l;
       l_row[r] = l;
     }
