@@ -12,13 +12,27 @@ import torch.autograd.forward_ad as fwad
 from . import dispatch, ops
 
 
-def _check_transforms(*tensors: torch.Tensor) -> None:
+def _check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
     """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
     if torch.compiler.is_compiling():
         return
     dual = fwad._current_level >= 0  # a tensor can carry a tangent only inside a dual level
     if not dual and torch._C._functorch.peek_interpreter_stack() is None:
         return  # no forward-AD level and no functorch transform active: the common case
+    if dropout_p > 0 and torch._C._functorch.peek_interpreter_stack() is not None:
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+        interpreter = retrieve_current_functorch_interpreter()
+        randomness = getattr(interpreter, "randomness", lambda: "different")()
+        # vmap runs the op once per sample (PyTorch's fallback, which warns): every sample
+        # draws its own mask, which is vmap's randomness="different" and nothing else.
+        if randomness == "error":
+            raise RuntimeError(
+                "vmap: called random operation while in randomness error mode (dropout_p > 0 "
+                "in flash_attn_ext). Please use randomness='different' on vmap, or dropout_p=0")
+        if randomness == "same":
+            raise NotImplementedError(
+                "flash_attn_ext: dropout under vmap(randomness='same') is not supported: each "
+                "sample draws its own mask (use randomness='different')")
     for t in tensors:
         if dual and fwad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(
@@ -119,7 +133,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
 
     ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None.
     """
-    _check_transforms(q, k, v)
+    _check_transforms(q, k, v, dropout_p=dropout_p)
     q, k, v = _autocast(q, k, v)
     p = dispatch.plan(q, k, v, softmax_scale,
                       dispatch.is_general(softcap, dropout_p, attn_bias is not None))

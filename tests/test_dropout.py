@@ -157,3 +157,22 @@ def test_cuda_graph_capture_draws_fresh_masks_and_backward_regenerates_them():
         results.append((offset, static["out"].clone()))
     assert results[0][0] != results[1][0]  # each replay advanced the generator's offset
     assert not torch.equal(results[0][1], results[1][1])
+
+
+def test_dropout_under_vmap_follows_its_randomness_flag():
+    # vmap's default randomness="error" refuses random ops, as for PyTorch's dropout; "same"
+    # cannot be honoured (each sample draws its own mask); "different" runs, one mask each.
+    q = torch.randn(2, 9, 4, 16).expand(3, 2, 9, 4, 16)
+    k = v = torch.randn(2, 11, 4, 16)
+
+    def f(a):
+        return flash_attn_func(a, k, v, dropout_p=0.5)
+
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        torch.vmap(f)(q)
+    with pytest.raises(NotImplementedError, match="randomness='same'"):
+        torch.vmap(f, randomness="same")(q)
+    out = torch.vmap(f, randomness="different")(q)
+    assert not torch.equal(out[0], out[1])
+    no_drop = torch.vmap(lambda a: flash_attn_func(a, k, v))(q)  # no randomness: no check
+    assert torch.allclose(no_drop[0], flash_attn_func(q[0], k, v), atol=1e-6)
