@@ -15,9 +15,10 @@ path (eval mode, no grad) runs a fused kernel of its own.
 from __future__ import annotations
 
 import contextlib
-import functools
+import threading
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 
 from . import dispatch
@@ -26,7 +27,6 @@ from .sdpa import scaled_dot_product_attention
 _ORIGINAL = F.scaled_dot_product_attention
 
 
-@functools.wraps(_ORIGINAL)
 def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False, **kwargs):
     reason: Optional[str] = None
@@ -46,7 +46,14 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                                         enable_gqa=enable_gqa)
 
 
+_patched.__doc__ = _ORIGINAL.__doc__
+# TorchScript cannot run Python: a scripted module that calls the function while patched gets
+# PyTorch's own operator (without this it failed on the patched function and left a
+# half-compiled class behind that broke later scripting).
+torch.jit._builtins._register_builtin(_patched, "aten::scaled_dot_product_attention")
+
 _active: list = []  # live patch handles, in the order they were made
+_lock = threading.Lock()  # patch handles made and undone from several threads
 
 
 class _Patch(contextlib.AbstractContextManager):
@@ -54,17 +61,19 @@ class _Patch(contextlib.AbstractContextManager):
     undone in; the last undo restores what was there before the first."""
 
     def __init__(self) -> None:
-        if not _active:
-            _Patch._before = F.scaled_dot_product_attention
-        _active.append(self)
-        F.scaled_dot_product_attention = _patched
+        with _lock:
+            if not _active:
+                _Patch._before = F.scaled_dot_product_attention
+            _active.append(self)
+            F.scaled_dot_product_attention = _patched
 
     def undo(self) -> None:
         """Ends this handle (idempotent); the last live handle restores the original."""
-        if self in _active:
-            _active.remove(self)
-            if not _active:
-                F.scaled_dot_product_attention = _Patch._before
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+                if not _active:
+                    F.scaled_dot_product_attention = _Patch._before
 
     def __exit__(self, *exc) -> None:
         self.undo()
@@ -74,15 +83,18 @@ def patch() -> _Patch:
     """Routes ``torch.nn.functional.scaled_dot_product_attention`` to flash_attn_ext.
 
     Use as a context manager (``with flash_attn_ext.patch(): model(x)``), or call it and later
-    ``.undo()`` (or :func:`unpatch`).  Returns the patch handle.
+    ``.undo()`` (or :func:`unpatch`).  Returns the patch handle.  Handles may be made and undone
+    from several threads.  ``torch.jit.script`` compiles the call to PyTorch's own operator
+    (TorchScript cannot run Python).
     """
     return _Patch()
 
 
 def unpatch() -> None:
     """Ends every patch and restores PyTorch's own ``scaled_dot_product_attention``."""
-    _active.clear()
-    F.scaled_dot_product_attention = _ORIGINAL
+    with _lock:
+        _active.clear()
+        F.scaled_dot_product_attention = _ORIGINAL
 
 
 def is_patched() -> bool:

@@ -76,3 +76,39 @@ def test_patch_handles_undone_in_any_order():
     assert F.scaled_dot_product_attention is original and not flash_attn_ext.is_patched()
     h2.undo()  # idempotent
     assert F.scaled_dot_product_attention is original
+
+
+def test_patch_handles_from_many_threads_restore_the_original():
+    # Made and undone concurrently, the handles must leave PyTorch's function in place at the
+    # end (without a lock one thread could record the patched function as "the original").
+    import sys
+    import threading
+    original = torch.nn.functional.scaled_dot_product_attention
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # makes a race frequent
+    try:
+        def worker():
+            for _ in range(300):
+                flash_attn_ext.patch().undo()
+
+        for _ in range(5):
+            threads = [threading.Thread(target=worker) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert torch.nn.functional.scaled_dot_product_attention is original
+    finally:
+        sys.setswitchinterval(interval)
+        flash_attn_ext.unpatch()
+
+
+def test_torchscript_under_patch_uses_pytorchs_operator():
+    import pickle
+    x = torch.randn(5, 1, 8)
+    with flash_attn_ext.patch():
+        mha = torch.nn.MultiheadAttention(8, 2)
+        scripted = torch.jit.script(mha)
+        assert torch.allclose(scripted(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+        pickle.dumps(torch.nn.functional.scaled_dot_product_attention)  # picklable by name
+    torch.jit.script(torch.nn.TransformerEncoderLayer(8, 2))  # scripting still works after
