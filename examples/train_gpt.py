@@ -31,7 +31,8 @@ How to run it
 What it checks
     Every logged step prints both losses, the largest |loss difference| so far, the throughput
     of our model (its forward, backward and optimizer step only) and the kernel that served the
-    attention (``flash_attn_ext.last_plan()``).  At the end it prints train/validation losses of
+    attention (``flash_attn_ext.last_plan()``; with ``--compile``, where calls are not recorded,
+    what ``explain()`` says).  At the end it prints train/validation losses of
     both models.  On CPU in fp32/fp64 the run fails (exit status 1) when the two training loss
     curves ever differ by more than ``--tolerance`` (default 1e-4).  On CUDA or in bf16/fp16
     the difference is reported but not enforced: the kernels and the rounding differ there.
@@ -438,8 +439,10 @@ def build_models(args: argparse.Namespace, vocab_size: int, device: torch.device
 
 
 def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: torch.Tensor,
-                   device: torch.device) -> RunStats:
-    """Trains both models on the same batches, one step each in turn, and logs the losses."""
+                   device: torch.device,
+                   plan: flash_attn_ext.Plan | None = None) -> RunStats:
+    """Trains both models on the same batches, one step each in turn, and logs the losses
+    (``plan``: explain()'s plan for our attention, shown where calls are not recorded)."""
     opt_ours = make_optimizer(ours, args.lr, args.weight_decay)
     opt_ref = make_optimizer(ref, args.lr, args.weight_decay)
     fwd_ours: Callable[[torch.Tensor], torch.Tensor] = ours
@@ -450,7 +453,7 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
 
     tokens_per_step = args.batch_size * args.seq_len
     train_batches = batches(train_data, args.batch_size, args.seq_len, args.seed, device)
-    stats = RunStats()
+    stats = RunStats(plan=plan)
     window_seconds, window_steps = 0.0, 0  # our time since the last log line
     print(f"{'step':>6} {'loss ours':>11} {'loss ref':>11} {'max|diff|':>10} "
           f"{'ours tok/s':>11}  attention kernel (ours)")
@@ -460,7 +463,8 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
     for step in progress:
         x, y = next(train_batches)  # the same batch for both models
         loss_ours, seconds_ours = train_step(fwd_ours, opt_ours, x, y, device)
-        stats.plan = flash_attn_ext.last_plan()
+        # Eager calls are recorded; compiled ones are not (the plan explain() gave stays).
+        stats.plan = flash_attn_ext.last_plan() or stats.plan
         loss_ref, seconds_ref = train_step(fwd_ref, opt_ref, x, y, device)
 
         if step > 1:
@@ -530,10 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = args.d_model // args.n_head
     probe = torch.empty(args.batch_size, args.n_head, args.seq_len, head_dim, device=device,
                         dtype=dtype)
-    print(f"attention: ours = flash_attn_ext, {flash_attn_ext.explain(probe, probe, probe)}; "
-          "ref = torch SDPA, math backend")
+    plan = flash_attn_ext.explain(probe, probe, probe, is_causal=True)
+    print(f"attention: ours = flash_attn_ext, {plan}; ref = torch SDPA, math backend")
 
-    stats = train_lockstep(args, ours, ref, train_data, device)
+    stats = train_lockstep(args, ours, ref, train_data, device, plan)
     summarize(args, ours, ref, train_data, val_data, stats, device)
 
     if args.sample > 0:
