@@ -120,7 +120,6 @@ struct Sm90FwdTraits {
   // columns at a time, and one of its threads stores them with TMA, so the warpgroup goes on
   // to its next tile while the last copy runs.  At head dim 256 the Q tile and the K/V ring
   // leave room for 128 columns only: two chunks, the second written once TMA has read the first.
-  static constexpr bool kTmaStoreO = true;
   static constexpr int kOCols = kHeadDim < 128 ? kHeadDim : 128;
   using SmemLayoutO = decltype(tile_to_shape(
       SmemAtom{}, Shape<_64, Int<kOCols>, Int<kConsumers>>{}));  // (row, col, warpgroup)
@@ -138,7 +137,7 @@ struct Sm90FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    array_aligned<Element, kTmaStoreO ? cosize_v<SmemLayoutO> : 8, 1024> o;
+    array_aligned<Element, cosize_v<SmemLayoutO>, 1024> o;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     alignas(8) uint64_t barrier_q;        // Q landed (TMA transaction bytes), tile announced
@@ -163,7 +162,7 @@ struct Sm90FwdArgs {
   // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).
   bool dynamic;
   typename T::TmaO tma_o;  // set when tma_store_o
-  bool tma_store_o;        // T::kTmaStoreO and out's address and strides suit TMA
+  bool tma_store_o;        // out's address and strides suit TMA (else O from registers)
 };
 
 // Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in sections of
@@ -573,54 +572,52 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                          static_cast<Element>(tOrO(i + 1) * inv_l[r])};
       return *reinterpret_cast<const uint32_t*>(pair);
     };
-    if constexpr (T::kTmaStoreO) {
-      if (args.tma_store_o) {
-        // This warpgroup's rows go to its own (64, kOCols) slice of smem.o, laid out as
-        // SmemLayoutO (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of
-        // its 128-byte row; atoms of 8 rows x 64 columns, row atoms first), then one thread
-        // stores the slice with TMA, which leaves rows past seqlen_q and columns past head_dim_v
-        // alone.  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
-        // 8 g + 2 (lane % 4) + {0, 1} (wgmma's accumulator layout): each 4-byte store of a warp
-        // lands in 8 different chunks, no bank conflict.  The byte offsets are written out by
-        // hand (checked against CuTe's layout on the host) so that no per-value address stays
-        // live across the main loop.
-        constexpr int kOCols = T::kOCols, kGroups = kOCols / 8;  // 8-column groups per chunk
-        const int lane = ctid % 32, warp = (ctid % 128) / 32, row8 = lane / 4;
+    if (args.tma_store_o) {
+      // This warpgroup's rows go to its own (64, kOCols) slice of smem.o, laid out as
+      // SmemLayoutO (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of
+      // its 128-byte row; atoms of 8 rows x 64 columns, row atoms first), then one thread
+      // stores the slice with TMA, which leaves rows past seqlen_q and columns past head_dim_v
+      // alone.  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
+      // 8 g + 2 (lane % 4) + {0, 1} (wgmma's accumulator layout): each 4-byte store of a warp
+      // lands in 8 different chunks, no bank conflict.  The byte offsets are written out by
+      // hand (checked against CuTe's layout on the host) so that no per-value address stays
+      // live across the main loop.
+      constexpr int kOCols = T::kOCols, kGroups = kOCols / 8;  // 8-column groups per chunk
+      const int lane = ctid % 32, warp = (ctid % 128) / 32, row8 = lane / 4;
 #pragma unroll
-        for (int chunk = 0; chunk < kD / kOCols; ++chunk) {
-          if (o_leader) tma_store_wait<0>();  // the previous store has read the slice
-          warpgroup_sync();
-          unsigned char* slice = reinterpret_cast<unsigned char*>(smem.o.data()) +
-                                 me * (64 * kOCols * sizeof(Element)) + warp * 2048 +
-                                 row8 * 128 + (lane % 4) * 4;
+      for (int chunk = 0; chunk < kD / kOCols; ++chunk) {
+        if (o_leader) tma_store_wait<0>();  // the previous store has read the slice
+        warpgroup_sync();
+        unsigned char* slice = reinterpret_cast<unsigned char*>(smem.o.data()) +
+                               me * (64 * kOCols * sizeof(Element)) + warp * 2048 +
+                               row8 * 128 + (lane % 4) * 4;
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2; ++r) {
 #pragma unroll
-            for (int g = 0; g < kGroups; ++g) {
-              *reinterpret_cast<uint32_t*>(slice + r * 1024 + (g / 8) * 8192 +
-                                           (((g % 8) ^ row8) * 16)) =
-                  o_pair(r, 2 * (chunk * kGroups + g));
-            }
+          for (int g = 0; g < kGroups; ++g) {
+            *reinterpret_cast<uint32_t*>(slice + r * 1024 + (g / 8) * 8192 +
+                                         (((g % 8) ^ row8) * 16)) =
+                o_pair(r, 2 * (chunk * kGroups + g));
           }
-          tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
-          warpgroup_sync();
-          if (o_leader) {
-            Tensor sO =
-                make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
-            Tensor mO = args.tma_o.get_tma_tensor(
-                GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
-                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
-            Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kOCols>>{},
-                                   make_coord(tc.m_block * T::kConsumers + me, chunk));
-            auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
-                                            group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-            copy(args.tma_o, tOs, tOg);
-            tma_store_arrive();
-          }
+        }
+        tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
+        warpgroup_sync();
+        if (o_leader) {
+          Tensor sO =
+              make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
+          Tensor mO = args.tma_o.get_tma_tensor(
+              GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
+                        static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
+          Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kOCols>>{},
+                                 make_coord(tc.m_block * T::kConsumers + me, chunk));
+          auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
+                                          group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(args.tma_o, tOs, tOg);
+          tma_store_arrive();
         }
       }
     }
-    if (!(T::kTmaStoreO && args.tma_store_o)) {
+    if (!args.tma_store_o) {
       auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
                   h * p.out_head_stride;
 #pragma unroll
@@ -647,9 +644,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       }
     }
   }
-  if constexpr (T::kTmaStoreO) {
-    if (o_leader) tma_store_wait<0>();  // smem.o must outlive the last store's read
-  }
+  if (o_leader) tma_store_wait<0>();  // smem.o must outlive the last store's read
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
@@ -704,26 +699,24 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 1, 0,
       p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{}, false};
-  if constexpr (T::kTmaStoreO) {
-    // TMA needs a 16-byte aligned address and strides (the glue's out always has them).
-    auto aligned = [](int64_t size, int64_t stride) {
-      return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
-    };
-    // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
-    // the threads store O from registers, as at head dim 256.
-    const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
-    const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
-    args.tma_store_o = !direct && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                       aligned(p.seqlen_q, p.out_row_stride) &&
-                       aligned(p.heads_q, p.out_head_stride) &&
-                       aligned(p.batch, p.out_batch_stride);
-    if (args.tma_store_o) {
-      args.tma_o = make_tma_copy(SM90_TMA_STORE{},
-                                 gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,
-                                      p.out_row_stride, p.out_head_stride, p.out_batch_stride),
-                                 take<0, 2>(typename T::SmemLayoutO{}),
-                                 Shape<_64, Int<T::kOCols>>{}, _1{});
-    }
+  // TMA needs a 16-byte aligned address and strides (the glue's out always has them).
+  auto aligned = [](int64_t size, int64_t stride) {
+    return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
+  };
+  // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
+  // the threads store O from registers.
+  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
+  const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
+  args.tma_store_o = !direct && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                     aligned(p.seqlen_q, p.out_row_stride) &&
+                     aligned(p.heads_q, p.out_head_stride) &&
+                     aligned(p.batch, p.out_batch_stride);
+  if (args.tma_store_o) {
+    args.tma_o = make_tma_copy(SM90_TMA_STORE{},
+                               gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,
+                                    p.out_row_stride, p.out_head_stride, p.out_batch_stride),
+                               take<0, 2>(typename T::SmemLayoutO{}),
+                               Shape<_64, Int<T::kOCols>>{}, _1{});
   }
   // Sections of (batch, head) pairs whose K and V together take about 24 MiB of L2.
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
