@@ -81,21 +81,21 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                         f"does not take: {sorted(unknown)}")
     from .dispatch import is_general, plan
     from .interface import autocast_dtype, check_flags, check_scale, check_softcap
-    from .sdpa import mask_to_bias
+    from .sdpa import check_sdpa_flags, mask_to_bias
     attn_mask = call_kwargs.get("attn_mask")
-    if layout == "bhld":
-        if attn_mask is not None and call_kwargs.get("is_causal", False):
-            raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
-                             "torch.nn.functional.scaled_dot_product_attention)")
-        if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
-            mask_to_bias(attn_mask, query, key)
-        query, key, value = to_bshd(query, key, value, enable_gqa)
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)
-    # SDPA takes dropout_p = 1 (all dropped: no kernel work); the kernels' own rule is [0, 1).
-    kernel_dropout = 0.0 if dropout_p == 1.0 and layout == "bhld" else dropout_p
-    check_flags(causal, window, kernel_dropout)
+    kernel_dropout = dropout_p
+    if layout == "bhld":
+        dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, causal)
+        # SDPA takes dropout_p = 1 (all dropped: no kernel work); the kernels take [0, 1).
+        kernel_dropout = 0.0 if drop_all else dropout_p
+        if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
+            mask_to_bias(attn_mask, query, key)
+        query, key, value = to_bshd(query, key, value, enable_gqa)
+    else:
+        check_flags(causal, window, dropout_p)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))

@@ -17,9 +17,10 @@ def _check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
     if torch.compiler.is_compiling():
         return
     dual = fwad._current_level >= 0  # a tensor can carry a tangent only inside a dual level
-    if not dual and torch._C._functorch.peek_interpreter_stack() is None:
+    functorch = torch._C._functorch.peek_interpreter_stack() is not None
+    if not dual and not functorch:
         return  # no forward-AD level and no functorch transform active: the common case
-    if dropout_p > 0 and torch._C._functorch.peek_interpreter_stack() is not None:
+    if dropout_p > 0 and functorch:
         from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
         interpreter = retrieve_current_functorch_interpreter()
         randomness = getattr(interpreter, "randomness", lambda: "different")()

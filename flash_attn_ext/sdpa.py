@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -60,14 +60,7 @@ def scaled_dot_product_attention(
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     scale = check_scale(scale, "scale")
-    dropout_p = as_number(dropout_p)  # NumPy scalars and 0-d tensors, as PyTorch takes them
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
-                         "torch.nn.functional.scaled_dot_product_attention)")
-    # PyTorch takes dropout_p = 1 (everything dropped: zeros); the kernels take [0, 1).
-    drop_all = not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) \
-        and dropout_p == 1.0
-    check_flags(is_causal, (-1, -1), 0.0 if drop_all else dropout_p, causal_name="is_causal")
+    dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
     if max(q.shape[-1], v.shape[-1]) > dispatch.MAX_HEAD_DIM:
         # Beyond the kernels' head dims: PyTorch's own function, reported as a fallback.
@@ -80,6 +73,21 @@ def scaled_dot_product_attention(
     if drop_all:
         out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> Tuple[float, bool]:
+    """scaled_dot_product_attention's rules for its flags (ValueError): no attn_mask with
+    is_causal=True; dropout_p a number in [0, 1] (NumPy scalars and 0-d tensors taken, as PyTorch
+    takes them).  Returns (dropout_p as a number, whether it is 1: everything dropped, which
+    PyTorch answers with zeros while the kernels take [0, 1))."""
+    dropout_p = as_number(dropout_p)
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
+                         "torch.nn.functional.scaled_dot_product_attention)")
+    drop_all = not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) \
+        and dropout_p == 1.0
+    check_flags(is_causal, (-1, -1), 0.0 if drop_all else dropout_p, causal_name="is_causal")
+    return dropout_p, drop_all
 
 
 def run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,

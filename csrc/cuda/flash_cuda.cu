@@ -18,8 +18,6 @@
 #include "kernels/sm80/flash_fwd_launch.h"
 #ifdef FLASH_ATTN_EXT_SM90
 #include <cstdlib>
-#include <cstring>
-#include <limits>
 
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
 #endif
