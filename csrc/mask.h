@@ -40,6 +40,21 @@ struct VisibleKeys {
     return window_right < 0 ? seqlen_k : clamp(i + offset + window_right + 1, 0, seqlen_k);
   }
   FAE_HOST_DEVICE bool empty_row(int64_t i) const { return end(i) <= begin(i); }
+  // What the query rows [m0, m0 + rows), cut at seqlen_q, see in key tiles of block_n keys:
+  // tiles [n_begin, n_end) hold every key any of them sees (n_end = n_begin: none), and keys
+  // [interior_begin, interior_end) are visible to every one of them (a key tile inside that
+  // range needs no mask).  The kernels' per-block loop bounds.
+  struct Block {
+    int64_t n_begin, n_end, interior_begin, interior_end;
+  };
+  FAE_HOST_DEVICE Block block(int64_t m0, int64_t rows, int64_t seqlen_q,
+                              int64_t block_n) const {
+    const int64_t last_row = (m0 + rows < seqlen_q ? m0 + rows : seqlen_q) - 1;
+    const int64_t key_begin = begin(m0), key_end = end(last_row);
+    const int64_t n_begin = key_begin / block_n;
+    return {n_begin, key_end > key_begin ? (key_end + block_n - 1) / block_n : n_begin,
+            begin(last_row), end(m0)};
+  }
   // The query rows that can see a key in [j0, j1) (0 <= j0 < j1 <= seqlen_k) are
   // [first_row(j0), row_limit(j1)), the caller clamping both to [0, seqlen_q]:
   // first_row is the smallest i with end(i) > j0, row_limit the smallest i with begin(i) >= j1.

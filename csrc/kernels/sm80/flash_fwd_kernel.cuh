@@ -68,10 +68,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-  const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
-  const int64_t n_begin = key_begin / kN;
-  const int64_t n_end = key_end > key_begin ? (key_end + kN - 1) / kN : n_begin;
+  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
+  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
 
   const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       row_of[mt][r] = m0 + (warp * kMT + mt) * 16 + lane / 4 + 8 * r;
     }
   // Key tiles fully inside every row's visible range need no per-element mask.
-  const int64_t interior_begin = vis.begin(last_row), interior_end = vis.end(m0);
+  const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
 
   for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = static_cast<int>((n_block - n_begin) & 1);

@@ -206,13 +206,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int group = static_cast<int>(p.heads_q / p.heads_kv);
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  // Key tiles [n_begin, n_end) of the query block starting at row m0.
-  auto key_tiles = [&](int64_t m0, int& n_begin, int& n_end) {
-    const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-    const int64_t key_begin = vis.begin(m0), key_end = vis.end(last_row);
-    n_begin = static_cast<int>(key_begin / kN);
-    n_end = key_end > key_begin ? static_cast<int>((key_end + kN - 1) / kN) : n_begin;
-  };
 
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     p.rng_state[0] = p.rng_state[1] = 0;  // no dropout in this kernel: (seed, offset) = (0, 0)
@@ -276,8 +269,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                       static_cast<int32_t>(p.heads_q));
       const int b = tc.b, h = tc.h;
       const int hk = h / group;
-      int n_begin, n_end;
-      key_tiles(static_cast<int64_t>(tc.m_block) * kM, n_begin, n_end);
+      const VisibleKeys::Block keys =
+          vis.block(static_cast<int64_t>(tc.m_block) * kM, kM, p.seqlen_q, kN);
+      const int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
       Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{},
                              make_coord(tc.m_block, 0));
       Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{},
@@ -453,8 +447,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int64_t m0 = static_cast<int64_t>(
         tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
                    static_cast<int32_t>(p.heads_q)).m_block) * kM;
-    int n_begin, n_end;
-    key_tiles(m0, n_begin, n_end);
+    const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
+    const int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
     // A warpgroup whose 64 rows all lie past seqlen_q (the last query block when seqlen_q is
     // not a multiple of kBlockM) issues no GEMMs and no softmax; it still waits for and
     // releases every K/V stage and takes its pingpong turns, so the other warpgroups' barriers
@@ -463,9 +457,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // consumers (192-row tiles, which power-of-two lengths never fill): at head dim 256 the
     // extra code path made the main loop spill.
     const bool idle = T::kConsumers == 3 && m0 + 64 * me >= p.seqlen_q;
-    const int64_t last_row = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-    interior_begin = static_cast<int32_t>(vis.begin(last_row));
-    interior_end = static_cast<int32_t>(vis.end(m0));
+    interior_begin = static_cast<int32_t>(keys.interior_begin);
+    interior_end = static_cast<int32_t>(keys.interior_end);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
