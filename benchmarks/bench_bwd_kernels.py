@@ -1,0 +1,90 @@
+"""Where the CUDA backward's time goes: ours and SDPA's FLASH backend, kernel by kernel.
+
+For each (d, L, causal): backward TFLOP/s of ours (flash_attn_func) and of SDPA's FLASH backend
+measured in the same process (CUDA events, queued calls, median; FLOPs the FlashAttention way:
+2.5 x 4 * B * H * L^2 * d, halved when causal), then each kernel's GPU time in one backward
+(torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole backward's FLOPs.
+bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
+
+--ncu: run each backward exactly once between cudaProfilerStart/Stop (after warm-up), for
+`ncu --profile-from-start off`; no timing.
+
+Usage: python benchmarks/bench_bwd_kernels.py [--dims 64 128] [--seqlens 4096 16384] [--ncu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+import torch.nn.functional as F
+from bench_attention import median_ms
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_attn_ext
+
+
+def backward_fns(d: int, seqlen: int, causal: bool):
+    """name -> zero-argument backward of a fixed forward graph (retain_graph)."""
+    batch, heads = max(1, 16384 // seqlen), 2048 // d
+    q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+    out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out_flash = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    dout_t = dout.transpose(1, 2)
+    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+    return flops, {
+        "ours": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        "flash": lambda: torch.autograd.grad(out_flash, (qt, kt, vt), dout_t,
+                                             retain_graph=True),
+    }
+
+
+def kernel_times(fn) -> collections.Counter[str]:
+    """GPU microseconds per kernel name in one call of fn."""
+    times: collections.Counter = collections.Counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("<")[0].split("(")[0].replace("void ", "")
+            times[name[-48:]] += e.device_time
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument("--ncu", action="store_true")
+    args = parser.parse_args()
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    for d in args.dims:
+        for seqlen in args.seqlens:
+            for causal in causals:
+                flops, fns = backward_fns(d, seqlen, causal)
+                for name, fn in fns.items():
+                    if args.ncu:
+                        fn()
+                        torch.cuda.synchronize()
+                        torch.cuda.profiler.start()
+                        fn()
+                        torch.cuda.synchronize()
+                        torch.cuda.profiler.stop()
+                        continue
+                    ms = median_ms(fn)
+                    split = kernel_times(fn)
+                    parts = "; ".join(f"{k} {t:.0f} us ({flops / t / 1e6:.0f})"
+                                      for k, t in split.most_common(4))
+                    print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} {name:5s} "
+                          f"bwd {flops / ms / 1e9:6.1f} TFLOP/s  [{parts}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call: build (9.0a), the GPU tests, compute-sanitizer, then the backward's per-kernel
+# time split against SDPA FLASH (benchmarks/bench_bwd_kernels.py) and an ncu profile of both
+# backwards at one shape.  Usage on the GPU machine: OUT=... bash scripts/gpu_profile_bwd.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+start=$(date +%s)
+NVCC_APPEND_FLAGS="-Xptxas -v" TORCH_CUDA_ARCH_LIST=${ARCH:-9.0a} FLASH_ATTN_EXT_CUDA=1 \
+  MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -rfE ${PYTEST_ARGS:-tests/test_sm90.py \
+    tests/test_cuda.py tests/test_numerics_nan.py} > "$OUT/tests.log" 2>&1
+  echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head
+fi
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in ${SANITIZERS:-}; do
+  echo "$tool: $(timeout 90 "$SAN" --print-limit 5 --tool $tool python3 scripts/sanitize_cases.py \
+    2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
+done
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_bwd_kernels.py ${BENCH_ARGS:-} 2>&1 \
+  | grep -v Warning | tee "$OUT/bwd_kernels.txt"
+if [ "${NCU:-1}" = 1 ]; then
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout ${NCU_TIMEOUT:-180} "$NCU_BIN" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section InstructionStats \
+    python3 benchmarks/bench_bwd_kernels.py --ncu ${NCU_ARGS:---dims 64 128 --seqlens 4096 --causal no} \
+    > "$OUT/ncu_bwd.txt" 2>&1
+  echo "ncu: rc $? $(grep -c '^  [a-zA-Z_].*(' "$OUT/ncu_bwd.txt") kernel reports"
+fi
