@@ -6,6 +6,7 @@ measured in the same process (CUDA events, queued calls, median; FLOPs the Flash
 (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole backward's FLOPs.
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
+--sm80-forward: also time the portable (sm80) forward, FLASH_ATTN_EXT_KERNEL=sm80.
 --ncu: run each backward exactly once between cudaProfilerStart/Stop (after warm-up), for
 `ncu --profile-from-start off`; no timing.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,22 @@ def backward_fns(d: int, seqlen: int, causal: bool):
     }
 
 
+def sm80_forward_ms(d: int, seqlen: int, causal: bool) -> float:
+    """Median ms of the portable forward (no autograd) at the benchmark's shape."""
+    batch, heads = max(1, 16384 // seqlen), 2048 // d
+    q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
+               for _ in "qkv")
+    old = os.environ.get("FLASH_ATTN_EXT_KERNEL")
+    os.environ["FLASH_ATTN_EXT_KERNEL"] = "sm80"
+    try:
+        return median_ms(lambda: flash_attn_ext.flash_attn_func(q, k, v, causal=causal))
+    finally:
+        if old is None:
+            del os.environ["FLASH_ATTN_EXT_KERNEL"]
+        else:
+            os.environ["FLASH_ATTN_EXT_KERNEL"] = old
+
+
 def kernel_times(fn) -> collections.Counter[str]:
     """GPU microseconds per kernel name in one call of fn."""
     times: collections.Counter = collections.Counter()
@@ -63,12 +81,17 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--ncu", action="store_true")
+    parser.add_argument("--sm80-forward", action="store_true")
     args = parser.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in causals:
                 flops, fns = backward_fns(d, seqlen, causal)
+                if args.sm80_forward and not args.ncu:
+                    print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} sm80  fwd "
+                          f"{flops / 2.5 / sm80_forward_ms(d, seqlen, causal) / 1e9:6.1f} TFLOP/s",
+                          flush=True)
                 for name, fn in fns.items():
                     if args.ncu:
                         fn()

@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/tile.h"
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   row_lo = row_lo < 0 ? 0 : row_lo;
   row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
   const int64_t m_begin = row_lo / kM;
-  const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
+  const int m_blocks = row_hi > row_lo ? static_cast<int>((row_hi + kM - 1) / kM - m_begin) : 0;
   const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
 
   const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -202,10 +203,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const float scale = static_cast<float>(p.softmax_scale);
   const float scale_log2 = scale * 1.4426950408889634f;  // as ScoreFn's for plain scores
 
-  // Issues the async loads of step t's Q and dO tiles and its raw lse and D (zero-filled
-  // beyond seqlen_q).
-  auto load_step = [&](int stage, int64_t t) {
-    const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
+  // Issues the async loads of a step's Q and dO tiles (query head h, rows m0..) and its raw lse
+  // and D (zero-filled beyond seqlen_q).
+  auto load_step = [&](int stage, int64_t h, int64_t m0) {
     Element* dst = qdo_s + stage * 2 * kM * kD;
     load_tile_async<Element, kM, kC, T::kThreads>(
         dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
@@ -223,18 +223,36 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       cp_async_4(smem_addr(stats_s + stage * 2 * kM + tid), in ? src + m0 + r : src, in);
     }
   };
+  // Step t is (query head hk * group + t / m_blocks, query block m_begin + t % m_blocks); both
+  // the step being computed and the one being loaded walk that order with counters (a 64-bit
+  // division per step cost ~100 instructions per thread against 128 MMAs per warp).
+  struct StepPos {
+    int64_t h;
+    int m;  // query block index minus m_begin
+  };
+  auto advance = [&](StepPos& s) {
+    if (++s.m == m_blocks) {
+      s.m = 0;
+      ++s.h;
+    }
+  };
+  StepPos load_pos{hk * group, 0};
+  auto load_next = [&](int stage) {
+    load_step(stage, load_pos.h, (m_begin + load_pos.m) * kM);
+    advance(load_pos);
+  };
 
   if (steps > 0) {
     load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
                                                   static_cast<int>(p.head_dim));
     load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
                                                   static_cast<int>(p.head_dim_v));
-    load_step(0, 0);
+    load_next(0);
   }
   cp_async_commit();
 #pragma unroll
   for (int s = 1; s < kStages - 1; ++s) {
-    if (s < steps) load_step(s, s);
+    if (s < steps) load_next(s);
     cp_async_commit();  // one group per stage, empty or not, keeps the wait counts fixed
   }
 
@@ -252,18 +270,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   zero(dk_acc);
   zero(dv_acc);
 
+  StepPos pos{hk * group, 0};
   for (int64_t t = 0; t < steps; ++t) {
     const int stage = static_cast<int>(t % kStages);
     cp_async_wait<kStages - 2>();  // step t's group has landed (for this thread) ...
     __syncthreads();  // ... for all threads; and every warp is done with step t - 1
     // The stage step t - 1 used, and P^T / dS^T, are free now.
-    if (t + kStages - 1 < steps) load_step(static_cast<int>((t + kStages - 1) % kStages),
-                                           t + kStages - 1);
+    if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
     cp_async_commit();
 
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
-    const int64_t m0 = (m_begin + t % m_blocks) * kM;
+    const int64_t m0 = (m_begin + pos.m) * kM;
+    advance(pos);
 
     // S^T and dP^T: this warp's 32 keys x 32 queries.
     float st[kMT][kS8][4], dpt[kMT][kS8][4];
@@ -273,34 +292,43 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     lean_gemm_ss<Element, kC, kMT, kS8, kD>(st, k_a, q_b + stage_bytes);
     lean_gemm_ss<Element, kC, kMT, kS8, kD>(dpt, v_a, do_b + stage_bytes);
 
+    // P^T = exp2(S^T * scale_log2 - lse_log2) and dS^T * scale = P^T (dP^T scale - D scale);
+    // the masked variant (a key block not visible to every row of the tile) compares each key
+    // with its row's visible range, 32-bit and relative to the block.
+    auto softmax_grad = [&](auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+      for (int j = 0; j < kS8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int q = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // query row within the tile
+          const float lse2 = lean_lse_log2(lse_s[q]);
+          const float dd = d_s[q] * scale;
+          int lo = 0, hi = kN;  // visible keys of row q, relative to n0
+          if constexpr (kMasked) {
+            lo = static_cast<int>(VisibleKeys::clamp(vis.begin(m0 + q) - n0, 0, kN));
+            hi = static_cast<int>(VisibleKeys::clamp(vis.end(m0 + q) - n0, 0, kN));
+          }
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int key = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // within the block
+              float pr = exp2f(fmaf(st[mt][j][2 * r + c], scale_log2, -lse2));
+              if (kMasked && (key < lo || key >= hi)) pr = 0.f;
+              st[mt][j][2 * r + c] = pr;
+              // dS^T * scale (the gradient of the scaled scores) is what goes to 16 bits, as in
+              // the 4-warp kernels: unscaled, fp16 would overflow 1 / scale times sooner.
+              dpt[mt][j][2 * r + c] = pr * fmaf(dpt[mt][j][2 * r + c], scale, -dd);
+            }
+        }
+    };
     // Masking is needed unless every key of the block is visible to every row of the tile.
     const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-    const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
-#pragma unroll
-    for (int j = 0; j < kS8; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int q = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // query row within the tile
-        const float lse2 = lean_lse_log2(lse_s[q]);
-        const float dd = d_s[q];
-        int64_t lo = 0, hi = kN;  // visible keys of row q, relative to n0
-        if (need_mask) {
-          lo = vis.begin(m0 + q) - n0;
-          hi = vis.end(m0 + q) - n0;
-        }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int key = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // within the block
-            float pr = exp2f(fmaf(st[mt][j][2 * r + c], scale_log2, -lse2));
-            if (need_mask && (key < lo || key >= hi)) pr = 0.f;
-            st[mt][j][2 * r + c] = pr;
-            // dS^T * scale (the gradient of the scaled scores) is what goes to 16 bits, as in
-            // the 4-warp kernels: unscaled, fp16 would overflow 1 / scale times sooner.
-            dpt[mt][j][2 * r + c] = pr * scale * (dpt[mt][j][2 * r + c] - dd);
-          }
-      }
+    if (n0 < vis.begin(last) || n0 + kN > vis.end(m0))
+      softmax_grad(std::true_type{});
+    else
+      softmax_grad(std::false_type{});
     store_frag_smem<Element, kMC>(pt_s, st, wr * kRowsW, wc * kS8, lane);
     store_frag_smem<Element, kMC>(dst_s, dpt, wr * kRowsW, wc * kS8, lane);
     __syncthreads();  // P^T and dS^T complete
@@ -393,7 +421,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
       const bool in = row < p.seqlen_q;
       lse_row[mt][r] = in ? lean_lse_log2(lse[row]) : INFINITY;
-      d_row[mt][r] = in ? dlt[row] : 0.f;
+      d_row[mt][r] = in ? dlt[row] * scale : 0.f;  // D scale (dS is stored scaled)
     }
   // Per-lane ldmatrix base addresses (stage 0 for K and V).
   const uint32_t q_a = a_base<kC>(q_s, wr * kRowsW, lane);
@@ -424,27 +452,35 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     lean_gemm_ss<Element, kC, kMT, kS8, kD>(s, q_a, k_b + stage_bytes);
     lean_gemm_ss<Element, kC, kMT, kS8, kD>(dp, do_a, v_b + stage_bytes);
 
-    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
+    // dS * scale = P (dP scale - D scale), P = exp2(S * scale_log2 - lse_log2); the masked
+    // variant compares each key with its row's visible range (32-bit, relative to the block).
+    auto softmax_grad = [&](auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        int64_t lo = 0, hi = kN;  // visible keys of this row, relative to the block
-        if (need_mask) {
-          const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
-          lo = vis.begin(row) - n_block * kN;
-          hi = vis.end(row) - n_block * kN;
-        }
-#pragma unroll
-        for (int j = 0; j < kS8; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
-            float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
-            if (need_mask && (key < lo || key >= hi)) pr = 0.f;
-            s[mt][j][2 * r + c] = pr * scale * (dp[mt][j][2 * r + c] - d_row[mt][r]);
+        for (int r = 0; r < 2; ++r) {
+          int lo = 0, hi = kN;  // visible keys of this row, relative to the block
+          if constexpr (kMasked) {
+            const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
+            lo = static_cast<int>(VisibleKeys::clamp(vis.begin(row) - n_block * kN, 0, kN));
+            hi = static_cast<int>(VisibleKeys::clamp(vis.end(row) - n_block * kN, 0, kN));
           }
-      }
+#pragma unroll
+          for (int j = 0; j < kS8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
+              float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
+              if (kMasked && (key < lo || key >= hi)) pr = 0.f;
+              s[mt][j][2 * r + c] = pr * fmaf(dp[mt][j][2 * r + c], scale, -d_row[mt][r]);
+            }
+        }
+    };
+    if (n_block * kN < interior_begin || (n_block + 1) * kN > interior_end)
+      softmax_grad(std::true_type{});
+    else
+      softmax_grad(std::false_type{});
     store_frag_smem<Element, kNC>(ds_s, s, wr * kRowsW, wc * kS8, lane);
     __syncthreads();  // dS complete
 
