@@ -74,6 +74,12 @@ struct BwdParams : FwdParams {
   // The gradient flowing into softmax_lse, (batch, head_q, seqlen_q) contiguous in the
   // accumulator type, or nullptr: the kernels use delta = rowsum(dO * O) - dsoftmax_lse.
   const void* dsoftmax_lse = nullptr;
+  // Optional fp32 scratch for FlashAttention-2's atomic dQ, (batch, seqlen_q, heads_q, padded
+  // head dim of the kernel: 64 or 128) contiguous: where the 8-warp plain-attention kernels
+  // run (flash_bwd_lean.cuh), the dK/dV kernel zeroes it, adds dQ into it with atomics and a
+  // conversion writes dq, in place of the separate dQ kernel.  Ignored elsewhere.  nullptr:
+  // the separate dQ kernel (bitwise reproducible gradients, `deterministic=True`).
+  float* dq_accum = nullptr;
 };
 
 }  // namespace flash_attn_ext

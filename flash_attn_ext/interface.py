@@ -202,9 +202,11 @@ def flash_attn_func(
             With causal=True, right is 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
         alibi_slopes: not supported yet; must be None.
-        deterministic: accepted for FlashAttention compatibility; gradients are always bitwise
-            reproducible (the CPU and CUDA backward kernels use no atomics: on CUDA a separate
-            dq kernel, which measured faster than adding dq with atomics).
+        deterministic: with True (or under torch.use_deterministic_algorithms(True)) gradients
+            are bitwise reproducible run to run.  With False, plain attention (no softcap, mask
+            or dropout) at head dims <= 128 on CUDA uses FlashAttention-2's single backward
+            kernel, which adds dq with fp32 atomics (faster; dq's last bits vary with the
+            summation order); everything else, and the CPU, is reproducible either way.
         return_softmax_lse: also return softmax_lse.
         return_attn_probs: FlashAttention-2's argument, for code written against it: with True
             the call returns (out, softmax_lse, None); the attention probabilities are never

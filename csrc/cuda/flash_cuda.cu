@@ -1,6 +1,7 @@
 // CUDA glue for flash_attn_ext::fwd and ::bwd: validate, make the inputs kernel-ready (16-byte
 // aligned rows, head dims padded to a multiple of 8 only where needed), allocate the outputs, pick
 // the instantiation by (head dim, dtype) and launch on the current stream.
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -208,8 +209,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 }
 
 // Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
-// kernels.  Gradients are bitwise reproducible whatever `deterministic` says (no atomics: an
-// atomic-dQ variant measured slower, see benchmarks/NOTES.md).
+// kernels.  Plain attention at head dims <= 128 (the 8-warp kernels of flash_bwd_lean.cuh),
+// unless `deterministic` or torch.use_deterministic_algorithms(True): FlashAttention-2's
+// single dK/dV/dQ kernel adding dQ into an fp32 buffer with atomics (the summation order, and
+// so dq's last bits, vary from run to run).  Everything else, and deterministic calls: a
+// separate dQ kernel, no atomics, bitwise reproducible gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
@@ -218,7 +222,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
     double dropout_p, bool deterministic, bool bias_requires_grad,
     const std::optional<at::Tensor>& dsoftmax_lse) {
-  (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
@@ -260,6 +263,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.philox_offset_ptr = p.philox_seed_ptr + 1;
       }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+      // fp32 scratch of the atomic dQ (params.h: dq_accum); the launcher zeroes it and uses it
+      // where the 8-warp kernels run (their shared memory fits), else ignores it.
+      at::Tensor dq_accum;
+      const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
+      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !general &&
+          kernel_dim <= 128) {
+        dq_accum = at::empty({a.batch, a.seqlen_q, a.heads_q, kernel_dim <= 64 ? 64 : 128},
+                             lse.options());
+        p.dq_accum = dq_accum.data_ptr<float>();
+      }
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       float* delta_ptr = delta.data_ptr<float>();
       cudaError_t err = q.scalar_type() == at::kBFloat16

@@ -159,7 +159,49 @@ __device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32
   }
 }
 
-template <typename T>
+// Base address of an A operand read transposed (lean_gemm_tt): the tile is stored k-major
+// (rows = k from 0, columns = the GEMM's m from 8 * chunk0), e.g. dS^T read as dS.  Same lane
+// pattern as b_base: lane l gives row (l / 16) * 8 + l % 8 of 8 x 8 matrix l / 8.
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t at_base(const Element* s, int chunk0, int lane) {
+  return smem_addr(s + swz<kChunks>((lane / 16) * 8 + lane % 8, chunk0 + (lane / 8) % 2));
+}
+
+// acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, both operands stored k-major
+// and read with ldmatrix.trans (dQ += dS K from dS^T and K in the dK/dV kernel).
+template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void lean_gemm_tt(float (&acc)[kMT][kN8][4], uint32_t a, uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
+  constexpr uint32_t kAGroup = 16 * kAChunks * 16, kBGroup = 16 * kBChunks * 16;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4_trans(af[mt], swz_step(a, 2 * mt) + kk * kAGroup);
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// p[0] += a, p[1] += b in global memory, no return value (one vector RED on sm_90).
+__device__ __forceinline__ void red_add2(float* ptr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(ptr, a);
+  atomicAdd(ptr + 1, b);
+#endif
+}
+
+template <typename T, bool kAtomicDq>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_bwd_dkdv_lean_kernel(const BwdParams p, const float* delta, int64_t num_n_blocks) {
   using Element = typename T::Element;
@@ -170,6 +212,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   constexpr int kMT = kRowsW / 16;               // m16 tiles per warp
   constexpr int kS8 = kM / T::kWarpsCol / 8;     // n8 tiles (queries) per warp of S^T
   constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dK / dV
+  constexpr int kQD8 = kD / 4 / 8;               // n8 tiles (head dim) per warp of atomic dQ
+  static_assert(kM == 2 * 32 && T::kWarps == 8, "atomic dQ: warps 2 x 4 over 64 rows x kD");
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
   Element* k_s = reinterpret_cast<Element*>(lean_smem);
   if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
@@ -265,6 +309,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t dst_a = a_base<kMC>(dst_s, wr * kRowsW, lane);
   const uint32_t q_bt = bt_base<kC>(qdo_s, wc * kD8, lane);
   const uint32_t do_bt = bt_base<kC>(qdo_s + kM * kD, wc * kD8, lane);
+  // Atomic dQ: warp (wq, wd) of 2 x 4; dS read from dS^T (chunks 4 wq..), K from column
+  // chunk wd * kQD8.
+  const int wq = warp / 4, wd = warp % 4;
+  const uint32_t ds_at = at_base<kMC>(dst_s, wq * 4, lane);
+  const uint32_t k_bt = bt_base<kC>(k_s, wd * kQD8, lane);
+  (void)ds_at;
+  (void)k_bt;
 
   float dk_acc[kMT][kD8][4], dv_acc[kMT][kD8][4];
   zero(dk_acc);
@@ -282,6 +333,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
     const int64_t m0 = (m_begin + pos.m) * kM;
+    const int64_t pos_h = pos.h;  // query head of this step
+    (void)pos_h;
     advance(pos);
 
     // S^T and dP^T: this warp's 32 keys x 32 queries.
@@ -332,6 +385,29 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     store_frag_smem<Element, kMC>(pt_s, st, wr * kRowsW, wc * kS8, lane);
     store_frag_smem<Element, kMC>(dst_s, dpt, wr * kRowsW, wc * kS8, lane);
     __syncthreads();  // P^T and dS^T complete
+
+    if constexpr (kAtomicDq) {
+      // dQ (64 query rows x head dim) += dS K over this CTA's 128 keys, added to the fp32
+      // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps 2 x 4 over
+      // (query rows, head dim), 32 rows x kD / 4 columns each.  First in the phase, so the
+      // REDs drain while the dV / dK MMAs run.
+      float dq_acc[2][kQD8][4];
+      zero(dq_acc);
+      lean_gemm_tt<Element, kMC, kC, 2, kQD8, kN>(dq_acc, ds_at, k_bt);
+      float* dq_rows = p.dq_accum + ((b * p.seqlen_q + m0) * p.heads_q + pos_h) * kD;
+      const int64_t row_stride = p.heads_q * kD;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = wq * 32 + mt * 16 + lane / 4 + 8 * r;  // within the tile
+          if (m0 + row >= p.seqlen_q) continue;
+          float* dst = dq_rows + row * row_stride + wd * kQD8 * 8 + 2 * (lane % 4);
+#pragma unroll
+          for (int j = 0; j < kQD8; ++j)
+            red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
+        }
+    }
 
     // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x half the head dim.
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dv_acc, pt_a, do_bt + stage_bytes);
@@ -518,12 +594,50 @@ bool lean_bwd_fits() {
   return max_smem_optin_per_block() >= need;
 }
 
-// The dK/dV and dQ launches (delta already computed) on `stream`.
+// dq = p.dq_accum (fp32, (batch, seqlen_q, heads_q, kHeadDim) contiguous) in Element: one CTA
+// per (64 rows, batch, head), 4 columns per thread and iteration.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    flash_bwd_convert_dq_kernel(const BwdParams p, int64_t num_m_blocks) {
+  using Element = typename T::Element;
+  constexpr int kD = T::kHeadDim, kRows = 64, kQuads = kD / 4;
+  const int64_t bid = blockIdx.x;
+  const int64_t m0 = (bid % num_m_blocks) * kRows, bh = bid / num_m_blocks;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const float* src = p.dq_accum + ((b * p.seqlen_q + m0) * p.heads_q + h) * kD;
+  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+             m0 * p.dq_row_stride;
+  const int cols = static_cast<int>(p.head_dim);
+  for (int i = static_cast<int>(threadIdx.x); i < kRows * kQuads; i += 256) {
+    const int r = i / kQuads, c = (i % kQuads) * 4;
+    if (m0 + r >= p.seqlen_q || c >= cols) continue;
+    const float4 x = *reinterpret_cast<const float4*>(src + r * p.heads_q * kD + c);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dq + r * p.dq_row_stride + c);
+    out[0] = pack2<Element>(x.x, x.y);
+    if (c + 2 < cols) out[1] = pack2<Element>(x.z, x.w);
+  }
+}
+
+// The dK/dV and dQ launches (delta already computed) on `stream`.  With p.dq_accum: dQ is
+// accumulated there by the dK/dV kernel (zeroed first, fp32 atomics, not bitwise reproducible)
+// and converted; without: the separate dQ kernel (bitwise reproducible).
 template <typename T>
 cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaStream_t stream) {
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-  cudaError_t err = launch(flash_bwd_dkdv_lean_kernel<T>, num_n_blocks * p.batch * p.heads_kv,
-                           T::kThreads, T::kSmemDkdv, stream, p, delta, num_n_blocks);
+  const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv;
+  if (p.dq_accum != nullptr) {
+    cudaError_t err = cudaMemsetAsync(
+        p.dq_accum, 0, sizeof(float) * p.batch * p.seqlen_q * p.heads_q * T::kHeadDim, stream);
+    if (err != cudaSuccess) return err;
+    err = launch(flash_bwd_dkdv_lean_kernel<T, true>, dkdv_blocks, T::kThreads, T::kSmemDkdv,
+                 stream, p, delta, num_n_blocks);
+    if (err != cudaSuccess) return err;
+    const int64_t num_m_blocks = (p.seqlen_q + 63) / 64;
+    return launch(flash_bwd_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q, 256, 0,
+                  stream, p, num_m_blocks);
+  }
+  cudaError_t err = launch(flash_bwd_dkdv_lean_kernel<T, false>, dkdv_blocks, T::kThreads,
+                           T::kSmemDkdv, stream, p, delta, num_n_blocks);
   if (err != cudaSuccess) return err;
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockMQ - 1) / T::kBlockMQ;
   return launch(flash_bwd_dq_lean_kernel<T>, num_m_blocks * p.batch * p.heads_q, T::kThreads,
