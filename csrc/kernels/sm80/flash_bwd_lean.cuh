@@ -136,7 +136,10 @@ __device__ __forceinline__ void lean_gemm_ss(float (&acc)[kMT][kN8][4], uint32_t
 
 // acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, B read transposed (as tile.h
 // gemm_rs), A staged in shared memory by other warps (dV += P^T dO, dK += dS^T Q, dQ += dS K).
-template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK>
+// kATrans: A is stored k-major too and read with ldmatrix.trans (dQ += dS K from dS^T in the
+// dK/dV kernel; its base from at_base), else row-major (a_base).
+template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK,
+          bool kATrans = false>
 __device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32_t a,
                                                uint32_t b) {
   static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
@@ -145,7 +148,12 @@ __device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t af[kMT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kAGroup);
+    for (int mt = 0; mt < kMT; ++mt) {
+      if constexpr (kATrans)
+        ldmatrix_x4_trans(af[mt], swz_step(a, 2 * mt) + kk * kAGroup);
+      else
+        ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kAGroup);
+    }
 #pragma unroll
     for (int j2 = 0; j2 < kN8 / 2; ++j2) {
       uint32_t bf[4];
@@ -159,36 +167,12 @@ __device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32
   }
 }
 
-// Base address of an A operand read transposed (lean_gemm_tt): the tile is stored k-major
+// Base address of an A operand read transposed (lean_gemm_ss_t<..., true>): the tile is stored k-major
 // (rows = k from 0, columns = the GEMM's m from 8 * chunk0), e.g. dS^T read as dS.  Same lane
 // pattern as b_base: lane l gives row (l / 16) * 8 + l % 8 of 8 x 8 matrix l / 8.
 template <int kChunks, typename Element>
 __device__ __forceinline__ uint32_t at_base(const Element* s, int chunk0, int lane) {
   return smem_addr(s + swz<kChunks>((lane / 16) * 8 + lane % 8, chunk0 + (lane / 8) % 2));
-}
-
-// acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, both operands stored k-major
-// and read with ldmatrix.trans (dQ += dS K from dS^T and K in the dK/dV kernel).
-template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK>
-__device__ __forceinline__ void lean_gemm_tt(float (&acc)[kMT][kN8][4], uint32_t a, uint32_t b) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
-  constexpr uint32_t kAGroup = 16 * kAChunks * 16, kBGroup = 16 * kBChunks * 16;
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4_trans(af[mt], swz_step(a, 2 * mt) + kk * kAGroup);
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t bf[4];
-      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
-      }
-    }
-  }
 }
 
 // p[0] += a, p[1] += b in global memory, no return value (one vector RED on sm_90).
@@ -393,7 +377,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // REDs drain while the dV / dK MMAs run.
       float dq_acc[2][kQD8][4];
       zero(dq_acc);
-      lean_gemm_tt<Element, kMC, kC, 2, kQD8, kN>(dq_acc, ds_at, k_bt);
+      lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
       float* dq_rows = p.dq_accum + ((b * p.seqlen_q + m0) * p.heads_q + pos_h) * kD;
       const int64_t row_stride = p.heads_q * kD;
 #pragma unroll
