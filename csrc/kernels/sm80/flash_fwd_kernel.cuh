@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm80/dropout.h"
 #include "kernels/sm80/launch.h"
@@ -53,8 +54,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr int kNTiles = kN / 8;  // 8-column tiles of S per warp
   constexpr int kDTiles = kD / 8;  // 8-column tiles of O per warp
   constexpr float kLn2 = 0.6931471805599453f;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: see tile.h swz_step
   Element* q_s = reinterpret_cast<Element*>(smem_raw);
+  if (smem_addr(smem_raw) % 128 != 0) __trap();  // never expected; swz_step relies on it
   Element* kv_s = q_s + T::kSmemQ;  // [stage][K | V]
 
   // Longest rows first under causal masking: the heaviest query blocks start first.
@@ -90,13 +92,15 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * T::kSmemKV;
-    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN, p.seqlen_k,
-                           static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(dst + T::kSmemKV, v, p.v_row_stride, n_block * kN, p.seqlen_k,
-                           static_cast<int>(p.head_dim_v));
+    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
+                                                  p.seqlen_k, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(dst + T::kSmemKV, v, p.v_row_stride,
+                                                  n_block * kN, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
   };
   if (n_begin < n_end) {
-    load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, p.seqlen_q,
+                                                  static_cast<int>(p.head_dim));
     load_kv(0, n_begin);
     cp_async_commit();
   }
@@ -104,18 +108,24 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr int kMT = T::kMTiles;
   float o_acc[kMT][kDTiles][4];
   zero(o_acc);
-  // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or transformed) scores and
-  // this thread's share of the running sum.
+  // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or transformed)
+  // scores and this thread's share of the running sum.
   float m_row[kMT][2], l_row[kMT][2];
-  int64_t row_of[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       m_row[mt][r] = -INFINITY;
       l_row[mt][r] = 0.f;
-      row_of[mt][r] = m0 + (warp * kMT + mt) * 16 + lane / 4 + 8 * r;
     }
+  // Query row of this lane's accumulator rows (computed where used: not kept in registers).
+  auto row_of = [&](int mt, int r) -> int64_t {
+    return m0 + (warp * kMT + mt) * 16 + lane / 4 + 8 * r;
+  };
+  // Per-lane ldmatrix base addresses (tile.h lean GEMMs; stage 0 for K and V).
+  const uint32_t q_a = a_base<kC>(q_s, warp * kMT * 16, lane);
+  const uint32_t k_b = b_base<kC>(kv_s, 0, lane);
+  const uint32_t v_bt = bt_base<kC>(kv_s + T::kSmemKV, 0, lane);
   // Key tiles fully inside every row's visible range need no per-element mask.
   const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
 
@@ -129,84 +139,97 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       cp_async_wait<0>();
     }
     __syncthreads();
-    const Element* k_s = kv_s + stage * 2 * T::kSmemKV;
-    const Element* v_s = k_s + T::kSmemKV;
+    const uint32_t stage_bytes =
+        static_cast<uint32_t>(stage * 2 * T::kSmemKV * sizeof(Element));
 
     // S = Q K^T for this warp's rows and the tile's kN keys.
     float s[kMT][kNTiles][4];
     zero(s);
-    gemm_ss<Element, kC, kMT, kNTiles, kD>(s, q_s, warp * kMT * 16, k_s, 0, lane);
+    lean_gemm_ss<Element, kC, kMT, kNTiles, kD>(s, q_a, k_b + stage_bytes);
 
-    // Softcap and bias, mask (only tiles that straddle a boundary), online softmax.
-    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
+    // Softcap and bias, mask (only for tiles that straddle a boundary: 32-bit key bounds
+    // relative to the tile), online softmax.  `masked`: std::true_type / std::false_type (two
+    // copies of the code, no per-element mask test in the unmasked one) or, in the general
+    // variant, a runtime bool (one copy: two would make its spills 4x worse).
     const int64_t col0 = n_block * kN + 2 * (lane % 4);
+    auto softmax_tile = [&](auto masked) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (transform) {
-          const int64_t row = row_of[mt][r] < p.seqlen_q ? row_of[mt][r] : p.seqlen_q - 1;
+        for (int r = 0; r < 2; ++r) {
+          if (transform) {
+            const int64_t row = row_of(mt, r) < p.seqlen_q ? row_of(mt, r) : p.seqlen_q - 1;
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int64_t col = col0 + j * 8 + e;
+                fn.apply(s[mt][j][2 * r + e], row, col < p.seqlen_k ? col : p.seqlen_k - 1);
+              }
+          }
+          if (masked) {
+            const int64_t row = row_of(mt, r), key0 = n_block * kN;
+            const int lo = static_cast<int>(VisibleKeys::clamp(vis.begin(row) - key0, 0, kN));
+            const int hi = static_cast<int>(VisibleKeys::clamp(vis.end(row) - key0, 0, kN));
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int key = j * 8 + 2 * (lane % 4) + e;  // within the tile
+                if (key < lo || key >= hi) s[mt][j][2 * r + e] = -INFINITY;
+              }
+          }
+          float mx = -INFINITY;
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j)
+            mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float m_new = fmaxf(m_row[mt][r], mx);
+          // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+          const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+          const float alpha = exp2f(m_row[mt][r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+          m_row[mt][r] = m_new;
+          float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int64_t col = col0 + j * 8 + e;
-              fn.apply(s[mt][j][2 * r + e], row, col < p.seqlen_k ? col : p.seqlen_k - 1);
+              float& x = s[mt][j][2 * r + e];
+              x = exp2f(fmaf(x, scale_log2, -m_scaled));
+              sum += x;
             }
-        }
-        if (need_mask) {
-          const int64_t lo = vis.begin(row_of[mt][r]), hi = vis.end(row_of[mt][r]);
+          l_row[mt][r] = l_row[mt][r] * alpha + sum;
+          if (kGeneral && drop.enabled) {  // after the row sum: dropout acts on the normalised P
+            const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
+                                                          row_of(mt, r));
 #pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
+            for (int j = 0; j < kNTiles; ++j) {
+              const int64_t col = col0 + j * 8;  // even: both elements share one Philox block
+              const uint4 w = drop.words(row_id, col);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int64_t col = col0 + j * 8 + e;
-              if (col < lo || col >= hi) s[mt][j][2 * r + e] = -INFINITY;
+              for (int e = 0; e < 2; ++e)
+                if (DropoutFn::word(w, col + e) >= drop.threshold) s[mt][j][2 * r + e] = 0.f;
             }
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
-          mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m_row[mt][r], mx);
-        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-        const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-        const float alpha = exp2f(m_row[mt][r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
-        m_row[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[mt][j][2 * r + e];
-            x = exp2f(fmaf(x, scale_log2, -m_scaled));
-            sum += x;
           }
-        l_row[mt][r] = l_row[mt][r] * alpha + sum;
-        if (kGeneral && drop.enabled) {  // after the row sum: dropout acts on the normalised P
-          const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
-                                                        row_of[mt][r]);
 #pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
-            const int64_t col = col0 + j * 8;  // even: both elements share one Philox block
-            const uint4 w = drop.words(row_id, col);
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (DropoutFn::word(w, col + e) >= drop.threshold) s[mt][j][2 * r + e] = 0.f;
+          for (int j = 0; j < kDTiles; ++j) {
+            o_acc[mt][j][2 * r] *= alpha;
+            o_acc[mt][j][2 * r + 1] *= alpha;
           }
-        }
-#pragma unroll
-        for (int j = 0; j < kDTiles; ++j) {
-          o_acc[mt][j][2 * r] *= alpha;
-          o_acc[mt][j][2 * r + 1] *= alpha;
         }
       }
-    }
+    };
+    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
+    if constexpr (kGeneral)
+      softmax_tile(need_mask);
+    else if (need_mask)
+      softmax_tile(std::true_type{});
+    else
+      softmax_tile(std::false_type{});
 
     // O += P V, P taken from the S accumulators.
-    gemm_rs<Element, kC, kMT, kN, kDTiles>(o_acc, s, v_s, 0, 0, lane);
+    lean_gemm_rs<Element, kC, kMT, kN, kDTiles>(o_acc, s, v_bt + stage_bytes);
     __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
   }
 
@@ -224,7 +247,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       // No visible key (m = -inf, l = 0).  A NaN score makes l NaN: not empty, NaN comes out.
       const bool empty = m_row[mt][r] == -INFINITY && l == 0.f;
       const float inv_l = empty ? 0.f : (kGeneral ? drop.scale : 1.f) / l;
-      const int64_t row = row_of[mt][r];
+      const int64_t row = row_of(mt, r);
       if (row >= p.seqlen_q) continue;
       Element* o_row = out + row * p.out_row_stride;
 #pragma unroll

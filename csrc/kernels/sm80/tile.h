@@ -31,18 +31,22 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     // Every thread keeps its chunk column and steps down the tile by kThreads / kChunks rows:
     // unrolled, with the column test, the row base address and the smem swizzle computed once
     // (the loop form below cost ~100 instructions per tile in the backward's main loop).
+    // The source pointer advances by a precomputed 64-bit step (a multiply per chunk cost ~20
+    // instructions per cp.async in the forward's main loop); rows are tested in 32 bits.
     constexpr int kRowStep = kThreads / kChunks;
     const int c = static_cast<int>(threadIdx.x) % kChunks;
     const int r0 = static_cast<int>(threadIdx.x) / kChunks;
     const bool col_ok = c * 8 < cols;
-    const int64_t rows_left = num_rows - row0;
-    const Element* src0 = gmem + row0 * row_stride + c * 8;
+    const int64_t left = num_rows - row0;
+    const int rows_in = left <= 0 ? 0 : (left >= kRows ? kRows : static_cast<int>(left));
+    const Element* src = gmem + (row0 + r0) * row_stride + c * 8;
+    const int64_t step = kRowStep * row_stride;
 #pragma unroll
     for (int i = 0; i < kTotal / kThreads; ++i) {
       const int r = r0 + i * kRowStep;
-      const bool valid = col_ok && r < rows_left;
-      cp_async_16(smem_addr(smem + swz<kChunks>(r, c)), valid ? src0 + r * row_stride : gmem,
-                  valid);
+      const bool valid = col_ok && r < rows_in;
+      cp_async_16(smem_addr(smem + swz<kChunks>(r, c)), valid ? src : gmem, valid);
+      src += step;
     }
   } else {
     for (int idx = threadIdx.x; idx < kTotal; idx += kThreads) {
@@ -109,6 +113,133 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (
       for (int mt = 0; mt < kMT; ++mt) {
         mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
         mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// The GEMMs above (gemm_ss; gemm_rs with A from shared memory or registers) with operands given
+// as per-lane shared addresses (the 8-warp backward, flash_bwd_lean.cuh, and the forward).
+// tile.h recomputes swz(row, chunk) for every k step, and since the swizzle is an XOR the
+// compiler keeps one address register per (operand, k step): ~50 registers in these kernels,
+// which made the head-dim-128 kernels spill.  Here each operand has one base address, that of
+// its first ldmatrix, and the others follow from it: an ldmatrix address moves by whole
+// 16-row groups (a constant, the row % 8 of every lane is unchanged) and by compile-time
+// chunk steps c, which swz_step applies as an XOR on the swizzled chunk bits (bits 4-6 of the
+// address, c % 8) plus a constant (c / 8 whole 8-chunk groups).  That is exact when the chunk
+// the base was computed for and c % 8 share no bit (the base's chunk is lane / 16 or
+// (lane / 8) % 2, plus a multiple of kN8 for the transposed operand, and c a multiple of 2
+// below 8 or of 8) and every tile starts 128-byte aligned.
+__device__ __forceinline__ uint32_t swz_step(uint32_t base, int c) {
+  return (base ^ static_cast<uint32_t>((c & 7) << 4)) + static_cast<uint32_t>((c & ~7) << 4);
+}
+
+// Base address of the A operand of lean_gemm_ss / lean_gemm_ss_t (rows row0.., k from 0), and
+// of the B operand of lean_gemm_ss (rows row0.. of a tile read untransposed).
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t a_base(const Element* s, int row0, int lane) {
+  return smem_addr(s + swz<kChunks>(row0 + lane % 16, lane / 16));
+}
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t b_base(const Element* s, int row0, int lane) {
+  return smem_addr(s + swz<kChunks>(row0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2));
+}
+// Base address of the transposed B operand of lean_gemm_ss_t (rows from 0, columns from
+// 8 * chunk0, chunk0 a multiple of the GEMM's kN8).
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t bt_base(const Element* s, int chunk0, int lane) {
+  return smem_addr(s + swz<kChunks>(lane % 16, chunk0 + lane / 16));
+}
+
+// acc[mt][j] += sum_k A[16 mt + i][k] * B[8 j + n][k], k < kK (tile.h gemm_ss).
+template <typename Element, int kChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void lean_gemm_ss(float (&acc)[kMT][kN8][4], uint32_t a, uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
+  constexpr uint32_t kGroup = 16 * kChunks * 16;  // bytes of 16 rows
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kGroup);
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, swz_step(b, 2 * kk) + j2 * kGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, B read transposed (as tile.h
+// gemm_rs), A staged in shared memory by other warps (dV += P^T dO, dK += dS^T Q, dQ += dS K).
+// kATrans: A is stored k-major too and read with ldmatrix.trans (dQ += dS K from dS^T in the
+// dK/dV kernel; its base from at_base), else row-major (a_base).
+template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK,
+          bool kATrans = false>
+__device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32_t a,
+                                               uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
+  constexpr uint32_t kAGroup = 16 * kAChunks * 16, kBGroup = 16 * kBChunks * 16;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      if constexpr (kATrans)
+        ldmatrix_x4_trans(af[mt], swz_step(a, 2 * mt) + kk * kAGroup);
+      else
+        ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kAGroup);
+    }
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// Base address of an A operand read transposed (lean_gemm_ss_t<..., true>): the tile is stored
+// k-major (rows = k from 0, columns = the GEMM's m from 8 * chunk0), e.g. dS^T read as dS.
+// Same lane pattern as b_base: lane l gives row (l / 16) * 8 + l % 8 of 8 x 8 matrix l / 8.
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t at_base(const Element* s, int chunk0, int lane) {
+  return smem_addr(s + swz<kChunks>((lane / 16) * 8 + lane % 8, chunk0 + (lane / 8) % 2));
+}
+
+// acc[mt][j] += sum_k P[16 mt + i][k] * B[k][8 j + n], k < kK: gemm_rs with B's per-lane base
+// address from bt_base (O += P V in the forward).
+template <typename Element, int kBChunks, int kMT, int kK, int kN8>
+__device__ __forceinline__ void lean_gemm_rs(float (&acc)[kMT][kN8][4],
+                                             const float (&p)[kMT][kK / 8][4], uint32_t b) {
+  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kBChunks >= 8, "");
+  constexpr uint32_t kBGroup = 16 * kBChunks * 16;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      a[mt][0] = pack2<Element>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][1] = pack2<Element>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][2] = pack2<Element>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<Element>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Element>(acc[mt][2 * j2], a[mt], bf[0], bf[1]);
+        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], bf[2], bf[3]);
       }
     }
   }
