@@ -6,7 +6,8 @@ measured in the same process (CUDA events, queued calls, median; FLOPs the Flash
 (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole backward's FLOPs.
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
---sm80-forward: also time the portable (sm80) forward, FLASH_ATTN_EXT_KERNEL=sm80.
+--sm80-forward: also time the portable (sm80) forward (FLASH_ATTN_EXT_KERNEL=sm80) and SDPA
+FLASH's forward, no autograd.
 --ncu: run each backward exactly once between cudaProfilerStart/Stop (after warm-up), for
 `ncu --profile-from-start off`; no timing.
 
@@ -46,20 +47,24 @@ def backward_fns(d: int, seqlen: int, causal: bool):
     }
 
 
-def sm80_forward_ms(d: int, seqlen: int, causal: bool) -> float:
-    """Median ms of the portable forward (no autograd) at the benchmark's shape."""
+def forward_ms(d: int, seqlen: int, causal: bool):
+    """Median ms of the portable forward (no autograd) and of SDPA FLASH's at the shape."""
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
                for _ in "qkv")
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
     old = os.environ.get("FLASH_ATTN_EXT_KERNEL")
     os.environ["FLASH_ATTN_EXT_KERNEL"] = "sm80"
     try:
-        return median_ms(lambda: flash_attn_ext.flash_attn_func(q, k, v, causal=causal))
+        ours = median_ms(lambda: flash_attn_ext.flash_attn_func(q, k, v, causal=causal))
     finally:
         if old is None:
             del os.environ["FLASH_ATTN_EXT_KERNEL"]
         else:
             os.environ["FLASH_ATTN_EXT_KERNEL"] = old
+    return ours, flash
 
 
 def kernel_times(fn) -> collections.Counter[str]:
@@ -89,9 +94,10 @@ def main() -> None:
             for causal in causals:
                 flops, fns = backward_fns(d, seqlen, causal)
                 if args.sm80_forward and not args.ncu:
+                    ours_ms, flash_ms = forward_ms(d, seqlen, causal)
                     print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} sm80  fwd "
-                          f"{flops / 2.5 / sm80_forward_ms(d, seqlen, causal) / 1e9:6.1f} TFLOP/s",
-                          flush=True)
+                          f"{flops / 2.5 / ours_ms / 1e9:6.1f} TFLOP/s  (flash fwd "
+                          f"{flops / 2.5 / flash_ms / 1e9:6.1f})", flush=True)
                 for name, fn in fns.items():
                     if args.ncu:
                         fn()

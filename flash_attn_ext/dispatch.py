@@ -183,11 +183,14 @@ def kernel_choice() -> str:
     return value or "auto"
 
 
-def _lean_bwd_smem_bytes(padded_dim: int) -> int:
+def _lean_bwd_smem_bytes(padded_dim: int, rows: int = 64) -> int:
     """Dynamic shared memory of the 8-warp plain-attention backward (csrc/kernels/sm80/
-    flash_bwd_lean.cuh, LeanBwdTraits::kSmemDkdv, the larger of its two kernels): K and V of
-    128 keys, Q and dO of 64 rows double-buffered, P^T and dS^T, lse and D per row."""
-    return (2 * 128 + 2 * 2 * 64) * padded_dim * 2 + 2 * 128 * 64 * 2 + 2 * 2 * 64 * 4
+    flash_bwd_lean.cuh, LeanBwdTraits::kSmemDkdv, the larger of its two kernels) with ``rows``
+    query rows per step: K and V of 128 keys, Q and dO double-buffered, P^T and dS^T, lse and D
+    per row.  Head dim 64 takes 128-row steps where they fit and 64-row ones elsewhere, so the
+    64-row figure is the requirement."""
+    return ((2 * 128 + 2 * 2 * rows) * padded_dim * 2 + 2 * 128 * rows * 2
+            + 2 * 2 * rows * 4)
 
 
 def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> list:

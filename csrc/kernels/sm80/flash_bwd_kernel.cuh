@@ -374,6 +374,11 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
     // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits.
     using Lean = LeanBwdTraits<typename T::Element, T::kHeadDim>;
     if (!general && lean_bwd_fits<Lean>()) return launch_flash_bwd_lean<Lean>(p, delta, stream);
+    if constexpr (Lean::kBlockM != 64) {  // GPUs with less shared memory: 64-row steps
+      using Lean64 = LeanBwdTraits<typename T::Element, T::kHeadDim, 64>;
+      if (!general && lean_bwd_fits<Lean64>())
+        return launch_flash_bwd_lean<Lean64>(p, delta, stream);
+    }
   }
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv * T::kSplitD;

@@ -2,17 +2,18 @@
 // case) at padded head dims 64 and 128, on sm_80+ (mma.sync; also runs on sm_90).  The general
 // case and head dim 256 keep the kernels of flash_bwd_kernel.cuh, which also serve GPUs whose
 // shared memory per block is too small for these (sm_86 / sm_89, 99 KB: head dim 128; their
-// head dim 64 kernels need 97 KB and run there, measured on sm_90 only).
+// head dim 64 kernels in their 64-row-step variant need 97 KB and run there, measured on sm_90
+// only).
 //
 // Same algorithm and the same two-kernel split as flash_bwd_kernel.cuh (dK/dV, then dQ, no
 // atomics, so bitwise reproducible whatever `deterministic` says), with FlashAttention-2's
 // warp tiling instead of one 16-row tile per warp, which left every shared-memory fragment
 // feeding one or two MMAs (ldmatrix-bound, benchmarks/NOTES.md):
 //
-//  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a 64-row Q / dO tile of
-//    one query head of the GQA group (double-buffered cp.async, lse and D with it).
-//    S^T = K Q^T and dP^T = V dO^T (128 x 64) are split 4 x 2 over the warps (32 keys x 32
-//    queries each); P^T and dS^T = P^T (dP^T - D) go to shared memory as 16-bit values; after a
+//  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a kBlockM-row Q / dO
+//    tile (64 rows; 128 at head dim 64) of one query head of the GQA group (double-buffered
+//    cp.async, lse and D with it).  S^T = K Q^T and dP^T = V dO^T (128 x kBlockM) are split
+//    4 x 2 over the warps (32 keys x kBlockM / 2 queries each); P^T and dS^T = P^T (dP^T - D) go to shared memory as 16-bit values; after a
 //    barrier dV += P^T dO and dK += dS^T Q (128 x head dim) are split 4 x 2 again (32 keys x
 //    half the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
 //    2-4 MMAs (0.375-0.5 ldmatrix.x4 per m16n8k16 instead of ~0.6-1).
@@ -41,7 +42,8 @@
 
 namespace flash_attn_ext::sm80 {
 
-template <typename Element_, int kHeadDim_>
+// kBlockM_: query rows per dK/dV step, 0 = the default for the head dim (see kBlockM).
+template <typename Element_, int kHeadDim_, int kBlockM_ = 0>
 struct LeanBwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v): 64 or 128
@@ -52,9 +54,13 @@ struct LeanBwdTraits {
   // for dQ) by 2 along the other GEMM dimension: 32 rows per warp, two m16 tiles.
   static constexpr int kWarpsRow = 4, kWarpsCol = 2;
   static constexpr int kStages = 2;  // cp.async ring depth of the streamed tiles (sm_80's smem)
-  // dK/dV kernel: kBlockN keys per CTA, kBlockM query rows per step.  Shared memory: K, V;
-  // [stage] Q, dO; P^T, dS^T; [stage] lse, D (fp32).
-  static constexpr int kBlockN = 128, kBlockM = 64;
+  // dK/dV kernel: kBlockN keys per CTA, kBlockM query rows per step: by default 128 at head
+  // dim 64, as FlashAttention-2 (twice the MMA work per barrier, statistics load and ldmatrix
+  // of K / V; 162 KB of shared memory, so GPUs with less, sm_86 / sm_89, take 64), 64 at head
+  // dim 128 (128 would not fit the S^T / dP^T accumulators beside dK / dV).  Shared memory:
+  // K, V; [stage] Q, dO; P^T, dS^T; [stage] lse, D (fp32).
+  static constexpr int kBlockN = 128;
+  static constexpr int kBlockM = kBlockM_ != 0 ? kBlockM_ : (kHeadDim == 64 ? 128 : 64);
   static constexpr int kSmemDkdv =
       (2 * kBlockN + 2 * kStages * kBlockM) * kHeadDim * int(sizeof(Element)) +
       2 * kBlockN * kBlockM * int(sizeof(Element)) + 2 * kStages * kBlockM * int(sizeof(float));
@@ -65,8 +71,8 @@ struct LeanBwdTraits {
       (2 * kBlockMQ + 2 * kStages * kBlockNQ) * kHeadDim * int(sizeof(Element)) +
       kBlockMQ * kBlockNQ * int(sizeof(Element));
   static_assert(kHeadDim == 64 || kHeadDim == 128, "");
-  // The 16-bit P^T / dS^T / dS tiles are swizzled over 8 chunks per row (tile.h: swz).
-  static_assert(kBlockM == 64 && kBlockNQ == 64 && kBlockN == 32 * kWarpsRow &&
+  // The 16-bit P^T / dS^T / dS tiles are swizzled over 8 or 16 chunks per row (tile.h: swz).
+  static_assert(kBlockM % 64 == 0 && kBlockNQ == 64 && kBlockN == 32 * kWarpsRow &&
                     kBlockMQ == 32 * kWarpsRow && kWarpsRow * kWarpsCol == kWarps,
                 "");
   static_assert(kSmemDkdv <= 163 * 1024 && kSmemDq <= 163 * 1024, "sm_80 allows 163 KB");
@@ -99,8 +105,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   constexpr int kMT = kRowsW / 16;               // m16 tiles per warp
   constexpr int kS8 = kM / T::kWarpsCol / 8;     // n8 tiles (queries) per warp of S^T
   constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dK / dV
-  constexpr int kQD8 = kD / 4 / 8;               // n8 tiles (head dim) per warp of atomic dQ
-  static_assert(kM == 2 * 32 && T::kWarps == 8, "atomic dQ: warps 2 x 4 over 64 rows x kD");
+  // Atomic dQ (kM x kD per step): warps kQW x kQC over (query rows, head dim), 32 rows each.
+  constexpr int kQW = kM / 32, kQC = T::kWarps / kQW;
+  constexpr int kQD8 = kD / kQC / 8;             // n8 tiles (head dim) per warp of atomic dQ
+  static_assert(kQW * kQC == T::kWarps && kQD8 % 2 == 0, "");
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
   Element* k_s = reinterpret_cast<Element*>(lean_smem);
   if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
@@ -196,9 +204,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t dst_a = a_base<kMC>(dst_s, wr * kRowsW, lane);
   const uint32_t q_bt = bt_base<kC>(qdo_s, wc * kD8, lane);
   const uint32_t do_bt = bt_base<kC>(qdo_s + kM * kD, wc * kD8, lane);
-  // Atomic dQ: warp (wq, wd) of 2 x 4; dS read from dS^T (chunks 4 wq..), K from column
+  // Atomic dQ: warp (wq, wd) of kQW x kQC; dS read from dS^T (chunks 4 wq..), K from column
   // chunk wd * kQD8.
-  const int wq = warp / 4, wd = warp % 4;
+  const int wq = warp / kQC, wd = warp % kQC;
   const uint32_t ds_at = at_base<kMC>(dst_s, wq * 4, lane);
   const uint32_t k_bt = bt_base<kC>(k_s, wd * kQD8, lane);
   (void)ds_at;
@@ -274,10 +282,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     __syncthreads();  // P^T and dS^T complete
 
     if constexpr (kAtomicDq) {
-      // dQ (64 query rows x head dim) += dS K over this CTA's 128 keys, added to the fp32
-      // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps 2 x 4 over
-      // (query rows, head dim), 32 rows x kD / 4 columns each.  First in the phase, so the
-      // REDs drain while the dV / dK MMAs run.
+      // dQ (kM query rows x head dim) += dS K over this CTA's 128 keys, added to the fp32
+      // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps kQW x kQC
+      // over (query rows, head dim), 32 rows x kD / kQC columns each.  First in the phase, so
+      // the REDs drain while the dV / dK MMAs run.
       float dq_acc[2][kQD8][4];
       zero(dq_acc);
       lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
