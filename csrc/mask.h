@@ -55,6 +55,29 @@ struct VisibleKeys {
     return {n_begin, key_end > key_begin ? (key_end + block_n - 1) / block_n : n_begin,
             begin(last_row), end(m0)};
   }
+  // The visible keys of rows row0 + dr relative to key0 and clipped to [0, limit], limit =
+  // min(tile_keys, seqlen_k - key0): for a kernel's per-element mask of one tile, in 32-bit
+  // (begin(dr) == clamp(begin(row0 + dr) - key0, 0, limit), end likewise; for key0 >= 0 and
+  // 0 <= dr < 2^30).  The 64-bit row arithmetic is done once per tile, here.
+  struct Relative {
+    int begin0, end0, limit;
+    bool left, right;  // window_left / window_right >= 0
+    FAE_HOST_DEVICE int begin(int dr) const {
+      const int x = begin0 + dr;
+      return left ? (x < 0 ? 0 : (x > limit ? limit : x)) : 0;
+    }
+    FAE_HOST_DEVICE int end(int dr) const {
+      const int x = end0 + dr;
+      return right ? (x < 0 ? 0 : (x > limit ? limit : x)) : limit;
+    }
+  };
+  FAE_HOST_DEVICE Relative relative(int64_t row0, int64_t key0, int64_t tile_keys) const {
+    constexpr int64_t kBig = int64_t{1} << 30;  // beyond every tile: clamping there is exact
+    return {static_cast<int>(clamp(row0 + offset - window_left - key0, -kBig, kBig)),
+            static_cast<int>(clamp(row0 + offset + window_right + 1 - key0, -kBig, kBig)),
+            static_cast<int>(clamp(seqlen_k - key0, 0, tile_keys)), window_left >= 0,
+            window_right >= 0};
+  }
   // The query rows that can see a key in [j0, j1) (0 <= j0 < j1 <= seqlen_k) are
   // [first_row(j0), row_limit(j1)), the caller clamping both to [0, seqlen_q]:
   // first_row is the smallest i with end(i) > j0, row_limit the smallest i with begin(i) >= j1.

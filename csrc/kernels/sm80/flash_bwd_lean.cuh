@@ -245,6 +245,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // with its row's visible range, 32-bit and relative to the block.
     auto softmax_grad = [&](auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
+      VisibleKeys::Relative rel{};
+      if constexpr (kMasked) rel = vis.relative(m0, n0, kN);
 #pragma unroll
       for (int j = 0; j < kS8; ++j)
 #pragma unroll
@@ -254,8 +256,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           const float dd = d_s[q] * scale;
           int lo = 0, hi = kN;  // visible keys of row q, relative to n0
           if constexpr (kMasked) {
-            lo = static_cast<int>(VisibleKeys::clamp(vis.begin(m0 + q) - n0, 0, kN));
-            hi = static_cast<int>(VisibleKeys::clamp(vis.end(m0 + q) - n0, 0, kN));
+            lo = rel.begin(q);
+            hi = rel.end(q);
           }
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt)
@@ -427,15 +429,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // variant compares each key with its row's visible range (32-bit, relative to the block).
     auto softmax_grad = [&](auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
+      VisibleKeys::Relative rel{};
+      if constexpr (kMasked) rel = vis.relative(m0, n_block * kN, kN);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           int lo = 0, hi = kN;  // visible keys of this row, relative to the block
           if constexpr (kMasked) {
-            const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
-            lo = static_cast<int>(VisibleKeys::clamp(vis.begin(row) - n_block * kN, 0, kN));
-            hi = static_cast<int>(VisibleKeys::clamp(vis.end(row) - n_block * kN, 0, kN));
+            const int dr = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // row within the block
+            lo = rel.begin(dr);
+            hi = rel.end(dr);
           }
 #pragma unroll
           for (int j = 0; j < kS8; ++j)

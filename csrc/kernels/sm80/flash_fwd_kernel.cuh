@@ -168,9 +168,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
               }
           }
           if (masked) {
-            const int64_t row = row_of(mt, r), key0 = n_block * kN;
-            const int lo = static_cast<int>(VisibleKeys::clamp(vis.begin(row) - key0, 0, kN));
-            const int hi = static_cast<int>(VisibleKeys::clamp(vis.end(row) - key0, 0, kN));
+            const VisibleKeys::Relative rel = vis.relative(m0, n_block * kN, kN);
+            const int dr = (warp * kMT + mt) * 16 + lane / 4 + 8 * r;  // row within the block
+            const int lo = rel.begin(dr), hi = rel.end(dr);
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
