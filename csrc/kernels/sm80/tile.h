@@ -58,25 +58,23 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
   }
 }
 
-// acc[mt][j] += sum_k A[a_row0 + 16 mt + i][k] * B[b_row0 + 8 j + n][k] for k < kK: both
-// operands are rows of swizzled shared tiles (e.g. S = Q K^T with A = Q rows, B = K rows).
-// acc is this lane's part of kMT x kN8 accumulator fragments (16 x 8 each, fp32).
-template <typename Element, int kChunks, int kMT, int kN8, int kK>
-__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN8][4], const Element* a_s, int a_row0,
-                                        const Element* b_s, int b_row0, int lane) {
+// The k loop every warp-level GEMM below shares: per 16-deep k step kk, the kMT A fragments
+// (load_a(kk, mt, fragment)), then per pair of n8 tiles j2 one B fragment (load_b(kk, j2,
+// fragment)) and 2 kMT MMAs.  acc is this lane's part of kMT x kN8 accumulator fragments
+// (16 x 8 each, fp32).  The GEMMs differ only in where their fragments come from.
+template <typename Element, int kMT, int kN8, int kK, typename LoadA, typename LoadB>
+__device__ __forceinline__ void gemm_loop(float (&acc)[kMT][kN8][4], LoadA load_a,
+                                          LoadB load_b) {
   static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[kMT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-      ldmatrix_x4(a[mt], smem_addr(a_s + swz<kChunks>(a_row0 + mt * 16 + lane % 16,
-                                                      kk * 2 + lane / 16)));
+    for (int mt = 0; mt < kMT; ++mt) load_a(kk, mt, a[mt]);
 #pragma unroll
     for (int j2 = 0; j2 < kN8 / 2; ++j2) {
       uint32_t b[4];
-      ldmatrix_x4(b, smem_addr(b_s + swz<kChunks>(b_row0 + j2 * 16 + (lane / 16) * 8 + lane % 8,
-                                                  kk * 2 + (lane / 8) % 2)));
+      load_b(kk, j2, b);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
@@ -86,6 +84,35 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN8][4], const Element
   }
 }
 
+// The A fragment of m16k16 step kk from this lane's fp32 accumulator fragments of a previous
+// GEMM, rounded to Element (the C layout of m16n8 is the A layout of m16k16 two tiles at a
+// time).
+template <typename Element, int kN8>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&p)[kN8][4], int kk) {
+  a[0] = pack2<Element>(p[2 * kk][0], p[2 * kk][1]);
+  a[1] = pack2<Element>(p[2 * kk][2], p[2 * kk][3]);
+  a[2] = pack2<Element>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+  a[3] = pack2<Element>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+}
+
+// acc[mt][j] += sum_k A[a_row0 + 16 mt + i][k] * B[b_row0 + 8 j + n][k] for k < kK: both
+// operands are rows of swizzled shared tiles (e.g. S = Q K^T with A = Q rows, B = K rows).
+// acc is this lane's part of kMT x kN8 accumulator fragments (16 x 8 each, fp32).
+template <typename Element, int kChunks, int kMT, int kN8, int kK>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN8][4], const Element* a_s, int a_row0,
+                                        const Element* b_s, int b_row0, int lane) {
+  gemm_loop<Element, kMT, kN8, kK>(
+      acc,
+      [&](int kk, int mt, uint32_t(&f)[4]) {
+        ldmatrix_x4(f, smem_addr(a_s + swz<kChunks>(a_row0 + mt * 16 + lane % 16,
+                                                    kk * 2 + lane / 16)));
+      },
+      [&](int kk, int j2, uint32_t(&f)[4]) {
+        ldmatrix_x4(f, smem_addr(b_s + swz<kChunks>(b_row0 + j2 * 16 + (lane / 16) * 8 + lane % 8,
+                                                    kk * 2 + (lane / 8) % 2)));
+      });
+}
+
 // acc[mt][j] += sum_k P[16 mt + i][k] * B[b_row0 + k][8 (chunk0 + j) + n] for k < kK, where P is
 // this lane's fp32 accumulator fragments of a previous GEMM (rounded to Element on the way: the
 // C layout of m16n8 is the A layout of m16k16 two tiles at a time) and B is kK rows of a
@@ -93,29 +120,12 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN8][4], const Element
 template <typename Element, int kChunks, int kMT, int kK, int kN8>
 __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (&p)[kMT][kK / 8][4],
                                         const Element* b_s, int b_row0, int chunk0, int lane) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      a[mt][0] = pack2<Element>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-      a[mt][1] = pack2<Element>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-      a[mt][2] = pack2<Element>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-      a[mt][3] = pack2<Element>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-    }
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, smem_addr(b_s + swz<kChunks>(b_row0 + kk * 16 + lane % 16,
-                                                        chunk0 + j2 * 2 + lane / 16)));
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], a[mt], b[0], b[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
+  gemm_loop<Element, kMT, kN8, kK>(
+      acc, [&](int kk, int mt, uint32_t(&f)[4]) { pack_a<Element>(f, p[mt], kk); },
+      [&](int kk, int j2, uint32_t(&f)[4]) {
+        ldmatrix_x4_trans(f, smem_addr(b_s + swz<kChunks>(b_row0 + kk * 16 + lane % 16,
+                                                          chunk0 + j2 * 2 + lane / 16)));
+      });
 }
 
 // The GEMMs above (gemm_ss; gemm_rs with A from shared memory or registers) with operands given
@@ -154,24 +164,11 @@ __device__ __forceinline__ uint32_t bt_base(const Element* s, int chunk0, int la
 // acc[mt][j] += sum_k A[16 mt + i][k] * B[8 j + n][k], k < kK (tile.h gemm_ss).
 template <typename Element, int kChunks, int kMT, int kN8, int kK>
 __device__ __forceinline__ void lean_gemm_ss(float (&acc)[kMT][kN8][4], uint32_t a, uint32_t b) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0, "");
   constexpr uint32_t kGroup = 16 * kChunks * 16;  // bytes of 16 rows
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kGroup);
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t bf[4];
-      ldmatrix_x4(bf, swz_step(b, 2 * kk) + j2 * kGroup);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
-      }
-    }
-  }
+  gemm_loop<Element, kMT, kN8, kK>(
+      acc,
+      [&](int kk, int mt, uint32_t(&f)[4]) { ldmatrix_x4(f, swz_step(a, 2 * kk) + mt * kGroup); },
+      [&](int kk, int j2, uint32_t(&f)[4]) { ldmatrix_x4(f, swz_step(b, 2 * kk) + j2 * kGroup); });
 }
 
 // acc[mt][j] += sum_k A[16 mt + i][k] * B[k][8 j + n], k < kK, B read transposed (as tile.h
@@ -182,29 +179,19 @@ template <typename Element, int kAChunks, int kBChunks, int kMT, int kN8, int kK
           bool kATrans = false>
 __device__ __forceinline__ void lean_gemm_ss_t(float (&acc)[kMT][kN8][4], uint32_t a,
                                                uint32_t b) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kAChunks >= 8 && kBChunks >= 8, "");
+  static_assert(kAChunks >= 8 && kBChunks >= 8, "");
   constexpr uint32_t kAGroup = 16 * kAChunks * 16, kBGroup = 16 * kBChunks * 16;
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      if constexpr (kATrans)
-        ldmatrix_x4_trans(af[mt], swz_step(a, 2 * mt) + kk * kAGroup);
-      else
-        ldmatrix_x4(af[mt], swz_step(a, 2 * kk) + mt * kAGroup);
-    }
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t bf[4];
-      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], af[mt], bf[0], bf[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], af[mt], bf[2], bf[3]);
-      }
-    }
-  }
+  gemm_loop<Element, kMT, kN8, kK>(
+      acc,
+      [&](int kk, int mt, uint32_t(&f)[4]) {
+        if constexpr (kATrans)
+          ldmatrix_x4_trans(f, swz_step(a, 2 * mt) + kk * kAGroup);
+        else
+          ldmatrix_x4(f, swz_step(a, 2 * kk) + mt * kAGroup);
+      },
+      [&](int kk, int j2, uint32_t(&f)[4]) {
+        ldmatrix_x4_trans(f, swz_step(b, 2 * j2) + kk * kBGroup);
+      });
 }
 
 // Base address of an A operand read transposed (lean_gemm_ss_t<..., true>): the tile is stored
@@ -220,29 +207,13 @@ __device__ __forceinline__ uint32_t at_base(const Element* s, int chunk0, int la
 template <typename Element, int kBChunks, int kMT, int kK, int kN8>
 __device__ __forceinline__ void lean_gemm_rs(float (&acc)[kMT][kN8][4],
                                              const float (&p)[kMT][kK / 8][4], uint32_t b) {
-  static_assert(kN8 % 2 == 0 && kK % 16 == 0 && kBChunks >= 8, "");
+  static_assert(kBChunks >= 8, "");
   constexpr uint32_t kBGroup = 16 * kBChunks * 16;
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      a[mt][0] = pack2<Element>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-      a[mt][1] = pack2<Element>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-      a[mt][2] = pack2<Element>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-      a[mt][3] = pack2<Element>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-    }
-#pragma unroll
-    for (int j2 = 0; j2 < kN8 / 2; ++j2) {
-      uint32_t bf[4];
-      ldmatrix_x4_trans(bf, swz_step(b, 2 * j2) + kk * kBGroup);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<Element>(acc[mt][2 * j2], a[mt], bf[0], bf[1]);
-        mma_16816<Element>(acc[mt][2 * j2 + 1], a[mt], bf[2], bf[3]);
-      }
-    }
-  }
+  gemm_loop<Element, kMT, kN8, kK>(
+      acc, [&](int kk, int mt, uint32_t(&f)[4]) { pack_a<Element>(f, p[mt], kk); },
+      [&](int kk, int j2, uint32_t(&f)[4]) {
+        ldmatrix_x4_trans(f, swz_step(b, 2 * j2) + kk * kBGroup);
+      });
 }
 
 // Rounds this lane's fp32 fragments acc[mt][j] to Element and writes them to a swizzled shared
