@@ -13,13 +13,14 @@
 //  3. dQ:     one CTA per (query block of 64 rows, batch, head); each warp owns 16 query rows and
 //     streams K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of
-// FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant was built and
-// measured (commit b76b23a, benchmarks/NOTES.md): 11-21% slower than these two kernels at every
-// point on the H200, so it is not kept.
+// FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant, on these
+// 4-warp kernels, measured 11-21% slower (commit b76b23a, benchmarks/NOTES.md) and is not kept
+// here; the 8-warp kernels below do use it.
 //
 // Plain attention (no softcap / bias / dropout) at padded head dims 64 and 128 runs the 8-warp
 // kernels of flash_bwd_lean.cuh instead of 2 and 3 where the GPU's shared memory allows them
-// (launch_flash_bwd picks); the kernels here serve everything else.
+// (launch_flash_bwd picks; with p.dq_accum, i.e. deterministic=False, dQ is added there with
+// atomics); the kernels here serve everything else.
 //
 // Scores follow the forward (score.h: scale, softcap, bias); P = exp2(s * c - lse * log2 e),
 // dx = dS * ds/dx.  With dropout (mask Z regenerated from the forward's rng_state, dropout.h):

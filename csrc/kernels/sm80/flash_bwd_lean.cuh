@@ -5,10 +5,13 @@
 // head dim 64 kernels in their 64-row-step variant need 97 KB and run there, measured on sm_90
 // only).
 //
-// Same algorithm and the same two-kernel split as flash_bwd_kernel.cuh (dK/dV, then dQ, no
-// atomics, so bitwise reproducible whatever `deterministic` says), with FlashAttention-2's
-// warp tiling instead of one 16-row tile per warp, which left every shared-memory fragment
-// feeding one or two MMAs (ldmatrix-bound, benchmarks/NOTES.md):
+// Same algorithm as flash_bwd_kernel.cuh, with FlashAttention-2's warp tiling instead of one
+// 16-row tile per warp, which left every shared-memory fragment feeding one or two MMAs
+// (ldmatrix-bound, benchmarks/NOTES.md).  Two ways to get dQ: by default (p.dq_accum set,
+// deterministic=False) the dK/dV kernel also adds dS K into an fp32 buffer with atomics and a
+// conversion kernel writes dq (FlashAttention-2's single kernel: 5 GEMM passes); with
+// deterministic=True the dK/dV kernel, then a separate dQ kernel that recomputes S and dP
+// (7 passes, no atomics, bitwise reproducible):
 //
 //  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a kBlockM-row Q / dO
 //    tile (64 rows; 128 at head dim 64) of one query head of the GQA group (double-buffered
