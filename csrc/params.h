@@ -56,6 +56,9 @@ struct FwdParams {
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
+
+  // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
+  bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }
 };
 
 struct BwdParams : FwdParams {
@@ -76,8 +79,8 @@ struct BwdParams : FwdParams {
   const void* dsoftmax_lse = nullptr;
   // Optional fp32 scratch for FlashAttention-2's atomic dQ, (batch, seqlen_q, heads_q, padded
   // head dim of the kernel: 64 or 128) contiguous: where the 8-warp plain-attention kernels
-  // run (flash_bwd_lean.cuh), the dK/dV kernel zeroes it, adds dQ into it with atomics and a
-  // conversion writes dq, in place of the separate dQ kernel.  Ignored elsewhere.  nullptr:
+  // run (flash_bwd_lean.cuh), the launcher zeroes it, the dK/dV kernel adds dQ into it with
+  // atomics and a conversion writes dq, in place of the separate dQ kernel.  Ignored elsewhere.  nullptr:
   // the separate dQ kernel (bitwise reproducible gradients, `deterministic=True`).
   float* dq_accum = nullptr;
 };

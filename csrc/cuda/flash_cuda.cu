@@ -98,7 +98,7 @@ bool use_sm90_fwd(const FwdParams& p) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0) return false;
   if (force_portable()) return false;  // checked on every sm_90 call, as dispatch.py does
-  if (p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout) return false;
+  if (p.general()) return false;
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return false;
   auto broadcast = [](int64_t size, int64_t stride) { return size > 1 && stride == 0; };
   return !(broadcast(p.batch, p.q_batch_stride) || broadcast(p.batch, p.k_batch_stride) ||
@@ -266,8 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       // fp32 scratch of the atomic dQ (params.h: dq_accum); the launcher zeroes it and uses it
       // where the 8-warp kernels run (their shared memory fits), else ignores it.
       at::Tensor dq_accum;
-      const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
-      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !general &&
+      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
           kernel_dim <= 128) {
         dq_accum = at::empty({a.batch, a.seqlen_q, a.heads_q, kernel_dim <= 64 ? 64 : 128},
                              lse.options());

@@ -370,15 +370,17 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
   cudaError_t err = launch(flash_bwd_delta_kernel<typename T::Element>, (rows + 3) / 4, 128, 0,
                            stream, p, delta);
   if (err != cudaSuccess) return err;
-  const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
+  const bool general = p.general();
   if constexpr (T::kHeadDim <= 128) {
-    // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits.
+    // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits
+    // (at head dim 64 with 64-row steps on GPUs with less shared memory).
     using Lean = LeanBwdTraits<typename T::Element, T::kHeadDim>;
-    if (!general && lean_bwd_fits<Lean>()) return launch_flash_bwd_lean<Lean>(p, delta, stream);
-    if constexpr (Lean::kBlockM != 64) {  // GPUs with less shared memory: 64-row steps
-      using Lean64 = LeanBwdTraits<typename T::Element, T::kHeadDim, 64>;
-      if (!general && lean_bwd_fits<Lean64>())
-        return launch_flash_bwd_lean<Lean64>(p, delta, stream);
+    if (!general) {
+      if (lean_bwd_fits<Lean>()) return launch_flash_bwd_lean<Lean>(p, delta, stream);
+      if constexpr (Lean::kBlockM != 64) {  // else the same kernels again
+        using Lean64 = LeanBwdTraits<typename T::Element, T::kHeadDim, 64>;
+        if (lean_bwd_fits<Lean64>()) return launch_flash_bwd_lean<Lean64>(p, delta, stream);
+      }
     }
   }
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;

@@ -16,8 +16,8 @@
 //  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a kBlockM-row Q / dO
 //    tile (64 rows; 128 at head dim 64) of one query head of the GQA group (double-buffered
 //    cp.async, lse and D with it).  S^T = K Q^T and dP^T = V dO^T (128 x kBlockM) are split
-//    4 x 2 over the warps (32 keys x kBlockM / 2 queries each); P^T and dS^T = P^T (dP^T - D) go to shared memory as 16-bit values; after a
-//    barrier dV += P^T dO and dK += dS^T Q (128 x head dim) are split 4 x 2 again (32 keys x
+//    4 x 2 over the warps (32 keys x kBlockM / 2 queries each); P^T and dS^T = P^T (dP^T - D)
+//    go to shared memory as 16-bit values; after a barrier dV += P^T dO and dK += dS^T Q (128 x head dim) are split 4 x 2 again (32 keys x
 //    half the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
 //    2-4 MMAs (0.375-0.5 ldmatrix.x4 per m16n8k16 instead of ~0.6-1).
 //  dQ: one CTA of 8 warps per (128 query rows, batch, head), K / V tiles of 64 keys double-
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   static_assert(kQW * kQC == T::kWarps && kQD8 % 2 == 0, "");
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
   Element* k_s = reinterpret_cast<Element*>(lean_smem);
-  if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
+  check_swz_alignment(lean_smem);
   Element* v_s = k_s + kN * kD;
   Element* qdo_s = v_s + kN * kD;                   // [stage][Q | dO], kM x kD each
   Element* pt_s = qdo_s + kStages * 2 * kM * kD;    // P^T, kN x kM
@@ -210,10 +210,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Atomic dQ: warp (wq, wd) of kQW x kQC; dS read from dS^T (chunks 4 wq..), K from column
   // chunk wd * kQD8.
   const int wq = warp / kQC, wd = warp % kQC;
-  const uint32_t ds_at = at_base<kMC>(dst_s, wq * 4, lane);
-  const uint32_t k_bt = bt_base<kC>(k_s, wd * kQD8, lane);
-  (void)ds_at;
-  (void)k_bt;
+  [[maybe_unused]] const uint32_t ds_at = at_base<kMC>(dst_s, wq * 4, lane);
+  [[maybe_unused]] const uint32_t k_bt = bt_base<kC>(k_s, wd * kQD8, lane);
 
   float dk_acc[kMT][kD8][4], dv_acc[kMT][kD8][4];
   zero(dk_acc);
@@ -231,8 +229,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
     const int64_t m0 = (m_begin + pos.m) * kM;
-    const int64_t pos_h = pos.h;  // query head of this step
-    (void)pos_h;
+    [[maybe_unused]] const int64_t pos_h = pos.h;  // query head of this step
     advance(pos);
 
     // S^T and dP^T: this warp's 32 keys x 32 queries.
@@ -336,7 +333,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dQ
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
   Element* q_s = reinterpret_cast<Element*>(lean_smem);
-  if (smem_addr(lean_smem) % 128 != 0) __trap();  // never expected; swz_step relies on it
+  check_swz_alignment(lean_smem);
   Element* do_s = q_s + kM * kD;
   Element* kv_s = do_s + kM * kD;                 // [stage][K | V], kN x kD each
   Element* ds_s = kv_s + kStages * 2 * kN * kD;   // dS, kM x kN
@@ -497,12 +494,13 @@ bool lean_bwd_fits() {
 }
 
 // dq = p.dq_accum (fp32, (batch, seqlen_q, heads_q, kHeadDim) contiguous) in Element: one CTA
-// per (64 rows, batch, head), 4 columns per thread and iteration.
+// per (kConvertRows rows, batch, head), 4 columns per thread and iteration.
+constexpr int kConvertRows = 64;
 template <typename T>
 __global__ void __launch_bounds__(256)
     flash_bwd_convert_dq_kernel(const BwdParams p, int64_t num_m_blocks) {
   using Element = typename T::Element;
-  constexpr int kD = T::kHeadDim, kRows = 64, kQuads = kD / 4;
+  constexpr int kD = T::kHeadDim, kRows = kConvertRows, kQuads = kD / 4;
   const int64_t bid = blockIdx.x;
   const int64_t m0 = (bid % num_m_blocks) * kRows, bh = bid / num_m_blocks;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -534,7 +532,7 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
     err = launch(flash_bwd_dkdv_lean_kernel<T, true>, dkdv_blocks, T::kThreads, T::kSmemDkdv,
                  stream, p, delta, num_n_blocks);
     if (err != cudaSuccess) return err;
-    const int64_t num_m_blocks = (p.seqlen_q + 63) / 64;
+    const int64_t num_m_blocks = (p.seqlen_q + kConvertRows - 1) / kConvertRows;
     return launch(flash_bwd_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q, 256, 0,
                   stream, p, num_m_blocks);
   }

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr float kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: see tile.h swz_step
   Element* q_s = reinterpret_cast<Element*>(smem_raw);
-  if (smem_addr(smem_raw) % 128 != 0) __trap();  // never expected; swz_step relies on it
+  check_swz_alignment(smem_raw);
   Element* kv_s = q_s + T::kSmemQ;  // [stage][K | V]
 
   // Longest rows first under causal masking: the heaviest query blocks start first.
@@ -269,8 +269,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 template <typename T>
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
-  const bool general = p.softcap > 0.0 || p.attn_bias != nullptr || p.dropout;
-  return launch(general ? flash_fwd_kernel<T, true> : flash_fwd_kernel<T, false>,
+  return launch(p.general() ? flash_fwd_kernel<T, true> : flash_fwd_kernel<T, false>,
                 num_m_blocks * p.batch * p.heads_q, T::kThreads, T::kSmemBytes, stream, p,
                 num_m_blocks);
 }

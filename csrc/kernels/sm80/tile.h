@@ -28,11 +28,10 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
                                                 int64_t num_rows, int cols) {
   constexpr int kTotal = kRows * kChunks;
   if constexpr (kTotal % kThreads == 0 && kThreads % kChunks == 0) {
-    // Every thread keeps its chunk column and steps down the tile by kThreads / kChunks rows:
-    // unrolled, with the column test, the row base address and the smem swizzle computed once
-    // (the loop form below cost ~100 instructions per tile in the backward's main loop).
-    // The source pointer advances by a precomputed 64-bit step (a multiply per chunk cost ~20
-    // instructions per cp.async in the forward's main loop); rows are tested in 32 bits.
+    // Every thread keeps its chunk column and steps down the tile by kThreads / kChunks rows,
+    // unrolled: the column test and the row base computed once, the source pointer advanced by
+    // a precomputed 64-bit step, rows tested in 32 bits (the loop form below cost ~20
+    // instructions per cp.async in the kernels' main loops).
     constexpr int kRowStep = kThreads / kChunks;
     const int c = static_cast<int>(threadIdx.x) % kChunks;
     const int r0 = static_cast<int>(threadIdx.x) / kChunks;
@@ -142,6 +141,11 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN8][4], const float (
 // below 8 or of 8) and every tile starts 128-byte aligned.
 __device__ __forceinline__ uint32_t swz_step(uint32_t base, int c) {
   return (base ^ static_cast<uint32_t>((c & 7) << 4)) + static_cast<uint32_t>((c & ~7) << 4);
+}
+// Traps unless the dynamic shared memory (declared __align__(128)) starts 128-byte aligned, as
+// swz_step needs (never expected).
+__device__ __forceinline__ void check_swz_alignment(const void* smem) {
+  if (smem_addr(smem) % 128 != 0) __trap();
 }
 
 // Base address of the A operand of lean_gemm_ss / lean_gemm_ss_t (rows row0.., k from 0), and
