@@ -205,6 +205,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t do_b = b_base<kC>(qdo_s + kM * kD, wc * kS8 * 8, lane);
   const uint32_t pt_a = a_base<kMC>(pt_s, wr * kRowsW, lane);
   const uint32_t dst_a = a_base<kMC>(dst_s, wr * kRowsW, lane);
+  const uint32_t pt_c = frag_base<kMC>(pt_s, wr * kRowsW, wc * kS8, lane);
+  const uint32_t dst_c = frag_base<kMC>(dst_s, wr * kRowsW, wc * kS8, lane);
   const uint32_t q_bt = bt_base<kC>(qdo_s, wc * kD8, lane);
   const uint32_t do_bt = bt_base<kC>(qdo_s + kM * kD, wc * kD8, lane);
   // Atomic dQ: warp (wq, wd) of kQW x kQC; dS read from dS^T (chunks 4 wq..), K from column
@@ -279,8 +281,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       softmax_grad(std::true_type{});
     else
       softmax_grad(std::false_type{});
-    store_frag_smem<Element, kMC>(pt_s, st, wr * kRowsW, wc * kS8, lane);
-    store_frag_smem<Element, kMC>(dst_s, dpt, wr * kRowsW, wc * kS8, lane);
+    store_frag_smem<Element, kMC>(pt_c, st);
+    store_frag_smem<Element, kMC>(dst_c, dpt);
     __syncthreads();  // P^T and dS^T complete
 
     if constexpr (kAtomicDq) {
@@ -402,6 +404,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t k_b = b_base<kC>(kv_s, wc * kS8 * 8, lane);
   const uint32_t v_b = b_base<kC>(kv_s + kN * kD, wc * kS8 * 8, lane);
   const uint32_t ds_a = a_base<kNC>(ds_s, wr * kRowsW, lane);
+  const uint32_t ds_c = frag_base<kNC>(ds_s, wr * kRowsW, wc * kS8, lane);
   const uint32_t k_bt = bt_base<kC>(kv_s, wc * kD8, lane);
 
   float dq_acc[kMT][kD8][4];
@@ -456,7 +459,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       softmax_grad(std::true_type{});
     else
       softmax_grad(std::false_type{});
-    store_frag_smem<Element, kNC>(ds_s, s, wr * kRowsW, wc * kS8, lane);
+    store_frag_smem<Element, kNC>(ds_c, s);
     __syncthreads();  // dS complete
 
     // dQ += dS K: this warp's 32 rows x half the head dim.

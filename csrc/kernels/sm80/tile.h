@@ -220,23 +220,30 @@ __device__ __forceinline__ void lean_gemm_rs(float (&acc)[kMT][kN8][4],
       });
 }
 
-// Rounds this lane's fp32 fragments acc[mt][j] to Element and writes them to a swizzled shared
-// tile with kChunks chunks per row: rows row0 + 16 mt + lane/4 (+8), columns
-// 8 (chunk0 + j) + 2 (lane % 4) (+1).  row0 must be a multiple of 8; one 4-byte store per pair,
-// conflict-free (the 8 rows of a store land in 8 distinct chunks).
+// Base address of store_frag_smem's stores into a swizzled shared tile with kChunks chunks per
+// row: this lane's first element, row row0 + lane / 4 (row0 a multiple of 8), column
+// 8 chunk0 + 2 (lane % 4), chunk0 a multiple of the store's kN8 rounded up to a power of two.
+template <int kChunks, typename Element>
+__device__ __forceinline__ uint32_t frag_base(const Element* s, int row0, int chunk0, int lane) {
+  return smem_addr(s + swz<kChunks>(row0 + lane / 4, chunk0) + 2 * (lane % 4));
+}
+
+// Rounds this lane's fp32 fragments acc[mt][j] to Element and writes them to the tile of
+// frag_base: rows + 16 mt (+8), chunks + j.  One 4-byte store per pair, conflict-free (the 8
+// rows of a store land in 8 distinct chunks); every address is the base XOR-stepped by j
+// (swz_step) plus a constant, so the compiler keeps one register per j, not per store.
 template <typename Element, int kChunks, int kMT, int kN8>
-__device__ __forceinline__ void store_frag_smem(Element* s, const float (&acc)[kMT][kN8][4],
-                                                int row0, int chunk0, int lane) {
+__device__ __forceinline__ void store_frag_smem(uint32_t base,
+                                                const float (&acc)[kMT][kN8][4]) {
+  constexpr uint32_t kRowBytes = kChunks * 16;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + mt * 16 + lane / 4 + 8 * r;
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int j = 0; j < kN8; ++j)
-        *reinterpret_cast<uint32_t*>(s + swz<kChunks>(row, chunk0 + j) + 2 * (lane % 4)) =
-            pack2<Element>(acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
-    }
+        st_shared_b32(swz_step(base, j) + (mt * 16 + 8 * r) * kRowBytes,
+                      pack2<Element>(acc[mt][j][2 * r], acc[mt][j][2 * r + 1]));
 }
 
 template <int kMT, int kN8>
