@@ -1,0 +1,202 @@
+// Times the portable (sm80) CUDA kernels without PyTorch, for A/B comparisons of kernel variants
+// that cost no build on the GPU machine: scripts/kernel_ab.sh compiles this file with the
+// kernel translation units of a source tree (bf16, head dims 64 and 128) into one binary per
+// tree on a machine without a GPU; the GPU machine only runs the binaries, alternately.
+//
+// Shapes as benchmarks/bench_attention.py: bf16, inputs (B, L, H, d) contiguous, B * L = 16384
+// tokens, H * d = 2048.  Per (d, L, causal) the forward runs once to produce out and
+// softmax_lse, then the forward (run_flash_fwd) and the backward (run_flash_bwd: delta, dK/dV
+// with atomic dQ into a zeroed fp32 buffer, conversion; or with --deterministic the separate
+// dQ kernel) are timed: CUDA events around `reps` launches, the median of 7 such groups.
+// TFLOP/s the FlashAttention way: forward 4 B H L^2 d, halved when causal; backward 2.5x.
+//
+// Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
+//                  [--reps 10] [--deterministic] [--tag NAME]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/sm80/flash_bwd_launch.h"
+#include "kernels/sm80/flash_fwd_launch.h"
+#include "params.h"
+
+namespace {
+
+using flash_attn_ext::BwdParams;
+using Element = __nv_bfloat16;
+
+#define CHECK_CUDA(expr)                                                              \
+  do {                                                                                \
+    const cudaError_t err_ = (expr);                                                  \
+    if (err_ != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,              \
+                   cudaGetErrorString(err_));                                         \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// Uniform values in [-2, 2) from a hash of (seed, index): fresh, nonzero inputs.
+__global__ void fill_kernel(Element* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B9u ^ seed * 0x85EBCA6Bu;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    x[i] = __float2bfloat16((h >> 8) * (4.f / 16777216.f) - 2.f);
+  }
+}
+
+Element* random_tensor(int64_t n, uint32_t seed) {
+  Element* x = nullptr;
+  CHECK_CUDA(cudaMalloc(&x, n * sizeof(Element)));
+  fill_kernel<<<1024, 256>>>(x, n, seed);
+  CHECK_CUDA(cudaGetLastError());
+  return x;
+}
+
+// Median over 7 groups of the mean ms per call of `reps` back-to-back calls.
+double median_ms(const std::function<void()>& fn, int reps) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) fn();  // warm-up (shared-memory opt-in, clocks)
+  std::vector<double> ms;
+  for (int g = 0; g < 7; ++g) {
+    CHECK_CUDA(cudaEventRecord(start));
+    for (int i = 0; i < reps; ++i) fn();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0.f;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(double(t) / reps);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+template <int kHeadDim>
+void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const char* tag) {
+  const int64_t d = kHeadDim, batch = std::max<int64_t>(1, 16384 / seqlen), heads = 2048 / d;
+  const int64_t n = batch * seqlen * heads * d;
+  BwdParams p;
+  Element* q = random_tensor(n, 1);
+  Element* k = random_tensor(n, 2);
+  Element* v = random_tensor(n, 3);
+  Element* dout = random_tensor(n, 4);
+  Element *out, *dq, *dk, *dv;
+  float *lse, *delta, *dq_accum;
+  CHECK_CUDA(cudaMalloc(&out, n * sizeof(Element)));
+  CHECK_CUDA(cudaMalloc(&dq, n * sizeof(Element)));
+  CHECK_CUDA(cudaMalloc(&dk, n * sizeof(Element)));
+  CHECK_CUDA(cudaMalloc(&dv, n * sizeof(Element)));
+  CHECK_CUDA(cudaMalloc(&lse, batch * heads * seqlen * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&delta, batch * heads * seqlen * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dq_accum, n * sizeof(float)));
+  p.q = q, p.k = k, p.v = v, p.out = out, p.softmax_lse = lse, p.dout = dout;
+  p.dq = dq, p.dk = dk, p.dv = dv;
+  p.batch = batch, p.seqlen_q = p.seqlen_k = seqlen, p.heads_q = p.heads_kv = heads;
+  p.head_dim = p.head_dim_v = d;
+  const int64_t batch_stride = seqlen * heads * d, row_stride = heads * d, head_stride = d;
+  for (int64_t* s : {&p.q_batch_stride, &p.k_batch_stride, &p.v_batch_stride,
+                     &p.out_batch_stride, &p.dout_batch_stride, &p.dq_batch_stride,
+                     &p.dk_batch_stride, &p.dv_batch_stride})
+    *s = batch_stride;
+  for (int64_t* s : {&p.q_row_stride, &p.k_row_stride, &p.v_row_stride, &p.out_row_stride,
+                     &p.dout_row_stride, &p.dq_row_stride, &p.dk_row_stride, &p.dv_row_stride})
+    *s = row_stride;
+  for (int64_t* s : {&p.q_head_stride, &p.k_head_stride, &p.v_head_stride, &p.out_head_stride,
+                     &p.dout_head_stride, &p.dq_head_stride, &p.dk_head_stride,
+                     &p.dv_head_stride})
+    *s = head_stride;
+  p.softmax_scale = 1.0 / std::sqrt(double(d));
+  p.window_left = -1;
+  p.window_right = causal ? 0 : -1;
+  p.deterministic = deterministic;
+  p.dq_accum = deterministic ? nullptr : dq_accum;
+
+  auto fwd = [&] {
+    CHECK_CUDA((flash_attn_ext::sm80::run_flash_fwd<Element, kHeadDim>(p, nullptr)));
+  };
+  auto bwd = [&] {
+    CHECK_CUDA((flash_attn_ext::sm80::run_flash_bwd<Element, kHeadDim>(p, delta, nullptr)));
+  };
+  fwd();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const double flops = 4.0 * batch * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
+  const double fwd_ms = median_ms(fwd, reps), bwd_ms = median_ms(bwd, reps);
+  std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s  bwd %7.3f ms %6.1f TFLOP/s\n",
+              tag, kHeadDim, static_cast<long long>(seqlen), int(causal), fwd_ms,
+              flops / fwd_ms * 1e-9, bwd_ms, 2.5 * flops / bwd_ms * 1e-9);
+  std::fflush(stdout);
+  for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
+                  static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
+                  static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),
+                  static_cast<void*>(delta), static_cast<void*>(dq_accum)})
+    CHECK_CUDA(cudaFree(x));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> dims{64, 128};
+  std::vector<int64_t> seqlens{2048, 16384};
+  std::vector<bool> causals{false, true};
+  int reps = 10;
+  bool deterministic = false;
+  std::string tag = "ours";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto list = [&](auto& v) {
+      v.clear();
+      while (i + 1 < argc && argv[i + 1][0] != '-') v.push_back(std::atoll(argv[++i]));
+    };
+    if (a == "--dims") {
+      list(dims);
+    } else if (a == "--seqlens") {
+      list(seqlens);
+    } else if (a == "--causal" && i + 1 < argc) {
+      const std::string c = argv[++i];
+      causals = c == "no" ? std::vector<bool>{false}
+                          : (c == "yes" ? std::vector<bool>{true} : std::vector<bool>{false, true});
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::atoi(argv[++i]);
+    } else if (a == "--deterministic") {
+      deterministic = true;
+    } else if (a == "--tag" && i + 1 < argc) {
+      tag = argv[++i];
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s: %s, bf16, B*L = 16384, H*d = 2048%s\n", tag.c_str(), prop.name,
+              deterministic ? ", deterministic backward" : "");
+  for (int d : dims)
+    for (int64_t seqlen : seqlens)
+      for (bool causal : causals) {
+        if (d == 64) {
+          run_case<64>(seqlen, causal, reps, deterministic, tag.c_str());
+        } else if (d == 128) {
+          run_case<128>(seqlen, causal, reps, deterministic, tag.c_str());
+        } else {
+          std::fprintf(stderr, "--dims: 64 or 128, got %d\n", d);
+          return 2;
+        }
+      }
+  return 0;
+}
