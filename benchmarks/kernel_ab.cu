@@ -9,6 +9,8 @@
 // with atomic dQ into a zeroed fp32 buffer, conversion; or with --deterministic the separate
 // dQ kernel) are timed: CUDA events around `reps` launches, the median of 7 such groups.
 // TFLOP/s the FlashAttention way: forward 4 B H L^2 d, halved when causal; backward 2.5x.
+// Also a consistency check (not a correctness test: tests/test_cuda.py is): the atomic-dQ and
+// the deterministic backward's dq, dk, dv, as max |difference| / max |value| per gradient.
 //
 // Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
 //                  [--reps 10] [--deterministic] [--tag NAME]
@@ -44,6 +46,32 @@ using Element = __nv_bfloat16;
   } while (0)
 
 // Uniform values in [-2, 2) from a hash of (seed, index): fresh, nonzero inputs.
+// max |a - b| and max |b| over n elements, atomically into out[0], out[1] (both >= 0).
+__global__ void diff_kernel(const Element* a, const Element* b, int64_t n, float* out) {
+  float d = 0.f, m = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    d = fmaxf(d, fabsf(x - y));
+    m = fmaxf(m, fabsf(y));
+    if (x != x) d = INFINITY;  // NaN
+  }
+  atomicMax(reinterpret_cast<int*>(out), __float_as_int(d));
+  atomicMax(reinterpret_cast<int*>(out + 1), __float_as_int(m));
+}
+
+// max |a - b| / max |b|.
+double rel_diff(const Element* a, const Element* b, int64_t n) {
+  float* out = nullptr;
+  CHECK_CUDA(cudaMalloc(&out, 2 * sizeof(float)));
+  CHECK_CUDA(cudaMemset(out, 0, 2 * sizeof(float)));
+  diff_kernel<<<1024, 256>>>(a, b, n, out);
+  float h[2];
+  CHECK_CUDA(cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(out));
+  return h[1] > 0.f ? double(h[0]) / h[1] : (h[0] > 0.f ? INFINITY : 0.0);
+}
+
 __global__ void fill_kernel(Element* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -104,7 +132,8 @@ void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const c
   CHECK_CUDA(cudaMalloc(&dv, n * sizeof(Element)));
   CHECK_CUDA(cudaMalloc(&lse, batch * heads * seqlen * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&delta, batch * heads * seqlen * sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&dq_accum, n * sizeof(float)));
+  // (batch, seqlen_q rounded up to 128, heads, d): params.h dq_accum_rows
+  CHECK_CUDA(cudaMalloc(&dq_accum, batch * ((seqlen + 127) / 128 * 128) * heads * d * sizeof(float)));
   p.q = q, p.k = k, p.v = v, p.out = out, p.softmax_lse = lse, p.dout = dout;
   p.dq = dq, p.dk = dk, p.dv = dv;
   p.batch = batch, p.seqlen_q = p.seqlen_k = seqlen, p.heads_q = p.heads_kv = heads;
@@ -140,7 +169,20 @@ void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const c
   std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s  bwd %7.3f ms %6.1f TFLOP/s\n",
               tag, kHeadDim, static_cast<long long>(seqlen), int(causal), fwd_ms,
               flops / fwd_ms * 1e-9, bwd_ms, 2.5 * flops / bwd_ms * 1e-9);
+  // Consistency: the other dQ path (atomic <-> deterministic) into copies, then compared.
+  Element* grads[3] = {dq, dk, dv};
+  Element* copies[3];
+  for (int i = 0; i < 3; ++i) {
+    CHECK_CUDA(cudaMalloc(&copies[i], n * sizeof(Element)));
+    CHECK_CUDA(cudaMemcpy(copies[i], grads[i], n * sizeof(Element), cudaMemcpyDeviceToDevice));
+  }
+  p.deterministic = !deterministic;
+  p.dq_accum = deterministic ? dq_accum : nullptr;
+  bwd();
+  std::printf("%s   atomic vs deterministic: max|diff|/max|value| dq %.2e dk %.2e dv %.2e\n", tag,
+              rel_diff(dq, copies[0], n), rel_diff(dk, copies[1], n), rel_diff(dv, copies[2], n));
   std::fflush(stdout);
+  for (Element* c : copies) CHECK_CUDA(cudaFree(c));
   for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
                   static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
                   static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),

@@ -61,6 +61,10 @@ struct FwdParams {
   bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }
 };
 
+// Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the
+// atomic-dQ kernel adds whole tiles without a row test (rows past seqlen_q receive zeros).
+constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 128 * 128; }
+
 struct BwdParams : FwdParams {
   const void* dout = nullptr;  // same shape as out
   void* dq = nullptr;          // like q
@@ -77,11 +81,12 @@ struct BwdParams : FwdParams {
   // The gradient flowing into softmax_lse, (batch, head_q, seqlen_q) contiguous in the
   // accumulator type, or nullptr: the kernels use delta = rowsum(dO * O) - dsoftmax_lse.
   const void* dsoftmax_lse = nullptr;
-  // Optional fp32 scratch for FlashAttention-2's atomic dQ, (batch, seqlen_q, heads_q, padded
-  // head dim of the kernel: 64 or 128) contiguous: where the 8-warp plain-attention kernels
-  // run (flash_bwd_lean.cuh), the launcher zeroes it, the dK/dV kernel adds dQ into it with
-  // atomics and a conversion writes dq, in place of the separate dQ kernel.  Ignored elsewhere.  nullptr:
-  // the separate dQ kernel (bitwise reproducible gradients, `deterministic=True`).
+  // Optional fp32 scratch for FlashAttention-2's atomic dQ, (batch, dq_accum_rows(seqlen_q),
+  // heads_q, padded head dim of the kernel: 64 or 128) contiguous: where the 8-warp
+  // plain-attention kernels run (flash_bwd_lean.cuh), the launcher zeroes it, the dK/dV kernel
+  // adds dQ into it with atomics and a conversion writes dq, in place of the separate dQ
+  // kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible
+  // gradients, `deterministic=True`).
   float* dq_accum = nullptr;
 };
 

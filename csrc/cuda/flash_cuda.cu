@@ -268,7 +268,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       at::Tensor dq_accum;
       if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
           kernel_dim <= 128) {
-        dq_accum = at::empty({a.batch, a.seqlen_q, a.heads_q, kernel_dim <= 64 ? 64 : 128},
+        dq_accum = at::empty({a.batch, dq_accum_rows(a.seqlen_q), a.heads_q,
+                              kernel_dim <= 64 ? 64 : 128},
                              lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
       }

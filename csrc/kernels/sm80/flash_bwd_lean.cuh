@@ -293,15 +293,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       float dq_acc[2][kQD8][4];
       zero(dq_acc);
       lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
-      float* dq_rows = p.dq_accum + ((b * p.seqlen_q + m0) * p.heads_q + pos_h) * kD;
+      // Whole tiles: dq_accum has dq_accum_rows(seqlen_q) rows per batch (zeros added beyond
+      // seqlen_q), so no row test splits the REDs from the MMAs around them.
+      static_assert(128 % kM == 0, "dq_accum_rows pads to 128-row tiles");
       const int64_t row_stride = p.heads_q * kD;
+      float* dq_rows = p.dq_accum + (b * dq_accum_rows(p.seqlen_q) + m0) * row_stride +
+                       pos_h * kD + wd * kQD8 * 8 + 2 * (lane % 4);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int row = wq * 32 + mt * 16 + lane / 4 + 8 * r;  // within the tile
-          if (m0 + row >= p.seqlen_q) continue;
-          float* dst = dq_rows + row * row_stride + wd * kQD8 * 8 + 2 * (lane % 4);
+          float* dst = dq_rows + (wq * 32 + mt * 16 + lane / 4 + 8 * r) * row_stride;
 #pragma unroll
           for (int j = 0; j < kQD8; ++j)
             red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
@@ -496,8 +498,8 @@ bool lean_bwd_fits() {
   return max_smem_optin_per_block() >= need;
 }
 
-// dq = p.dq_accum (fp32, (batch, seqlen_q, heads_q, kHeadDim) contiguous) in Element: one CTA
-// per (kConvertRows rows, batch, head), 4 columns per thread and iteration.
+// dq = p.dq_accum (fp32, (batch, dq_accum_rows(seqlen_q), heads_q, kHeadDim) contiguous) in
+// Element: one CTA per (kConvertRows rows, batch, head), 4 columns per thread and iteration.
 constexpr int kConvertRows = 64;
 template <typename T>
 __global__ void __launch_bounds__(256)
@@ -507,7 +509,7 @@ __global__ void __launch_bounds__(256)
   const int64_t bid = blockIdx.x;
   const int64_t m0 = (bid % num_m_blocks) * kRows, bh = bid / num_m_blocks;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const float* src = p.dq_accum + ((b * p.seqlen_q + m0) * p.heads_q + h) * kD;
+  const float* src = p.dq_accum + ((b * dq_accum_rows(p.seqlen_q) + m0) * p.heads_q + h) * kD;
   auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
              m0 * p.dq_row_stride;
   const int cols = static_cast<int>(p.head_dim);
@@ -530,7 +532,8 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv;
   if (p.dq_accum != nullptr) {
     cudaError_t err = cudaMemsetAsync(
-        p.dq_accum, 0, sizeof(float) * p.batch * p.seqlen_q * p.heads_q * T::kHeadDim, stream);
+        p.dq_accum, 0,
+        sizeof(float) * p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim, stream);
     if (err != cudaSuccess) return err;
     err = launch(flash_bwd_dkdv_lean_kernel<T, true>, dkdv_blocks, T::kThreads, T::kSmemDkdv,
                  stream, p, delta, num_n_blocks);
