@@ -79,12 +79,69 @@ struct LeanBwdTraits {
                     kBlockMQ == 32 * kWarpsRow && kWarpsRow * kWarpsCol == kWarps,
                 "");
   static_assert(kSmemDkdv <= 163 * 1024 && kSmemDq <= 163 * 1024, "sm_80 allows 163 KB");
+  // dQ inside the dK/dV kernel (kBlockM x head dim per step): warps kDqWarpsRow x kDqWarpsCol
+  // over (query rows, head dim), 32 rows x kDqN8 n8 tiles each.
+  static constexpr int kDqWarpsRow = kBlockM / 32, kDqWarpsCol = kWarps / kDqWarpsRow;
+  static constexpr int kDqN8 = kHeadDim / kDqWarpsCol / 8;
+  static_assert(kDqWarpsRow * kDqWarpsCol == kWarps && kDqN8 % 2 == 0, "");
+  // The default variant (kBlockM_ = 0) also has the bulk-reduce dQ for sm_90 (DqMode::kBulk),
+  // which stages each step's fp32 dQ tile in kSmemDqTile more bytes of shared memory.
+  static constexpr bool kHasBulkDq = kBlockM_ == 0;
+  static constexpr int kSmemDqTile = kBlockM * kHeadDim * int(sizeof(float));
+  static_assert(!kHasBulkDq || kSmemDkdv + kSmemDqTile <= 227 * 1024, "sm_90 allows 227 KB");
 };
+
+// How the dK/dV kernel delivers dQ (flash_bwd_lean.cuh header):
+//  kSeparate: not at all, the dQ kernel computes it (deterministic);
+//  kAtomic:   red.global.add of each lane's fragments into p.dq_accum, row-major
+//             (batch, dq_accum_rows(seqlen_q), heads_q, head dim);
+//  kBulk:     (sm_90) each step's tile is written to shared memory in fragment order and added
+//             to p.dq_accum with one bulk reduction (cp.reduce.async.bulk, issued by one thread
+//             after the next barrier), p.dq_accum laid out (batch, heads_q, dq_accum_rows / kM,
+//             kM x head dim tile in fragment order: dq_frag_offset).
+enum class DqMode { kSeparate, kAtomic, kBulk };
+
+// Offset in floats, within a kBlockM x head dim tile in fragment order, of the float4
+// dq_acc[mt][j][0..3] of lane `lane` of warp `warp` (the dK/dV kernel's dQ GEMM layout): 8 such
+// float4 per lane, stored lane-interleaved so that a warp's 16-byte stores are conflict-free.
+template <typename T>
+__host__ __device__ constexpr int dq_frag_offset(int warp, int mt, int j, int lane) {
+  return ((warp * 2 * T::kDqN8 + mt * T::kDqN8 + j) * 32 + lane) * 4;
+}
 
 // lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
 __device__ __forceinline__ float lean_lse_log2(float lse) {
   constexpr float kLog2e = 1.4426950408889634f;
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// *gmem += *smem elementwise for `bytes` bytes of fp32 (multiple of 16, both 16-byte aligned),
+// asynchronously (bulk-async group of the calling thread; sm_90).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(gmem),
+               "r"(smem), "r"(bytes)
+               : "memory");
+#else
+  __trap();  // never launched there (launch_flash_bwd_lean checks the binary's version)
+#endif
+}
+// Waits until this thread's bulk reductions have read their shared memory (kRead) or completed.
+template <bool kRead>
+__device__ __forceinline__ void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kRead)
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
 }
 
 // p[0] += a, p[1] += b in global memory, no return value (one vector RED on sm_90).
@@ -97,7 +154,7 @@ __device__ __forceinline__ void red_add2(float* ptr, float a, float b) {
 #endif
 }
 
-template <typename T, bool kAtomicDq>
+template <typename T, DqMode kDqMode>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_bwd_dkdv_lean_kernel(const BwdParams p, const float* delta, int64_t num_n_blocks) {
   using Element = typename T::Element;
@@ -108,10 +165,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   constexpr int kMT = kRowsW / 16;               // m16 tiles per warp
   constexpr int kS8 = kM / T::kWarpsCol / 8;     // n8 tiles (queries) per warp of S^T
   constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dK / dV
-  // Atomic dQ (kM x kD per step): warps kQW x kQC over (query rows, head dim), 32 rows each.
-  constexpr int kQW = kM / 32, kQC = T::kWarps / kQW;
-  constexpr int kQD8 = kD / kQC / 8;             // n8 tiles (head dim) per warp of atomic dQ
-  static_assert(kQW * kQC == T::kWarps && kQD8 % 2 == 0, "");
+  constexpr int kQC = T::kDqWarpsCol, kQD8 = T::kDqN8;  // the dQ GEMM's warp layout
+  constexpr bool kDqHere = kDqMode != DqMode::kSeparate;
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
   Element* k_s = reinterpret_cast<Element*>(lean_smem);
   check_swz_alignment(lean_smem);
@@ -120,6 +175,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Element* pt_s = qdo_s + kStages * 2 * kM * kD;    // P^T, kN x kM
   Element* dst_s = pt_s + kN * kM;                  // dS^T, kN x kM
   float* stats_s = reinterpret_cast<float*>(dst_s + kN * kM);  // [stage][lse | D], raw
+  // kBulk: the step's fp32 dQ tile (kSmemDqTile bytes, 128-byte aligned: every region above is
+  // a multiple of 128 bytes).
+  [[maybe_unused]] float* dq_s = stats_s + kStages * 2 * kM;
 
   const int64_t bid = blockIdx.x;
   const int64_t n_block = bid % num_n_blocks;
@@ -209,8 +267,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t dst_c = frag_base<kMC>(dst_s, wr * kRowsW, wc * kS8, lane);
   const uint32_t q_bt = bt_base<kC>(qdo_s, wc * kD8, lane);
   const uint32_t do_bt = bt_base<kC>(qdo_s + kM * kD, wc * kD8, lane);
-  // Atomic dQ: warp (wq, wd) of kQW x kQC; dS read from dS^T (chunks 4 wq..), K from column
-  // chunk wd * kQD8.
+  // dQ here: warp (wq, wd) of kDqWarpsRow x kQC; dS read from dS^T (chunks 4 wq..), K from
+  // column chunk wd * kQD8.
   const int wq = warp / kQC, wd = warp % kQC;
   [[maybe_unused]] const uint32_t ds_at = at_base<kMC>(dst_s, wq * 4, lane);
   [[maybe_unused]] const uint32_t k_bt = bt_base<kC>(k_s, wd * kQD8, lane);
@@ -219,11 +277,20 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   zero(dk_acc);
   zero(dv_acc);
 
+  // kBulk: the tile of p.dq_accum that dq_s holds (step t - 1's), added after the next barrier.
+  [[maybe_unused]] float* dq_pending = nullptr;
+  [[maybe_unused]] const int64_t dq_rows = dq_accum_rows(p.seqlen_q);
+  [[maybe_unused]] auto issue_dq_reduce = [&] {
+    if (tid == 0 && dq_pending != nullptr)
+      bulk_reduce_add_f32(dq_pending, smem_addr(dq_s), T::kSmemDqTile);
+  };
+
   StepPos pos{hk * group, 0};
   for (int64_t t = 0; t < steps; ++t) {
     const int stage = static_cast<int>(t % kStages);
     cp_async_wait<kStages - 2>();  // step t's group has landed (for this thread) ...
     __syncthreads();  // ... for all threads; and every warp is done with step t - 1
+    if constexpr (kDqMode == DqMode::kBulk) issue_dq_reduce();  // step t - 1's dQ tile
     // The stage step t - 1 used, and P^T / dS^T, are free now.
     if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
     cp_async_commit();
@@ -283,9 +350,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       softmax_grad(std::false_type{});
     store_frag_smem<Element, kMC>(pt_c, st);
     store_frag_smem<Element, kMC>(dst_c, dpt);
+    // kBulk: dq_s is written after the next barrier; the reduction issued at the top of this
+    // step must have read it by then.
+    if constexpr (kDqMode == DqMode::kBulk)
+      if (tid == 0) bulk_wait_all<true>();
     __syncthreads();  // P^T and dS^T complete
 
-    if constexpr (kAtomicDq) {
+    if constexpr (kDqHere) {
       // dQ (kM query rows x head dim) += dS K over this CTA's 128 keys, added to the fp32
       // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps kQW x kQC
       // over (query rows, head dim), 32 rows x kD / kQC columns each.  First in the phase, so
@@ -293,21 +364,35 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       float dq_acc[2][kQD8][4];
       zero(dq_acc);
       lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
-      // Whole tiles: dq_accum has dq_accum_rows(seqlen_q) rows per batch (zeros added beyond
-      // seqlen_q), so no row test splits the REDs from the MMAs around them.
-      static_assert(128 % kM == 0, "dq_accum_rows pads to 128-row tiles");
-      const int64_t row_stride = p.heads_q * kD;
-      float* dq_rows = p.dq_accum + (b * dq_accum_rows(p.seqlen_q) + m0) * row_stride +
-                       pos_h * kD + wd * kQD8 * 8 + 2 * (lane % 4);
+      if constexpr (kDqMode == DqMode::kBulk) {
+        // The tile to shared memory in fragment order, 16-byte stores; fenced for the bulk
+        // reduction, which thread 0 issues after the next barrier (or after the loop).
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float* dst = dq_rows + (wq * 32 + mt * 16 + lane / 4 + 8 * r) * row_stride;
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int j = 0; j < kQD8; ++j)
-            red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
-        }
+            *reinterpret_cast<float4*>(dq_s + dq_frag_offset<T>(warp, mt, j, lane)) =
+                make_float4(dq_acc[mt][j][0], dq_acc[mt][j][1], dq_acc[mt][j][2],
+                            dq_acc[mt][j][3]);
+        fence_proxy_async_smem();
+        dq_pending = p.dq_accum + ((b * p.heads_q + pos_h) * dq_rows + m0) * kD;
+      } else {
+        // Whole tiles: dq_accum has dq_accum_rows(seqlen_q) rows per batch (zeros added beyond
+        // seqlen_q), so no row test splits the REDs from the MMAs around them.
+        static_assert(128 % kM == 0, "dq_accum_rows pads to 128-row tiles");
+        const int64_t row_stride = p.heads_q * kD;
+        float* dq_row0 = p.dq_accum + (b * dq_rows + m0) * row_stride + pos_h * kD +
+                         wd * kQD8 * 8 + 2 * (lane % 4);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float* dst = dq_row0 + (wq * 32 + mt * 16 + lane / 4 + 8 * r) * row_stride;
+#pragma unroll
+            for (int j = 0; j < kQD8; ++j)
+              red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
+          }
+      }
     }
 
     // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x half the head dim.
@@ -315,6 +400,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dk_acc, dst_a, q_bt + stage_bytes);
   }
   cp_async_wait<0>();  // only empty groups can be left; no copy outlives the CTA
+  if constexpr (kDqMode == DqMode::kBulk) {
+    __syncthreads();  // the last step's dQ tile is complete
+    issue_dq_reduce();
+    if (tid == 0) bulk_wait_all<false>();  // done before the CTA's shared memory goes
+  }
 
   auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
   auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
@@ -498,34 +588,88 @@ bool lean_bwd_fits() {
   return max_smem_optin_per_block() >= need;
 }
 
-// dq = p.dq_accum (fp32, (batch, dq_accum_rows(seqlen_q), heads_q, kHeadDim) contiguous) in
-// Element: one CTA per (kConvertRows rows, batch, head), 4 columns per thread and iteration.
+// dq = p.dq_accum in Element.  kAtomic layout (row-major (batch, dq_accum_rows(seqlen_q),
+// heads_q, kHeadDim)): one CTA per (kConvertRows rows, batch, head), 4 columns per thread and
+// iteration.  kBulk layout (tiles in fragment order, DqMode): one CTA per (kBlockM-row tile,
+// batch, head), one float4 (two rows' column pairs) per thread and iteration.
 constexpr int kConvertRows = 64;
-template <typename T>
+template <typename T, DqMode kDqMode>
 __global__ void __launch_bounds__(256)
     flash_bwd_convert_dq_kernel(const BwdParams p, int64_t num_m_blocks) {
   using Element = typename T::Element;
-  constexpr int kD = T::kHeadDim, kRows = kConvertRows, kQuads = kD / 4;
+  constexpr int kD = T::kHeadDim;
+  constexpr int kRows = kDqMode == DqMode::kBulk ? T::kBlockM : kConvertRows;
   const int64_t bid = blockIdx.x;
   const int64_t m0 = (bid % num_m_blocks) * kRows, bh = bid / num_m_blocks;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const float* src = p.dq_accum + ((b * dq_accum_rows(p.seqlen_q) + m0) * p.heads_q + h) * kD;
   auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
              m0 * p.dq_row_stride;
   const int cols = static_cast<int>(p.head_dim);
-  for (int i = static_cast<int>(threadIdx.x); i < kRows * kQuads; i += 256) {
-    const int r = i / kQuads, c = (i % kQuads) * 4;
-    if (m0 + r >= p.seqlen_q || c >= cols) continue;
-    const float4 x = *reinterpret_cast<const float4*>(src + r * p.heads_q * kD + c);
-    uint32_t* out = reinterpret_cast<uint32_t*>(dq + r * p.dq_row_stride + c);
-    out[0] = pack2<Element>(x.x, x.y);
-    if (c + 2 < cols) out[1] = pack2<Element>(x.z, x.w);
+  const int64_t rows = dq_accum_rows(p.seqlen_q);
+  if constexpr (kDqMode == DqMode::kBulk) {
+    constexpr int kQD8 = T::kDqN8, kPerWarp = 2 * kQD8 * 32;  // float4s per warp
+    const float4* src =
+        reinterpret_cast<const float4*>(p.dq_accum + ((b * p.heads_q + h) * rows + m0) * kD);
+    for (int q = static_cast<int>(threadIdx.x); q < kRows * kD / 4; q += 256) {
+      const int lane = q % 32, i = (q % kPerWarp) / 32, warp = q / kPerWarp;
+      const int mt = i / kQD8, j = i % kQD8;
+      const int wq = warp / T::kDqWarpsCol, wd = warp % T::kDqWarpsCol;
+      const int row = wq * 32 + mt * 16 + lane / 4;
+      const int col = wd * kQD8 * 8 + j * 8 + 2 * (lane % 4);
+      if (col >= cols) continue;
+      const float4 x = src[q];
+      if (m0 + row < p.seqlen_q)
+        *reinterpret_cast<uint32_t*>(dq + row * p.dq_row_stride + col) = pack2<Element>(x.x, x.y);
+      if (m0 + row + 8 < p.seqlen_q)
+        *reinterpret_cast<uint32_t*>(dq + (row + 8) * p.dq_row_stride + col) =
+            pack2<Element>(x.z, x.w);
+    }
+  } else {
+    constexpr int kQuads = kD / 4;
+    const float* src = p.dq_accum + ((b * rows + m0) * p.heads_q + h) * kD;
+    for (int i = static_cast<int>(threadIdx.x); i < kRows * kQuads; i += 256) {
+      const int r = i / kQuads, c = (i % kQuads) * 4;
+      if (m0 + r >= p.seqlen_q || c >= cols) continue;
+      const float4 x = *reinterpret_cast<const float4*>(src + r * p.heads_q * kD + c);
+      uint32_t* out = reinterpret_cast<uint32_t*>(dq + r * p.dq_row_stride + c);
+      out[0] = pack2<Element>(x.x, x.y);
+      if (c + 2 < cols) out[1] = pack2<Element>(x.z, x.w);
+    }
+  }
+}
+
+// Whether the kBulk dK/dV kernel can run here: its shared memory fits and the kernel image the
+// runtime picked was compiled for sm_90+ (not, e.g., sm_80 code run through PTX JIT), checked
+// once per device.
+template <typename T>
+bool bulk_dq_ok() {
+  if constexpr (!T::kHasBulkDq) {
+    return false;
+  } else {
+    if (max_smem_optin_per_block() < T::kSmemDkdv + T::kSmemDqTile) return false;
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 no, 2 yes
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+    int state = cache[device].load(std::memory_order_relaxed);
+    if (state == 0) {
+      cudaFuncAttributes attr{};
+      const bool ok =
+          cudaFuncGetAttributes(&attr, flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>) ==
+              cudaSuccess &&
+          attr.binaryVersion >= 90;
+      if (!ok) (void)cudaGetLastError();
+      state = ok ? 2 : 1;
+      cache[device].store(state, std::memory_order_relaxed);
+    }
+    return state == 2;
   }
 }
 
 // The dK/dV and dQ launches (delta already computed) on `stream`.  With p.dq_accum: dQ is
-// accumulated there by the dK/dV kernel (zeroed first, fp32 atomics, not bitwise reproducible)
-// and converted; without: the separate dQ kernel (bitwise reproducible).
+// accumulated there by the dK/dV kernel (zeroed first; bulk reductions on sm_90, else fp32
+// atomics; not bitwise reproducible) and converted; without: the separate dQ kernel (bitwise
+// reproducible).
 template <typename T>
 cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaStream_t stream) {
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
@@ -535,15 +679,23 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
         p.dq_accum, 0,
         sizeof(float) * p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim, stream);
     if (err != cudaSuccess) return err;
-    err = launch(flash_bwd_dkdv_lean_kernel<T, true>, dkdv_blocks, T::kThreads, T::kSmemDkdv,
-                 stream, p, delta, num_n_blocks);
+    if (bulk_dq_ok<T>()) {
+      err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
+                   T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
+      if (err != cudaSuccess) return err;
+      const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+      return launch(flash_bwd_convert_dq_kernel<T, DqMode::kBulk>,
+                    num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
+    }
+    err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kAtomic>, dkdv_blocks, T::kThreads,
+                 T::kSmemDkdv, stream, p, delta, num_n_blocks);
     if (err != cudaSuccess) return err;
     const int64_t num_m_blocks = (p.seqlen_q + kConvertRows - 1) / kConvertRows;
-    return launch(flash_bwd_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q, 256, 0,
-                  stream, p, num_m_blocks);
+    return launch(flash_bwd_convert_dq_kernel<T, DqMode::kAtomic>,
+                  num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
   }
-  cudaError_t err = launch(flash_bwd_dkdv_lean_kernel<T, false>, dkdv_blocks, T::kThreads,
-                           T::kSmemDkdv, stream, p, delta, num_n_blocks);
+  cudaError_t err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kSeparate>, dkdv_blocks,
+                           T::kThreads, T::kSmemDkdv, stream, p, delta, num_n_blocks);
   if (err != cudaSuccess) return err;
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockMQ - 1) / T::kBlockMQ;
   return launch(flash_bwd_dq_lean_kernel<T>, num_m_blocks * p.batch * p.heads_q, T::kThreads,
