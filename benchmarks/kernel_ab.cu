@@ -1,6 +1,6 @@
 // Times the portable (sm80) CUDA kernels without PyTorch, for A/B comparisons of kernel variants
 // that cost no build on the GPU machine: scripts/kernel_ab.sh compiles this file with the
-// kernel translation units of a source tree (bf16, head dims 64 and 128) into one binary per
+// kernel translation units of a source tree (bf16, head dims 64, 128, 256) into one binary per
 // tree on a machine without a GPU; the GPU machine only runs the binaries, alternately.
 //
 // Shapes as benchmarks/bench_attention.py: bf16, inputs (B, L, H, d) contiguous, B * L = 16384
@@ -235,8 +235,10 @@ int main(int argc, char** argv) {
           run_case<64>(seqlen, causal, reps, deterministic, tag.c_str());
         } else if (d == 128) {
           run_case<128>(seqlen, causal, reps, deterministic, tag.c_str());
+        } else if (d == 256) {
+          run_case<256>(seqlen, causal, reps, deterministic, tag.c_str());
         } else {
-          std::fprintf(stderr, "--dims: 64 or 128, got %d\n", d);
+          std::fprintf(stderr, "--dims: 64, 128 or 256, got %d\n", d);
           return 2;
         }
       }

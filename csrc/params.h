@@ -88,6 +88,9 @@ struct BwdParams : FwdParams {
   // kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible
   // gradients, `deterministic=True`).
   float* dq_accum = nullptr;
+  // With dq_accum, whether the sm_90 bulk-reduce dQ may be used where it applies (else the
+  // per-lane atomics; FLASH_ATTN_EXT_BWD_DQ=atomic in the glue, to test and compare both).
+  bool dq_bulk = true;
 };
 
 }  // namespace flash_attn_ext

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-call A/B of portable-kernel variants without building the extension on the GPU machine.
-#   build: compile benchmarks/kernel_ab.cu with the sm80 bf16 head-dim 64/128 forward and
+#   build: compile benchmarks/kernel_ab.cu with the sm80 bf16 head-dim 64/128/256 forward and
 #          backward translation units of a source tree into one binary (no GPU, no PyTorch
 #          needed: nvcc and the CUDA runtime).  ARCH (default 90a) picks the target.
 #     bash scripts/kernel_ab.sh build <tree> <binary>
@@ -23,7 +23,7 @@ case "${1:-}" in
     [ -n "$CUDA_INC" ] && [ -d "$CUDA_INC" ] && flags+=(-I "$CUDA_INC")
     objdir=$(mktemp -d)
     pids=()
-    for tu in "$tree"/csrc/kernels/sm80/flash_{fwd,bwd}_hdim{64,128}_bf16.cu "$HARNESS"; do
+    for tu in "$tree"/csrc/kernels/sm80/flash_{fwd,bwd}_hdim{64,128,256}_bf16.cu "$HARNESS"; do
       nvcc "${flags[@]}" -c "$tu" -o "$objdir/$(basename "$tu" .cu).o" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; done

@@ -137,11 +137,15 @@ def test_use_deterministic_algorithms_selects_the_reproducible_backward():
         torch.use_deterministic_algorithms(old)
 
 
+@pytest.mark.parametrize("dq_mode", ["auto", "atomic"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_atomic_dq_matches_deterministic(dim):
-    # deterministic=False at head dims <= 128: dQ added with fp32 atomics (order varies), dK and
-    # dV from the same kernel arithmetic as the deterministic path; dq equal up to the fp32
-    # summation order and the recomputed dS's last bit.
+def test_atomic_dq_matches_deterministic(dim, dq_mode, monkeypatch):
+    # deterministic=False at head dims <= 128: dQ added in fp32 by the dK/dV kernel (sm_90:
+    # bulk reductions of whole tiles by default, FLASH_ATTN_EXT_BWD_DQ=atomic: per-lane atomics,
+    # the sm_80 path; order varies either way), dK and dV from the same kernel arithmetic as
+    # the deterministic path; dq equal up to the fp32 summation order and the recomputed dS's
+    # last bit.  seqlen_q = 1000 leaves the last query tile partly outside the sequence.
+    monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", dq_mode)
     dq0, dk0, dv0 = _gqa_causal_grads(True, dim)()
     for _ in range(3):
         dq1, dk1, dv1 = _gqa_causal_grads(False, dim)()
@@ -150,6 +154,14 @@ def test_atomic_dq_matches_deterministic(dim):
         assert not dq1.isnan().any()
         tol = 1e-2 * dq0.float().abs().max().item()
         assert (dq1.float() - dq0.float()).abs().max().item() <= tol
+
+
+def test_bwd_dq_env_is_validated(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", "fast")
+    # raised in the backward, through autograd
+    with pytest.raises((ValueError, RuntimeError),
+                       match="FLASH_ATTN_EXT_BWD_DQ must be 'auto' or 'atomic'"):
+        _gqa_causal_grads(False, 64)()
 
 
 def test_sdpa_api_on_cuda_and_plan():

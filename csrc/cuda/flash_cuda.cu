@@ -76,6 +76,17 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
   }
 }
 
+// FLASH_ATTN_EXT_BWD_DQ: "auto" (default: on sm_90 the backward's dQ leaves the dK/dV kernel
+// through bulk reductions, flash_bwd_lean.cuh) or "atomic" (per-lane fp32 atomics, the path
+// sm_80-class GPUs take; to test and compare it on sm_90).
+bool atomic_dq_forced() {
+  const char* env = std::getenv("FLASH_ATTN_EXT_BWD_DQ");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
+  TORCH_CHECK_VALUE(std::strcmp(env, "atomic") == 0,
+                    "FLASH_ATTN_EXT_BWD_DQ must be 'auto' or 'atomic', got '", env, "'");
+  return true;
+}
+
 #ifdef FLASH_ATTN_EXT_SM90
 // FLASH_ATTN_EXT_KERNEL: "auto" (default; the Hopper kernel where it applies) or "sm80" (the
 // portable kernels everywhere, e.g. to compare the two).  flash_attn_ext/dispatch.py reads the
@@ -272,6 +283,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                               kernel_dim <= 64 ? 64 : 128},
                              lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
+        p.dq_bulk = !atomic_dq_forced();
       }
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       float* delta_ptr = delta.data_ptr<float>();

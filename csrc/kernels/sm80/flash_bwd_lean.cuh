@@ -291,9 +291,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cp_async_wait<kStages - 2>();  // step t's group has landed (for this thread) ...
     __syncthreads();  // ... for all threads; and every warp is done with step t - 1
     if constexpr (kDqMode == DqMode::kBulk) issue_dq_reduce();  // step t - 1's dQ tile
-    // The stage step t - 1 used, and P^T / dS^T, are free now.
-    if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
-    cp_async_commit();
+    // The stage step t - 1 used, and P^T / dS^T, are free now (step t + 1's loads are issued
+    // later in the step, see below).
 
     const float* lse_s = stats_s + stage * 2 * kM;
     const float* d_s = lse_s + kM;
@@ -395,6 +394,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       }
     }
 
+    // Step t + 1's Q / dO / lse / D loads into the stage step t - 1 used, issued here, under
+    // the dV / dK MMAs, rather than right after the first barrier, where all 8 warps' cp.async
+    // (and their address arithmetic) queued in front of the S^T / dP^T ldmatrix: +10-12%
+    // (benchmarks/NOTES.md, session 8).  Still half a step ahead of their use.
+    if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
+    cp_async_commit();
     // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x half the head dim.
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dv_acc, pt_a, do_bt + stage_bytes);
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dk_acc, dst_a, q_bt + stage_bytes);
@@ -508,6 +513,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int stage = static_cast<int>(i % kStages);
     cp_async_wait<kStages - 2>();
     __syncthreads();  // K/V of block i visible; every warp done with block i - 1 (its stage, dS)
+    // (Issuing these loads under the dQ MMAs instead, as the dK/dV kernel does, measured 0 to
+    // -4% here.)
     if (i + kStages - 1 < n_count)
       load_kv(static_cast<int>((i + kStages - 1) % kStages), n_block + kStages - 1);
     cp_async_commit();
@@ -679,7 +686,7 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
         p.dq_accum, 0,
         sizeof(float) * p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim, stream);
     if (err != cudaSuccess) return err;
-    if (bulk_dq_ok<T>()) {
+    if (p.dq_bulk && bulk_dq_ok<T>()) {
       err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
                    T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
       if (err != cudaSuccess) return err;

@@ -129,16 +129,32 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // Key tiles fully inside every row's visible range need no per-element mask.
   const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
 
+  // Where the next K/V tile's loads go (into the other stage): at head dim <= 64 once this
+  // tile's S = Q K^T is issued, at 128 before O += P V, not at the top of the iteration
+  // where the cp.async of all warps queue in front of the S GEMM's ldmatrix (measured,
+  // session 8: +3.5% at d=64, +1-2% at d=128); at 256 (one m-tile per warp, 32-key tiles)
+  // the top measured 4% faster.  After the barrier below, the other stage is free, so only
+  // the top placement needs the barrier at the end of the iteration.
+  enum { kTop, kAfterS, kBeforePV };
+  constexpr int kPrefetchAt = kD <= 64 ? kAfterS : (kD <= 128 ? kBeforePV : kTop);
   for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = static_cast<int>((n_block - n_begin) & 1);
-    if (n_block + 1 < n_end) {  // prefetch the next K/V tile into the other stage
-      load_kv(stage ^ 1, n_block + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
+    auto prefetch = [&] {
+      if (n_block + 1 < n_end) {
+        load_kv(stage ^ 1, n_block + 1);
+        cp_async_commit();
+      }
+    };
+    if constexpr (kPrefetchAt == kTop) {
+      prefetch();
+      if (n_block + 1 < n_end)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
     } else {
-      cp_async_wait<0>();
+      cp_async_wait<0>();  // tile n_block (the only group in flight) has landed
     }
-    __syncthreads();
+    __syncthreads();  // for all threads; every warp is done with tile n_block - 1's stage
     const uint32_t stage_bytes =
         static_cast<uint32_t>(stage * 2 * T::kSmemKV * sizeof(Element));
 
@@ -146,6 +162,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     float s[kMT][kNTiles][4];
     zero(s);
     lean_gemm_ss<Element, kC, kMT, kNTiles, kD>(s, q_a, k_b + stage_bytes);
+    if constexpr (kPrefetchAt == kAfterS) prefetch();
 
     // Softcap and bias, mask (only for tiles that straddle a boundary: 32-bit key bounds
     // relative to the tile), online softmax.  `masked`: std::true_type / std::false_type (two
@@ -228,9 +245,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     else
       softmax_tile(std::false_type{});
 
+    if constexpr (kPrefetchAt == kBeforePV) prefetch();
     // O += P V, P taken from the S accumulators.
     lean_gemm_rs<Element, kC, kMT, kN, kDTiles>(o_acc, s, v_bt + stage_bytes);
-    __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
+    // kTop: this stage is overwritten by the prefetch at the top of the next iteration.
+    if constexpr (kPrefetchAt == kTop) __syncthreads();
   }
 
   // Epilogue: out = O / l (/ (1 - dropout_p)) (0 for rows that saw nothing),
