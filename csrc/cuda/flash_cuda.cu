@@ -274,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.philox_offset_ptr = p.philox_seed_ptr + 1;
       }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-      // fp32 scratch of the atomic dQ (params.h: dq_accum); the launcher zeroes it and uses it
+      // fp32 scratch of the atomic dQ (params.h: dq_accum); the backward zeroes it and uses it
       // where the 8-warp kernels run (their shared memory fits), else ignores it.
       at::Tensor dq_accum;
       if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&

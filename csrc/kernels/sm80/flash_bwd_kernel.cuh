@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm80/dropout.h"
 #include "kernels/sm80/flash_bwd_lean.cuh"
@@ -75,28 +76,56 @@ __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
-// D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; one warp per
-// row.  (A gradient g_i flowing into lse_i adds g_i * P_ij to dS_ij, i.e. subtracts it from D.)
-template <typename Element>
-__global__ void __launch_bounds__(128) flash_bwd_delta_kernel(const BwdParams p, float* delta) {
-  const int64_t row_id = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row_id >= p.batch * p.heads_q * p.seqlen_q) return;
-  const int64_t i = row_id % p.seqlen_q, bh = row_id / p.seqlen_q;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
-                  i * p.out_row_stride + h * p.out_head_stride;
-  const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
-                  i * p.dout_row_stride + h * p.dout_head_stride;
+// D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; kTpr
+// threads per row (one 16-byte load of O and of dO per thread and step: rows are 16-byte aligned
+// and head_dim_v a multiple of 8, the glue's kernel_ready), 256 / kTpr rows per CTA.  Also zeroes
+// `zero_quads` float4 at `zero` (the atomic-dQ scratch, so that no memset pass precedes the
+// dK/dV kernel).  (A gradient g_i flowing into lse_i adds g_i * P_ij to dS_ij, i.e. subtracts it
+// from D.)
+template <typename Element, int kTpr>
+__global__ void __launch_bounds__(256)
+    flash_bwd_delta_kernel(const BwdParams p, float* delta, float4* zero, int64_t zero_quads) {
+  static_assert(kTpr >= 1 && kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "");
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int64_t i = int64_t(blockIdx.x) * 256 + tid; i < zero_quads; i += int64_t(gridDim.x) * 256)
+    zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int64_t row_id = int64_t(blockIdx.x) * (256 / kTpr) + tid / kTpr;
+  const int t = tid % kTpr;
+  const bool valid = row_id < p.batch * p.heads_q * p.seqlen_q;
   float sum = 0.f;
-  for (int64_t c = lane; c < p.head_dim_v; c += 32)
-    sum += to_float(o[c]) * to_float(d[c]);
+  if (valid) {
+    const int64_t i = row_id % p.seqlen_q, bh = row_id / p.seqlen_q;
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
+                    i * p.out_row_stride + h * p.out_head_stride;
+    const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
+                    i * p.dout_row_stride + h * p.dout_head_stride;
+    for (int c = t * 8; c < p.head_dim_v; c += kTpr * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
-  if (lane == 0) {
+      for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
+    }
+  }
+#pragma unroll
+  for (int s = kTpr / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+  if (valid && t == 0) {
     const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);  // (B, H, L) like delta
     delta[row_id] = dlse == nullptr ? sum : sum - dlse[row_id];
   }
+}
+
+// The delta launch for kernels of head dim kHeadDim (>= head_dim_v), zeroing zero_floats floats
+// at `zero` on the way (a multiple of 4, 16-byte aligned).
+template <typename Element, int kHeadDim>
+cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int64_t zero_floats,
+                             cudaStream_t stream) {
+  constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRowsPerCta = 256 / kTpr;
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  return launch(flash_bwd_delta_kernel<Element, kTpr>, (rows + kRowsPerCta - 1) / kRowsPerCta,
+                256, 0, stream, p, delta, reinterpret_cast<float4*>(zero), zero_floats / 4);
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.
@@ -366,23 +395,31 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
 // scratch buffer.
 template <typename T>
 cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  cudaError_t err = launch(flash_bwd_delta_kernel<typename T::Element>, (rows + 3) / 4, 128, 0,
-                           stream, p, delta);
-  if (err != cudaSuccess) return err;
+  using Element = typename T::Element;
   const bool general = p.general();
   if constexpr (T::kHeadDim <= 128) {
     // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits
-    // (at head dim 64 with 64-row steps on GPUs with less shared memory).
-    using Lean = LeanBwdTraits<typename T::Element, T::kHeadDim>;
+    // (at head dim 64 with 64-row steps on GPUs with less shared memory).  The delta kernel
+    // zeroes their atomic-dQ scratch.
+    using Lean = LeanBwdTraits<Element, T::kHeadDim>;
+    const int64_t accum_floats =
+        p.dq_accum == nullptr ? 0 : p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim;
+    // (Lean64 is Lean itself where Lean already takes 64-row steps.)
+    using Lean64 = std::conditional_t<Lean::kBlockM != 64, LeanBwdTraits<Element, T::kHeadDim, 64>,
+                                      Lean>;
     if (!general) {
-      if (lean_bwd_fits<Lean>()) return launch_flash_bwd_lean<Lean>(p, delta, stream);
-      if constexpr (Lean::kBlockM != 64) {  // else the same kernels again
-        using Lean64 = LeanBwdTraits<typename T::Element, T::kHeadDim, 64>;
-        if (lean_bwd_fits<Lean64>()) return launch_flash_bwd_lean<Lean64>(p, delta, stream);
+      const bool full = lean_bwd_fits<Lean>();
+      if (full || lean_bwd_fits<Lean64>()) {
+        const cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, p.dq_accum,
+                                                                        accum_floats, stream);
+        if (err != cudaSuccess) return err;
+        return full ? launch_flash_bwd_lean<Lean>(p, delta, stream)
+                    : launch_flash_bwd_lean<Lean64>(p, delta, stream);
       }
     }
   }
+  cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, nullptr, 0, stream);
+  if (err != cudaSuccess) return err;
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv * T::kSplitD;
   err = launch(general ? flash_bwd_dkdv_kernel<T, true> : flash_bwd_dkdv_kernel<T, false>,

@@ -598,7 +598,7 @@ bool lean_bwd_fits() {
 // dq = p.dq_accum in Element.  kAtomic layout (row-major (batch, dq_accum_rows(seqlen_q),
 // heads_q, kHeadDim)): one CTA per (kConvertRows rows, batch, head), 4 columns per thread and
 // iteration.  kBulk layout (tiles in fragment order, DqMode): one CTA per (kBlockM-row tile,
-// batch, head), one float4 (two rows' column pairs) per thread and iteration.
+// batch, head), unpermuted through shared memory.
 constexpr int kConvertRows = 64;
 template <typename T, DqMode kDqMode>
 __global__ void __launch_bounds__(256)
@@ -614,7 +614,11 @@ __global__ void __launch_bounds__(256)
   const int cols = static_cast<int>(p.head_dim);
   const int64_t rows = dq_accum_rows(p.seqlen_q);
   if constexpr (kDqMode == DqMode::kBulk) {
+    // Through shared memory, so that dq is written in whole 16-byte row chunks (rows of dq are
+    // 16-byte aligned and head_dim a multiple of 8: the glue's kernel_ready).
     constexpr int kQD8 = T::kDqN8, kPerWarp = 2 * kQD8 * 32;  // float4s per warp
+    constexpr int kPitch = kD + 8;  // elements per staged row (+16 bytes: fewer bank conflicts)
+    __shared__ __align__(16) Element tile[kRows * kPitch];
     const float4* src =
         reinterpret_cast<const float4*>(p.dq_accum + ((b * p.heads_q + h) * rows + m0) * kD);
     for (int q = static_cast<int>(threadIdx.x); q < kRows * kD / 4; q += 256) {
@@ -623,13 +627,16 @@ __global__ void __launch_bounds__(256)
       const int wq = warp / T::kDqWarpsCol, wd = warp % T::kDqWarpsCol;
       const int row = wq * 32 + mt * 16 + lane / 4;
       const int col = wd * kQD8 * 8 + j * 8 + 2 * (lane % 4);
-      if (col >= cols) continue;
       const float4 x = src[q];
-      if (m0 + row < p.seqlen_q)
-        *reinterpret_cast<uint32_t*>(dq + row * p.dq_row_stride + col) = pack2<Element>(x.x, x.y);
-      if (m0 + row + 8 < p.seqlen_q)
-        *reinterpret_cast<uint32_t*>(dq + (row + 8) * p.dq_row_stride + col) =
-            pack2<Element>(x.z, x.w);
+      *reinterpret_cast<uint32_t*>(tile + row * kPitch + col) = pack2<Element>(x.x, x.y);
+      *reinterpret_cast<uint32_t*>(tile + (row + 8) * kPitch + col) = pack2<Element>(x.z, x.w);
+    }
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < kRows * kD / 8; i += 256) {
+      const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
+      if (m0 + r < p.seqlen_q && c < cols)
+        *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) =
+            *reinterpret_cast<const uint4*>(tile + r * kPitch + c);
     }
   } else {
     constexpr int kQuads = kD / 4;
@@ -673,19 +680,16 @@ bool bulk_dq_ok() {
   }
 }
 
-// The dK/dV and dQ launches (delta already computed) on `stream`.  With p.dq_accum: dQ is
-// accumulated there by the dK/dV kernel (zeroed first; bulk reductions on sm_90, else fp32
-// atomics; not bitwise reproducible) and converted; without: the separate dQ kernel (bitwise
+// The dK/dV and dQ launches (delta already computed, p.dq_accum zeroed: flash_bwd_kernel.cuh's
+// delta kernel) on `stream`.  With p.dq_accum: dQ is accumulated there by the dK/dV kernel
+// (bulk reductions on sm_90, else fp32 atomics; not bitwise reproducible) and converted; without: the separate dQ kernel (bitwise
 // reproducible).
 template <typename T>
 cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaStream_t stream) {
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv;
   if (p.dq_accum != nullptr) {
-    cudaError_t err = cudaMemsetAsync(
-        p.dq_accum, 0,
-        sizeof(float) * p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim, stream);
-    if (err != cudaSuccess) return err;
+    cudaError_t err;
     if (p.dq_bulk && bulk_dq_ok<T>()) {
       err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
                    T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
