@@ -284,13 +284,21 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   }
 }
 
-// Host side: one CTA per (query block, batch, head), launched on `stream`.
+// Host side: one CTA per (query block, batch, head), launched on `stream`.  Plain attention at
+// head dim 64 takes 128-key tiles (Plain): measured 2-4% faster than T's 64 (session 8,
+// benchmarks/NOTES.md) although ptxas spills ~200 bytes there; the general variant keeps T's
+// tile, where 128 keys would add to its spills.
 template <typename T>
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Plain = FwdTraits<typename T::Element, T::kHeadDim,
+                          T::kHeadDim <= 64 ? 128 : T::kBlockN, T::kMTiles>;
+  static_assert(Plain::kBlockM == T::kBlockM, "one query-block grid for both variants");
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
-  return launch(p.general() ? flash_fwd_kernel<T, true> : flash_fwd_kernel<T, false>,
-                num_m_blocks * p.batch * p.heads_q, T::kThreads, T::kSmemBytes, stream, p,
-                num_m_blocks);
+  if (p.general())
+    return launch(flash_fwd_kernel<T, true>, num_m_blocks * p.batch * p.heads_q, T::kThreads,
+                  T::kSmemBytes, stream, p, num_m_blocks);
+  return launch(flash_fwd_kernel<Plain, false>, num_m_blocks * p.batch * p.heads_q,
+                Plain::kThreads, Plain::kSmemBytes, stream, p, num_m_blocks);
 }
 
 }  // namespace flash_attn_ext::sm80
