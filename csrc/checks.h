@@ -44,6 +44,10 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype);
 // Allocates an output the kernel must fill completely.  With debug poisoning on, it starts as NaN
 // (integers: -1) so that any element a kernel forgets to write shows up in tests.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+// The same with t's sizes, dtype, device and, where t is dense, its strides (empty_like): a
+// gradient laid out like its input is kept by autograd as .grad instead of being copied into
+// the input's layout (an extra pass over q, k and v for inputs in SDPA's (B, H, L, d) layout).
+at::Tensor new_output_like(const at::Tensor& t);
 void set_debug_poison(bool enabled);
 
 // Returns t if its last dimension is contiguous (stride 1), else a copy that is.

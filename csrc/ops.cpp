@@ -38,6 +38,13 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::full(sizes, -1, options);
 }
 
+at::Tensor new_output_like(const at::Tensor& t) {
+  if (!g_debug_poison) return at::empty_like(t);
+  if (at::isFloatingType(t.scalar_type()))
+    return at::full_like(t, std::numeric_limits<double>::quiet_NaN());
+  return at::full_like(t, -1);
+}
+
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }

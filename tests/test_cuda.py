@@ -156,6 +156,21 @@ def test_atomic_dq_matches_deterministic(dim, dq_mode, monkeypatch):
         assert (dq1.float() - dq0.float()).abs().max().item() <= tol
 
 
+def test_gradients_keep_the_sdpa_layout():
+    # Inputs in SDPA's (B, H, L, d) layout: the kernels see (B, L, H, d) views of them and write
+    # the gradients with the same strides, so autograd keeps them as .grad (no copy pass).
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+    dout = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+    scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).backward(dout.float())
+    for x, r in zip((q, k, v), ref):
+        assert x.grad.stride() == x.stride()
+        err = (x.grad.float() - r.grad).abs().max().item()
+        assert err <= 2e-2 * r.grad.abs().max().item() + 1e-3, err
+
+
 def test_bwd_dq_env_is_validated(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", "fast")
     # raised in the backward, through autograd

@@ -242,10 +242,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
   const at::Tensor lse = softmax_lse.contiguous();
-  // Gradients in the padded head dims; the padded columns are sliced off below.
-  at::Tensor dq = new_output(q.sizes(), q.options());
-  at::Tensor dk = new_output(k.sizes(), k.options());
-  at::Tensor dv = new_output(v.sizes(), v.options());
+  // Gradients in the padded head dims (the padded columns are sliced off below), laid out like
+  // q, k, v (kernel_ready strides: the kernels' alignment holds for them too).
+  at::Tensor dq = new_output_like(q);
+  at::Tensor dk = new_output_like(k);
+  at::Tensor dv = new_output_like(v);
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   at::Tensor dbias_full =
       want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k}, lse.options())
