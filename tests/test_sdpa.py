@@ -68,6 +68,26 @@ def test_sdpa_reads_views_without_copy():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradients_keep_the_input_layout(dtype):
+    # (B, H, L, E) inputs and a (B, L, 3, H, E) projection's views: the gradients come back with
+    # the inputs' strides where those are dense (autograd then keeps them as .grad without a
+    # copy), and right either way.
+    dense = [torch.randn(2, 4, 37, 16, dtype=dtype, requires_grad=True) for _ in "qkv"]
+    qkv = torch.randn(2, 37, 3, 4, 16, dtype=dtype, requires_grad=True)
+    for inputs in (dense, [t.transpose(1, 2) for t in qkv.unbind(2)]):
+        dout = torch.randn(2, 4, 37, 16, dtype=dtype)
+        grads = torch.autograd.grad(scaled_dot_product_attention(*inputs, is_causal=True),
+                                    inputs, dout)
+        ref = [x.detach().double().requires_grad_() for x in inputs]
+        ref_grads = torch.autograd.grad(torch_sdpa(*ref, is_causal=True), ref, dout.double())
+        for x, g, r in zip(inputs, grads, ref_grads):
+            if x.is_contiguous():
+                assert g.stride() == x.stride()
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            assert (g.double() - r).abs().max().item() <= tol * (1 + r.abs().max().item())
+
+
 def test_head_dim_beyond_the_kernels_falls_back_visibly():
     import flash_attn_ext
     from flash_attn_ext import dispatch

@@ -219,9 +219,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in), out = last_dim_contiguous(out_in),
                    dout = last_dim_contiguous(dout_in), lse = softmax_lse.contiguous();
-  at::Tensor dq = new_output(q.sizes(), q.options());
-  at::Tensor dk = new_output(k.sizes(), k.options());
-  at::Tensor dv = new_output(v.sizes(), v.options());
+  // Laid out like q, k, v (checks.h new_output_like): autograd keeps them as .grad, no copy.
+  at::Tensor dq = new_output_like(q);
+  at::Tensor dk = new_output_like(k);
+  at::Tensor dv = new_output_like(v);
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   at::Tensor dbias_full = want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k},
                                                  q.options().dtype(lse_dtype(q.scalar_type())))

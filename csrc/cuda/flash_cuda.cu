@@ -76,28 +76,26 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
   }
 }
 
+// An environment switch with two values: false when `name` is unset, empty or "auto", true when
+// it is `other`; anything else is a ValueError naming the variable.
+bool env_switch(const char* name, const char* other) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
+  TORCH_CHECK_VALUE(std::strcmp(env, other) == 0, name, " must be 'auto' or '", other,
+                    "', got '", env, "'");
+  return true;
+}
+
 // FLASH_ATTN_EXT_BWD_DQ: "auto" (default: on sm_90 the backward's dQ leaves the dK/dV kernel
 // through bulk reductions, flash_bwd_lean.cuh) or "atomic" (per-lane fp32 atomics, the path
 // sm_80-class GPUs take; to test and compare it on sm_90).
-bool atomic_dq_forced() {
-  const char* env = std::getenv("FLASH_ATTN_EXT_BWD_DQ");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(env, "atomic") == 0,
-                    "FLASH_ATTN_EXT_BWD_DQ must be 'auto' or 'atomic', got '", env, "'");
-  return true;
-}
+bool atomic_dq_forced() { return env_switch("FLASH_ATTN_EXT_BWD_DQ", "atomic"); }
 
 #ifdef FLASH_ATTN_EXT_SM90
 // FLASH_ATTN_EXT_KERNEL: "auto" (default; the Hopper kernel where it applies) or "sm80" (the
 // portable kernels everywhere, e.g. to compare the two).  flash_attn_ext/dispatch.py reads the
 // same variable to report the choice.
-bool force_portable() {
-  const char* env = std::getenv("FLASH_ATTN_EXT_KERNEL");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(env, "sm80") == 0,
-                    "FLASH_ATTN_EXT_KERNEL must be 'auto' or 'sm80', got '", env, "'");
-  return true;
-}
+bool force_portable() { return env_switch("FLASH_ATTN_EXT_KERNEL", "sm80"); }
 
 // The Hopper forward (kernels/sm90) serves plain attention (any mask window, GQA, L != S) on
 // sm_90 when TMA can describe q, k and v: no zero (broadcast) strides on a dimension of size > 1.

@@ -8,17 +8,19 @@
 // Same algorithm as flash_bwd_kernel.cuh, with FlashAttention-2's warp tiling instead of one
 // 16-row tile per warp, which left every shared-memory fragment feeding one or two MMAs
 // (ldmatrix-bound, benchmarks/NOTES.md).  Two ways to get dQ: by default (p.dq_accum set,
-// deterministic=False) the dK/dV kernel also adds dS K into an fp32 buffer with atomics and a
-// conversion kernel writes dq (FlashAttention-2's single kernel: 5 GEMM passes); with
-// deterministic=True the dK/dV kernel, then a separate dQ kernel that recomputes S and dP
-// (7 passes, no atomics, bitwise reproducible):
+// deterministic=False) the dK/dV kernel also adds dS K into an fp32 buffer (FlashAttention-2's
+// single kernel: 5 GEMM passes; on sm_90 one bulk reduction of the step's tile from shared
+// memory, FlashAttention-3's way, elsewhere per-lane atomics: DqMode) and a conversion kernel
+// writes dq; with deterministic=True the dK/dV kernel, then a separate dQ kernel that
+// recomputes S and dP (7 passes, no atomics, bitwise reproducible):
 //
 //  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a kBlockM-row Q / dO
 //    tile (64 rows; 128 at head dim 64) of one query head of the GQA group (double-buffered
 //    cp.async, lse and D with it).  S^T = K Q^T and dP^T = V dO^T (128 x kBlockM) are split
 //    4 x 2 over the warps (32 keys x kBlockM / 2 queries each); P^T and dS^T = P^T (dP^T - D)
-//    go to shared memory as 16-bit values; after a barrier dV += P^T dO and dK += dS^T Q (128 x head dim) are split 4 x 2 again (32 keys x
-//    half the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
+//    go to shared memory as 16-bit values; after a barrier dQ (kBlockM x head dim, if here),
+//    then dV += P^T dO and dK += dS^T Q (128 x head dim, split 4 x 2 again: 32 keys x half
+//    the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
 //    2-4 MMAs (0.375-0.5 ldmatrix.x4 per m16n8k16 instead of ~0.6-1).
 //  dQ: one CTA of 8 warps per (128 query rows, batch, head), K / V tiles of 64 keys double-
 //    buffered; S and dP (128 x 64) split 4 x 2 (32 x 32 each), dS to shared memory, then
@@ -682,8 +684,8 @@ bool bulk_dq_ok() {
 
 // The dK/dV and dQ launches (delta already computed, p.dq_accum zeroed: flash_bwd_kernel.cuh's
 // delta kernel) on `stream`.  With p.dq_accum: dQ is accumulated there by the dK/dV kernel
-// (bulk reductions on sm_90, else fp32 atomics; not bitwise reproducible) and converted; without: the separate dQ kernel (bitwise
-// reproducible).
+// (bulk reductions on sm_90, else fp32 atomics; not bitwise reproducible) and converted;
+// without: the separate dQ kernel (bitwise reproducible).
 template <typename T>
 cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaStream_t stream) {
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;

@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // tile's S = Q K^T is issued, at 128 before O += P V, not at the top of the iteration
   // where the cp.async of all warps queue in front of the S GEMM's ldmatrix (measured,
   // session 8: +3.5% at d=64, +1-2% at d=128); at 256 (one m-tile per warp, 32-key tiles)
-  // the top measured 4% faster.  After the barrier below, the other stage is free, so only
-  // the top placement needs the barrier at the end of the iteration.
+  // the top measured 4% faster.  After the barrier at the top of an iteration the other stage
+  // is free, so only the top placement needs a barrier at the end of the iteration.
   enum { kTop, kAfterS, kBeforePV };
   constexpr int kPrefetchAt = kD <= 64 ? kAfterS : (kD <= 128 ? kBeforePV : kTop);
   for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
