@@ -7,14 +7,10 @@
 # variant arguments per tree; a tree whose kernel reads no variant variable runs its one kernel).
 # $ALT (optional): a third tree, built and timed like this one ("alt"), e.g. a variant of it.
 # Usage on the GPU machine: OUT=... BASE=ab_base bash scripts/gpu_ab.sh [sm90_variants args]
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; BASE=${BASE:-ab_base}; ROUNDS=${ROUNDS:-2}
+source "$(dirname "$0")/gpu_env.sh"
+BASE=${BASE:-ab_base}; ROUNDS=${ROUNDS:-2}
 BASE_ARGS=${BASE_ARGS:---schedules tile --epilogues direct}
 NEW_ARGS=${NEW_ARGS:---schedules auto --epilogues tma}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
 build() {
   (cd "$1" && TORCH_CUDA_ARCH_LIST=9.0a FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-8} \
     python3 setup.py -q build_ext --inplace > "$OUT/build_$2.log" 2>&1) || { tail -30 "$OUT/build_$2.log"; exit 1; }

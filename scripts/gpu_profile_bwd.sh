@@ -4,12 +4,8 @@
 # backwards at one shape.  BASE=<dir> (a source tree, e.g. `git archive` of main unpacked there):
 # built too, and bench_bwd_kernels runs alternately in it and here, ROUNDS times (same-call A/B).
 # Usage on the GPU machine: OUT=... bash scripts/gpu_profile_bwd.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
 build() {
   (cd "$1" && NVCC_APPEND_FLAGS="-Xptxas -v" TORCH_CUDA_ARCH_LIST=${ARCH:-9.0a} \

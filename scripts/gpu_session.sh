@@ -2,15 +2,8 @@
 # One call on a GPU machine: build with CUDA, print the build/kernel table, run the CUDA tests,
 # compute-sanitizer (SANITIZE=1), then benchmark (BENCH=0 skips it).  Logs go to $OUT (or
 # ./gpu_out).  Usage: scripts/gpu_session.sh [bench args]
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# The device image's default C++ compiler (/opt/gcc) links a private copy of libstdc++ into the
-# extension, whose iostreams then crash on the process's (system) locale objects the first time a
-# TORCH_CHECK message formats a number.  The system g++ links libstdc++ dynamically.
-if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
 NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
