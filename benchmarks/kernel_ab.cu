@@ -12,8 +12,13 @@
 // Also a consistency check (not a correctness test: tests/test_cuda.py is): the atomic-dQ and
 // the deterministic backward's dq, dk, dv, as max |difference| / max |value| per gradient.
 //
+// Built with -DFLASH_ATTN_EXT_SM90 and the sm90 forward translation units (scripts/kernel_ab.sh
+// with SM90=1), --fwd sm90 times the Hopper forward instead (its tile counter zeroed by its
+// launcher, as in the extension) and compares its out and softmax_lse with the sm80 forward's
+// (max |diff| / max |value|, max |diff|): a consistency check of kernel variants, not a test.
+//
 // Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
-//                  [--reps 10] [--deterministic] [--tag NAME]
+//                  [--reps 10] [--deterministic] [--fwd sm80|sm90] [--no-bwd] [--tag NAME]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +33,9 @@
 
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
+#ifdef FLASH_ATTN_EXT_SM90
+#include "kernels/sm90/flash_fwd_sm90_launch.h"
+#endif
 #include "params.h"
 
 namespace {
@@ -58,6 +66,28 @@ __global__ void diff_kernel(const Element* a, const Element* b, int64_t n, float
   }
   atomicMax(reinterpret_cast<int*>(out), __float_as_int(d));
   atomicMax(reinterpret_cast<int*>(out + 1), __float_as_int(m));
+}
+
+// max |a - b| over n floats (NaN: infinity), atomically into out[0] (>= 0).
+__global__ void diff_kernel_f32(const float* a, const float* b, int64_t n, float* out) {
+  float d = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = a[i] - b[i];
+    d = x == x ? fmaxf(d, fabsf(x)) : INFINITY;
+  }
+  atomicMax(reinterpret_cast<int*>(out), __float_as_int(d));
+}
+
+double abs_diff(const float* a, const float* b, int64_t n) {
+  float* out = nullptr;
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float)));
+  CHECK_CUDA(cudaMemset(out, 0, sizeof(float)));
+  diff_kernel_f32<<<1024, 256>>>(a, b, n, out);
+  float h = 0.f;
+  CHECK_CUDA(cudaMemcpy(&h, out, sizeof(h), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(out));
+  return h;
 }
 
 // max |a - b| / max |b|.
@@ -115,8 +145,17 @@ double median_ms(const std::function<void()>& fn, int reps) {
   return ms[ms.size() / 2];
 }
 
+struct Options {
+  int reps = 10;
+  bool deterministic = false, sm90 = false, bwd = true;
+  std::string tag = "ours";
+};
+
 template <int kHeadDim>
-void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const char* tag) {
+void run_case(int64_t seqlen, bool causal, const Options& o) {
+  const int reps = o.reps;
+  const bool deterministic = o.deterministic;
+  const char* tag = o.tag.c_str();
   const int64_t d = kHeadDim, batch = std::max<int64_t>(1, 16384 / seqlen), heads = 2048 / d;
   const int64_t n = batch * seqlen * heads * d;
   BwdParams p;
@@ -157,8 +196,22 @@ void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const c
   p.deterministic = deterministic;
   p.dq_accum = deterministic ? nullptr : dq_accum;
 
-  auto fwd = [&] {
+  int32_t* tile_counter = nullptr;
+  CHECK_CUDA(cudaMalloc(&tile_counter, sizeof(int32_t)));
+  auto fwd_sm80 = [&] {
     CHECK_CUDA((flash_attn_ext::sm80::run_flash_fwd<Element, kHeadDim>(p, nullptr)));
+  };
+  auto fwd = [&] {
+#ifdef FLASH_ATTN_EXT_SM90
+    if (o.sm90) {
+      // as the extension: the dynamic tile scheduler under a causal mask, static otherwise
+      flash_attn_ext::FwdParams f = p;
+      f.tile_counter = causal ? tile_counter : nullptr;
+      CHECK_CUDA((flash_attn_ext::sm90::run_flash_fwd_sm90<Element, kHeadDim>(f, nullptr)));
+      return;
+    }
+#endif
+    fwd_sm80();
   };
   auto bwd = [&] {
     CHECK_CUDA((flash_attn_ext::sm80::run_flash_bwd<Element, kHeadDim>(p, delta, nullptr)));
@@ -166,10 +219,40 @@ void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const c
   fwd();
   CHECK_CUDA(cudaDeviceSynchronize());
   const double flops = 4.0 * batch * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
-  const double fwd_ms = median_ms(fwd, reps), bwd_ms = median_ms(bwd, reps);
-  std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s  bwd %7.3f ms %6.1f TFLOP/s\n",
-              tag, kHeadDim, static_cast<long long>(seqlen), int(causal), fwd_ms,
-              flops / fwd_ms * 1e-9, bwd_ms, 2.5 * flops / bwd_ms * 1e-9);
+  const double fwd_ms = median_ms(fwd, reps);
+  if (o.bwd) {
+    const double bwd_ms = median_ms(bwd, reps);
+    std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s  bwd %7.3f ms %6.1f "
+                "TFLOP/s\n", tag, kHeadDim, static_cast<long long>(seqlen), int(causal),
+                fwd_ms, flops / fwd_ms * 1e-9, bwd_ms, 2.5 * flops / bwd_ms * 1e-9);
+  } else {
+    std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s\n", tag, kHeadDim,
+                static_cast<long long>(seqlen), int(causal), fwd_ms, flops / fwd_ms * 1e-9);
+  }
+  if (o.sm90) {  // the sm90 forward's out and lse against the sm80 forward's
+    Element* out90;
+    float* lse90;
+    CHECK_CUDA(cudaMalloc(&out90, n * sizeof(Element)));
+    CHECK_CUDA(cudaMalloc(&lse90, batch * heads * seqlen * sizeof(float)));
+    fwd();
+    CHECK_CUDA(cudaMemcpy(out90, out, n * sizeof(Element), cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(cudaMemcpy(lse90, lse, batch * heads * seqlen * sizeof(float),
+                          cudaMemcpyDeviceToDevice));
+    fwd_sm80();
+    std::printf("%s   sm90 vs sm80 forward: out max|diff|/max|value| %.2e, lse max|diff| %.2e\n",
+                tag, rel_diff(out90, out, n), abs_diff(lse90, lse, batch * heads * seqlen));
+    CHECK_CUDA(cudaFree(out90));
+    CHECK_CUDA(cudaFree(lse90));
+  }
+  if (!o.bwd) {
+    for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
+                    static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
+                    static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),
+                    static_cast<void*>(delta), static_cast<void*>(dq_accum),
+                    static_cast<void*>(tile_counter)})
+      CHECK_CUDA(cudaFree(x));
+    return;
+  }
   // Consistency: the other dQ path (atomic <-> deterministic) into copies, then compared.
   Element* grads[3] = {dq, dk, dv};
   Element* copies[3];
@@ -187,7 +270,8 @@ void run_case(int64_t seqlen, bool causal, int reps, bool deterministic, const c
   for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
                   static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
                   static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),
-                  static_cast<void*>(delta), static_cast<void*>(dq_accum)})
+                  static_cast<void*>(delta), static_cast<void*>(dq_accum),
+                  static_cast<void*>(tile_counter)})
     CHECK_CUDA(cudaFree(x));
 }
 
@@ -197,9 +281,7 @@ int main(int argc, char** argv) {
   std::vector<int> dims{64, 128};
   std::vector<int64_t> seqlens{2048, 16384};
   std::vector<bool> causals{false, true};
-  int reps = 10;
-  bool deterministic = false;
-  std::string tag = "ours";
+  Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto list = [&](auto& v) {
@@ -215,11 +297,23 @@ int main(int argc, char** argv) {
       causals = c == "no" ? std::vector<bool>{false}
                           : (c == "yes" ? std::vector<bool>{true} : std::vector<bool>{false, true});
     } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::atoi(argv[++i]);
+      o.reps = std::atoi(argv[++i]);
     } else if (a == "--deterministic") {
-      deterministic = true;
+      o.deterministic = true;
+    } else if (a == "--no-bwd") {
+      o.bwd = false;
+    } else if (a == "--fwd" && i + 1 < argc) {
+      const std::string f = argv[++i];
+#ifdef FLASH_ATTN_EXT_SM90
+      o.sm90 = f == "sm90";
+#endif
+      if (f != "sm80" && !o.sm90) {
+        std::fprintf(stderr, "--fwd: sm80, or sm90 in a build with the sm90 forward, got %s\n",
+                     f.c_str());
+        return 2;
+      }
     } else if (a == "--tag" && i + 1 < argc) {
-      tag = argv[++i];
+      o.tag = argv[++i];
     } else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -227,17 +321,18 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s: %s, bf16, B*L = 16384, H*d = 2048%s\n", tag.c_str(), prop.name,
-              deterministic ? ", deterministic backward" : "");
+  std::printf("%s: %s, bf16, B*L = 16384, H*d = 2048, %s forward%s\n", o.tag.c_str(),
+              prop.name, o.sm90 ? "sm90" : "sm80",
+              o.deterministic ? ", deterministic backward" : "");
   for (int d : dims)
     for (int64_t seqlen : seqlens)
       for (bool causal : causals) {
         if (d == 64) {
-          run_case<64>(seqlen, causal, reps, deterministic, tag.c_str());
+          run_case<64>(seqlen, causal, o);
         } else if (d == 128) {
-          run_case<128>(seqlen, causal, reps, deterministic, tag.c_str());
+          run_case<128>(seqlen, causal, o);
         } else if (d == 256) {
-          run_case<256>(seqlen, causal, reps, deterministic, tag.c_str());
+          run_case<256>(seqlen, causal, o);
         } else {
           std::fprintf(stderr, "--dims: 64, 128 or 256, got %d\n", d);
           return 2;

@@ -4,6 +4,10 @@
 #          backward translation units of a source tree into one binary (no GPU, no PyTorch
 #          needed: nvcc and the CUDA runtime).  ARCH (default 90a) picks the target.
 #     bash scripts/kernel_ab.sh build <tree> <binary>
+#          SM90=1 adds the Hopper forward (bf16, same head dims; the CUTLASS headers of the
+#          pinned nvidia-cutlass wheel or $CUTLASS_INCLUDE_DIR) for --fwd sm90; SM80_FROM=<binary>
+#          reuses that earlier build's sm80 objects (kept in <binary>.objs) when only the
+#          Hopper kernel differs between trees.
 #   run:   on the GPU machine, run the binaries alternately ROUNDS times (default 2), each
 #          line prefixed with the binary's name and the round; extra arguments after `--` go
 #          to every binary (see kernel_ab.cu: --dims, --seqlens, --causal, --reps, ...).
@@ -21,14 +25,22 @@ case "${1:-}" in
     flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -I "$tree/csrc"
            -gencode "arch=compute_$arch,code=sm_$arch")
     [ -n "$CUDA_INC" ] && [ -d "$CUDA_INC" ] && flags+=(-I "$CUDA_INC")
-    objdir=$(mktemp -d)
+    tus=("$tree"/csrc/kernels/sm80/flash_{fwd,bwd}_hdim{64,128,256}_bf16.cu)
+    objdir=$bin.objs
+    rm -rf "$objdir" && mkdir -p "$objdir"
+    if [ -n "${SM80_FROM:-}" ]; then cp "$SM80_FROM".objs/flash_*_hdim*_bf16.o "$objdir"/ && tus=(); fi
+    rm -f "$objdir"/flash_fwd_sm90_*.o
+    if [ "${SM90:-0}" = 1 ]; then
+      CUTLASS=${CUTLASS_INCLUDE_DIR:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
+      flags+=(-I "$CUTLASS" -DFLASH_ATTN_EXT_SM90)
+      tus+=("$tree"/csrc/kernels/sm90/flash_fwd_sm90_hdim{64,128,256}_bf16.cu)
+    fi
     pids=()
-    for tu in "$tree"/csrc/kernels/sm80/flash_{fwd,bwd}_hdim{64,128,256}_bf16.cu "$HARNESS"; do
+    for tu in "${tus[@]}" "$HARNESS"; do
       nvcc "${flags[@]}" -c "$tu" -o "$objdir/$(basename "$tu" .cu).o" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; done
     nvcc -gencode "arch=compute_$arch,code=sm_$arch" "$objdir"/*.o -o "$bin"
-    rm -rf "$objdir"
     echo "built $bin from $tree"
     ;;
   run)

@@ -338,12 +338,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
   static_assert(size(tOrP) == kSVals, "");
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  constexpr float kRescaleLog2 = 8.f;  // see softmax_step
 
   // Per-tile state.  Rows, columns and key bounds fit in 32 bits (TMA's shapes are int32);
   // keeping them 32-bit frees registers for the accumulators.  Keys [key_lo[r], key_hi[r]) are
-  // visible to row r; key tiles inside [interior_begin, interior_end) to every row of the tile.
+  // visible to row r, stored relative to this thread's first column (thread_col: accumulator
+  // value c of a row half sits at column thread_col + s_col(c) of the key tile); key tiles
+  // inside [interior_begin, interior_end) are visible to every row of this warpgroup.
   int32_t row_of[2], key_lo[2], key_hi[2], interior_begin, interior_end;
   float m_row[2], l_row[2];
+  const int32_t thread_col = get<1>(tScS(0));
+  auto s_col = [](int c) { return (c & 1) + 8 * (c >> 1); };  // see s_index
 
   // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
   // rescale factors exp2(m_old - m_new) of O's two rows.
@@ -353,11 +358,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (need_mask) {
+        // Compared with the columns' compile-time offsets: one ISETP and one FSEL per value
+        // for the right bound (causal), one more only where a left window bound falls inside.
+        const int32_t lo = key_lo[r] - col0, hi = key_hi[r] - col0;
+        if (lo > 0) {
 #pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) {
-          const int i = s_index(r, c);
-          const int32_t col = col0 + get<1>(tScS(i));
-          if (col < key_lo[r] || col >= key_hi[r]) tSrS(i) = -INFINITY;
+          for (int c = 0; c < kSVals / 2; ++c) {
+            if (s_col(c) < lo || s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < kSVals / 2; ++c) {
+            if (s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+          }
         }
       }
       float mx = -INFINITY;
@@ -365,10 +378,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m_row[r], mx);
+      // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
+      // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
+      // O and l always share one reference, so O / l and the LSE stay exact, and most key
+      // tiles leave O unscaled.  True for m_old = -inf < mx; false (NaN) while both are -inf.
+      const float m_old = m_row[r];
+      const bool raise = (mx - m_old) * scale_log2 > kRescaleLog2;
+      const float m_new = raise ? mx : m_old;
       // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
       const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-      alpha[r] = exp2f(m_row[r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
+      alpha[r] = raise ? exp2f(m_old * scale_log2 - m_scaled) : 1.f;  // 0 if m_old = -inf
       m_row[r] = m_new;
       float sum = 0.f;
 #pragma unroll
@@ -381,6 +400,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
   };
   auto rescale_o = [&](const float (&alpha)[2]) {
+    // Skipped by the whole warp when none of its rows moved its reference max.
+    if (!__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -457,13 +478,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // consumers (192-row tiles, which power-of-two lengths never fill): at head dim 256 the
     // extra code path made the main loop spill.
     const bool idle = T::kConsumers == 3 && m0 + 64 * me >= p.seqlen_q;
-    interior_begin = static_cast<int32_t>(keys.interior_begin);
-    interior_end = static_cast<int32_t>(keys.interior_end);
+    // This warpgroup's own 64 rows: a key tile straddling another warpgroup's diagonal needs
+    // no mask here (under a causal mask 1-2 masked key tiles per warpgroup instead of 2-3).
+    const VisibleKeys::Block wg_keys = vis.block(m0 + 64 * me, 64, p.seqlen_q, kN);
+    interior_begin = static_cast<int32_t>(wg_keys.interior_begin);
+    interior_end = static_cast<int32_t>(wg_keys.interior_end);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
-      key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r]));
-      key_hi[r] = static_cast<int32_t>(vis.end(row_of[r]));
+      key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r])) - thread_col;
+      key_hi[r] = static_cast<int32_t>(vis.end(row_of[r])) - thread_col;
       m_row[r] = -INFINITY;
       l_row[r] = 0.f;
     }
