@@ -4,7 +4,8 @@
 // tree on a machine without a GPU; the GPU machine only runs the binaries, alternately.
 //
 // Shapes as benchmarks/bench_attention.py: bf16, inputs (B, L, H, d) contiguous, B * L = 16384
-// tokens, H * d = 2048.  Per (d, L, causal) the forward runs once to produce out and
+// tokens, H * d = 2048; values uniform in [-2, 2) from a hash of (tensor, index), or standard
+// normal with --data normal (torch.randn's distribution, as benchmarks/peers_fwd.py uses).  Per (d, L, causal) the forward runs once to produce out and
 // softmax_lse, then the forward (run_flash_fwd) and the backward (run_flash_bwd: delta, dK/dV
 // with atomic dQ into a zeroed fp32 buffer, conversion; or with --deterministic the separate
 // dQ kernel) are timed: CUDA events around `reps` launches, the median of 7 such groups.
@@ -17,8 +18,12 @@
 // launcher, as in the extension) and compares its out and softmax_lse with the sm80 forward's
 // (max |diff| / max |value|, max |diff|): a consistency check of kernel variants, not a test.
 //
+// --layout bhsd stores q, k, v, out (and the gradients) as (B, H, L, d) instead (what
+// bench_attention.py passes to every implementation).
+//
 // Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
-//                  [--reps 10] [--deterministic] [--fwd sm80|sm90] [--no-bwd] [--tag NAME]
+//                  [--reps 10] [--deterministic] [--fwd sm80|sm90] [--no-bwd]
+//                  [--layout bshd|bhsd] [--data uniform|normal] [--tag NAME]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -53,7 +58,6 @@ using Element = __nv_bfloat16;
     }                                                                                 \
   } while (0)
 
-// Uniform values in [-2, 2) from a hash of (seed, index): fresh, nonzero inputs.
 // max |a - b| and max |b| over n elements, atomically into out[0], out[1] (both >= 0).
 __global__ void diff_kernel(const Element* a, const Element* b, int64_t n, float* out) {
   float d = 0.f, m = 0.f;
@@ -102,23 +106,36 @@ double rel_diff(const Element* a, const Element* b, int64_t n) {
   return h[1] > 0.f ? double(h[0]) / h[1] : (h[0] > 0.f ? INFINITY : 0.0);
 }
 
-__global__ void fill_kernel(Element* x, int64_t n, uint32_t seed) {
+__device__ uint32_t hash(uint32_t i, uint32_t seed) {
+  uint32_t h = i * 0x9E3779B9u ^ seed * 0x85EBCA6Bu;
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x846CA68Bu;
+  h ^= h >> 16;
+  return h;
+}
+
+// Uniform in [-2, 2), or standard normal (Box-Muller; what torch.randn gives the peers).
+__global__ void fill_kernel(Element* x, int64_t n, uint32_t seed, bool normal) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B9u ^ seed * 0x85EBCA6Bu;
-    h ^= h >> 16;
-    h *= 0x7FEB352Du;
-    h ^= h >> 15;
-    h *= 0x846CA68Bu;
-    h ^= h >> 16;
-    x[i] = __float2bfloat16((h >> 8) * (4.f / 16777216.f) - 2.f);
+    const float u = ((hash(static_cast<uint32_t>(i), seed) >> 8) + 0.5f) / 16777216.f;
+    if (normal) {
+      const float w = (hash(static_cast<uint32_t>(i), seed + 7919u) >> 8) / 16777216.f;
+      x[i] = __float2bfloat16(sqrtf(-2.f * logf(u)) * cospif(2.f * w));
+    } else {
+      x[i] = __float2bfloat16(u * 4.f - 2.f);
+    }
   }
 }
+
+bool g_normal = false;  // --data normal
 
 Element* random_tensor(int64_t n, uint32_t seed) {
   Element* x = nullptr;
   CHECK_CUDA(cudaMalloc(&x, n * sizeof(Element)));
-  fill_kernel<<<1024, 256>>>(x, n, seed);
+  fill_kernel<<<1024, 256>>>(x, n, seed, g_normal);
   CHECK_CUDA(cudaGetLastError());
   return x;
 }
@@ -147,7 +164,7 @@ double median_ms(const std::function<void()>& fn, int reps) {
 
 struct Options {
   int reps = 10;
-  bool deterministic = false, sm90 = false, bwd = true;
+  bool deterministic = false, sm90 = false, bwd = true, bhsd = false;
   std::string tag = "ours";
 };
 
@@ -178,7 +195,8 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
   p.dq = dq, p.dk = dk, p.dv = dv;
   p.batch = batch, p.seqlen_q = p.seqlen_k = seqlen, p.heads_q = p.heads_kv = heads;
   p.head_dim = p.head_dim_v = d;
-  const int64_t batch_stride = seqlen * heads * d, row_stride = heads * d, head_stride = d;
+  const int64_t batch_stride = seqlen * heads * d, row_stride = o.bhsd ? d : heads * d,
+                head_stride = o.bhsd ? seqlen * d : d;
   for (int64_t* s : {&p.q_batch_stride, &p.k_batch_stride, &p.v_batch_stride,
                      &p.out_batch_stride, &p.dout_batch_stride, &p.dq_batch_stride,
                      &p.dk_batch_stride, &p.dv_batch_stride})
@@ -300,6 +318,20 @@ int main(int argc, char** argv) {
       o.reps = std::atoi(argv[++i]);
     } else if (a == "--deterministic") {
       o.deterministic = true;
+    } else if (a == "--layout" && i + 1 < argc) {
+      const std::string l = argv[++i];
+      if (l != "bshd" && l != "bhsd") {
+        std::fprintf(stderr, "--layout: bshd or bhsd, got %s\n", l.c_str());
+        return 2;
+      }
+      o.bhsd = l == "bhsd";
+    } else if (a == "--data" && i + 1 < argc) {
+      const std::string d = argv[++i];
+      if (d != "uniform" && d != "normal") {
+        std::fprintf(stderr, "--data: uniform or normal, got %s\n", d.c_str());
+        return 2;
+      }
+      g_normal = d == "normal";
     } else if (a == "--no-bwd") {
       o.bwd = false;
     } else if (a == "--fwd" && i + 1 < argc) {
@@ -321,8 +353,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s: %s, bf16, B*L = 16384, H*d = 2048, %s forward%s\n", o.tag.c_str(),
-              prop.name, o.sm90 ? "sm90" : "sm80",
+  std::printf("%s: %s, bf16, B*L = 16384, H*d = 2048, %s layout, %s forward%s\n",
+              o.tag.c_str(), prop.name, o.bhsd ? "BHSD" : "BSHD", o.sm90 ? "sm90" : "sm80",
               o.deterministic ? ", deterministic backward" : "");
   for (int d : dims)
     for (int64_t seqlen : seqlens)
