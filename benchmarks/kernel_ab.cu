@@ -188,9 +188,8 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
   CHECK_CUDA(cudaMalloc(&dv, n * sizeof(Element)));
   CHECK_CUDA(cudaMalloc(&lse, batch * heads * seqlen * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&delta, batch * heads * seqlen * sizeof(float)));
-  // (batch, seqlen_q rounded up to 128, heads, d): params.h dq_accum_rows
-  const int64_t accum_rows = (seqlen + 127) / 128 * 128;
-  CHECK_CUDA(cudaMalloc(&dq_accum, batch * accum_rows * heads * d * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dq_accum, flash_attn_ext::dq_accum_floats(batch, seqlen, heads, d) *
+                                        sizeof(float)));
   p.q = q, p.k = k, p.v = v, p.out = out, p.softmax_lse = lse, p.dout = dout;
   p.dq = dq, p.dk = dk, p.dv = dv;
   p.batch = batch, p.seqlen_q = p.seqlen_k = seqlen, p.heads_q = p.heads_kv = heads;

@@ -64,6 +64,13 @@ struct FwdParams {
 // Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the
 // atomic-dQ kernel adds whole tiles without a row test (rows past seqlen_q receive zeros).
 constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 128 * 128; }
+// Columns of BwdParams::dq_accum: the head dim padded as the 8-warp kernels take it (64 or 128).
+constexpr int64_t dq_accum_cols(int64_t head_dim) { return head_dim <= 64 ? 64 : 128; }
+// Floats of BwdParams::dq_accum: (batch, dq_accum_rows(seqlen_q), heads_q, dq_accum_cols(d)).
+constexpr int64_t dq_accum_floats(int64_t batch, int64_t seqlen_q, int64_t heads_q,
+                                  int64_t head_dim) {
+  return batch * dq_accum_rows(seqlen_q) * heads_q * dq_accum_cols(head_dim);
+}
 
 struct BwdParams : FwdParams {
   const void* dout = nullptr;  // same shape as out

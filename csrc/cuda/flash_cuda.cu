@@ -278,9 +278,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       at::Tensor dq_accum;
       if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
           kernel_dim <= 128) {
-        dq_accum = at::empty({a.batch, dq_accum_rows(a.seqlen_q), a.heads_q,
-                              kernel_dim <= 64 ? 64 : 128},
-                             lse.options());
+        dq_accum = at::empty(
+            {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
+            lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
         p.dq_bulk = !atomic_dq_forced();
       }

@@ -402,8 +402,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
     // (at head dim 64 with 64-row steps on GPUs with less shared memory).  The delta kernel
     // zeroes their atomic-dQ scratch.
     using Lean = LeanBwdTraits<Element, T::kHeadDim>;
+    static_assert(dq_accum_cols(T::kHeadDim) == T::kHeadDim, "");
     const int64_t accum_floats =
-        p.dq_accum == nullptr ? 0 : p.batch * dq_accum_rows(p.seqlen_q) * p.heads_q * T::kHeadDim;
+        p.dq_accum == nullptr ? 0 : dq_accum_floats(p.batch, p.seqlen_q, p.heads_q, T::kHeadDim);
     // (Lean64 is Lean itself where Lean already takes 64-row steps.)
     using Lean64 = std::conditional_t<Lean::kBlockM != 64, LeanBwdTraits<Element, T::kHeadDim, 64>,
                                       Lean>;

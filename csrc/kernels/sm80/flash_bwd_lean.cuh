@@ -36,7 +36,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -576,19 +575,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 // Largest dynamic shared memory a block may opt in to on the current device, queried once per
 // device (0 if the query fails).
 inline int max_smem_optin_per_block() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];  // static storage: zero = not queried yet
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device < kMaxDevices && (bytes = cache[device].load(std::memory_order_relaxed)) != 0)
-    return bytes;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();  // not left for the next launch check to report
-    return 0;
-  }
-  if (device < kMaxDevices) cache[device].store(bytes, std::memory_order_relaxed);
-  return bytes;
+  return per_device_cached([](int device) {
+    int bytes = 0;
+    return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+                   cudaSuccess
+               ? bytes
+               : 0;
+  });
 }
 
 template <typename T>
@@ -663,22 +656,15 @@ bool bulk_dq_ok() {
     return false;
   } else {
     if (max_smem_optin_per_block() < T::kSmemDkdv + T::kSmemDqTile) return false;
-    constexpr int kMaxDevices = 64;
-    static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 no, 2 yes
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
-    int state = cache[device].load(std::memory_order_relaxed);
-    if (state == 0) {
-      cudaFuncAttributes attr{};
-      const bool ok =
-          cudaFuncGetAttributes(&attr, flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>) ==
-              cudaSuccess &&
-          attr.binaryVersion >= 90;
-      if (!ok) (void)cudaGetLastError();
-      state = ok ? 2 : 1;
-      cache[device].store(state, std::memory_order_relaxed);
-    }
-    return state == 2;
+    return per_device_cached([](int) {  // 1 no, 2 yes
+             cudaFuncAttributes attr{};
+             if (cudaFuncGetAttributes(&attr, flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>) !=
+                 cudaSuccess) {
+               (void)cudaGetLastError();
+               return 1;
+             }
+             return attr.binaryVersion >= 90 ? 2 : 1;
+           }) == 2;
   }
 }
 

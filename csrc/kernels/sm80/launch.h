@@ -4,12 +4,36 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <set>
 #include <utility>
 
 namespace flash_attn_ext::sm80 {
+
+// query() (> 0 on success, 0 on failure) for the current device, called once per device and
+// call site (each lambda type has its own cache); failures are not cached and any CUDA error
+// they left is cleared, so the next launch check does not report it.  0 if it failed.
+template <typename Query>
+int per_device_cached(Query query) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // static storage: zero = not queried yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  int value = device < kMaxDevices ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (value != 0) return value;
+  value = query(device);
+  if (value <= 0) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (device < kMaxDevices) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
 
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for `kernel` on the current device, once.
 inline cudaError_t opt_in_smem(const void* kernel, int bytes) {

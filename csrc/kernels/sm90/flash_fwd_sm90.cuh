@@ -667,17 +667,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 // Streaming multiprocessors of the current device (queried once per device).
 inline cudaError_t sm_count(int* count) {
-  static int cached[64] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 64 && cached[device] > 0) {
-    *count = cached[device];
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < 64) cached[device] = *count;
-  return err;
+  *count = sm80::per_device_cached([](int device) {
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
+               ? sms
+               : 0;
+  });
+  return *count > 0 ? cudaSuccess : cudaErrorInvalidDevice;
 }
 
 // Host side: TMA descriptors for q, k, v (the caller guarantees 16-byte aligned rows and strides),
