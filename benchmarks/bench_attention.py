@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from timing import queued_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext
@@ -63,18 +64,9 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-    else:
-        for _ in range(groups):
-            fn()  # one call ahead so the queue is not empty when the timed calls start
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / reps)
-    times.sort()
-    return times[len(times) // 2]
+        times.sort()
+        return times[len(times) // 2]
+    return queued_ms(fn, warmup=0, reps=reps, groups=groups)
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:

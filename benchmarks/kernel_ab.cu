@@ -261,29 +261,23 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
     CHECK_CUDA(cudaFree(out90));
     CHECK_CUDA(cudaFree(lse90));
   }
-  if (!o.bwd) {
-    for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
-                    static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
-                    static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),
-                    static_cast<void*>(delta), static_cast<void*>(dq_accum),
-                    static_cast<void*>(tile_counter)})
-      CHECK_CUDA(cudaFree(x));
-    return;
+  if (o.bwd) {  // the other dQ path (atomic <-> deterministic) into copies, then compared
+    Element* grads[3] = {dq, dk, dv};
+    Element* copies[3];
+    for (int i = 0; i < 3; ++i) {
+      CHECK_CUDA(cudaMalloc(&copies[i], n * sizeof(Element)));
+      CHECK_CUDA(
+          cudaMemcpy(copies[i], grads[i], n * sizeof(Element), cudaMemcpyDeviceToDevice));
+    }
+    p.deterministic = !deterministic;
+    p.dq_accum = deterministic ? dq_accum : nullptr;
+    bwd();
+    std::printf("%s   atomic vs deterministic: max|diff|/max|value| dq %.2e dk %.2e dv %.2e\n",
+                tag, rel_diff(dq, copies[0], n), rel_diff(dk, copies[1], n),
+                rel_diff(dv, copies[2], n));
+    for (Element* c : copies) CHECK_CUDA(cudaFree(c));
   }
-  // Consistency: the other dQ path (atomic <-> deterministic) into copies, then compared.
-  Element* grads[3] = {dq, dk, dv};
-  Element* copies[3];
-  for (int i = 0; i < 3; ++i) {
-    CHECK_CUDA(cudaMalloc(&copies[i], n * sizeof(Element)));
-    CHECK_CUDA(cudaMemcpy(copies[i], grads[i], n * sizeof(Element), cudaMemcpyDeviceToDevice));
-  }
-  p.deterministic = !deterministic;
-  p.dq_accum = deterministic ? dq_accum : nullptr;
-  bwd();
-  std::printf("%s   atomic vs deterministic: max|diff|/max|value| dq %.2e dk %.2e dv %.2e\n", tag,
-              rel_diff(dq, copies[0], n), rel_diff(dk, copies[1], n), rel_diff(dv, copies[2], n));
   std::fflush(stdout);
-  for (Element* c : copies) CHECK_CUDA(cudaFree(c));
   for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
                   static_cast<void*>(dout), static_cast<void*>(out), static_cast<void*>(dq),
                   static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(lse),

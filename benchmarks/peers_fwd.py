@@ -4,36 +4,24 @@ without building the extension (this script needs only PyTorch).
 
 Shapes as kernel_ab: bf16, q, k, v of shape (B, L, H, d) contiguous, passed to SDPA as the
 (B, H, L, d) views (--layout bhsd: (B, H, L, d) contiguous); B * L = 16384 tokens,
-H * d = 2048.  Timing: `reps` back-to-back calls between CUDA events, the median of 7 such
-groups, after 3 warm-up calls.  TFLOP/s the
-FlashAttention way: 4 B H L^2 d, halved when causal.
+H * d = 2048.  Timing: timing.queued_ms, `reps` back-to-back calls between CUDA events, the
+median of 7 such groups, after 3 warm-up calls.  TFLOP/s the FlashAttention way: 4 B H L^2 d,
+halved when causal.
 
 Usage (on a CUDA GPU): python benchmarks/peers_fwd.py [--dims 64 128 256]
     [--seqlens 1024 2048 4096 16384] [--causal no|yes|both] [--reps 10] [--layout bshd|bhsd]
 """
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import queued_ms
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
-
-
-def median_ms(fn, reps: int) -> float:
-    """Milliseconds per call: median over 7 groups of `reps` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -60,10 +48,10 @@ def main() -> None:
                 flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                 for name, backend in BACKENDS.items():
                     with torch.no_grad(), sdpa_kernel(backend):
-                        ms = median_ms(
+                        ms = queued_ms(
                             lambda q=q, k=k, v=v, c=causal:
                             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c),
-                            args.reps)
+                            reps=args.reps, groups=7)
                     print(f"{name} d={d:3d} L={seqlen:5d} causal={int(causal)} fwd {ms:7.3f} ms "
                           f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
 

@@ -1,0 +1,25 @@
+"""CUDA-event timing shared by the benchmark scripts (needs only PyTorch)."""
+from typing import Callable
+
+import torch
+
+
+def queued_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5) -> float:
+    """Median milliseconds per call of fn: events around `reps` back-to-back calls, no
+    synchronisation between them (the host prepares the next call while the GPU runs this one,
+    as in a training step); the median over `groups` such runs of the per-call mean."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(groups):
+        fn()  # one call ahead so the queue is not empty when the timed calls start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    times.sort()
+    return times[len(times) // 2]
