@@ -141,6 +141,30 @@ def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, epilogue, 
         assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_running_max_that_keeps_growing(monkeypatch, dtype, head_dim, causal):
+    # The Hopper kernel moves a row's reference max only when a key tile's max exceeds it by
+    # more than 2^8 (lazy rescaling); random scores almost never do past the first tile.  Keys
+    # whose norm grows along the sequence make the row maxima grow tile after tile, by more and
+    # by less than that threshold, so both the rescaled and the unscaled (P up to 256) paths run.
+    seqlen = 1000
+    q = rand(2, seqlen, 4, head_dim, dtype=dtype)
+    ramp = torch.logspace(-1, 1, seqlen, device="cuda").view(1, seqlen, 1, 1)
+    k = (rand(2, seqlen, 4, head_dim) * ramp).to(dtype)
+    v = rand(2, seqlen, 4, head_dim, dtype=dtype)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, causal=causal)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, causal=causal)
+    for choice in ("auto", "sm80"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", choice)
+        assert dispatch.plan(q, k, v).kernel.startswith("sm90" if choice == "auto" else "sm80")
+        out, lse, _ = ops.fwd(q, k, v, None, causal)
+        assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({choice})")
+        assert (lse - true_lse).abs().max().item() < 1e-2
+
+
 def test_schedule_variable_is_checked(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
     q = rand(1, 64, 2, 64)
