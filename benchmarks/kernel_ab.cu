@@ -23,7 +23,8 @@
 //
 // Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
 //                  [--reps 10] [--deterministic] [--fwd sm80|sm90] [--no-bwd]
-//                  [--layout bshd|bhsd] [--data uniform|normal] [--tag NAME]
+//                  [--layout bshd|bhsd] [--data uniform|normal] [--section PAIRS]
+//                  [--tag NAME]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -165,6 +166,7 @@ double median_ms(const std::function<void()>& fn, int reps) {
 struct Options {
   int reps = 10;
   bool deterministic = false, sm90 = false, bwd = true, bhsd = false;
+  int section = 0;  // --section: the Hopper forward's (batch, head) pairs per section
   std::string tag = "ours";
 };
 
@@ -224,6 +226,7 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
       // as the extension: the dynamic tile scheduler under a causal mask, static otherwise
       flash_attn_ext::FwdParams f = p;
       f.tile_counter = causal ? tile_counter : nullptr;
+      f.heads_per_section = o.section;
       CHECK_CUDA((flash_attn_ext::sm90::run_flash_fwd_sm90<Element, kHeadDim>(f, nullptr)));
       return;
     }
@@ -325,6 +328,8 @@ int main(int argc, char** argv) {
         return 2;
       }
       g_normal = d == "normal";
+    } else if (a == "--section" && i + 1 < argc) {
+      o.section = std::atoi(argv[++i]);
     } else if (a == "--no-bwd") {
       o.bwd = false;
     } else if (a == "--fwd" && i + 1 < argc) {

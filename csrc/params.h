@@ -56,6 +56,9 @@ struct FwdParams {
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
+  // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;
+  // FLASH_ATTN_EXT_SM90_SECTION, experimental)
+  int32_t heads_per_section = 0;
 
   // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
   bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }

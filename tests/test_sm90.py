@@ -165,6 +165,23 @@ def test_running_max_that_keeps_growing(monkeypatch, dtype, head_dim, causal):
         assert (lse - true_lse).abs().max().item() < 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_order_sections_change_no_result(monkeypatch, head_dim, causal):
+    # FLASH_ATTN_EXT_SM90_SECTION only reorders the tiles: each tile's arithmetic is the same,
+    # so every order gives the default's output bit for bit.
+    q, k, v = rand(3, 700, 6, head_dim), rand(3, 700, 2, head_dim), rand(3, 700, 2, head_dim)
+    out, lse, _ = ops.fwd(q, k, v, None, causal)
+    for pairs in ("1", "4", "1000"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SECTION", pairs)
+        out2, lse2, _ = ops.fwd(q, k, v, None, causal)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), pairs
+    for bad in ("0", "-2", "x", "3x"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SECTION", bad)
+        with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_SECTION"):
+            ops.fwd(q, k, v, None, causal)
+
+
 def test_schedule_variable_is_checked(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
     q = rand(1, 64, 2, 64)

@@ -137,6 +137,19 @@ Sm90Schedule sm90_schedule(const FwdParams& p) {
   return Sm90Schedule::kTile;
 }
 
+// FLASH_ATTN_EXT_SM90_SECTION=<pairs> (experimental): (batch, head) pairs per section of the
+// Hopper forward's tile order; 0 (unset) leaves the choice to its launcher.
+int32_t sm90_section_pairs() {
+  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_SECTION");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long long pairs = std::strtoll(env, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && pairs > 0 && pairs <= std::numeric_limits<int32_t>::max(),
+                    "FLASH_ATTN_EXT_SM90_SECTION must be a positive number of (batch, head) "
+                    "pairs, got '", env, "'");
+  return static_cast<int32_t>(pairs);
+}
+
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
@@ -200,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
         p.tile_counter = tile_counter.data_ptr<int32_t>();
       }
       if (schedule == Sm90Schedule::kTile) p.max_ctas = std::numeric_limits<int32_t>::max();
+      p.heads_per_section = sm90_section_pairs();
       err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                  : run_fwd_sm90<__half>(kernel_dim, p, stream);
     } else

@@ -744,12 +744,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // 430 -> 201 MB (Q, K, V are 192 MB), L2 hit rate 69 -> 83%, +2-7% at d = 128 and 256.
   // Three (head dim 64, short tiles): sections of pairs whose K and V take ~24 MiB of L2, the
   // concurrent CTAs spread over many heads; one head per section measured 5% slower there at
-  // L = 1k-2k (many SMs reading the same K/V lines at once).  FLASH_ATTN_EXT_SM90_SECTION=<pairs>
-  // (experimental, to compare orders in one build) overrides the section size.
+  // L = 1k-2k (many SMs reading the same K/V lines at once).  p.heads_per_section > 0
+  // (FLASH_ATTN_EXT_SM90_SECTION, experimental: orders compared in one build) overrides it.
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   int64_t heads = T::kConsumers == 3 ? (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1) : 1;
-  const char* section = std::getenv("FLASH_ATTN_EXT_SM90_SECTION");
-  if (section != nullptr && std::atoi(section) > 0) heads = std::atoi(section);
+  if (p.heads_per_section > 0) heads = p.heads_per_section;
   args.heads_per_section =
       static_cast<int32_t>(std::clamp<int64_t>(heads, 1, p.batch * p.heads_q));
   if (args.dynamic) {
