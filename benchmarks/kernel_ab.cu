@@ -302,6 +302,15 @@ int main(int argc, char** argv) {
       v.clear();
       while (i + 1 < argc && argv[i + 1][0] != '-') v.push_back(std::atoll(argv[++i]));
     };
+    // The value after option a, which must be `first` or `second`: whether it is `second`.
+    auto second_of = [&](const char* first, const char* second) {
+      const std::string v = argv[++i];
+      if (v != first && v != second) {
+        std::fprintf(stderr, "%s: %s or %s, got %s\n", a.c_str(), first, second, v.c_str());
+        std::exit(2);
+      }
+      return v == second;
+    };
     if (a == "--dims") {
       list(dims);
     } else if (a == "--seqlens") {
@@ -315,19 +324,9 @@ int main(int argc, char** argv) {
     } else if (a == "--deterministic") {
       o.deterministic = true;
     } else if (a == "--layout" && i + 1 < argc) {
-      const std::string l = argv[++i];
-      if (l != "bshd" && l != "bhsd") {
-        std::fprintf(stderr, "--layout: bshd or bhsd, got %s\n", l.c_str());
-        return 2;
-      }
-      o.bhsd = l == "bhsd";
+      o.bhsd = second_of("bshd", "bhsd");
     } else if (a == "--data" && i + 1 < argc) {
-      const std::string d = argv[++i];
-      if (d != "uniform" && d != "normal") {
-        std::fprintf(stderr, "--data: uniform or normal, got %s\n", d.c_str());
-        return 2;
-      }
-      g_normal = d == "normal";
+      g_normal = second_of("uniform", "normal");
     } else if (a == "--section" && i + 1 < argc) {
       o.section = std::atoi(argv[++i]);
     } else if (a == "--no-bwd") {
