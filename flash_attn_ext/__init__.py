@@ -61,7 +61,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         enable_gqa: allow H_kv < H (as scaled_dot_product_attention's argument).
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
             explained as written; softcap, dropout_p and attn_mask pick the portable forward
-            on sm_90 GPUs (``Plan.notes`` says so).
+            on sm_90 GPUs (``Plan.notes`` says so), and ``deterministic=True`` (or
+            torch.use_deterministic_algorithms(True)) adds a note where it moves the CUDA
+            backward's dQ to its slower, bitwise-reproducible kernel.
 
     Returns:
         A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
@@ -79,8 +81,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
         raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
                         f"does not take: {sorted(unknown)}")
-    from .dispatch import is_general, plan
-    from .interface import autocast_dtype, check_flags, check_scale, check_softcap
+    from .dispatch import deterministic_backward_note, is_general, plan
+    from .interface import autocast_dtype, check_bool, check_flags, check_scale, check_softcap
     from .sdpa import check_sdpa_flags, mask_to_bias
     attn_mask = call_kwargs.get("attn_mask")
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
@@ -107,4 +109,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         wl, wr = window
         ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
                        float(kernel_dropout))
-    return p
+    deterministic = call_kwargs.get("deterministic", False)
+    check_bool(deterministic, "deterministic")
+    return deterministic_backward_note(
+        p, bool(deterministic) or torch.are_deterministic_algorithms_enabled())

@@ -40,6 +40,23 @@ def test_explain_layouts_and_errors():
         explain(q, q, q, layout="xyz")
 
 
+def test_deterministic_backward_note():
+    # The CUDA 8-warp backward's dQ path: a note only where deterministic moves it to the
+    # separate dQ kernel (plans built here: no GPU needed).
+    fast = dispatch.Plan("sm90_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True)
+    noted = dispatch.deterministic_backward_note(fast, True)
+    assert len(noted.notes) == 1 and "separate dQ kernel" in noted.notes[0]
+    assert noted.kernel == fast.kernel and noted.backward_kernel == fast.backward_kernel
+    assert dispatch.deterministic_backward_note(fast, False) == fast
+    four_warp = dispatch.Plan("sm80_fwd_hdim256_bf16", "sm80_bwd_hdim256_bf16", True,
+                              notes=("backward on the 4-warp sm80 kernels, not ...",))
+    assert dispatch.deterministic_backward_note(four_warp, True) == four_warp
+    cpu = torch.randn(1, 5, 2, 8)
+    assert explain(cpu, cpu, cpu, layout="blhd", deterministic=True).notes == ()
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        explain(cpu, cpu, cpu, layout="blhd", deterministic="yes")
+
+
 def test_fallback_reasons_warn_once_count_and_strict():
     q = torch.empty(1, 4, 2, 8, device="meta")
     p = dispatch.plan(q, q, q)

@@ -34,6 +34,18 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
 
 
+def test_explain_names_the_deterministic_dq_path():
+    q = rand(2, 100, 4, 64)
+    assert explain(q, q, q, layout="blhd").notes == ()
+    p = explain(q, q, q, layout="blhd", deterministic=True)
+    assert len(p.notes) == 1 and "separate dQ kernel" in p.notes[0]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "separate dQ kernel" in explain(q, q, q).notes[0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_general_calls_and_the_env_switch_name_the_portable_forward(monkeypatch):
     q = rand(2, 100, 4, 64)
     p = explain(q, q, q, layout="blhd", softcap=5.0)
