@@ -35,6 +35,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/sm80/flash_bwd_launch.h"
@@ -59,44 +60,27 @@ using Element = __nv_bfloat16;
     }                                                                                 \
   } while (0)
 
-// max |a - b| and max |b| over n elements, atomically into out[0], out[1] (both >= 0).
-__global__ void diff_kernel(const Element* a, const Element* b, int64_t n, float* out) {
+__device__ float to_float(float x) { return x; }
+__device__ float to_float(Element x) { return __bfloat162float(x); }
+
+// max |a - b| (infinity where it is NaN) and max |b| over n elements, atomically into out[0],
+// out[1] (both >= 0).
+template <typename T>
+__global__ void diff_kernel(const T* a, const T* b, int64_t n, float* out) {
   float d = 0.f, m = 0.f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    d = fmaxf(d, fabsf(x - y));
+    const float y = to_float(b[i]), e = to_float(a[i]) - y;
+    d = e == e ? fmaxf(d, fabsf(e)) : INFINITY;
     m = fmaxf(m, fabsf(y));
-    if (x != x) d = INFINITY;  // NaN
   }
   atomicMax(reinterpret_cast<int*>(out), __float_as_int(d));
   atomicMax(reinterpret_cast<int*>(out + 1), __float_as_int(m));
 }
 
-// max |a - b| over n floats (NaN: infinity), atomically into out[0] (>= 0).
-__global__ void diff_kernel_f32(const float* a, const float* b, int64_t n, float* out) {
-  float d = 0.f;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float x = a[i] - b[i];
-    d = x == x ? fmaxf(d, fabsf(x)) : INFINITY;
-  }
-  atomicMax(reinterpret_cast<int*>(out), __float_as_int(d));
-}
-
-double abs_diff(const float* a, const float* b, int64_t n) {
-  float* out = nullptr;
-  CHECK_CUDA(cudaMalloc(&out, sizeof(float)));
-  CHECK_CUDA(cudaMemset(out, 0, sizeof(float)));
-  diff_kernel_f32<<<1024, 256>>>(a, b, n, out);
-  float h = 0.f;
-  CHECK_CUDA(cudaMemcpy(&h, out, sizeof(h), cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaFree(out));
-  return h;
-}
-
-// max |a - b| / max |b|.
-double rel_diff(const Element* a, const Element* b, int64_t n) {
+// {max |a - b|, max |b|}.
+template <typename T>
+std::pair<double, double> max_diff(const T* a, const T* b, int64_t n) {
   float* out = nullptr;
   CHECK_CUDA(cudaMalloc(&out, 2 * sizeof(float)));
   CHECK_CUDA(cudaMemset(out, 0, 2 * sizeof(float)));
@@ -104,7 +88,15 @@ double rel_diff(const Element* a, const Element* b, int64_t n) {
   float h[2];
   CHECK_CUDA(cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaFree(out));
-  return h[1] > 0.f ? double(h[0]) / h[1] : (h[0] > 0.f ? INFINITY : 0.0);
+  return {h[0], h[1]};
+}
+
+double abs_diff(const float* a, const float* b, int64_t n) { return max_diff(a, b, n).first; }
+
+// max |a - b| / max |b|.
+double rel_diff(const Element* a, const Element* b, int64_t n) {
+  const auto [d, m] = max_diff(a, b, n);
+  return m > 0.0 ? d / m : (d > 0.0 ? INFINITY : 0.0);
 }
 
 __device__ uint32_t hash(uint32_t i, uint32_t seed) {
