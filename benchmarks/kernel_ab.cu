@@ -159,6 +159,8 @@ struct Options {
   int reps = 10;
   bool deterministic = false, sm90 = false, bwd = true, bhsd = false;
   int section = 0;  // --section: the Hopper forward's (batch, head) pairs per section
+  bool trace = false;  // --trace: print the trace of a FLASH_ATTN_EXT_SM90_TRACE build
+  int schedule = 0;  // --schedule: 0 as the extension, 1 static, 2 dynamic (Hopper forward)
   std::string tag = "ours";
 };
 
@@ -217,7 +219,7 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
     if (o.sm90) {
       // as the extension: the dynamic tile scheduler under a causal mask, static otherwise
       flash_attn_ext::FwdParams f = p;
-      f.tile_counter = causal ? tile_counter : nullptr;
+      f.tile_counter = (o.schedule == 0 ? causal : o.schedule == 2) ? tile_counter : nullptr;
       f.heads_per_section = o.section;
       CHECK_CUDA((flash_attn_ext::sm90::run_flash_fwd_sm90<Element, kHeadDim>(f, nullptr)));
       return;
@@ -241,6 +243,29 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
     std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s\n", tag, kHeadDim,
                 static_cast<long long>(seqlen), int(causal), fwd_ms, flops / fwd_ms * 1e-9);
   }
+#ifdef FLASH_ATTN_EXT_SM90
+  if (o.sm90 && o.trace) {
+    const size_t words = 2 + 2 * 4 * 512 * 2;
+    int64_t* buf;
+    CHECK_CUDA(cudaMalloc(&buf, words * sizeof(int64_t)));
+    CHECK_CUDA(cudaMemset(buf, 0xff, words * sizeof(int64_t)));
+    p.rng_state = buf;
+    fwd();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<int64_t> h(words);
+    CHECK_CUDA(cudaMemcpy(h.data(), buf, words * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    for (size_t i = 2; i + 1 < words; i += 2) {
+      if (h[i] == -1) continue;
+      const size_t slot = (i - 2) / 2, wg = slot / 512 % 4, cta = slot / 2048;
+      std::printf("%s TRACE d=%d L=%lld c=%d cta %zu wg %zu ev %lld it %lld clk %lld\n", tag,
+                  kHeadDim, static_cast<long long>(seqlen), int(causal), cta, wg,
+                  static_cast<long long>(h[i] >> 32), static_cast<long long>(h[i] & 0xffffffff),
+                  static_cast<long long>(h[i + 1]));
+    }
+    p.rng_state = nullptr;
+    CHECK_CUDA(cudaFree(buf));
+  }
+#endif
   if (o.sm90) {  // the sm90 forward's out and lse against the sm80 forward's
     Element* out90;
     float* lse90;
@@ -321,6 +346,10 @@ int main(int argc, char** argv) {
       g_normal = second_of("uniform", "normal");
     } else if (a == "--section" && i + 1 < argc) {
       o.section = std::atoi(argv[++i]);
+    } else if (a == "--schedule" && i + 1 < argc) {
+      o.schedule = second_of("static", "dynamic") ? 2 : 1;
+    } else if (a == "--trace") {
+      o.trace = true;
     } else if (a == "--no-bwd") {
       o.bwd = false;
     } else if (a == "--fwd" && i + 1 < argc) {

@@ -24,6 +24,9 @@ case "${1:-}" in
     CUDA_INC=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "include"))' 2>/dev/null || true)
     flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -I "$tree/csrc"
            -gencode "arch=compute_$arch,code=sm_$arch")
+    # NVCC_FLAGS: extra flags for every translation unit (e.g. -D switches of a variant).
+    read -r -a extra <<< "${NVCC_FLAGS:-}"
+    flags+=("${extra[@]}")
     [ -n "$CUDA_INC" ] && [ -d "$CUDA_INC" ] && flags+=(-I "$CUDA_INC")
     tus=("$tree"/csrc/kernels/sm80/flash_{fwd,bwd}_hdim{64,128,256}_bf16.cu)
     objdir=$bin.objs

@@ -63,6 +63,22 @@ struct CuteType<__nv_bfloat16> {
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
+struct TileCoord {
+  int32_t m_block, b, h;
+};
+
+// What the producer tells the consumers about a tile, with its Q load: its coordinates and its
+// key tiles (so that the consumers' tile start and epilogue, which nothing overlaps, do no
+// integer divisions or 64-bit bound arithmetic: measured ~1,400 cycles per tile and warpgroup).
+template <int kConsumers>
+struct TileInfo {
+  int32_t tile;  // -1: no more tiles (dynamic schedule)
+  int32_t m_block, b, h;
+  int32_t n_begin, n_end;  // key tiles [n_begin, n_end) hold every key a row of it sees
+  // Keys [interior_begin, interior_end) are visible to every row of warpgroup w's 64 rows.
+  int32_t interior_begin[kConsumers], interior_end[kConsumers];
+};
+
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
@@ -141,8 +157,8 @@ struct Sm90FwdTraits {
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     alignas(8) uint64_t barrier_q;        // Q landed (TMA transaction bytes), tile announced
-    alignas(8) uint64_t barrier_q_empty;  // every consumer thread is done with Q and `tile`
-    int32_t tile;                         // the tile being computed; -1 = no more tiles
+    alignas(8) uint64_t barrier_q_empty;  // every consumer thread is done with Q and its tile
+    TileInfo<kConsumers> info[2];         // tile i's in info[i % 2] (see the kernel)
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
@@ -171,9 +187,7 @@ struct Sm90FwdArgs {
 // longest rows first (longest-processing-time-first, as FlashAttention-3's scheduler).
 // All in 32 bits (the launcher checks that the tile count fits): 64-bit divisions would cost
 // the 24-register producer spills.
-struct TileCoord {
-  int32_t m_block, b, h;
-};
+
 __device__ __forceinline__ TileCoord tile_coord(int32_t tile, int32_t num_m_blocks,
                                                 int32_t heads_per_section, int32_t batch_heads,
                                                 int32_t heads_q) {
@@ -233,10 +247,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutVt{});
 
-  // The producer writes the tile number before the mbarrier arrive that releases it (the
-  // consumers read it after their wait on the same barrier, which acquires).
-  auto publish_tile = [&](int32_t tile) {
-    *reinterpret_cast<volatile int32_t*>(&smem.tile) = tile;
+  // The producer writes tile iter's info into info[iter % 2] before the mbarrier arrive that
+  // announces the tile (the consumers read it after their wait on the same barrier, which
+  // acquires).  It writes only after every consumer released the previous tile's Q, i.e. after
+  // they read this slot's previous info (tile iter - 2's, read at that tile's start).
+  using Info = TileInfo<T::kConsumers>;
+  auto publish_tile = [&](int iter, const Info& info) {
+    volatile int32_t* dst = reinterpret_cast<volatile int32_t*>(&smem.info[iter & 1]);
+    const int32_t* src = reinterpret_cast<const int32_t*>(&info);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(Info) / 4); ++i) dst[i] = src[i];
     asm volatile("" ::: "memory");
   };
 
@@ -260,7 +280,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           if (iter > 0) {
             cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
           }
-          publish_tile(-1);
+          Info stop{};
+          stop.tile = -1;
+          publish_tile(iter, stop);
           cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
         }
         return;
@@ -291,7 +313,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
              tKs(_, state.index()));
       }
       if (iter > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
-      if (args.dynamic) publish_tile(tile);  // released by the barrier arrive below
+      Info info;
+      info.tile = tile;
+      info.m_block = tc.m_block;
+      info.b = b;
+      info.h = h;
+      info.n_begin = n_begin;
+      info.n_end = n_end;
+#pragma unroll
+      for (int w = 0; w < T::kConsumers; ++w) {
+        // warpgroup w's own 64 rows: a key tile straddling another warpgroup's diagonal needs
+        // no mask there (under a causal mask 1-2 masked key tiles per warpgroup, not 2-3)
+        const VisibleKeys::Block wg_keys =
+            vis.block(static_cast<int64_t>(tc.m_block) * kM + 64 * w, 64, p.seqlen_q, kN);
+        info.interior_begin[w] = static_cast<int32_t>(wg_keys.interior_begin);
+        info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
+      }
+      publish_tile(iter, info);  // released by the barrier arrive below
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
                                                                      T::kTileBytesQ);
       copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
@@ -457,19 +495,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
   for (int iter = 0;; ++iter) {
-    int32_t tile = static_cast<int32_t>(blockIdx.x + iter * gridDim.x);  // static schedule
-    if (!args.dynamic && tile >= args.num_tiles) break;
-    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, iter & 1);
-    if (args.dynamic) {
-      asm volatile("" ::: "memory");  // CUTLASS's wait has no memory clobber: read after it
-      tile = *reinterpret_cast<volatile int32_t*>(&smem.tile);
-      if (tile < 0) break;
+    // static schedule: tiles blockIdx.x, + gridDim.x, ...
+    if (!args.dynamic && blockIdx.x + static_cast<int64_t>(iter) * gridDim.x >= args.num_tiles) {
+      break;
     }
-    const int64_t m0 = static_cast<int64_t>(
-        tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
-                   static_cast<int32_t>(p.heads_q)).m_block) * kM;
-    const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
-    const int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, iter & 1);
+    asm volatile("" ::: "memory");  // CUTLASS's wait has no memory clobber: read after it
+    const volatile auto& info = smem.info[iter & 1];
+    if (info.tile < 0) break;  // dynamic schedule: no more tiles
+    const int32_t m_block = info.m_block, b = info.b, h = info.h;
+    const int64_t m0 = static_cast<int64_t>(m_block) * kM;
+    const int n_begin = info.n_begin, n_end = info.n_end;
     // A warpgroup whose 64 rows all lie past seqlen_q (the last query block when seqlen_q is
     // not a multiple of kBlockM) issues no GEMMs and no softmax; it still waits for and
     // releases every K/V stage and takes its pingpong turns, so the other warpgroups' barriers
@@ -480,9 +516,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const bool idle = T::kConsumers == 3 && m0 + 64 * me >= p.seqlen_q;
     // This warpgroup's own 64 rows: a key tile straddling another warpgroup's diagonal needs
     // no mask here (under a causal mask 1-2 masked key tiles per warpgroup instead of 2-3).
-    const VisibleKeys::Block wg_keys = vis.block(m0 + 64 * me, 64, p.seqlen_q, kN);
-    interior_begin = static_cast<int32_t>(wg_keys.interior_begin);
-    interior_end = static_cast<int32_t>(wg_keys.interior_end);
+    interior_begin = info.interior_begin[me];
+    interior_end = info.interior_end[me];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_of[r] = static_cast<int32_t>(m0) + get<0>(tScS(2 * r));
@@ -562,14 +597,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
     // Epilogue: out = O / l (0 for rows that saw nothing), lse = m * scale + ln(l).
     if (idle) continue;  // no row of this warpgroup exists
-    // The tile's coordinates again, from `tile` through an opaque move so that the compiler
-    // cannot reuse (and keep live across the main loop) the ones computed above: registers are
-    // what the main loop is short of, a few integer divisions per tile are not.
-    int32_t tile_again;
-    asm volatile("mov.b32 %0, %1;" : "=r"(tile_again) : "r"(tile));
-    const TileCoord tc = tile_coord(tile_again, num_m_blocks, args.heads_per_section,
-                                    batch_heads, static_cast<int32_t>(p.heads_q));
-    const int b = tc.b, h = tc.h;
     float inv_l[2];
     bool empty[2];
 #pragma unroll
@@ -626,7 +653,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
               GmemShape(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
                         static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch)));
           Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kOCols>>{},
-                                 make_coord(tc.m_block * T::kConsumers + me, chunk));
+                                 make_coord(m_block * T::kConsumers + me, chunk));
           auto [tOg, tOs] = tma_partition(args.tma_o, _0{}, Layout<_1>{},
                                           group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(args.tma_o, tOs, tOg);
