@@ -17,6 +17,8 @@
 // with SM90=1), --fwd sm90 times the Hopper forward instead (its tile counter zeroed by its
 // launcher, as in the extension) and compares its out and softmax_lse with the sm80 forward's
 // (max |diff| / max |value|, max |diff|): a consistency check of kernel variants, not a test.
+// --schedule static|dynamic overrides its tile scheduler (default: as the extension, dynamic
+// under a causal mask, static otherwise).
 //
 // --layout bhsd stores q, k, v, out (and the gradients) as (B, H, L, d) instead (what
 // bench_attention.py passes to every implementation).
@@ -159,7 +161,6 @@ struct Options {
   int reps = 10;
   bool deterministic = false, sm90 = false, bwd = true, bhsd = false;
   int section = 0;  // --section: the Hopper forward's (batch, head) pairs per section
-  bool trace = false;  // --trace: print the trace of a FLASH_ATTN_EXT_SM90_TRACE build
   int schedule = 0;  // --schedule: 0 as the extension, 1 static, 2 dynamic (Hopper forward)
   std::string tag = "ours";
 };
@@ -243,29 +244,6 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
     std::printf("%s d=%3d L=%5lld causal=%d fwd %7.3f ms %6.1f TFLOP/s\n", tag, kHeadDim,
                 static_cast<long long>(seqlen), int(causal), fwd_ms, flops / fwd_ms * 1e-9);
   }
-#ifdef FLASH_ATTN_EXT_SM90
-  if (o.sm90 && o.trace) {
-    const size_t words = 2 + 2 * 4 * 512 * 2;
-    int64_t* buf;
-    CHECK_CUDA(cudaMalloc(&buf, words * sizeof(int64_t)));
-    CHECK_CUDA(cudaMemset(buf, 0xff, words * sizeof(int64_t)));
-    p.rng_state = buf;
-    fwd();
-    CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<int64_t> h(words);
-    CHECK_CUDA(cudaMemcpy(h.data(), buf, words * sizeof(int64_t), cudaMemcpyDeviceToHost));
-    for (size_t i = 2; i + 1 < words; i += 2) {
-      if (h[i] == -1) continue;
-      const size_t slot = (i - 2) / 2, wg = slot / 512 % 4, cta = slot / 2048;
-      std::printf("%s TRACE d=%d L=%lld c=%d cta %zu wg %zu ev %lld it %lld clk %lld\n", tag,
-                  kHeadDim, static_cast<long long>(seqlen), int(causal), cta, wg,
-                  static_cast<long long>(h[i] >> 32), static_cast<long long>(h[i] & 0xffffffff),
-                  static_cast<long long>(h[i + 1]));
-    }
-    p.rng_state = nullptr;
-    CHECK_CUDA(cudaFree(buf));
-  }
-#endif
   if (o.sm90) {  // the sm90 forward's out and lse against the sm80 forward's
     Element* out90;
     float* lse90;
@@ -348,8 +326,6 @@ int main(int argc, char** argv) {
       o.section = std::atoi(argv[++i]);
     } else if (a == "--schedule" && i + 1 < argc) {
       o.schedule = second_of("static", "dynamic") ? 2 : 1;
-    } else if (a == "--trace") {
-      o.trace = true;
     } else if (a == "--no-bwd") {
       o.bwd = false;
     } else if (a == "--fwd" && i + 1 < argc) {
