@@ -186,8 +186,7 @@ struct Sm90FwdArgs {
 // inside a section the query blocks go last-first, which under causal masking starts the
 // longest rows first (longest-processing-time-first, as FlashAttention-3's scheduler).
 // All in 32 bits (the launcher checks that the tile count fits): 64-bit divisions would cost
-// the 24-register producer spills.
-
+// the 24-register producer spills.  The producer computes it and hands it on (TileInfo).
 __device__ __forceinline__ TileCoord tile_coord(int32_t tile, int32_t num_m_blocks,
                                                 int32_t heads_per_section, int32_t batch_heads,
                                                 int32_t heads_q) {
@@ -521,8 +520,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // consumers (192-row tiles, which power-of-two lengths never fill): at head dim 256 the
     // extra code path made the main loop spill.
     const bool idle = T::kConsumers == 3 && m0 + 64 * me >= p.seqlen_q;
-    // This warpgroup's own 64 rows: a key tile straddling another warpgroup's diagonal needs
-    // no mask here (under a causal mask 1-2 masked key tiles per warpgroup instead of 2-3).
+    // Key tiles unmasked for this warpgroup's own 64 rows (the producer's TileInfo).
     interior_begin = info.interior_begin[me];
     interior_end = info.interior_end[me];
 #pragma unroll
@@ -540,12 +538,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       auto prev = state;
       for (int n_block = n_begin; n_block < n_end; ++n_block) {
         pipe_k.consumer_wait(state);
-        if (n_block > n_begin) pipe_v.consumer_wait(prev);
         if (n_block > n_begin) {
+          pipe_v.consumer_wait(prev);
           turn_begin();
           turn_end(false);
         } else {
-          open_ring();
+          open_ring();  // as the first Q K^T below: outside the ring
         }
         pipe_k.consumer_release(state);
         if (n_block + 1 == n_end) release_q();
@@ -562,7 +560,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
       // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
       pipe_k.consumer_wait(state);
-      issue_qk(state.index());  // outside the ring (see turn_begin)
+      issue_qk(state.index());  // outside the ring (see the pingpong comment above)
       open_ring();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
