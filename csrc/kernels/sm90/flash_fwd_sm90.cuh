@@ -482,7 +482,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // warpgroups have the same number of turns in a tile (one per key tile after the first,
   // plus one for the last P V).
   constexpr int kLastWg = T::kConsumers - 1;
-  const int me = warp_group - 1, next = me == kLastWg ? 0 : me + 1;
+  // This consumer warpgroup (0 .. kLastWg), by a lane-0 broadcast (CUTLASS's
+  // canonical_warp_group_idx) rather than threadIdx.x / 128: the compiler then knows it is
+  // warp-uniform, and so are the values read from smem.info with it (interior_begin/end) and
+  // the main loop's stage and descriptor arithmetic, which stay in uniform registers.  At head
+  // dim 64: main loop 814 -> 787 instructions per key tile (24 fewer R2UR), no spill loads in
+  // it (6 before), 92 -> 16 bytes spilled; measured +4..+7% at every L (d=128/256: +-3%).
+  const int me = cutlass::canonical_warp_group_idx() - 1, next = me == kLastWg ? 0 : me + 1;
   auto turn_begin = [&]() { cutlass::arch::NamedBarrier::sync(256, me); };
   auto turn_end = [&](bool last) {
     if (!(last && me == kLastWg)) cutlass::arch::NamedBarrier::arrive(256, next);
