@@ -11,6 +11,11 @@ NVCC_APPEND_FLAGS="-Xptxas -v" FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} py
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20
 python3 -m flash_attn_ext info | tee "$OUT/info.txt"
+# On an sm_90 GPU a build without the Hopper kernels would test and time the wrong kernels.
+if nvidia-smi --query-gpu=compute_cap --format=csv,noheader | grep -q "^9\.0" &&
+   grep -qiE "hopper kernels +not built" "$OUT/info.txt"; then
+  echo "gpu_session: sm_90 GPU but the Hopper kernels were not built (see gpu_env.sh)"; exit 1
+fi
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE ${PYTEST_ARGS:-tests/test_cuda.py} 2>&1 \
   > "$OUT/tests.log"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
