@@ -138,6 +138,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     q, k, v = _autocast(q, k, v)
     p = dispatch.plan(q, k, v, softmax_scale,
                       dispatch.is_general(softcap, dropout_p, attn_bias is not None))
+    if not torch.compiler.is_compiling():  # (only eager calls are recorded for last_plan())
+        # last_plan() reports what explain() would: the backward's deterministic dQ path too.
+        p = dispatch.deterministic_backward_note(
+            p, deterministic or torch.are_deterministic_algorithms_enabled())
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).

@@ -57,6 +57,25 @@ def test_deterministic_backward_note():
         explain(cpu, cpu, cpu, layout="blhd", deterministic="yes")
 
 
+def test_last_plan_carries_the_deterministic_note(monkeypatch):
+    # The recorded plan says what explain() says.  A CUDA-like plan stands in for dispatch.plan
+    # (the CPU op still runs): the note depends on the plan only, not on the device.
+    cuda_like = dispatch.Plan("sm90_fwd_hdim64_fp32", "sm80_bwd_hdim64_fp32", True)
+    monkeypatch.setattr(dispatch, "plan", lambda *args, **kwargs: cuda_like)
+    q = torch.randn(1, 5, 2, 8)
+    flash_attn_ext.flash_attn_func(q, q, q, deterministic=True)
+    assert any("separate dQ kernel" in n for n in flash_attn_ext.last_plan().notes)
+    flash_attn_ext.flash_attn_func(q, q, q)
+    assert flash_attn_ext.last_plan() == cuda_like
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        flash_attn_ext.flash_attn_func(q, q, q)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert any("separate dQ kernel" in n for n in flash_attn_ext.last_plan().notes)
+
+
 def test_fallback_reasons_warn_once_count_and_strict():
     q = torch.empty(1, 4, 2, 8, device="meta")
     p = dispatch.plan(q, q, q)
