@@ -18,6 +18,9 @@ if nvidia-smi --query-gpu=compute_cap --format=csv,noheader | grep -q "^9\.0" &&
 fi
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE ${PYTEST_ARGS:-tests/test_cuda.py} 2>&1 \
   > "$OUT/tests.log"
+# The summary lines also in a small file: the device call may not return a large tests.log.
+{ grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -40; tail -n 5 "$OUT/tests.log"; } \
+  > "$OUT/tests_summary.txt"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
 grep -E "[0-9]+ (passed|failed|error)" "$OUT/tests.log" | tail -1
 sed -n '/= FAILURES =/,/short test summary/p' "$OUT/tests.log" | grep -E "^(E |___|tests/)" | head -60
