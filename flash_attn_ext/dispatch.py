@@ -209,14 +209,14 @@ def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> lis
 
 
 def deterministic_backward_note(p: Plan, deterministic: bool) -> Plan:
-    """``p`` with a note where ``deterministic`` (the call's flag or
-    torch.use_deterministic_algorithms) moves a CUDA backward off its faster dQ path: the 8-warp
+    """``p`` with a note where ``deterministic`` (the call's flag) or
+    torch.use_deterministic_algorithms moves a CUDA backward off its faster dQ path: the 8-warp
     backward otherwise accumulates dQ in its dK/dV pass (fp32 bulk reductions on sm_90, atomics
     elsewhere: not bitwise reproducible); deterministic gradients take the separate dQ kernel,
     which recomputes S and dP (~0.75x the speed, measured at d = 64/128 on an H200)."""
     eight_warp = (p.fused and p.backward_fused and p.backward_kernel.startswith("sm80_bwd")
                   and not any("4-warp" in n for n in p.notes))
-    if not (deterministic and eight_warp):
+    if not (eight_warp and (deterministic or torch.are_deterministic_algorithms_enabled())):
         return p
     return dataclasses.replace(p, notes=p.notes + (
         "backward dQ on the separate dQ kernel, not accumulated in the dK/dV pass, because "

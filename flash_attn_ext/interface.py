@@ -140,8 +140,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
                       dispatch.is_general(softcap, dropout_p, attn_bias is not None))
     if not torch.compiler.is_compiling():  # (only eager calls are recorded for last_plan())
         # last_plan() reports what explain() would: the backward's deterministic dQ path too.
-        p = dispatch.deterministic_backward_note(
-            p, deterministic or torch.are_deterministic_algorithms_enabled())
+        p = dispatch.deterministic_backward_note(p, deterministic)
     if not p.fused and not torch.compiler.is_compiling():
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).
