@@ -72,7 +72,7 @@ struct TileCoord {
 // integer divisions or 64-bit bound arithmetic: measured ~1,400 cycles per tile and warpgroup).
 template <int kConsumers>
 struct TileInfo {
-  int32_t tile;  // -1: no more tiles (dynamic schedule)
+  int32_t tile;  // -1: no more tiles
   int32_t m_block, b, h;
   int32_t n_begin, n_end;  // key tiles [n_begin, n_end) hold every key a row of it sees
   // Keys [interior_begin, interior_end) are visible to every row of warpgroup w's 64 rows.
@@ -175,7 +175,8 @@ struct Sm90FwdArgs {
   int32_t num_tiles;     // num_m_blocks * batch * heads_q
   int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
   // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
-  // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).
+  // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).  In both
+  // the producer announces each tile and, after the last, the end (TileInfo::tile = -1).
   bool dynamic;
   typename T::TmaO tma_o;  // set when tma_store_o
   bool tma_store_o;        // out's address and strides suit TMA (else O from registers)
@@ -274,16 +275,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     auto state = cutlass::make_producer_start_state<Pipeline>();
     int32_t tile = blockIdx.x;
     for (int iter = 0;; ++iter) {
-      if (tile >= args.num_tiles) {
-        if (args.dynamic) {  // tell the consumers to stop, once they released Q
-          if (iter > 0) {
-            cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
-          }
-          Info stop{};
-          stop.tile = -1;
-          publish_tile(iter, stop);
-          cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
-        }
+      if (tile >= args.num_tiles) {  // tell the consumers to stop, once they released Q
+        if (iter > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_q_empty, (iter - 1) & 1);
+        Info stop{};
+        stop.tile = -1;
+        publish_tile(iter, stop);
+        cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
         return;
       }
       const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
@@ -507,14 +504,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
   for (int iter = 0;; ++iter) {
-    // static schedule: tiles blockIdx.x, + gridDim.x, ...
-    if (!args.dynamic && blockIdx.x + static_cast<int64_t>(iter) * gridDim.x >= args.num_tiles) {
-      break;
-    }
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, iter & 1);
     asm volatile("" ::: "memory");  // CUTLASS's wait has no memory clobber: read after it
     const volatile auto& info = smem.info[iter & 1];
-    if (info.tile < 0) break;  // dynamic schedule: no more tiles
+    if (info.tile < 0) break;  // no more tiles (either schedule: the producer's stop)
     const int32_t m_block = info.m_block, b = info.b, h = info.h;
     const int64_t m0 = static_cast<int64_t>(m_block) * kM;
     const int n_begin = info.n_begin, n_end = info.n_end;
