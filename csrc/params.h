@@ -59,6 +59,9 @@ struct FwdParams {
   // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;
   // FLASH_ATTN_EXT_SM90_SECTION, experimental)
   int32_t heads_per_section = 0;
+  // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
+  // FLASH_ATTN_EXT_SM90_ROW_SHIFT=off, experimental, clears it)
+  bool sm90_row_shift = true;
 
   // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
   bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }

@@ -194,6 +194,48 @@ def test_tile_order_sections_change_no_result(monkeypatch, head_dim, causal):
             ops.fwd(q, k, v, None, causal)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k,bottom_right", [
+    (1000, 1000, True),    # 5 1/3 blocks of 192 rows: the first block holds rows [-128, 64)
+    (2000, 2000, True),    # 10 5/12 blocks: rows [-64, 128), one idle warpgroup
+    (700, 1300, True),     # L < S, bottom-right: the first block sees the first 664 keys
+    (1300, 700, True),     # L > S: the first 600 rows see nothing
+    (900, 1500, False),    # top-left alignment
+    (65, 65, True)])       # one block, two of its warpgroups idle
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k,
+                                                      bottom_right):
+    # Under a causal mask the head-dim-64 kernel (192-row tiles) puts the query block that
+    # seqlen_q fills only in part first, its missing rows below row 0, instead of last.  Every
+    # row still meets its key tiles in the same order (extra fully masked ones add exact zeros),
+    # so FLASH_ATTN_EXT_SM90_ROW_SHIFT=off must give the same result bit for bit, and both the
+    # fp32 reference's within the error rule; every output element written (poisoned outputs).
+    # Head dim 128 (128-row tiles) never shifts: the same check holds trivially there.
+    q = rand(2, seqlen_q, 6, head_dim)
+    k, v = rand(2, seqlen_k, 2, head_dim), rand(2, seqlen_k, 2, head_dim)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(), causal=True,
+                                       align_bottom_right=bottom_right,
+                                       compute_dtype=torch.float32)
+    low_out, _ = attention_ref(q, k, v, causal=True, align_bottom_right=bottom_right,
+                               compute_dtype=torch.bfloat16)
+    results = {}
+    for shift in ("auto", "off"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT", shift)
+        for schedule in ("dynamic", "static"):
+            monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
+            out, lse, _ = ops.fwd(q, k, v, None, True, -1, -1, bottom_right)
+            assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({shift}, {schedule})")
+            finite = torch.isfinite(true_lse)
+            assert torch.equal(torch.isfinite(lse), finite)
+            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+            results[shift, schedule] = out, lse
+    out, lse = results["auto", "dynamic"]
+    for key, (out2, lse2) in results.items():
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), key
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT", "1")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_ROW_SHIFT"):
+        ops.fwd(q, k, v, None, True)
+
+
 def test_schedule_variable_is_checked(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
     q = rand(1, 64, 2, 64)

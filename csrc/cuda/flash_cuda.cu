@@ -150,6 +150,16 @@ int32_t sm90_section_pairs() {
   return static_cast<int32_t>(pairs);
 }
 
+// FLASH_ATTN_EXT_SM90_ROW_SHIFT=auto|off (experimental): whether the Hopper forward puts the
+// partial query block first under a causal mask ("auto", the default) or last ("off").
+bool sm90_row_shift() {
+  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
+  TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
+                    "FLASH_ATTN_EXT_SM90_ROW_SHIFT must be 'auto' or 'off', got '", env, "'");
+  return false;
+}
+
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
@@ -214,6 +224,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
       }
       if (schedule == Sm90Schedule::kTile) p.max_ctas = std::numeric_limits<int32_t>::max();
       p.heads_per_section = sm90_section_pairs();
+      p.sm90_row_shift = sm90_row_shift();
       err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                  : run_fwd_sm90<__half>(kernel_dim, p, stream);
     } else
