@@ -5,6 +5,7 @@
 #include "checks.h"
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
+#include "kernels/sm90/pack_gqa.h"
 
 #ifndef FLASH_ATTN_EXT_VERSION
 #define FLASH_ATTN_EXT_VERSION "unknown"
@@ -69,6 +70,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "How this library was built: version, CUDA on/off, archs.");
   m.def("set_debug_poison", &flash_attn_ext::set_debug_poison,
         "Testing aid: outputs start as NaN so unwritten elements are caught.");
+  m.def("sm90_pack_gqa", &flash_attn_ext::sm90::pack_gqa_pays, pybind11::arg("seqlen_q"),
+        pybind11::arg("heads_q"), pybind11::arg("heads_kv"), pybind11::arg("padded_head_dim"),
+        "The Hopper forward's rule for packing GQA query heads (without the environment "
+        "override): what dispatch.sm90_packs_gqa mirrors.");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
   m.def("dropout_mask", &dropout_mask,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "

@@ -62,6 +62,9 @@ struct FwdParams {
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
   // FLASH_ATTN_EXT_SM90_ROW_SHIFT=off, experimental, clears it)
   bool sm90_row_shift = true;
+  // Hopper forward: pack the query heads of a GQA group into one tile (see its launcher; the
+  // glue sets it by kernels/sm90/pack_gqa.h's rule or FLASH_ATTN_EXT_SM90_PACK_GQA)
+  bool sm90_pack_gqa = false;
 
   // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
   bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }

@@ -279,7 +279,9 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device == "cuda":
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if torch.compiler.is_compiling():
-            return _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index)
+            return _with_packing(
+                _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index),
+                q, k, cache=False)
         # Eager calls: the plan depends on the tensors only through what the key holds (the
         # stride rule only when some stride is 0), so it is computed once per key.
         broadcast = 0 in q.stride() or 0 in k.stride() or 0 in v.stride()
@@ -292,12 +294,60 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 index)
             if not broadcast:
                 _cuda_plans[key] = cached
-        return cached
+        return _with_packing(cached, q, k)
     reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
     return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
 
 
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
+
+PACK_GQA_ENV = "FLASH_ATTN_EXT_SM90_PACK_GQA"
+
+
+def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: int) -> bool:
+    """Whether the Hopper forward packs the query heads of each GQA/MQA group into one tile
+    (FlashAttention-3's PackGQA: tile rows are (position, head in group), so each K/V tile is
+    read once per group instead of once per query head).
+
+    FLASH_ATTN_EXT_SM90_PACK_GQA (experimental): ``auto`` (default) packs where it needs at
+    most 3/4 of the tiles of one tile per query head (192 query rows per tile at head dim 64,
+    128 above), e.g. decoding (seqlen_q <= 16) with 4+ query heads per KV head; ``on`` packs
+    every GQA/MQA call, ``off`` none.  The same rule as csrc/kernels/sm90/pack_gqa.h and the
+    CUDA glue (``flash_attn_ext._C.sm90_pack_gqa`` is the compiled rule).  Raises
+    ``ValueError`` for another value of the variable.
+    """
+    value = os.environ.get(PACK_GQA_ENV, "")
+    if value not in ("", "auto", "on", "off"):
+        raise ValueError(f"{PACK_GQA_ENV} must be 'auto', 'on' or 'off', got {value!r}")
+    if value == "off" or heads_kv <= 0 or heads_q % heads_kv or heads_q == heads_kv:
+        return False
+    if value == "on":
+        return True
+    group, block_m = heads_q // heads_kv, 192 if padded_head_dim <= 64 else 128
+    if seqlen_q <= 0 or seqlen_q * group > 0x7FFFFFFF:
+        return False
+    packed = -(-seqlen_q * group // block_m)
+    per_head = group * -(-seqlen_q // block_m)
+    return 4 * packed <= 3 * per_head
+
+
+_packed_plans: dict = {}  # plan -> the same plan with the packed Hopper forward
+
+
+def _with_packing(p: Plan, q: torch.Tensor, k: torch.Tensor, cache: bool = True) -> Plan:
+    """``p``, with the Hopper forward named ``..._packgqa`` where it packs GQA query heads
+    (``cache``: False while torch.compile traces, which must not write module globals)."""
+    if not p.kernel.startswith("sm90_fwd"):
+        return p
+    padded = int(p.kernel.split("_hdim")[1].split("_")[0])
+    if not sm90_packs_gqa(q.shape[1], q.shape[2], k.shape[2], padded):
+        return p
+    packed = _packed_plans.get(p) if cache else None
+    if packed is None:
+        packed = dataclasses.replace(p, kernel=p.kernel + "_packgqa")
+        if cache:
+            _packed_plans[p] = packed
+    return packed
 
 
 def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index) -> Plan:

@@ -263,6 +263,54 @@ def test_cuda_plan_cache_keys(monkeypatch):
     assert len(dispatch._cuda_plans) == 5  # unset, general, fp16, sm80, auto; not the broadcast
 
 
+def test_pack_gqa_rule_matches_the_compiled_one(monkeypatch):
+    # dispatch.sm90_packs_gqa (which names the kernel) and the CUDA glue's rule
+    # (csrc/kernels/sm90/pack_gqa.h, exposed as _C.sm90_pack_gqa) agree everywhere.
+    monkeypatch.delenv(dispatch.PACK_GQA_ENV, raising=False)
+    seen = set()
+    for seqlen_q in (1, 2, 16, 17, 47, 48, 95, 127, 128, 129, 191, 192, 193, 500, 1000, 4096):
+        for heads_q, heads_kv in ((8, 8), (8, 4), (12, 4), (32, 4), (32, 8), (16, 1), (6, 4),
+                                  (40, 8), (64, 2)):
+            for padded in (64, 128, 256):
+                packs = dispatch.sm90_packs_gqa(seqlen_q, heads_q, heads_kv, padded)
+                assert packs == ops._C.sm90_pack_gqa(seqlen_q, heads_q, heads_kv, padded), \
+                    (seqlen_q, heads_q, heads_kv, padded)
+                seen.add(packs)
+    assert seen == {True, False}
+    assert dispatch.sm90_packs_gqa(1, 32, 4, 128)         # decoding: 1 tile instead of 8
+    assert not dispatch.sm90_packs_gqa(4096, 32, 4, 128)  # long rows fill their tiles
+    assert not dispatch.sm90_packs_gqa(1, 8, 8, 128)      # no group to pack
+    monkeypatch.setenv(dispatch.PACK_GQA_ENV, "on")
+    assert dispatch.sm90_packs_gqa(4096, 32, 4, 128) and not dispatch.sm90_packs_gqa(1, 8, 8, 64)
+    monkeypatch.setenv(dispatch.PACK_GQA_ENV, "off")
+    assert not dispatch.sm90_packs_gqa(1, 32, 4, 128)
+    monkeypatch.setenv(dispatch.PACK_GQA_ENV, "sometimes")
+    with pytest.raises(ValueError, match=dispatch.PACK_GQA_ENV):
+        dispatch.sm90_packs_gqa(1, 32, 4, 128)
+
+
+def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
+    # A decoding-shaped GQA call on sm_90 is planned as the packed Hopper forward; the same
+    # heads at a long seqlen_q, or without GQA, are not; the sm80 forward never packs.
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(dispatch.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": True})
+    monkeypatch.setattr(dispatch, "_cuda_plans", {})
+    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    monkeypatch.delenv(dispatch.PACK_GQA_ENV, raising=False)
+    q1, q2k, k = _CudaLike((2, 1, 32, 64)), _CudaLike((2, 2048, 32, 64)), _CudaLike((2, 9, 4, 64))
+    p = dispatch.plan(q1, k, k)
+    assert p.kernel == "sm90_fwd_hdim64_bf16_packgqa" and p.fused
+    assert p.backward_kernel == "sm80_bwd_hdim64_bf16" and p.notes == ()
+    assert dispatch.plan(q1, k, k) is p
+    assert dispatch.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
+    assert dispatch.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
+    assert dispatch.plan(q1, k, k, general=True).kernel == "sm80_fwd_hdim64_bf16"
+    monkeypatch.setenv(dispatch.PACK_GQA_ENV, "off")
+    assert dispatch.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
+
+
 @pytest.mark.parametrize("cap,smem,head_dim,general,text", [
     ((9, 0), 232448, 128, False, None),
     ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),

@@ -236,6 +236,61 @@ def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seq
         ops.fwd(q, k, v, None, True)
 
 
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads_q,heads_kv,causal,window,bottom_right", [
+    (1, 1000, 32, 4, True, (-1, -1), True),       # decoding: one tile per group of 8
+    (3, 257, 12, 4, True, (-1, -1), True),        # group of 3: 9 rows, none a power of two
+    (17, 700, 16, 1, False, (-1, -1), True),      # MQA: 272 packed rows, 2-3 tiles
+    (113, 113, 8, 2, True, (-1, -1), False),      # prefill, top-left causal
+    (200, 1500, 6, 2, False, (64, 0), True),      # sliding window, L < S
+    (700, 300, 4, 2, True, (-1, -1), True),       # L > S: the first 400 positions see nothing
+    (1000, 1000, 8, 2, True, (-1, -1), True)])    # many tiles, the partial block first
+@pytest.mark.parametrize("strided", [False, True])
+def test_packed_gqa_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k, heads_q,
+                                      heads_kv, causal, window, bottom_right, strided):
+    # FLASH_ATTN_EXT_SM90_PACK_GQA=on puts the query heads of a KV head's group in one tile
+    # (tile row = position * group + head in group; Q by cp.async, O from registers).  Each row
+    # still meets its key tiles in the same order (extra fully masked ones add exact zeros), so
+    # the result must equal the unpacked kernel's bit for bit, and the fp32 reference's within
+    # the error rule; outputs are poisoned by conftest, so every element must be written.
+    # strided: q, k, v are slices of one fused (batch, seqlen, heads, 3 * head_dim) buffer.
+    def make(seqlen, heads):
+        if not strided:
+            return [rand(2, seqlen, heads, head_dim) for _ in range(3)]
+        fused = rand(2, seqlen, heads, 3 * head_dim)
+        return [fused[..., i * head_dim:(i + 1) * head_dim] for i in range(3)]
+    q = make(seqlen_q, heads_q)[0]
+    _, k, v = make(seqlen_k, heads_kv)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              align_bottom_right=bottom_right)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=torch.bfloat16, **kw)
+    results = {}
+    for pack in ("on", "off"):
+        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", pack)
+        kernel = dispatch.plan(q, k, v).kernel
+        assert kernel.startswith("sm90") and kernel.endswith("_packgqa") == (pack == "on")
+        out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
+        assert_error_rule(out, low_out, true_out.double(), 2.0, f"out (pack {pack})")
+        finite = torch.isfinite(true_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        if finite.any():
+            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+        results[pack] = out, lse
+    assert torch.equal(results["on"][0], results["off"][0])
+    assert torch.equal(results["on"][1], results["off"][1])
+
+
+def test_pack_gqa_variable_is_checked(monkeypatch):
+    q, k = rand(1, 1, 8, 64), rand(1, 64, 2, 64)
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", "auto")
+    assert dispatch.plan(q, k, k).kernel == "sm90_fwd_hdim64_bf16_packgqa"  # decoding, group 4
+    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", "yes")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_PACK_GQA"):
+        ops.fwd(q, k, k)
+
+
 def test_schedule_variable_is_checked(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
     q = rand(1, 64, 2, 64)

@@ -21,6 +21,7 @@
 #include <cstdlib>
 
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
+#include "kernels/sm90/pack_gqa.h"
 #endif
 
 namespace flash_attn_ext::cuda {
@@ -160,6 +161,20 @@ bool sm90_row_shift() {
   return false;
 }
 
+// Whether the Hopper forward packs GQA query heads (kernels/sm90/pack_gqa.h).
+// FLASH_ATTN_EXT_SM90_PACK_GQA=auto|on|off (experimental): "auto" (default) where the rule says
+// it pays, "on" for every GQA/MQA call, "off" never.
+bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
+  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_PACK_GQA");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0)
+    return sm90::pack_gqa_pays(p.seqlen_q, p.heads_q, p.heads_kv, padded_head_dim);
+  if (std::strcmp(env, "on") == 0) return p.heads_q > p.heads_kv;
+  TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
+                    "FLASH_ATTN_EXT_SM90_PACK_GQA must be 'auto', 'on' or 'off', got '", env,
+                    "'");
+  return false;
+}
+
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
@@ -225,6 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
       if (schedule == Sm90Schedule::kTile) p.max_ctas = std::numeric_limits<int32_t>::max();
       p.heads_per_section = sm90_section_pairs();
       p.sm90_row_shift = sm90_row_shift();
+      p.sm90_pack_gqa = sm90_pack_gqa(p, kernel_dim <= 64 ? 64 : kernel_dim <= 128 ? 128 : 256);
       err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                  : run_fwd_sm90<__half>(kernel_dim, p, stream);
     } else

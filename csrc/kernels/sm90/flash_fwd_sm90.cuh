@@ -170,6 +170,15 @@ struct Sm90FwdArgs {
   typename T::TmaKV tma_k;
   typename T::TmaKV tma_v;
   FwdParams p;
+  // GQA packing (FlashAttention-3's PackGQA): a tile holds the query rows of all `group`
+  // query heads of one KV head, tile row rho = position * group + head in group, so K and V are
+  // read once per group instead of once per query head.  Q then comes by cp.async (a TMA box
+  // cannot gather such rows with a run-time group) and O from registers.  Tiles are then
+  // (query block, batch, KV head).  rows_q: the rows a tile counts over, seqlen_q * group
+  // packed, else seqlen_q.
+  bool pack_gqa;
+  int32_t group;  // heads_q / heads_kv
+  int32_t rows_q;
   int32_t num_m_blocks;
   // Query block m holds rows [m * kBlockM - row_shift, (m + 1) * kBlockM - row_shift): the
   // block that seqlen_q fills only in part is the first (its rows below 0 do not exist) rather
@@ -179,7 +188,7 @@ struct Sm90FwdArgs {
   // (see the launcher).
   int32_t row_shift;
   int32_t heads_per_section;
-  int32_t num_tiles;     // num_m_blocks * batch * heads_q
+  int32_t num_tiles;     // num_m_blocks * batch * (heads_kv packed, else heads_q)
   int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
   // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
   // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).  In both
@@ -223,8 +232,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const int num_m_blocks = args.num_m_blocks;
-  const int32_t batch_heads = static_cast<int32_t>(p.batch * p.heads_q);  // <= tiles < 2^31
-  const int group = static_cast<int>(p.heads_q / p.heads_kv);
+  // (args' fields are read where used, from the kernel parameters' constant bank: copies kept
+  // in registers across the main loop made it spill)
+  const int group = args.group;
+  // The sequence position of tile row `row` (>= 0).
+  auto position = [&](int32_t row) { return args.pack_gqa ? row / args.group : row; };
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
 
@@ -290,16 +302,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
         return;
       }
-      const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section, batch_heads,
-                                      static_cast<int32_t>(p.heads_q));
+      // A tile's head: the KV head when packed, else the query head.
+      const int32_t tile_heads = static_cast<int32_t>(args.pack_gqa ? p.heads_kv : p.heads_q);
+      const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section,
+                                      static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
       const int b = tc.b, h = tc.h;
-      const int hk = h / group;
+      const int hk = args.pack_gqa ? h : h / group;
       // This tile's first row (negative in a partial first block: see Sm90FwdArgs::row_shift)
-      // and the key tiles its existing rows see.
+      // and the key tiles its existing rows' positions see.
       const int32_t m0 = tc.m_block * kM - args.row_shift;
-      const VisibleKeys::Block keys = vis.block(max(m0, 0), kM + min(m0, 0), p.seqlen_q, kN);
+      // The positions of rows [row, row + rows) cut to [0, rows_q), as vis.block's arguments.
+      auto row_positions = [&](int32_t row, int32_t rows, int32_t& first, int32_t& count) {
+        const int32_t lo = max(row, 0), hi = min(row + rows, args.rows_q);
+        first = position(lo);
+        count = hi > lo ? position(hi - 1) + 1 - first : 0;
+      };
+      int32_t pos0, npos;
+      row_positions(m0, kM, pos0, npos);
+      const VisibleKeys::Block keys = vis.block(pos0, npos, p.seqlen_q, kN);
       const int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
       // Rows below 0 (a partial first block) are out of the tensor: TMA fills them with zeros.
+      // (Unused when packed: the consumers load Q.)
       Tensor gQ = local_tile(domain_offset(make_coord(-args.row_shift, 0), mQ(_, _, h, b)),
                              Shape<Int<kM>, Int<kD>>{}, make_coord(tc.m_block, 0));
       Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{},
@@ -330,15 +353,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int w = 0; w < T::kConsumers; ++w) {
         // warpgroup w's own 64 rows: a key tile straddling another warpgroup's diagonal needs
         // no mask there (under a causal mask 1-2 masked key tiles per warpgroup, not 2-3)
-        // (rows below 0: an idle warpgroup, which reads neither)
-        const VisibleKeys::Block wg_keys = vis.block(max(m0 + 64 * w, 0), 64, p.seqlen_q, kN);
+        // (no rows: an idle warpgroup, which reads neither)
+        int32_t wpos0, wnpos;
+        row_positions(m0 + 64 * w, 64, wpos0, wnpos);
+        const VisibleKeys::Block wg_keys = vis.block(wpos0, wnpos, p.seqlen_q, kN);
         info.interior_begin[w] = static_cast<int32_t>(wg_keys.interior_begin);
         info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
       }
       publish_tile(iter, info);  // released by the barrier arrive below
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
-                                                                     T::kTileBytesQ);
-      copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
+      if (args.pack_gqa) {  // the consumers load their rows of Q themselves
+        cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
+      } else {
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
+                                                                       T::kTileBytesQ);
+        copy(args.tma_q.with(smem.barrier_q), tQg, tQs);
+      }
       for (int n_block = n_begin; n_block < n_end; ++n_block) {
         if (n_block > n_begin) {
           pipe_k.producer_acquire(state);
@@ -511,6 +540,32 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // (the epilogue's shared-memory handoff to its TMA-issuing thread).
   auto warpgroup_sync = [&]() { cutlass::arch::NamedBarrier::sync(128, T::kConsumers + me); };
   const bool o_leader = ctid % 128 == 0;  // issues this warpgroup's TMA stores of O
+  // GQA packing: this warpgroup's 64 rows of the tile (rows m0 + 64 me ..) into its slice of
+  // sQ, 16 bytes per cp.async; rows past rows_q and columns past head_dim (padding) as zeros,
+  // as TMA would fill them.  Then the async proxy (wgmma) must see the writes: wait, fence,
+  // and a warpgroup barrier before the first Q K^T.  Only this warpgroup reads its slice, and
+  // it finished its previous tile's Q K^T GEMMs before, so no other barrier is needed.
+  auto load_q_packed = [&](int32_t m0, int b, int hk) {
+    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+    const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride +
+                    static_cast<int64_t>(hk) * args.group * p.q_head_stride;
+#pragma unroll 1  // unrolled, the compiler kept every address live across the main loop
+    for (int i = 0; i < 64 * kChunks / 128; ++i) {
+      const int c = ctid % 128 + 128 * i, r = c / kChunks, col = (c % kChunks) * 8;
+      const int32_t row = m0 + 64 * me + r;
+      const uint32_t dst = cast_smem_ptr_to_uint(&sQ(64 * me + r, col));
+      if (row < args.rows_q && col < p.head_dim) {
+        const int32_t pos = row / args.group, g = row - pos * args.group;
+        const Element* src = q + pos * p.q_row_stride + g * p.q_head_stride + col;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+      } else {
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0));
+      }
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    cutlass::arch::fence_view_async_shared();
+    warpgroup_sync();
+  };
 
   typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
   for (int iter = 0;; ++iter) {
@@ -529,15 +584,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // which power-of-two lengths never fill): at head dim 256 the extra code path made the main
     // loop spill.
     const bool idle =
-        T::kConsumers == 3 && (m0 + 64 * me < 0 || m0 + 64 * me >= p.seqlen_q);
+        T::kConsumers == 3 && (m0 + 64 * me < 0 || m0 + 64 * me >= args.rows_q);
     // Key tiles unmasked for this warpgroup's own 64 rows (the producer's TileInfo).
     interior_begin = info.interior_begin[me];
     interior_end = info.interior_end[me];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_of[r] = m0 + get<0>(tScS(2 * r));
-      key_lo[r] = static_cast<int32_t>(vis.begin(row_of[r])) - thread_col;
-      key_hi[r] = static_cast<int32_t>(vis.end(row_of[r])) - thread_col;
+      const int32_t pos = position(max(row_of[r], 0));
+      key_lo[r] = static_cast<int32_t>(vis.begin(pos)) - thread_col;
+      key_hi[r] = static_cast<int32_t>(vis.end(pos)) - thread_col;
       m_row[r] = -INFINITY;
       l_row[r] = 0.f;
     }
@@ -566,6 +622,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       turn_end(true);
       pipe_v.consumer_release(prev);
     } else if (n_begin < n_end) {
+      if (args.pack_gqa) load_q_packed(m0, b, h);
       float alpha[2];
       // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
       // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
@@ -677,13 +734,20 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
     }
+    // Row half r's sequence position and query head (packed: from its tile row), or false for
+    // a row past the tile's rows (rows below 0 belong to idle warpgroups, which got here not).
+    auto row_head = [&](int r, int32_t& pos, int32_t& head) {
+      pos = position(row_of[r]);
+      head = args.pack_gqa ? h * args.group + (row_of[r] - pos * args.group) : h;
+      return row_of[r] < args.rows_q;
+    };
     if (!args.tma_store_o) {
-      auto* out = static_cast<typename T::Element*>(p.out) + b * p.out_batch_stride +
-                  h * p.out_head_stride;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (row_of[r] >= p.seqlen_q) continue;
-        Element* o_row = out + static_cast<int64_t>(row_of[r]) * p.out_row_stride;
+        int32_t pos, head;
+        if (!row_head(r, pos, head)) continue;
+        Element* o_row = static_cast<Element*>(p.out) + b * p.out_batch_stride +
+                         head * p.out_head_stride + pos * p.out_row_stride;
 #pragma unroll
         for (int c = 0; c < kOVals / 2; c += 2) {
           const int col = get<1>(tOcO(s_index(r, c)));
@@ -692,13 +756,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
     }
-    auto* lse = static_cast<float*>(p.softmax_lse) + (static_cast<int64_t>(b) * p.heads_q + h) *
-                                                         p.seqlen_q;
     if (get<1>(tScS(0)) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (row_of[r] < p.seqlen_q) {
-          lse[row_of[r]] =
+        int32_t pos, head;
+        if (row_head(r, pos, head)) {
+          static_cast<float*>(p.softmax_lse)[(b * p.heads_q + head) * p.seqlen_q + pos] =
               empty[r] ? -INFINITY : (m_row[r] * scale_log2 + log2f(l_row[r])) * kLn2;
         }
       }
@@ -753,17 +816,27 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, static_cast<int32_t>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), 0, 1, 0,
-      p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{}, false};
+      p, false, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
+      false};
+  // GQA packing where the glue asks for it (kernels/sm90/pack_gqa.h) and the packed rows fit
+  // in 32 bits.
+  const int64_t group = p.heads_q / p.heads_kv;
+  args.group = static_cast<int32_t>(group);
+  args.pack_gqa = p.sm90_pack_gqa && group > 1 && p.seqlen_q * group <= 0x7fffffffLL;
+  const int64_t rows_q = args.pack_gqa ? p.seqlen_q * group : p.seqlen_q;
+  const int64_t tile_heads = args.pack_gqa ? p.heads_kv : p.heads_q;
+  args.rows_q = static_cast<int32_t>(rows_q);
+  args.num_m_blocks = static_cast<int32_t>((rows_q + T::kBlockM - 1) / T::kBlockM);
   // TMA needs a 16-byte aligned address and strides (the glue's out always has them).
   auto aligned = [](int64_t size, int64_t stride) {
     return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
   };
   // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
-  // the threads store O from registers.
+  // the threads store O from registers, as they always do for packed GQA rows.
   const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
   const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
-  args.tma_store_o = !direct && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+  args.tma_store_o = !direct && !args.pack_gqa &&
+                     reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                      aligned(p.seqlen_q, p.out_row_stride) &&
                      aligned(p.heads_q, p.out_head_stride) &&
                      aligned(p.batch, p.out_batch_stride);
@@ -786,9 +859,9 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // two in one build) keeps the partial block last.
   if (T::kConsumers == 3 && p.sm90_row_shift && p.window_left < 0 && p.window_right >= 0) {
     args.row_shift = static_cast<int32_t>(
-        (static_cast<int64_t>(args.num_m_blocks) * T::kBlockM - p.seqlen_q) / 64 * 64);
+        (static_cast<int64_t>(args.num_m_blocks) * T::kBlockM - rows_q) / 64 * 64);
   }
-  const int64_t num_tiles = static_cast<int64_t>(args.num_m_blocks) * p.batch * p.heads_q;
+  const int64_t num_tiles = static_cast<int64_t>(args.num_m_blocks) * p.batch * tile_heads;
   if (num_tiles == 0) return cudaSuccess;
   if (num_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
   args.num_tiles = static_cast<int32_t>(num_tiles);
@@ -807,7 +880,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   int64_t heads = T::kConsumers == 3 ? (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1) : 1;
   if (p.heads_per_section > 0) heads = p.heads_per_section;
   args.heads_per_section =
-      static_cast<int32_t>(std::clamp<int64_t>(heads, 1, p.batch * p.heads_q));
+      static_cast<int32_t>(std::clamp<int64_t>(heads, 1, p.batch * tile_heads));
   if (args.dynamic) {
     err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
     if (err != cudaSuccess) return err;
