@@ -310,9 +310,10 @@ def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: 
     read once per group instead of once per query head).
 
     FLASH_ATTN_EXT_SM90_PACK_GQA (experimental): ``auto`` (default) packs where it needs at
-    most 3/4 of the tiles of one tile per query head (192 query rows per tile at head dim 64,
-    128 above), e.g. decoding (seqlen_q <= 16) with 4+ query heads per KV head; ``on`` packs
-    every GQA/MQA call, ``off`` none.  The same rule as csrc/kernels/sm90/pack_gqa.h and the
+    most half the tiles of one tile per query head (192 query rows per tile at head dim 64,
+    128 above), e.g. decoding and seqlen_q <= 64 with 4+ query heads per KV head (measured
+    1.03-1.95x faster there; 0.7-0.98x at seqlen_q 128-512: benchmarks/bench_gqa.py);
+    ``on`` packs every GQA/MQA call, ``off`` none.  The same rule as csrc/kernels/sm90/pack_gqa.h and the
     CUDA glue (``flash_attn_ext._C.sm90_pack_gqa`` is the compiled rule).  Raises
     ``ValueError`` for another value of the variable.
     """
@@ -328,7 +329,7 @@ def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: 
         return False
     packed = -(-seqlen_q * group // block_m)
     per_head = group * -(-seqlen_q // block_m)
-    return 4 * packed <= 3 * per_head
+    return 2 * packed <= per_head
 
 
 _packed_plans: dict = {}  # plan -> the same plan with the packed Hopper forward

@@ -24,6 +24,9 @@ def main() -> None:
         (300, 129, 2, 2, 64, 64, False, (40, 5), False, 0.0, False, 0.0),
         # More (query block, head) tiles than SMs.
         (260, 260, 40, 8, 64, 64, True, (-1, -1), True, 0.0, False, 0.0),
+        # GQA packed into shared tiles (seqlen_q * group rows; Q by cp.async, O from registers).
+        (5, 300, 16, 2, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
+        (40, 200, 12, 4, 64, 64, False, (20, 0), True, 0.0, False, 0.0),
     ]
     for L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p in cases:
         q = torch.randn(2, L, H, D, device=dev, dtype=dt)

@@ -277,7 +277,9 @@ def test_pack_gqa_rule_matches_the_compiled_one(monkeypatch):
                     (seqlen_q, heads_q, heads_kv, padded)
                 seen.add(packs)
     assert seen == {True, False}
-    assert dispatch.sm90_packs_gqa(1, 32, 4, 128)         # decoding: 1 tile instead of 8
+    assert dispatch.sm90_packs_gqa(1, 32, 4, 128)         # decoding: 1 tile instead of 4
+    assert dispatch.sm90_packs_gqa(64, 32, 4, 64)         # 2 tiles of 192 rows instead of 4
+    assert not dispatch.sm90_packs_gqa(128, 32, 4, 64)    # 3 instead of 4: measured slower
     assert not dispatch.sm90_packs_gqa(4096, 32, 4, 128)  # long rows fill their tiles
     assert not dispatch.sm90_packs_gqa(1, 8, 8, 128)      # no group to pack
     monkeypatch.setenv(dispatch.PACK_GQA_ENV, "on")

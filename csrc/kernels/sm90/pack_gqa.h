@@ -11,10 +11,13 @@ namespace flash_attn_ext::sm90 {
 // Query rows per tile: 192 at head dim 64 (three consumer warpgroups), 128 above.
 constexpr int64_t fwd_block_m(int64_t padded_head_dim) { return padded_head_dim <= 64 ? 192 : 128; }
 
-// Pack when it needs at most 3/4 of the tiles that one tile per query head needs: the tiles
-// are where the K/V reads and the fixed costs go (a packed tile loads its Q rows by cp.async
-// and stores O from registers, so a small saving does not pay).  E.g. seqlen_q <= 16 with 4 or
-// more query heads per KV head: one tile per group instead of one per head.
+// Pack when it needs at most half the tiles that one tile per query head needs: the tiles are
+// where the K/V reads and the fixed costs go.  A packed tile costs more (its consumers load Q
+// by cp.async at its start instead of finding it loaded by TMA, and store O from registers),
+// and at head dim 64 an unpacked tile with warpgroups past seqlen_q skips their work, so a
+// smaller saving does not pay.  Measured (benchmarks/bench_gqa.py, H200, groups 4 and 8,
+// S = 1k and 8k): packed/unpacked 1.5-1.95x at seqlen_q <= 16, 1.03-1.79x at 64 (half the
+// tiles or fewer); 0.69-0.98x at 128 (d = 64: 3/4 of the tiles; d = 128: as many) and 512.
 constexpr bool pack_gqa_pays(int64_t seqlen_q, int64_t heads_q, int64_t heads_kv,
                              int64_t padded_head_dim) {
   if (heads_kv <= 0 || heads_q % heads_kv != 0 || seqlen_q <= 0) return false;
@@ -22,7 +25,7 @@ constexpr bool pack_gqa_pays(int64_t seqlen_q, int64_t heads_q, int64_t heads_kv
   if (group <= 1 || seqlen_q * group > 0x7fffffffLL) return false;
   const int64_t packed = (seqlen_q * group + block_m - 1) / block_m;
   const int64_t per_head = group * ((seqlen_q + block_m - 1) / block_m);
-  return 4 * packed <= 3 * per_head;
+  return 2 * packed <= per_head;
 }
 
 }  // namespace flash_attn_ext::sm90
