@@ -196,6 +196,9 @@ struct Sm90FwdArgs {
   bool dynamic;
   typename T::TmaO tma_o;  // set when tma_store_o
   bool tma_store_o;        // out's address and strides suit TMA (else O from registers)
+  // Packed GQA with 16-byte aligned out rows: O goes through shared memory as with TMA, then
+  // the threads store whole 16-byte chunks of each row (a TMA box cannot scatter the rows).
+  bool o_row_stores;
 };
 
 // Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in sections of
@@ -540,12 +543,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // (the epilogue's shared-memory handoff to its TMA-issuing thread).
   auto warpgroup_sync = [&]() { cutlass::arch::NamedBarrier::sync(128, T::kConsumers + me); };
   const bool o_leader = ctid % 128 == 0;  // issues this warpgroup's TMA stores of O
-  // GQA packing: this warpgroup's 64 rows of the tile (rows m0 + 64 me ..) into its slice of
+  // GQA packing: this warpgroup's 64 rows of a tile (rows m0 + 64 me ..) into its slice of
   // sQ, 16 bytes per cp.async; rows past rows_q and columns past head_dim (padding) as zeros,
-  // as TMA would fill them.  Then the async proxy (wgmma) must see the writes: wait, fence,
-  // and a warpgroup barrier before the first Q K^T.  Only this warpgroup reads its slice, and
-  // it finished its previous tile's Q K^T GEMMs before, so no other barrier is needed.
-  auto load_q_packed = [&](int32_t m0, int b, int hk) {
+  // as TMA would fill them.  Issued for the next tile as soon as this warpgroup's last P V of
+  // the current one is done and the producer announced it (the epilogue then overlaps the
+  // load), else at the tile's start.  Only this warpgroup reads its slice, and it finished its
+  // Q K^T GEMMs of the previous tile before, so no other barrier is needed; finish_q_packed
+  // makes the writes visible to wgmma (the async proxy): wait, fence, warpgroup barrier.
+  auto issue_q_packed = [&](int32_t m0, int b, int hk) {
     constexpr int kChunks = kD / 8;  // 16-byte chunks per row
     const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride +
                     static_cast<int64_t>(hk) * args.group * p.q_head_stride;
@@ -562,10 +567,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0));
       }
     }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  auto finish_q_packed = [&]() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     cutlass::arch::fence_view_async_shared();
     warpgroup_sync();
   };
+  bool q_issued = false;  // packed: this tile's Q rows were requested during the previous tile
 
   typename Pipeline::PipelineState state;  // consumers start at stage 0, phase 0
   for (int iter = 0;; ++iter) {
@@ -622,7 +631,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       turn_end(true);
       pipe_v.consumer_release(prev);
     } else if (n_begin < n_end) {
-      if (args.pack_gqa) load_q_packed(m0, b, h);
+      if (args.pack_gqa) {
+        if (!q_issued) issue_q_packed(m0, b, h);
+        finish_q_packed();
+      }
       float alpha[2];
       // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
       // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
@@ -664,7 +676,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       pipe_v.consumer_release(prev);
-    } else {
+    }
+    q_issued = false;
+    if (args.pack_gqa && !idle && n_begin < n_end) {
+      // The next tile's Q rows now, so that this tile's epilogue covers their load: the
+      // producer announces the next tile once every warpgroup released this one's Q (they
+      // all issued their last Q K^T before this warpgroup's last P V), so this wait is short.
+      // (At the loop's top the same wait then returns at once.)
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, (iter + 1) & 1);
+      asm volatile("" ::: "memory");
+      const volatile auto& next_info = smem.info[(iter + 1) & 1];
+      if (next_info.tile >= 0) {
+        const int32_t next_m0 = next_info.m_block * kM - args.row_shift;
+        const bool next_idle = T::kConsumers == 3 && (next_m0 + 64 * me < 0 ||
+                                                      next_m0 + 64 * me >= args.rows_q);
+        if (!next_idle && next_info.n_begin < next_info.n_end) {
+          issue_q_packed(next_m0, next_info.b, next_info.h);
+          q_issued = true;
+        }
+      }
+    }
+    if (n_begin >= n_end) {
       release_q();  // no visible key: nothing reads Q
     }
 
@@ -689,12 +721,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                          static_cast<Element>(tOrO(i + 1) * inv_l[r])};
       return *reinterpret_cast<const uint32_t*>(pair);
     };
-    if (args.tma_store_o) {
+    // Row half r's sequence position and query head (packed: from its tile row), or false for
+    // a row past the tile's rows (rows below 0 belong to idle warpgroups, which got here not).
+    auto row_head = [&](int32_t row, int32_t& pos, int32_t& head) {
+      pos = position(row);
+      head = args.pack_gqa ? h * args.group + (row - pos * args.group) : h;
+      return row < args.rows_q;
+    };
+    if (args.tma_store_o || args.o_row_stores) {
       // This warpgroup's rows go to its own (64, kOCols) slice of smem.o, laid out as
       // SmemLayoutO (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of
       // its 128-byte row; atoms of 8 rows x 64 columns, row atoms first), then one thread
       // stores the slice with TMA, which leaves rows past seqlen_q and columns past head_dim_v
-      // alone.  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
+      // alone (packed GQA rows: the threads copy the rows out, see o_row_stores).  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
       // 8 g + 2 (lane % 4) + {0, 1} (wgmma's accumulator layout): each 4-byte store of a warp
       // lands in 8 different chunks, no bank conflict.  The byte offsets are written out by
       // hand (checked against CuTe's layout on the host) so that no per-value address stays
@@ -719,7 +758,26 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
         tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
         warpgroup_sync();
-        if (o_leader) {
+        if (args.o_row_stores) {
+          // Packed rows: each thread copies 16-byte chunks (row R's chunk k at byte
+          // R * 128 + (k / 8) * 8192 + ((k % 8) ^ (R % 8)) * 16 of the slice, as written above)
+          // to the row's (position, head) in out, whole rows per 8 or 16 neighbouring threads.
+          constexpr int kRowChunks = kOCols / 8;
+          const unsigned char* base = reinterpret_cast<const unsigned char*>(smem.o.data()) +
+                                      me * (64 * kOCols * sizeof(Element));
+#pragma unroll 1
+          for (int i = 0; i < 64 * kRowChunks / 128; ++i) {
+            const int c = ctid % 128 + 128 * i, rr = c / kRowChunks, k = c % kRowChunks;
+            const int col = chunk * kOCols + k * 8;
+            int32_t pos, head;
+            if (!row_head(m0 + 64 * me + rr, pos, head) || col >= p.head_dim_v) continue;
+            const uint4 v = *reinterpret_cast<const uint4*>(
+                base + rr * 128 + (k / 8) * 8192 + (((k % 8) ^ (rr % 8)) * 16));
+            *reinterpret_cast<uint4*>(static_cast<Element*>(p.out) + b * p.out_batch_stride +
+                                      head * p.out_head_stride + pos * p.out_row_stride +
+                                      col) = v;
+          }
+        } else if (o_leader) {
           Tensor sO =
               make_tensor(make_smem_ptr(smem.o.data()), typename T::SmemLayoutO{})(_, _, me);
           Tensor mO = args.tma_o.get_tma_tensor(
@@ -734,18 +792,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
     }
-    // Row half r's sequence position and query head (packed: from its tile row), or false for
-    // a row past the tile's rows (rows below 0 belong to idle warpgroups, which got here not).
-    auto row_head = [&](int r, int32_t& pos, int32_t& head) {
-      pos = position(row_of[r]);
-      head = args.pack_gqa ? h * args.group + (row_of[r] - pos * args.group) : h;
-      return row_of[r] < args.rows_q;
-    };
-    if (!args.tma_store_o) {
+    if (!args.tma_store_o && !args.o_row_stores) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int32_t pos, head;
-        if (!row_head(r, pos, head)) continue;
+        if (!row_head(row_of[r], pos, head)) continue;
         Element* o_row = static_cast<Element*>(p.out) + b * p.out_batch_stride +
                          head * p.out_head_stride + pos * p.out_row_stride;
 #pragma unroll
@@ -760,7 +811,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int32_t pos, head;
-        if (row_head(r, pos, head)) {
+        if (row_head(row_of[r], pos, head)) {
           static_cast<float*>(p.softmax_lse)[(b * p.heads_q + head) * p.seqlen_q + pos] =
               empty[r] ? -INFINITY : (m_row[r] * scale_log2 + log2f(l_row[r])) * kLn2;
         }
@@ -817,7 +868,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       p, false, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
-      false};
+      false, false};
   // GQA packing where the glue asks for it (kernels/sm90/pack_gqa.h) and the packed rows fit
   // in 32 bits.
   const int64_t group = p.heads_q / p.heads_kv;
@@ -832,14 +883,15 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
   };
   // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
-  // the threads store O from registers, as they always do for packed GQA rows.
+  // the threads store O from registers (packed GQA rows too).
   const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
   const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
-  args.tma_store_o = !direct && !args.pack_gqa &&
-                     reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                     aligned(p.seqlen_q, p.out_row_stride) &&
-                     aligned(p.heads_q, p.out_head_stride) &&
-                     aligned(p.batch, p.out_batch_stride);
+  const bool o_aligned = reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                        aligned(p.seqlen_q, p.out_row_stride) &&
+                        aligned(p.heads_q, p.out_head_stride) &&
+                        aligned(p.batch, p.out_batch_stride);
+  args.tma_store_o = !direct && !args.pack_gqa && o_aligned;
+  args.o_row_stores = !direct && args.pack_gqa && o_aligned;
   if (args.tma_store_o) {
     args.tma_o = make_tma_copy(SM90_TMA_STORE{},
                                gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,
