@@ -168,7 +168,8 @@ bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
   const char* env = std::getenv("FLASH_ATTN_EXT_SM90_PACK_GQA");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0)
     return sm90::pack_gqa_pays(p.seqlen_q, p.heads_q, p.heads_kv, padded_head_dim);
-  if (std::strcmp(env, "on") == 0) return p.heads_q > p.heads_kv;
+  if (std::strcmp(env, "on") == 0)
+    return p.heads_q > p.heads_kv && p.seqlen_q * (p.heads_q / p.heads_kv) <= 0x7fffffffLL;
   TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
                     "FLASH_ATTN_EXT_SM90_PACK_GQA must be 'auto', 'on' or 'off', got '", env,
                     "'");
@@ -177,6 +178,11 @@ bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
 
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (p.sm90_pack_gqa) {
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_packgqa<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_packgqa<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_packgqa<Element, 256>(p, stream);
+  }
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
   if (head_dim <= 128) return sm90::run_flash_fwd_sm90<Element, 128>(p, stream);
   return sm90::run_flash_fwd_sm90<Element, 256>(p, stream);

@@ -79,9 +79,13 @@ struct TileInfo {
   int32_t interior_begin[kConsumers], interior_end[kConsumers];
 };
 
-template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
+template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
+          bool kPackGQA_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
+  // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
+  // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
+  static constexpr bool kPackGQA = kPackGQA_;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128 or 256)
   static constexpr int kConsumers = kConsumers_;  // consumer warpgroups
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per CTA
@@ -170,13 +174,12 @@ struct Sm90FwdArgs {
   typename T::TmaKV tma_k;
   typename T::TmaKV tma_v;
   FwdParams p;
-  // GQA packing (FlashAttention-3's PackGQA): a tile holds the query rows of all `group`
-  // query heads of one KV head, tile row rho = position * group + head in group, so K and V are
-  // read once per group instead of once per query head.  Q then comes by cp.async (a TMA box
-  // cannot gather such rows with a run-time group) and O from registers.  Tiles are then
-  // (query block, batch, KV head).  rows_q: the rows a tile counts over, seqlen_q * group
-  // packed, else seqlen_q.
-  bool pack_gqa;
+  // GQA packing (T::kPackGQA; FlashAttention-3's PackGQA): a tile holds the query rows of all
+  // `group` query heads of one KV head, tile row rho = position * group + head in group, so K
+  // and V are read once per group instead of once per query head.  Q then comes by cp.async
+  // (a TMA box cannot gather such rows with a run-time group) and O through shared memory and
+  // row stores.  Tiles are then (query block, batch, KV head).  rows_q: the rows a tile counts
+  // over, seqlen_q * group packed, else seqlen_q.
   int32_t group;  // heads_q / heads_kv
   int32_t rows_q;
   int32_t num_m_blocks;
@@ -239,7 +242,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // in registers across the main loop made it spill)
   const int group = args.group;
   // The sequence position of tile row `row` (>= 0).
-  auto position = [&](int32_t row) { return args.pack_gqa ? row / args.group : row; };
+  auto position = [&](int32_t row) {
+    if constexpr (T::kPackGQA) return row / args.group;
+    return row;
+  };
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
 
@@ -306,11 +312,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         return;
       }
       // A tile's head: the KV head when packed, else the query head.
-      const int32_t tile_heads = static_cast<int32_t>(args.pack_gqa ? p.heads_kv : p.heads_q);
+      const int32_t tile_heads = static_cast<int32_t>(T::kPackGQA ? p.heads_kv : p.heads_q);
       const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section,
                                       static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
       const int b = tc.b, h = tc.h;
-      const int hk = args.pack_gqa ? h : h / group;
+      const int hk = T::kPackGQA ? h : h / group;
       // This tile's first row (negative in a partial first block: see Sm90FwdArgs::row_shift)
       // and the key tiles its existing rows' positions see.
       const int32_t m0 = tc.m_block * kM - args.row_shift;
@@ -364,7 +370,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
       }
       publish_tile(iter, info);  // released by the barrier arrive below
-      if (args.pack_gqa) {  // the consumers load their rows of Q themselves
+      if constexpr (T::kPackGQA) {  // the consumers load their rows of Q themselves
         cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q);
       } else {
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q,
@@ -631,7 +637,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       turn_end(true);
       pipe_v.consumer_release(prev);
     } else if (n_begin < n_end) {
-      if (args.pack_gqa) {
+      if constexpr (T::kPackGQA) {
         if (!q_issued) issue_q_packed(m0, b, h);
         finish_q_packed();
       }
@@ -678,7 +684,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       pipe_v.consumer_release(prev);
     }
     q_issued = false;
-    if (args.pack_gqa && !idle && n_begin < n_end) {
+    if (T::kPackGQA && !idle && n_begin < n_end) {
       // The next tile's Q rows now, so that this tile's epilogue covers their load: the
       // producer announces the next tile once every warpgroup released this one's Q (they
       // all issued their last Q K^T before this warpgroup's last P V), so this wait is short.
@@ -725,15 +731,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // a row past the tile's rows (rows below 0 belong to idle warpgroups, which got here not).
     auto row_head = [&](int32_t row, int32_t& pos, int32_t& head) {
       pos = position(row);
-      head = args.pack_gqa ? h * args.group + (row - pos * args.group) : h;
+      head = T::kPackGQA ? h * args.group + (row - pos * args.group) : h;
       return row < args.rows_q;
     };
-    if (args.tma_store_o || args.o_row_stores) {
+    // (Each instantiation has one of the two shared-memory paths.)
+    const bool tma_store_o = !T::kPackGQA && args.tma_store_o;
+    const bool o_row_stores = T::kPackGQA && args.o_row_stores;
+    if (tma_store_o || o_row_stores) {
       // This warpgroup's rows go to its own (64, kOCols) slice of smem.o, laid out as
       // SmemLayoutO (128-byte swizzle: row r's 16-byte chunk k sits at chunk k ^ (r % 8) of
       // its 128-byte row; atoms of 8 rows x 64 columns, row atoms first), then one thread
       // stores the slice with TMA, which leaves rows past seqlen_q and columns past head_dim_v
-      // alone (packed GQA rows: the threads copy the rows out, see o_row_stores).  Thread (warp w, lane) holds rows 16 w + lane / 4 + 8 half and columns
+      // alone (packed GQA rows: the threads copy the rows out, see o_row_stores).  Thread (warp
+      // w, lane) holds rows 16 w + lane / 4 + 8 half and columns
       // 8 g + 2 (lane % 4) + {0, 1} (wgmma's accumulator layout): each 4-byte store of a warp
       // lands in 8 different chunks, no bank conflict.  The byte offsets are written out by
       // hand (checked against CuTe's layout on the host) so that no per-value address stays
@@ -758,7 +768,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
         tma_store_fence();  // the generic-proxy smem writes before the TMA (async proxy) read
         warpgroup_sync();
-        if (args.o_row_stores) {
+        if (o_row_stores) {
           // Packed rows: each thread copies 16-byte chunks (row R's chunk k at byte
           // R * 128 + (k / 8) * 8192 + ((k % 8) ^ (R % 8)) * 16 of the slice, as written above)
           // to the row's (position, head) in out, whole rows per 8 or 16 neighbouring threads.
@@ -792,7 +802,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
     }
-    if (!args.tma_store_o && !args.o_row_stores) {
+    if (!tma_store_o && !o_row_stores) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int32_t pos, head;
@@ -867,15 +877,16 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, false, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
+      p, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
       false, false};
   // GQA packing where the glue asks for it (kernels/sm90/pack_gqa.h) and the packed rows fit
   // in 32 bits.
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
-  args.pack_gqa = p.sm90_pack_gqa && group > 1 && p.seqlen_q * group <= 0x7fffffffLL;
-  const int64_t rows_q = args.pack_gqa ? p.seqlen_q * group : p.seqlen_q;
-  const int64_t tile_heads = args.pack_gqa ? p.heads_kv : p.heads_q;
+  constexpr bool pack = T::kPackGQA;
+  if (pack && (group <= 1 || p.seqlen_q * group > 0x7fffffffLL)) return cudaErrorInvalidValue;
+  const int64_t rows_q = pack ? p.seqlen_q * group : p.seqlen_q;
+  const int64_t tile_heads = pack ? p.heads_kv : p.heads_q;
   args.rows_q = static_cast<int32_t>(rows_q);
   args.num_m_blocks = static_cast<int32_t>((rows_q + T::kBlockM - 1) / T::kBlockM);
   // TMA needs a 16-byte aligned address and strides (the glue's out always has them).
@@ -890,8 +901,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                         aligned(p.seqlen_q, p.out_row_stride) &&
                         aligned(p.heads_q, p.out_head_stride) &&
                         aligned(p.batch, p.out_batch_stride);
-  args.tma_store_o = !direct && !args.pack_gqa && o_aligned;
-  args.o_row_stores = !direct && args.pack_gqa && o_aligned;
+  args.tma_store_o = !direct && !pack && o_aligned;
+  args.o_row_stores = !direct && pack && o_aligned;
   if (args.tma_store_o) {
     args.tma_o = make_tma_copy(SM90_TMA_STORE{},
                                gmem(p.out, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch,

@@ -32,4 +32,10 @@ constexpr int fwd_consumers() {
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 
+// The same with the query heads of each GQA group packed into shared tiles (pack_gqa.h says
+// when; heads_q > heads_kv and seqlen_q * group < 2^31 or cudaErrorInvalidValue), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_packgqa.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_packgqa(const FwdParams& p, cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90
