@@ -235,15 +235,20 @@ def test_cuda_plan_by_gpu_and_build(monkeypatch, cap, sm90, kernel, text):
     assert dispatch.plan(q, q, q) is p  # eager CUDA plans are computed once per key
 
 
-def test_cuda_plan_cache_keys(monkeypatch):
-    # What the cached CUDA plan depends on is in its key: the kernel variable, softcap/mask/
-    # dropout ("general"), the dtype; a stride-0 (broadcast) input is planned afresh.
+def _pretend_hopper(monkeypatch):
+    """plan() as on an H200 with a build that has the Hopper kernels, from an empty cache."""
     monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: 232448)
     monkeypatch.setattr(dispatch.ops, "build_info",
                         lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": True})
     monkeypatch.setattr(dispatch, "_cuda_plans", {})
     monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+
+
+def test_cuda_plan_cache_keys(monkeypatch):
+    # What the cached CUDA plan depends on is in its key: the kernel variable, softcap/mask/
+    # dropout ("general"), the dtype; a stride-0 (broadcast) input is planned afresh.
+    _pretend_hopper(monkeypatch)
     q = _CudaLike((2, 100, 4, 128))
     assert dispatch.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
     assert dispatch.plan(q, q, q, general=True).kernel == "sm80_fwd_hdim128_bf16"
@@ -294,12 +299,7 @@ def test_pack_gqa_rule_matches_the_compiled_one(monkeypatch):
 def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     # A decoding-shaped GQA call on sm_90 is planned as the packed Hopper forward; the same
     # heads at a long seqlen_q, or without GQA, are not; the sm80 forward never packs.
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: 232448)
-    monkeypatch.setattr(dispatch.ops, "build_info",
-                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": True})
-    monkeypatch.setattr(dispatch, "_cuda_plans", {})
-    monkeypatch.delenv("FLASH_ATTN_EXT_KERNEL", raising=False)
+    _pretend_hopper(monkeypatch)
     monkeypatch.delenv(dispatch.PACK_GQA_ENV, raising=False)
     q1, q2k, k = _CudaLike((2, 1, 32, 64)), _CudaLike((2, 2048, 32, 64)), _CudaLike((2, 9, 4, 64))
     p = dispatch.plan(q1, k, k)

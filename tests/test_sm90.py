@@ -23,6 +23,17 @@ def rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
+def check_forward(out, lse, low_out, true_out, true_lse, what):
+    """out within the error rule against the fp32 reference (at most 2x the error of the same
+    computation in the low precision, ``low_out``); the LSE finite exactly where the
+    reference's is, and within 1e-2 of it there."""
+    assert_error_rule(out, low_out, true_out.double(), 2.0, what)
+    finite = torch.isfinite(true_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+
+
 @pytest.mark.parametrize("head_dim,padded", [(40, 64), (64, 64), (72, 128), (128, 128),
                                              (200, 256), (256, 256)])
 def test_plan_names_the_hopper_forward(head_dim, padded):
@@ -80,11 +91,7 @@ def test_hopper_and_portable_forward_both_meet_the_error_rule(
     for choice in ("auto", "sm80"):
         monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", choice)
         out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
-        assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({choice})")
-        finite = torch.isfinite(true_lse)
-        assert torch.equal(torch.isfinite(lse), finite)
-        if finite.any():
-            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+        check_forward(out, lse, low_out, true_out, true_lse, f"out ({choice})")
         outs[choice] = out
     # Same inputs, two kernels, two summation orders: close, not bitwise equal.
     assert (outs["auto"].float() - outs["sm80"].float()).abs().max().item() < 0.05
@@ -147,10 +154,7 @@ def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, epilogue, 
     low_out, _ = attention_ref(q, k, v, compute_dtype=torch.bfloat16, **kw)
     for _ in range(2):  # the same result twice
         out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
-        assert_error_rule(out, low_out, true_out.double(), 2.0, "out")
-        finite = torch.isfinite(true_lse)
-        assert torch.equal(torch.isfinite(lse), finite)
-        assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+        check_forward(out, lse, low_out, true_out, true_lse, "out")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -223,10 +227,7 @@ def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seq
         for schedule in ("dynamic", "static"):
             monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
             out, lse, _ = ops.fwd(q, k, v, None, True, -1, -1, bottom_right)
-            assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({shift}, {schedule})")
-            finite = torch.isfinite(true_lse)
-            assert torch.equal(torch.isfinite(lse), finite)
-            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+            check_forward(out, lse, low_out, true_out, true_lse, f"out ({shift}, {schedule})")
             results[shift, schedule] = out, lse
     out, lse = results["auto", "dynamic"]
     for key, (out2, lse2) in results.items():
@@ -272,11 +273,7 @@ def test_packed_gqa_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k,
         kernel = dispatch.plan(q, k, v).kernel
         assert kernel.startswith("sm90") and kernel.endswith("_packgqa") == (pack == "on")
         out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
-        assert_error_rule(out, low_out, true_out.double(), 2.0, f"out (pack {pack})")
-        finite = torch.isfinite(true_lse)
-        assert torch.equal(torch.isfinite(lse), finite)
-        if finite.any():
-            assert (lse[finite] - true_lse[finite]).abs().max().item() < 1e-2
+        check_forward(out, lse, low_out, true_out, true_lse, f"out (pack {pack})")
         results[pack] = out, lse
     assert torch.equal(results["on"][0], results["off"][0])
     assert torch.equal(results["on"][1], results["off"][1])

@@ -40,6 +40,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "kernels/sm80/launch.h"
+#include "kernels/sm90/flash_fwd_sm90_launch.h"
 #include "mask.h"
 #include "params.h"
 
@@ -950,6 +951,15 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   }
   const int64_t ctas = std::min<int64_t>(num_tiles, p.max_ctas > 0 ? p.max_ctas : sms);
   return sm80::launch(flash_fwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
+}
+
+// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa].cu) launches: the traits of
+// head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA packing.
+template <typename CudaElement, int kHeadDim, bool kPackGQA>
+cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
+  return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
+                                             fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim>(),
+                                             kPackGQA>>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

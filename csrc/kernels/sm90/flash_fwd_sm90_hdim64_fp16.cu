@@ -1,14 +1,11 @@
 // Hopper forward instantiation: head dim 64, fp16.
 #include "kernels/sm90/flash_fwd_sm90.cuh"
-#include "kernels/sm90/flash_fwd_sm90_launch.h"
 
 namespace flash_attn_ext::sm90 {
 
 template <>
 cudaError_t run_flash_fwd_sm90<__half, 64>(const FwdParams& p, cudaStream_t stream) {
-  using Traits = Sm90FwdTraits<__half, 64, fwd_block_n<64>(), fwd_stages<64>(),
-                               fwd_consumers<64>()>;
-  return launch_flash_fwd_sm90<Traits>(p, stream);
+  return launch_flash_fwd_sm90_hdim<__half, 64, /*kPackGQA=*/false>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90
