@@ -245,6 +245,9 @@ def _sm90_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, general: b
         why.append("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel")
     if q.shape[1] == 0 or k.shape[1] == 0:
         why.append("an empty sequence")
+    if max(q.shape[1], k.shape[1]) > SM90_MAX_ROWS:
+        why.append(f"seqlen_q={q.shape[1]}, seqlen_k={k.shape[1]}: the Hopper kernel's row "
+                   f"arithmetic is 32-bit (at most {SM90_MAX_ROWS})")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # A broadcast (stride-0) dimension that the glue passes through as it is (it copies
         # tensors whose strides are not multiples of 8 elements) cannot be described to TMA.
@@ -279,15 +282,16 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device == "cuda":
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if torch.compiler.is_compiling():
-            return _with_packing(
-                _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index),
-                q, k, cache=False)
+            # (not renamed for packing here: that would guard the graph on seqlen_q; the
+            # compiled call does not record its plan either)
+            return _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index)
         # Eager calls: the plan depends on the tensors only through what the key holds (the
         # stride rule only when some stride is 0), so it is computed once per key.
         broadcast = 0 in q.stride() or 0 in k.stride() or 0 in v.stride()
         key = (index, q_dtype, q.shape[-1], v.shape[-1], general,
                softmax_scale if softmax_scale is not None and softmax_scale <= 0 else None,
-               os.environ.get(KERNEL_ENV, ""), q.shape[1] == 0 or k.shape[1] == 0)
+               os.environ.get(KERNEL_ENV, ""), q.shape[1] == 0 or k.shape[1] == 0,
+               max(q.shape[1], k.shape[1]) > SM90_MAX_ROWS)
         cached = None if broadcast else _cuda_plans.get(key)
         if cached is None:
             cached = _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim,
@@ -302,6 +306,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
 
 PACK_GQA_ENV = "FLASH_ATTN_EXT_SM90_PACK_GQA"
+SM90_MAX_ROWS = 0x7FFFFFFF - 256  # csrc/kernels/sm90/pack_gqa.h, kMaxRows
 
 
 def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: int) -> bool:
@@ -321,10 +326,10 @@ def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: 
     value = os.environ.get(PACK_GQA_ENV, "")
     if value not in ("", "auto", "on", "off"):
         raise ValueError(f"{PACK_GQA_ENV} must be 'auto', 'on' or 'off', got {value!r}")
-    if value == "off" or heads_kv <= 0 or heads_q % heads_kv or heads_q == heads_kv:
+    if value == "off" or heads_kv <= 0 or heads_q % heads_kv:
         return False
     group, block_m = heads_q // heads_kv, 192 if padded_head_dim <= 64 else 128
-    if seqlen_q <= 0 or seqlen_q * group > 0x7FFFFFFF:  # packed rows must fit in 32 bits
+    if group <= 1 or seqlen_q <= 0 or seqlen_q * group > SM90_MAX_ROWS:  # 32-bit packed rows
         return False
     if value == "on":
         return True
@@ -336,19 +341,16 @@ def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: 
 _packed_plans: dict = {}  # plan -> the same plan with the packed Hopper forward
 
 
-def _with_packing(p: Plan, q: torch.Tensor, k: torch.Tensor, cache: bool = True) -> Plan:
-    """``p``, with the Hopper forward named ``..._packgqa`` where it packs GQA query heads
-    (``cache``: False while torch.compile traces, which must not write module globals)."""
+def _with_packing(p: Plan, q: torch.Tensor, k: torch.Tensor) -> Plan:
+    """``p``, with the Hopper forward named ``..._packgqa`` where it packs GQA query heads."""
     if not p.kernel.startswith("sm90_fwd"):
         return p
     padded = int(p.kernel.split("_hdim")[1].split("_")[0])
     if not sm90_packs_gqa(q.shape[1], q.shape[2], k.shape[2], padded):
         return p
-    packed = _packed_plans.get(p) if cache else None
+    packed = _packed_plans.get(p)
     if packed is None:
-        packed = dataclasses.replace(p, kernel=p.kernel + "_packgqa")
-        if cache:
-            _packed_plans[p] = packed
+        packed = _packed_plans[p] = dataclasses.replace(p, kernel=p.kernel + "_packgqa")
     return packed
 
 

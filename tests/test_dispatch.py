@@ -210,7 +210,7 @@ class _CudaLike:
 
     def __init__(self, shape, dtype=torch.bfloat16):
         self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
-        self._strides = torch.empty(shape).stride()
+        self._strides = torch.empty(shape, device="meta").stride()
 
     def stride(self, i=None):
         return self._strides if i is None else self._strides[i]
@@ -273,9 +273,10 @@ def test_pack_gqa_rule_matches_the_compiled_one(monkeypatch):
     # (csrc/kernels/sm90/pack_gqa.h, exposed as _C.sm90_pack_gqa) agree everywhere.
     monkeypatch.delenv(dispatch.PACK_GQA_ENV, raising=False)
     seen = set()
-    for seqlen_q in (1, 2, 16, 17, 47, 48, 95, 127, 128, 129, 191, 192, 193, 500, 1000, 4096):
+    for seqlen_q in (1, 2, 16, 17, 47, 48, 95, 127, 128, 129, 191, 192, 193, 500, 1000, 4096,
+                     dispatch.SM90_MAX_ROWS // 8, dispatch.SM90_MAX_ROWS // 8 + 1):
         for heads_q, heads_kv in ((8, 8), (8, 4), (12, 4), (32, 4), (32, 8), (16, 1), (6, 4),
-                                  (40, 8), (64, 2)):
+                                  (40, 8), (64, 2), (0, 4)):
             for padded in (64, 128, 256):
                 packs = dispatch.sm90_packs_gqa(seqlen_q, heads_q, heads_kv, padded)
                 assert packs == ops._C.sm90_pack_gqa(seqlen_q, heads_q, heads_kv, padded), \
@@ -311,6 +312,12 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert dispatch.plan(q1, k, k, general=True).kernel == "sm80_fwd_hdim64_bf16"
     monkeypatch.setenv(dispatch.PACK_GQA_ENV, "off")
     assert dispatch.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
+    # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason
+    # (planned afresh, not from the cached plan of the same dtype and head dim).
+    huge = _CudaLike((1, dispatch.SM90_MAX_ROWS + 1, 1, 64))
+    p = dispatch.plan(huge, huge, huge)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "32-bit" in str(p)
+    assert dispatch.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
 
 
 @pytest.mark.parametrize("cap,smem,head_dim,general,text", [

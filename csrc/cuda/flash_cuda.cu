@@ -17,11 +17,11 @@
 #include "dropout.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
+#include "kernels/sm90/pack_gqa.h"  // plain C++: the Hopper forward's limits and packing rule
 #ifdef FLASH_ATTN_EXT_SM90
 #include <cstdlib>
 
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
-#include "kernels/sm90/pack_gqa.h"
 #endif
 
 namespace flash_attn_ext::cuda {
@@ -110,6 +110,7 @@ bool use_sm90_fwd(const FwdParams& p) {
   if (force_portable()) return false;  // checked on every sm_90 call, as dispatch.py does
   if (p.general()) return false;
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return false;
+  if (p.seqlen_q > sm90::kMaxRows || p.seqlen_k > sm90::kMaxRows) return false;  // 32-bit rows
   auto broadcast = [](int64_t size, int64_t stride) { return size > 1 && stride == 0; };
   return !(broadcast(p.batch, p.q_batch_stride) || broadcast(p.batch, p.k_batch_stride) ||
            broadcast(p.batch, p.v_batch_stride) || broadcast(p.heads_q, p.q_head_stride) ||
@@ -169,7 +170,7 @@ bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0)
     return sm90::pack_gqa_pays(p.seqlen_q, p.heads_q, p.heads_kv, padded_head_dim);
   if (std::strcmp(env, "on") == 0)
-    return p.heads_q > p.heads_kv && p.seqlen_q * (p.heads_q / p.heads_kv) <= 0x7fffffffLL;
+    return p.heads_q > p.heads_kv && p.seqlen_q * (p.heads_q / p.heads_kv) <= sm90::kMaxRows;
   TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
                     "FLASH_ATTN_EXT_SM90_PACK_GQA must be 'auto', 'on' or 'off', got '", env,
                     "'");

@@ -41,6 +41,7 @@
 
 #include "kernels/sm80/launch.h"
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
+#include "kernels/sm90/pack_gqa.h"
 #include "mask.h"
 #include "params.h"
 
@@ -885,7 +886,10 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;
-  if (pack && (group <= 1 || p.seqlen_q * group > 0x7fffffffLL)) return cudaErrorInvalidValue;
+  // 32-bit rows and keys (kMaxRows, pack_gqa.h; the glue keeps longer calls off this kernel).
+  const int64_t rows_max = pack ? p.seqlen_q * group : p.seqlen_q;
+  if ((pack && group <= 1) || rows_max > kMaxRows || p.seqlen_k > kMaxRows)
+    return cudaErrorInvalidValue;
   const int64_t rows_q = pack ? p.seqlen_q * group : p.seqlen_q;
   const int64_t tile_heads = pack ? p.heads_kv : p.heads_q;
   args.rows_q = static_cast<int32_t>(rows_q);

@@ -11,6 +11,11 @@ namespace flash_attn_ext::sm90 {
 // Query rows per tile: 192 at head dim 64 (three consumer warpgroups), 128 above.
 constexpr int64_t fwd_block_m(int64_t padded_head_dim) { return padded_head_dim <= 64 ? 192 : 128; }
 
+// The Hopper forward's row and key arithmetic is 32-bit: a tile's rows, padded up to whole
+// tiles, and the keys must stay below 2^31.  Longer sequences (or packed rows) are refused
+// (the portable kernel serves them; explain() says so).
+constexpr int64_t kMaxRows = 0x7fffffffLL - 256;
+
 // Pack when it needs at most half the tiles that one tile per query head needs: the tiles are
 // where the K/V reads and the fixed costs go.  A packed tile costs more (its consumers load Q
 // by cp.async at its start instead of finding it loaded by TMA, and store O from registers),
@@ -22,7 +27,7 @@ constexpr bool pack_gqa_pays(int64_t seqlen_q, int64_t heads_q, int64_t heads_kv
                              int64_t padded_head_dim) {
   if (heads_kv <= 0 || heads_q % heads_kv != 0 || seqlen_q <= 0) return false;
   const int64_t group = heads_q / heads_kv, block_m = fwd_block_m(padded_head_dim);
-  if (group <= 1 || seqlen_q * group > 0x7fffffffLL) return false;
+  if (group <= 1 || seqlen_q * group > kMaxRows) return false;
   const int64_t packed = (seqlen_q * group + block_m - 1) / block_m;
   const int64_t per_head = group * ((seqlen_q + block_m - 1) / block_m);
   return 2 * packed <= per_head;
