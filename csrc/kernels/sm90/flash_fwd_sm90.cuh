@@ -881,16 +881,14 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       p, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
       false, false};
-  // GQA packing where the glue asks for it (kernels/sm90/pack_gqa.h) and the packed rows fit
-  // in 32 bits.
+  // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
+  // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;
-  // 32-bit rows and keys (kMaxRows, pack_gqa.h; the glue keeps longer calls off this kernel).
-  const int64_t rows_max = pack ? p.seqlen_q * group : p.seqlen_q;
-  if ((pack && group <= 1) || rows_max > kMaxRows || p.seqlen_k > kMaxRows)
-    return cudaErrorInvalidValue;
   const int64_t rows_q = pack ? p.seqlen_q * group : p.seqlen_q;
+  if ((pack && group <= 1) || rows_q > kMaxRows || p.seqlen_k > kMaxRows)
+    return cudaErrorInvalidValue;
   const int64_t tile_heads = pack ? p.heads_kv : p.heads_q;
   args.rows_q = static_cast<int32_t>(rows_q);
   args.num_m_blocks = static_cast<int32_t>((rows_q + T::kBlockM - 1) / T::kBlockM);
