@@ -170,7 +170,7 @@ bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0)
     return sm90::pack_gqa_pays(p.seqlen_q, p.heads_q, p.heads_kv, padded_head_dim);
   if (std::strcmp(env, "on") == 0)
-    return p.heads_q > p.heads_kv && p.seqlen_q * (p.heads_q / p.heads_kv) <= sm90::kMaxRows;
+    return sm90::pack_gqa_possible(p.seqlen_q, p.heads_q, p.heads_kv);
   TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
                     "FLASH_ATTN_EXT_SM90_PACK_GQA must be 'auto', 'on' or 'off', got '", env,
                     "'");
