@@ -102,6 +102,18 @@ struct Sm90FwdTraits {
   static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kHeadDim == 128 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kHeadDim == 128 ? 232 : 240;
   static_assert(kConsumers == 2 || kConsumers == 3, "");
+  // The softmax's instruction schedule, which ptxas makes differently per head dim, so chosen
+  // per head dim from a same-call A/B (NOTES, session 13): whether a thread's two rows go
+  // through the softmax together or one after the other, in how many independent chains each
+  // row's max and sum run, and whether the wait for the previous key tile's P V is pinned after
+  // the softmax (else ptxas hoists it before the max, so the softmax no longer overlaps that
+  // GEMM).  Head dim 64: together, 4 chains, wait not pinned (+0..+6% over one chain per row;
+  // pinned it measured -4% at L = 1k).  128: together, 4 chains, pinned (+3..+5% at L >= 4k).
+  // 256: rows one after the other, one chain (the other schedules measured -1..-6% there).
+  static constexpr bool kSoftmaxRowsTogether = kHeadDim <= 128;
+  static constexpr int kSoftmaxChains = kHeadDim <= 128 ? 4 : 1;
+  static constexpr bool kWaitPvAfterSoftmax = kHeadDim == 128;
+
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
                     kThreads * (65536 / kThreads / 8 * 8), "");
   static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows need head dims in multiples of 64");
@@ -220,6 +232,17 @@ __device__ __forceinline__ TileCoord tile_coord(int32_t tile, int32_t num_m_bloc
   const int32_t heads_here = min(heads_per_section, batch_heads - section * heads_per_section);
   const int32_t bh = section * heads_per_section + in_section % heads_here;
   return {num_m_blocks - 1 - in_section / heads_here, bh / heads_q, bh % heads_q};
+}
+
+// A row's kChains partial maxima (max) or sums (!max) combined pairwise.
+template <int kChains>
+__device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
+#pragma unroll
+  for (int w = 1; w < kChains; w *= 2)
+#pragma unroll
+    for (int j = 0; j + w < kChains; j += 2 * w)
+      x[j] = max ? fmaxf(x[j], x[j + w]) : x[j] + x[j + w];
+  return x[0];
 }
 
 // Persistent: gridDim.x CTAs (at most one per SM) loop over tiles of 64 * kConsumers query rows.
@@ -435,13 +458,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto s_col = [](int c) { return (c & 1) + 8 * (c >> 1); };  // see s_index
 
   // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32); returns the
-  // rescale factors exp2(m_old - m_new) of O's two rows.
-  auto softmax_step = [&](int n_block, float (&alpha)[2]) {
+  // rescale factors exp2(m_old - m_new) of O's two rows.  Rows [r0, r1) go through each phase
+  // (mask, max, exp2 and sum) together, each row's max and sum as kSoftmaxChains independent
+  // partial chains (see Sm90FwdTraits: the schedule ptxas makes of it differs per head dim).
+  // Max is exact in any order; a chained sum rounds differently from a left-to-right one, at
+  // the level of fp32 rounding.
+  constexpr int kChains = T::kSoftmaxChains;
+  static_assert(kSVals / 2 % kChains == 0, "");
+  auto softmax_rows = [&](auto r0_, auto r1_, int n_block, float (&alpha)[2]) {
+    constexpr int r0 = decltype(r0_)::value, r1 = decltype(r1_)::value;
     const int32_t col0 = n_block * kN;
-    const bool need_mask = col0 < interior_begin || col0 + kN > interior_end;
+    if (col0 < interior_begin || col0 + kN > interior_end) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (need_mask) {
+      for (int r = r0; r < r1; ++r) {
         // Compared with the columns' compile-time offsets: one ISETP and one FSEL per value
         // for the right bound (causal), one more only where a left window bound falls inside.
         const int32_t lo = key_lo[r] - col0, hi = key_hi[r] - col0;
@@ -457,35 +486,58 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           }
         }
       }
-      float mx = -INFINITY;
+    }
+    float part[2][kChains], mx[2], m_scaled[2];
 #pragma unroll
-      for (int c = 0; c < kSVals / 2; ++c) mx = fmaxf(mx, tSrS(s_index(r, c)));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    for (int c = 0; c < kSVals / 2; ++c)
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
+        const float x = tSrS(s_index(r, c));
+        part[r][c % kChains] = c < kChains ? x : fmaxf(part[r][c % kChains], x);
+      }
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = combine_chains<kChains>(part[r], true);
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+#pragma unroll
+    for (int r = r0; r < r1; ++r) {
       // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
       // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
       // O and l always share one reference, so O / l and the LSE stay exact, and most key
       // tiles leave O unscaled.  True for m_old = -inf < mx; false (NaN) while both are -inf.
       const float m_old = m_row[r];
-      const bool raise = (mx - m_old) * scale_log2 > kRescaleLog2;
-      const float m_new = raise ? mx : m_old;
+      const bool raise = (mx[r] - m_old) * scale_log2 > kRescaleLog2;
+      const float m_new = raise ? mx[r] : m_old;
       // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-      alpha[r] = raise ? exp2f(m_old * scale_log2 - m_scaled) : 1.f;  // 0 if m_old = -inf
+      m_scaled[r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      alpha[r] = raise ? exp2f(m_old * scale_log2 - m_scaled[r]) : 1.f;  // 0 if m_old = -inf
       m_row[r] = m_new;
-      float sum = 0.f;
+    }
 #pragma unroll
-      for (int c = 0; c < kSVals / 2; ++c) {
+    for (int c = 0; c < kSVals / 2; ++c)
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
         const int i = s_index(r, c);
-        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled));
-        sum += tSrS(i);
+        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled[r]));
+        part[r][c % kChains] = c < kChains ? tSrS(i) : part[r][c % kChains] + tSrS(i);
       }
-      l_row[r] = l_row[r] * alpha[r] + sum;
+#pragma unroll
+    for (int r = r0; r < r1; ++r)
+      l_row[r] = l_row[r] * alpha[r] + combine_chains<kChains>(part[r], false);
+  };
+  auto softmax_step = [&](int n_block, float (&alpha)[2]) {
+    if constexpr (T::kSoftmaxRowsTogether) {
+      softmax_rows(Int<0>{}, Int<2>{}, n_block, alpha);
+    } else {
+      softmax_rows(Int<0>{}, Int<1>{}, n_block, alpha);
+      softmax_rows(Int<1>{}, Int<2>{}, n_block, alpha);
     }
   };
-  auto rescale_o = [&](const float (&alpha)[2]) {
+  auto rescale_o = [&](const float (&alpha)[2], bool vote) {
     // Skipped by the whole warp when none of its rows moved its reference max.
-    if (!__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+    if (vote && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -669,10 +721,25 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         pipe_k.consumer_release(state);
         if (n_block + 1 == n_end) release_q();
         softmax_step(n_block, alpha);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        pipe_v.consumer_release(prev);
-        rescale_o(alpha);
+        if constexpr (T::kWaitPvAfterSoftmax) {
+          // The P V wait in both arms of the rescale branch: ptxas then keeps it after the
+          // softmax (it hoists the wait to the start of its basic block, which would otherwise
+          // begin after the mask branch, before the max).
+          if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            rescale_o(alpha, false);
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+          }
+          pipe_v.consumer_release(prev);
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          pipe_v.consumer_release(prev);
+          rescale_o(alpha, true);
+        }
         convert_p();
         prev = state;
         ++state;
