@@ -103,13 +103,14 @@ struct Sm90FwdTraits {
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kHeadDim == 128 ? 232 : 240;
   static_assert(kConsumers == 2 || kConsumers == 3, "");
   // The softmax's instruction schedule, which ptxas makes differently per head dim, so chosen
-  // per head dim from a same-call A/B (NOTES, session 13): whether a thread's two rows go
+  // per head dim from same-call A/Bs (NOTES, session 13): whether a thread's two rows go
   // through the softmax together or one after the other, in how many independent chains each
   // row's max and sum run, and whether the wait for the previous key tile's P V is pinned after
   // the softmax (else ptxas hoists it before the max, so the softmax no longer overlaps that
-  // GEMM).  Head dim 64: together, 4 chains, wait not pinned (+0..+6% over one chain per row;
-  // pinned it measured -4% at L = 1k).  128: together, 4 chains, pinned (+3..+5% at L >= 4k).
-  // 256: rows one after the other, one chain (the other schedules measured -1..-6% there).
+  // GEMM).  Against rows one after the other with one chain: head dim 64, together, 4 chains,
+  // not pinned: +2% at L = 1k, +1..+12% at 4k, +4..+6% at 16k (pinned: -4% at 1k).  128,
+  // together, 4 chains, pinned: +3..+6% at 4k-16k, -1..-3% at 1k without a mask.  256 keeps
+  // rows one after the other with one chain (the other schedules measured -1..-6% there).
   static constexpr bool kSoftmaxRowsTogether = kHeadDim <= 128;
   static constexpr int kSoftmaxChains = kHeadDim <= 128 ? 4 : 1;
   static constexpr bool kWaitPvAfterSoftmax = kHeadDim == 128;
@@ -445,7 +446,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{});
   static_assert(size(tOrP) == kSVals, "");
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  constexpr float kRescaleLog2 = 8.f;  // see softmax_step
+  constexpr float kRescaleLog2 = 8.f;  // see softmax_rows
 
   // Per-tile state.  Rows, columns and key bounds fit in 32 bits (TMA's shapes are int32);
   // keeping them 32-bit frees registers for the accumulators.  Keys [key_lo[r], key_hi[r]) are
@@ -535,9 +536,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       softmax_rows(Int<1>{}, Int<2>{}, n_block, alpha);
     }
   };
-  auto rescale_o = [&](const float (&alpha)[2], bool vote) {
+  auto rescale_o = [&](const float (&alpha)[2]) {
     // Skipped by the whole warp when none of its rows moved its reference max.
-    if (vote && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+    if (!__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -722,23 +723,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (n_block + 1 == n_end) release_q();
         softmax_step(n_block, alpha);
         if constexpr (T::kWaitPvAfterSoftmax) {
-          // The P V wait in both arms of the rescale branch: ptxas then keeps it after the
-          // softmax (it hoists the wait to the start of its basic block, which would otherwise
-          // begin after the mask branch, before the max).
-          if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
+          // ptxas hoists a wgmma wait to the start of its basic block.  Written plainly here,
+          // that block begins after the mask branch, before the max, so the softmax would not
+          // overlap this P V.  A branch right here, with the wait in both arms, keeps the wait
+          // after the softmax.  Its condition must be the same for the whole warpgroup
+          // (wgmma.wait_group is .aligned: all 128 threads must execute the same instruction),
+          // and ptxas must not know its value: num_tiles > 0, which is true for every tile.
+          if (args.num_tiles > 0) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
-            rescale_o(alpha, false);
+            pipe_v.consumer_release(prev);
+            rescale_o(alpha);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
+            pipe_v.consumer_release(prev);
           }
-          pipe_v.consumer_release(prev);
         } else {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           pipe_v.consumer_release(prev);
-          rescale_o(alpha, true);
+          rescale_o(alpha);
         }
         convert_p();
         prev = state;
