@@ -536,9 +536,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       softmax_rows(Int<1>{}, Int<2>{}, n_block, alpha);
     }
   };
-  auto rescale_o = [&](const float (&alpha)[2]) {
-    // Skipped by the whole warp when none of its rows moved its reference max.
-    if (!__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+  // O *= alpha per row; with `vote`, skipped by the whole warp when none of its rows moved its
+  // reference max (the caller without it has taken that vote).
+  auto rescale_o = [&](const float (&alpha)[2], bool vote) {
+    if (vote && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -729,11 +730,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           // after the softmax.  Its condition must be the same for the whole warpgroup
           // (wgmma.wait_group is .aligned: all 128 threads must execute the same instruction),
           // and ptxas must not know its value: num_tiles > 0, which is true for every tile.
+          // (The warp's rescale vote comes first, so that it runs with the softmax.)
+          const bool rescale = __any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f);
           if (args.num_tiles > 0) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             pipe_v.consumer_release(prev);
-            rescale_o(alpha);
+            if (rescale) rescale_o(alpha, false);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
@@ -743,7 +746,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           pipe_v.consumer_release(prev);
-          rescale_o(alpha);
+          rescale_o(alpha, true);
         }
         convert_p();
         prev = state;
