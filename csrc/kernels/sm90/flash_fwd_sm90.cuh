@@ -488,13 +488,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
     }
+    // A chain starts at its first value; a single chain starts from -inf and 0 instead (one
+    // FMNMX and one FADD more per row, the schedule measured for it, as before session 13).
     float part[2][kChains], mx[2], m_scaled[2];
 #pragma unroll
     for (int c = 0; c < kSVals / 2; ++c)
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
         const float x = tSrS(s_index(r, c));
-        part[r][c % kChains] = c < kChains ? x : fmaxf(part[r][c % kChains], x);
+        const float first = kChains > 1 ? x : fmaxf(-INFINITY, x);
+        part[r][c % kChains] = c < kChains ? first : fmaxf(part[r][c % kChains], x);
       }
 #pragma unroll
     for (int r = r0; r < r1; ++r) mx[r] = combine_chains<kChains>(part[r], true);
@@ -522,7 +525,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int r = r0; r < r1; ++r) {
         const int i = s_index(r, c);
         tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled[r]));
-        part[r][c % kChains] = c < kChains ? tSrS(i) : part[r][c % kChains] + tSrS(i);
+        const float first = kChains > 1 ? tSrS(i) : 0.f + tSrS(i);
+        part[r][c % kChains] = c < kChains ? first : part[r][c % kChains] + tSrS(i);
       }
 #pragma unroll
     for (int r = r0; r < r1; ++r)
