@@ -733,8 +733,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           // overlap this P V.  A branch right here, with the wait in both arms, keeps the wait
           // after the softmax.  Its condition must be the same for the whole warpgroup
           // (wgmma.wait_group is .aligned: all 128 threads must execute the same instruction),
-          // and ptxas must not know its value: num_tiles > 0, which is true for every tile.
-          // (The warp's rescale vote comes first, so that it runs with the softmax.)
+          // and ptxas must not know its value: num_tiles > 0, which is true for every tile (the
+          // launcher does not launch without tiles), so the second arm, which skips the rescale,
+          // never runs.  (The warp's rescale vote comes first, so that it runs with the softmax.)
           const bool rescale = __any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f);
           if (args.num_tiles > 0) {
             warpgroup_wait<0>();
