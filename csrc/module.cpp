@@ -73,7 +73,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("sm90_pack_gqa", &flash_attn_ext::sm90::pack_gqa_pays, pybind11::arg("seqlen_q"),
         pybind11::arg("heads_q"), pybind11::arg("heads_kv"), pybind11::arg("padded_head_dim"),
         "The Hopper forward's rule for packing GQA query heads (without the environment "
-        "override): what dispatch.sm90_packs_gqa mirrors.");
+        "override; dispatch.sm90_packs_gqa applies it).");
+  m.def("sm90_pack_gqa_possible", &flash_attn_ext::sm90::pack_gqa_possible,
+        pybind11::arg("seqlen_q"), pybind11::arg("heads_q"), pybind11::arg("heads_kv"),
+        "Whether the Hopper forward can pack GQA query heads at all (a group of 2+, packed rows "
+        "within its 32-bit row arithmetic).");
+  m.attr("sm90_max_rows") = flash_attn_ext::sm90::kMaxRows;
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
   m.def("dropout_mask", &dropout_mask,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "

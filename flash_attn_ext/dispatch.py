@@ -306,7 +306,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
 
 PACK_GQA_ENV = "FLASH_ATTN_EXT_SM90_PACK_GQA"
-SM90_MAX_ROWS = 0x7FFFFFFF - 256  # csrc/kernels/sm90/pack_gqa.h, kMaxRows
+SM90_MAX_ROWS = ops._C.sm90_max_rows  # the Hopper kernel's 32-bit row bound (pack_gqa.h)
 
 
 def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: int) -> bool:
@@ -318,24 +318,19 @@ def sm90_packs_gqa(seqlen_q: int, heads_q: int, heads_kv: int, padded_head_dim: 
     most half the tiles of one tile per query head (192 query rows per tile at head dim 64,
     128 above), e.g. decoding and seqlen_q <= 64 with 4+ query heads per KV head (measured
     1.03-1.95x faster there; 0.7-0.98x at seqlen_q 128-512: benchmarks/bench_gqa.py);
-    ``on`` packs every GQA/MQA call, ``off`` none.  The same rule as
-    csrc/kernels/sm90/pack_gqa.h and the CUDA glue (``flash_attn_ext._C.sm90_pack_gqa`` is the
-    compiled rule).  Packing has its own kernel instantiation (the name's ``_packgqa``).
+    ``on`` packs every GQA/MQA call, ``off`` none.  The rule is the CUDA glue's, compiled from
+    csrc/kernels/sm90/pack_gqa.h (``flash_attn_ext._C.sm90_pack_gqa``).  Packing has its own
+    kernel instantiation (the name's ``_packgqa``).
     Raises ``ValueError`` for another value of the variable.
     """
     value = os.environ.get(PACK_GQA_ENV, "")
     if value not in ("", "auto", "on", "off"):
         raise ValueError(f"{PACK_GQA_ENV} must be 'auto', 'on' or 'off', got {value!r}")
-    if value == "off" or heads_kv <= 0 or heads_q % heads_kv:
-        return False
-    group, block_m = heads_q // heads_kv, 192 if padded_head_dim <= 64 else 128
-    if group <= 1 or seqlen_q <= 0 or seqlen_q * group > SM90_MAX_ROWS:  # 32-bit packed rows
+    if value == "off":
         return False
     if value == "on":
-        return True
-    packed = -(-seqlen_q * group // block_m)
-    per_head = group * -(-seqlen_q // block_m)
-    return 2 * packed <= per_head
+        return ops._C.sm90_pack_gqa_possible(seqlen_q, heads_q, heads_kv)
+    return ops._C.sm90_pack_gqa(seqlen_q, heads_q, heads_kv, padded_head_dim)
 
 
 _packed_plans: dict = {}  # plan -> the same plan with the packed Hopper forward

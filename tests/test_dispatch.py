@@ -268,9 +268,9 @@ def test_cuda_plan_cache_keys(monkeypatch):
     assert len(dispatch._cuda_plans) == 5  # unset, general, fp16, sm80, auto; not the broadcast
 
 
-def test_pack_gqa_rule_matches_the_compiled_one(monkeypatch):
-    # dispatch.sm90_packs_gqa (which names the kernel) and the CUDA glue's rule
-    # (csrc/kernels/sm90/pack_gqa.h, exposed as _C.sm90_pack_gqa) agree everywhere.
+def test_pack_gqa_rule_is_the_compiled_one(monkeypatch):
+    # dispatch.sm90_packs_gqa (which names the kernel) applies the CUDA glue's rule
+    # (csrc/kernels/sm90/pack_gqa.h, exposed as _C.sm90_pack_gqa) where the variable is unset.
     monkeypatch.delenv(dispatch.PACK_GQA_ENV, raising=False)
     seen = set()
     for seqlen_q in (1, 2, 16, 17, 47, 48, 95, 127, 128, 129, 191, 192, 193, 500, 1000, 4096,
