@@ -8,8 +8,10 @@ FLOPs are counted the FlashAttention way: forward 4 * B * H * L * S * d (halved 
 backward 2.5x forward.  Times are medians of CUDA-event-timed repetitions after warm-up, with
 fresh random inputs (never zeros); --timing queued (default) times back-to-back calls, single
 times one call from an idle stream (see median_ms); fwd_graph times the forward (no autograd)
-replayed from a CUDA graph, the GPU time without any host work.  Writes a table to stdout and
-JSON + PNG to --out-dir.
+replayed from a CUDA graph, the GPU time without any host work, right after the forward and
+before the backward.  Writes a table to stdout and JSON + PNG to --out-dir.  (For a forward
+comparison that must decide a few percent, fwd_rounds.py times the forwards alone in
+interleaved rounds.)
 
 Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
 the math path (which materialises L x L scores; OOM is reported as such).
@@ -160,25 +162,33 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=()) -> List[
             # Forward with autograd recording (as in training); backward = (fwd+bwd) - fwd, so
             # no implementation has to support retain_graph.
             fwd_ms = median_ms(lambda fn=fn: fn(q, k, v, causal))
-
-            def fwd_bwd(fn=fn):
-                q.grad = k.grad = v.grad = None
-                fn(q, k, v, causal).backward(dout)
-
-            bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
-            row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-                       fwd_tflops=flops_fwd / fwd_ms / 1e9,
-                       bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
-                       fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
         except Exception as e:  # a backend that refuses a shape is recorded, not fatal
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
         if "error" not in row and name != "flex":
-            try:  # the forward's GPU time alone (inference call replayed from a CUDA graph)
+            # The forward's GPU time alone (inference call replayed from a CUDA graph), timed
+            # right after the forward: timed after this implementation's backward loop, it read
+            # 4-10% low for ours at d=128 L=8k while forward-only interleaved rounds
+            # (fwd_rounds.py) read it above cuDNN (results/fwd_rounds_20261130_742aafb.txt).
+            try:
                 with torch.no_grad():
                     ms = graph_ms(lambda fn=fn: fn(q, k, v, causal))
                 row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9)
             except Exception as e:
                 row.update(graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if "error" not in row:
+            try:
+
+                def fwd_bwd(fn=fn):
+                    q.grad = k.grad = v.grad = None
+                    fn(q, k, v, causal).backward(dout)
+
+                bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
+                row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                           fwd_tflops=flops_fwd / fwd_ms / 1e9,
+                           bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
+                           fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
         rows.append(row)
         torch.cuda.empty_cache()
     return rows

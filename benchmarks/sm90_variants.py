@@ -1,10 +1,13 @@
 """Forward TFLOP/s of the Hopper kernel's schedule and epilogue variants next to cuDNN's, in one
-process, interleaved over rounds (the median of the rounds is printed), CUDA-graph timing.
+process, interleaved over rounds in a rotated order (the median of the rounds is printed),
+CUDA-graph timing.
 
 Variants are picked through FLASH_ATTN_EXT_SM90_SCHEDULE (tile, static, dynamic; "auto", the
-default, is static without and dynamic with a causal mask) and FLASH_ATTN_EXT_SM90_EPILOGUE
-(tma, the default where the kernel has room for it, or direct).  Shapes: bench_attention's, bf16,
-B * L = 16k tokens, H * d = 2048.  Usage (on an sm_90 GPU): python benchmarks/sm90_variants.py
+default, is static without and dynamic with a causal mask), FLASH_ATTN_EXT_SM90_EPILOGUE
+(tma, the default where the kernel has room for it, or direct) and FLASH_ATTN_EXT_SM90_SECTION
+((batch, head) pairs per section of the tile order; 0: the launcher's choice).  Shapes:
+bench_attention's, bf16, B * L = 16k tokens, H * d = 2048.  Usage (on an sm_90 GPU):
+python benchmarks/sm90_variants.py [--sections 0 1 8 ...] [--causal no|yes|both]
 """
 import argparse
 import os
@@ -27,27 +30,32 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     parser.add_argument("--schedules", nargs="+", default=["tile", "static", "dynamic"])
     parser.add_argument("--epilogues", nargs="+", default=["tma", "direct"])
+    parser.add_argument("--sections", type=int, nargs="+", default=[0])
+    parser.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     args = parser.parse_args()
-    variants = [(s, e) for s in args.schedules for e in args.epilogues]
+    variants = [(s, e, n) for s in args.schedules for e in args.epilogues for n in args.sections]
+    names = {v: "/".join(v[:2]) + (f"/sec{v[2]}" if v[2] else "") for v in variants}
     print(f"forward TFLOP/s, median of {args.rounds} interleaved rounds, CUDA-graph timing; "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for d in args.head_dims:
         for seqlen in args.seqlens:
-            for causal in (False, True):
+            for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
                 batch, heads = 16384 // seqlen, 2048 // d
                 q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda",
                                        dtype=torch.bfloat16) for _ in "qkv")
                 flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-                rates = {name: [] for name in [f"{s}/{e}" for s, e in variants] + ["cudnn"]}
-                for _ in range(args.rounds):
+                rates = {name: [] for name in list(names.values()) + ["cudnn"]}
+                for r in range(args.rounds):
                     with torch.no_grad():
-                        for s, e in variants:
+                        # the order rotated by one per round (no variant always first)
+                        for s, e, n in variants[r % len(variants):] + variants[:r % len(variants)]:
                             os.environ["FLASH_ATTN_EXT_SM90_SCHEDULE"] = s
                             os.environ["FLASH_ATTN_EXT_SM90_EPILOGUE"] = e
+                            os.environ["FLASH_ATTN_EXT_SM90_SECTION"] = str(n) if n else ""
                             ms = graph_ms(lambda q=q, k=k, v=v, c=causal:
                                           flash_attn_ext.scaled_dot_product_attention(
                                               q, k, v, is_causal=c))
-                            rates[f"{s}/{e}"].append(flops / ms / 1e9)
+                            rates[names[(s, e, n)]].append(flops / ms / 1e9)
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                             ms = graph_ms(lambda q=q, k=k, v=v, c=causal:
                                           torch.nn.functional.scaled_dot_product_attention(
@@ -55,6 +63,7 @@ def main() -> None:
                         rates["cudnn"].append(flops / ms / 1e9)
                 os.environ.pop("FLASH_ATTN_EXT_SM90_SCHEDULE")
                 os.environ.pop("FLASH_ATTN_EXT_SM90_EPILOGUE")
+                os.environ.pop("FLASH_ATTN_EXT_SM90_SECTION")
                 med = {name: statistics.median(r) for name, r in rates.items()}
                 best = max(v for name, v in med.items() if name != "cudnn")
                 cells = "  ".join(f"{name} {rate:5.1f}" for name, rate in med.items())

@@ -22,6 +22,10 @@ def main() -> None:
         (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
         (300, 129, 2, 2, 64, 64, False, (40, 5), False, 0.0, False, 0.0),
+        # Causal, one KV head per query head, several query blocks per head: the partial
+        # block first (row shift) at head dim 64, the longest-first tile order in sections.
+        (1000, 1000, 2, 2, 64, 64, True, (-1, -1), False, 0.0, False, 0.0),
+        (300, 300, 2, 2, 256, 256, True, (-1, -1), False, 0.0, False, 0.0),
         # More (query block, head) tiles than SMs.
         (260, 260, 40, 8, 64, 64, True, (-1, -1), True, 0.0, False, 0.0),
         # GQA packed into shared tiles (seqlen_q * group rows; Q by cp.async, O from registers).
