@@ -206,6 +206,7 @@ struct Sm90FwdArgs {
   // (see the launcher).
   int32_t row_shift;
   int32_t heads_per_section;
+  int32_t num_sections;  // (batch * tile heads) / heads_per_section, at least 1 (tile_coord)
   int32_t num_tiles;     // num_m_blocks * batch * (heads_kv packed, else heads_q)
   int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
   // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
@@ -219,18 +220,24 @@ struct Sm90FwdArgs {
   bool o_row_stores;
 };
 
-// Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in sections of
-// heads_per_section (the launcher's choice for L2 reuse, 1 at head dims 128 and 256);
-// inside a section the query blocks go last-first, which under causal masking starts the
-// longest rows first (longest-processing-time-first, as FlashAttention-3's scheduler).
-// All in 32 bits (the launcher checks that the tile count fits): 64-bit divisions would cost
-// the 24-register producer spills.  The producer computes it and hands it on (TileInfo).
+// Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in num_sections
+// sections of heads_per_section (the launcher's choice: 1 at head dims 128 and 256 without a
+// mask), the last one also taking the remainder; inside a section the query blocks go
+// last-first, which under causal masking starts the longest rows first
+// (longest-processing-time-first, as FlashAttention-3's scheduler).  (A short last section
+// would end the grid with few heads' longest tiles running while the other SMs idle: at
+// d = 256 L = 2k causal, 64 pairs in sections of 6 or 12, remainder last, measured 550, in
+// sections of 8 or 16, 620 TFLOP/s.)  All in 32 bits (the launcher checks that the tile count
+// fits): 64-bit divisions would cost the 24-register producer spills.  The producer computes it
+// and hands it on (TileInfo).
 __device__ __forceinline__ TileCoord tile_coord(int32_t tile, int32_t num_m_blocks,
-                                                int32_t heads_per_section, int32_t batch_heads,
-                                                int32_t heads_q) {
+                                                int32_t heads_per_section, int32_t num_sections,
+                                                int32_t batch_heads, int32_t heads_q) {
   const int32_t section_size = num_m_blocks * heads_per_section;
-  const int32_t section = tile / section_size, in_section = tile - section * section_size;
-  const int32_t heads_here = min(heads_per_section, batch_heads - section * heads_per_section);
+  const int32_t section = min(tile / section_size, num_sections - 1);
+  const int32_t in_section = tile - section * section_size;
+  const int32_t heads_here =
+      section == num_sections - 1 ? batch_heads - section * heads_per_section : heads_per_section;
   const int32_t bh = section * heads_per_section + in_section % heads_here;
   return {num_m_blocks - 1 - in_section / heads_here, bh / heads_q, bh % heads_q};
 }
@@ -340,6 +347,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // A tile's head: the KV head when packed, else the query head.
       const int32_t tile_heads = static_cast<int32_t>(T::kPackGQA ? p.heads_kv : p.heads_q);
       const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section,
+                                      args.num_sections,
                                       static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
       const int b = tc.b, h = tc.h;
       const int hk = T::kPackGQA ? h : h / group;
@@ -959,7 +967,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      p, 1, 0, 0, 0, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
+      p, 1, 0, 0, 0, 1, 1, 0, p.tile_counter, p.tile_counter != nullptr, typename T::TmaO{},
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
@@ -1014,19 +1022,30 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   int sms = 0;
   cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
-  // Tile order (see tile_coord).  Two consumer warpgroups (head dims 128, 256): one (batch,
-  // head) pair per section, i.e. all query blocks of a head back to back, so the CTAs running
-  // at once share few heads' K and V and L2 serves them: measured at d=128 L=2k, DRAM reads
-  // 430 -> 201 MB (Q, K, V are 192 MB), L2 hit rate 69 -> 83%, +2-7% at d = 128 and 256.
-  // Three (head dim 64, short tiles): sections of pairs whose K and V take ~24 MiB of L2, the
-  // concurrent CTAs spread over many heads; one head per section measured 5% slower there at
-  // L = 1k-2k (many SMs reading the same K/V lines at once).  p.heads_per_section > 0
-  // (FLASH_ATTN_EXT_SM90_SECTION, experimental: orders compared in one build) overrides it.
+  // Tile order (see tile_coord).  Two consumer warpgroups (head dims 128, 256) without a mask:
+  // one (batch, head) pair per section, i.e. all query blocks of a head back to back, so the
+  // CTAs running at once share few heads' K and V and L2 serves them: measured at d=128 L=2k,
+  // DRAM reads 430 -> 201 MB (Q, K, V are 192 MB), L2 hit rate 69 -> 83%, +2-7% at d = 128
+  // and 256.  Three (head dim 64, short tiles): sections of pairs whose K and V take ~24 MiB
+  // of L2, the concurrent CTAs spread over many heads; one head per section measured 5% slower
+  // there at L = 1k-2k (many SMs reading the same K/V lines at once).  Two under a causal mask
+  // or window (tiles of unequal length): with one head per section the longest-first order
+  // holds only inside each head, and the last heads' longest tiles run on with the other SMs
+  // idle.  There sections of the L2 rule's size, at most 8 pairs (the best measured: against
+  // one pair, d = 256 causal +4% at L = 1k, +15% at 2k-4k; d = 128 +1% at 1k, +2..+9% at 2k-4k;
+  // 24 pairs measured 2-7% below 8; sm90_variants.py, NOTES session 14).
+  // p.heads_per_section > 0 (FLASH_ATTN_EXT_SM90_SECTION, experimental: orders compared in one
+  // build) overrides it.
+  const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
-  int64_t heads = T::kConsumers == 3 ? (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1) : 1;
+  const int64_t l2_heads = (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1);
+  int64_t heads = T::kConsumers == 3 ? l2_heads
+                  : unequal_tiles    ? std::min<int64_t>(l2_heads, 8)
+                                     : 1;
   if (p.heads_per_section > 0) heads = p.heads_per_section;
-  args.heads_per_section =
-      static_cast<int32_t>(std::clamp<int64_t>(heads, 1, p.batch * tile_heads));
+  const int64_t batch_heads = p.batch * tile_heads;
+  args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(heads, 1, batch_heads));
+  args.num_sections = static_cast<int32_t>(batch_heads / args.heads_per_section);
   if (args.dynamic) {
     err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
     if (err != cudaSuccess) return err;
