@@ -212,6 +212,9 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
 
   int32_t* tile_counter = nullptr;
   CHECK_CUDA(cudaMalloc(&tile_counter, sizeof(int32_t)));
+  // Zeroed once here too (the launcher zeroes it before every launch; a variant that leaves
+  // that to the kernel itself finds it zero on its first launch).
+  CHECK_CUDA(cudaMemset(tile_counter, 0, sizeof(int32_t)));
   auto fwd_sm80 = [&] {
     CHECK_CUDA((flash_attn_ext::sm80::run_flash_fwd<Element, kHeadDim>(p, nullptr)));
   };
