@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build, CUDA tests, compute-sanitizer, and only if every test passed the full
-# benchmark table (bench_attention.py defaults).  Usage on the GPU machine:
-#   OUT=... bash scripts/gpu_final.sh [extra pytest files]
+# benchmark table (bench_attention.py defaults), then with FWD_ROUNDS=<n> also fwd_rounds.py's
+# forward-only comparison in n interleaved rounds (~20 s per round).  Usage on the GPU machine:
+#   OUT=... [FWD_ROUNDS=5] bash scripts/gpu_final.sh [extra pytest files]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -15,3 +16,7 @@ timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_attention.py --out-dir "$
   2>&1 | grep -v Warning > "$OUT/bench.log"
 sed -n '/^fwd_tflops/,$p' "$OUT/bench.log"
 grep -iE "memory|GiB" "$OUT/bench.log" | head -8
+if [ "${FWD_ROUNDS:-0}" -gt 0 ]; then
+  timeout ${ROUNDS_TIMEOUT:-200} python3 benchmarks/fwd_rounds.py --rounds "$FWD_ROUNDS" \
+    --out "$OUT/fwd_rounds.json" 2>&1 | grep -v Warning | tee "$OUT/fwd_rounds.txt"
+fi
