@@ -220,7 +220,8 @@ struct Sm90FwdArgs {
   bool o_row_stores;
 };
 
-// Tile t -> (query block, batch * heads_q + head).  The (batch, head) pairs go in num_sections
+// Tile t -> (query block, batch * heads_q + head), heads_q being the tile heads (the KV heads
+// when GQA is packed).  The (batch, head) pairs go in num_sections
 // sections of heads_per_section (the launcher's choice: 1 at head dims 128 and 256 without a
 // mask), the last one also taking the remainder; inside a section the query blocks go
 // last-first, which under causal masking starts the longest rows first
@@ -1033,7 +1034,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // holds only inside each head, and the last heads' longest tiles run on with the other SMs
   // idle.  There sections of the L2 rule's size, at most 8 pairs (the best measured: against
   // one pair, d = 256 causal +4% at L = 1k, +15% at 2k-4k; d = 128 +1% at 1k, +2..+9% at 2k-4k;
-  // 24 pairs measured 2-7% below 8; sm90_variants.py, NOTES session 14).
+  // 24 pairs measured 2-7% below 8; sm90_variants.py, NOTES session 14; measured under a causal
+  // mask only: a window bounded on both sides, whose tiles are nearly equal, follows the rule).
   // p.heads_per_section > 0 (FLASH_ATTN_EXT_SM90_SECTION, experimental: orders compared in one
   // build) overrides it.
   const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
