@@ -50,7 +50,7 @@ _CALL_KEYWORDS = {
 
 
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-            layout: str = "bhld", enable_gqa: bool = True, **call_kwargs) -> Plan:
+            layout: str = "bhld", enable_gqa: bool = False, **call_kwargs) -> Plan:
     """Says which kernel would serve attention on these tensors, without running it.
 
     Args:
@@ -58,7 +58,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             scaled_dot_product_attention takes them (default), or ``"blhd"`` (N, L, H, E) as
             flash_attn_func takes them.
         layout: see above.
-        enable_gqa: allow H_kv < H (as scaled_dot_product_attention's argument).
+        enable_gqa: allow H_kv < H, as scaled_dot_product_attention's argument (False by
+            default, as there: a call with H_kv < H without it raises ``ValueError``, and so
+            does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
             explained as written; softcap, dropout_p and attn_mask pick the portable forward
             on sm_90 GPUs (``Plan.notes`` says so), and ``deterministic=True`` (or

@@ -72,6 +72,24 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_
     return out, softmax_lse, rng_state
 
 
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty gradient laid out as the bwd op's device kernels lay out dq, dk, dv: like the
+    tensor they compute on (``new_output_like``: ``empty_like``, which keeps a dense tensor's
+    strides), so that autograd keeps it as ``.grad`` without a copy.  That tensor is t itself
+    where the kernels take t as it is, else a contiguous copy: on the CPU when t's last dimension
+    is not contiguous (``last_dim_contiguous``), on CUDA when t's strides, head dim or address
+    are not multiples of 8 elements / 16 bytes (``kernel_ready``; its zero-padded head dims are
+    sliced off into a contiguous gradient).  torch.compile compares these strides with the real
+    kernels' (inductor asserts them), so both must agree."""
+    if t.device.type == "cuda":
+        aligned = (t.stride(3) == 1 and t.size(3) % 8 == 0
+                   and all(t.stride(i) % 8 == 0 for i in range(3))
+                   and t.storage_offset() * t.element_size() % 16 == 0)
+        return torch.empty_like(t) if aligned else t.new_empty(t.shape)
+    last_dim_ok = t.stride(-1) == 1 or t.size(-1) <= 1
+    return torch.empty_like(t if last_dim_ok else t.contiguous())
+
+
 @torch.library.register_fake("flash_attn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, causal=False,
               window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
@@ -83,7 +101,7 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, rng_state, softmax_scale=None, ca
         dbias = attn_bias.new_empty(attn_bias.shape)
     else:
         dbias = q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return _grad_like(q), _grad_like(k), _grad_like(v), dbias
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,

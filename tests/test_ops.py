@@ -60,6 +60,45 @@ def test_opcheck_bwd(causal, window, br, softcap):
     torch.library.opcheck(ops.bwd_op, args)
 
 
+def _laid_out(layout, *shape):
+    """A (batch, seqlen, heads, head_dim) tensor of random values in one of the memory layouts
+    callers hand the ops: contiguous; a (batch, heads, seqlen, head_dim) tensor transposed (the
+    SDPA drop-in's view); sliced from a wider head dim (not dense); every other element of the
+    last dimension (not last-dim contiguous)."""
+    b, s, h, d = shape
+    if layout == "contiguous":
+        return torch.randn(b, s, h, d)
+    if layout == "bhsd":
+        return torch.randn(b, h, s, d).transpose(1, 2)
+    if layout == "sliced":
+        return torch.randn(b, s, h, d + 3)[..., :d]
+    return torch.randn(b, s, h, 2 * d)[..., ::2]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "bhsd", "sliced", "strided_last_dim"])
+def test_opcheck_bwd_input_layouts(layout):
+    # The fake bwd kernel must give dq, dk, dv the real kernels' strides (like q, k, v where the
+    # kernel takes them as they are): torch.compile's inductor asserts them at run time, and a
+    # mismatch made every compiled SDPA-drop-in backward fail.
+    q, k, v = _laid_out(layout, 2, 7, 2, 8), _laid_out(layout, 2, 5, 1, 8), _laid_out(
+        layout, 2, 5, 1, 8)
+    out, lse, rng = ops.fwd(q, k, v, None, True)
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, rng, None, True, -1, -1, True, 0.0, None, None, 0.0, False,
+            False)
+    torch.library.opcheck(ops.bwd_op, args)
+    grads = ops.bwd_op(*args)[:3]
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake_grads = ops.bwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                  for a in args])[:3]
+    for name, g, f in zip("qkv", grads, fake_grads):  # (a size-1 dimension's stride is free)
+        real_strides = [st for st, n in zip(g.stride(), g.shape) if n > 1]
+        fake_strides = [st for st, n in zip(f.stride(), f.shape) if n > 1]
+        assert real_strides == fake_strides, (name, g.stride(), f.stride())
+    if layout == "bhsd":  # dense: laid out like the input, so autograd keeps it without a copy
+        assert grads[0].stride() == q.stride()
+
+
 def test_double_backward_raises_clearly():
     q = torch.randn(1, 4, 1, 8, dtype=torch.float64, requires_grad=True)
     out = flash_attn_func(q, q, q)
@@ -123,6 +162,26 @@ def test_compile_fullgraph_forward_and_backward(backend):
 
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     inputs = [torch.randn(2, 33, h, 16, requires_grad=True) for h in (4, 2, 2)]
+    inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
+    out = _train_step(compiled, *inputs)
+    out_ref = _train_step(fn, *inputs_ref)
+    assert torch.allclose(out, out_ref, atol=1e-5)
+    for a, b in zip(inputs, inputs_ref):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_sdpa_drop_in_backward_plain_inputs(backend):
+    # The SDPA drop-in as most code calls it: contiguous (batch, heads, seqlen, head_dim)
+    # tensors, which reach the op as transposed views (inductor checks the fake kernel's
+    # strides of dq, dk, dv against the real ones).
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    inputs = [torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3)]
     inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
     out = _train_step(compiled, *inputs)
     out_ref = _train_step(fn, *inputs_ref)
