@@ -209,6 +209,52 @@ def test_compile_on_cuda():
     assert dispatch.fallback_counts() == {}
 
 
+@pytest.mark.parametrize("head_dim", [40, 64])  # 40: kernel_ready pads it (copies, contiguous)
+@pytest.mark.parametrize("layout", ["blhd", "bhld", "sliced"])
+def test_bwd_fake_strides_match_the_kernels(layout, head_dim):
+    # torch.compile's inductor asserts that dq, dk, dv have the fake kernel's strides: the fake
+    # must follow kernel_ready's rule (laid out like q/k/v when the kernels take them as they
+    # are, else contiguous).
+    def make(seqlen, h):
+        if layout == "bhld":
+            return torch.randn(2, h, seqlen, head_dim, device="cuda",
+                               dtype=torch.bfloat16).transpose(1, 2)
+        if layout == "sliced":
+            return torch.randn(2, seqlen, h, head_dim + 8, device="cuda",
+                               dtype=torch.bfloat16)[..., :head_dim]
+        return torch.randn(2, seqlen, h, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = make(33, 4), make(47, 2), make(47, 2)
+    out, lse, rng = ops.fwd(q, k, v, None, True)
+    args = (torch.randn_like(out), q, k, v, out, lse, rng, None, True, -1, -1, True, 0.0, None,
+            None, 0.0, False, False)
+    grads = ops.bwd_op(*args)[:3]
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops.bwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                            for a in args])[:3]
+    for name, g, f in zip("qkv", grads, fake):
+        assert [st for st, n in zip(g.stride(), g.shape) if n > 1] == \
+            [st for st, n in zip(f.stride(), f.shape) if n > 1], (name, g.stride(), f.stride())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_sdpa_drop_in_backward_on_cuda(backend):
+    # Plain contiguous (batch, heads, seqlen, head_dim) inputs, as most code calls SDPA.
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    inputs = [torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16,
+                          requires_grad=True) for _ in range(3)]
+    inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
+    compiled(*inputs).float().square().sum().backward()
+    fn(*inputs_ref).float().square().sum().backward()
+    for a, b in zip(inputs, inputs_ref):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=2e-2)
+
+
 def test_training_call_is_fused_in_strict_mode():
     dispatch.reset_fallback_counts()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
