@@ -144,3 +144,15 @@ def assert_error_rule(ours, low, true, factor: float, what: str, cancellation: f
     bound = factor * low_err + s
     assert ours_err <= bound, (f"{what}: error {ours_err:.3e} > {factor} x PyTorch's "
                                f"{low_err:.3e} + slack {s:.1e}")
+
+
+def assert_bwd_fake_strides_match(bwd_op, args) -> None:
+    """The bwd op's fake (meta) kernel gives dq, dk, dv the strides the real kernel gives them
+    (a size-1 dimension's stride is free): torch.compile's inductor asserts them at run time."""
+    real = bwd_op(*args)[:3]
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = bwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                        for a in args])[:3]
+    for name, g, f in zip("qkv", real, fake):
+        assert [st for st, n in zip(g.stride(), g.shape) if n > 1] == \
+            [st for st, n in zip(f.stride(), f.shape) if n > 1], (name, g.stride(), f.stride())

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from flash_attn_ext import dispatch, flash_attn_func, ops, scaled_dot_product_attention
-from reference import assert_error_rule, attention_ref, cancellation_scale
+from reference import (
+    assert_bwd_fake_strides_match,
+    assert_error_rule,
+    attention_ref,
+    cancellation_scale,
+)
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.build_info()["cuda"]),
@@ -228,13 +233,7 @@ def test_bwd_fake_strides_match_the_kernels(layout, head_dim):
     out, lse, rng = ops.fwd(q, k, v, None, True)
     args = (torch.randn_like(out), q, k, v, out, lse, rng, None, True, -1, -1, True, 0.0, None,
             None, 0.0, False, False)
-    grads = ops.bwd_op(*args)[:3]
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = ops.bwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                            for a in args])[:3]
-    for name, g, f in zip("qkv", grads, fake):
-        assert [st for st, n in zip(g.stride(), g.shape) if n > 1] == \
-            [st for st, n in zip(f.stride(), f.shape) if n > 1], (name, g.stride(), f.stride())
+    assert_bwd_fake_strides_match(ops.bwd_op, args)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

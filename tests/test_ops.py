@@ -7,7 +7,7 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_func, ops, scaled_dot_product_attention
-from reference import attention_ref
+from reference import assert_bwd_fake_strides_match, attention_ref
 
 EXPECTED_SCHEMAS = {
     "fwd": (
@@ -87,16 +87,9 @@ def test_opcheck_bwd_input_layouts(layout):
     args = (dout, q, k, v, out, lse, rng, None, True, -1, -1, True, 0.0, None, None, 0.0, False,
             False)
     torch.library.opcheck(ops.bwd_op, args)
-    grads = ops.bwd_op(*args)[:3]
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake_grads = ops.bwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                  for a in args])[:3]
-    for name, g, f in zip("qkv", grads, fake_grads):  # (a size-1 dimension's stride is free)
-        real_strides = [st for st, n in zip(g.stride(), g.shape) if n > 1]
-        fake_strides = [st for st, n in zip(f.stride(), f.shape) if n > 1]
-        assert real_strides == fake_strides, (name, g.stride(), f.stride())
+    assert_bwd_fake_strides_match(ops.bwd_op, args)
     if layout == "bhsd":  # dense: laid out like the input, so autograd keeps it without a copy
-        assert grads[0].stride() == q.stride()
+        assert ops.bwd_op(*args)[0].stride() == q.stride()
 
 
 def test_double_backward_raises_clearly():
@@ -160,13 +153,18 @@ def test_compile_fullgraph_forward_and_backward(backend):
                                          is_causal=True, enable_gqa=True)
         return a + b.transpose(1, 2)
 
+    _assert_compiled_training_matches(fn, backend, [torch.randn(2, 33, h, 16) for h in (4, 2, 2)])
+
+
+def _assert_compiled_training_matches(fn, backend, inputs):
+    """fn compiled (fullgraph) gives eager fn's output and input gradients."""
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    inputs = [torch.randn(2, 33, h, 16, requires_grad=True) for h in (4, 2, 2)]
-    inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
-    out = _train_step(compiled, *inputs)
-    out_ref = _train_step(fn, *inputs_ref)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    leaves_ref = [x.clone().requires_grad_() for x in inputs]
+    out = _train_step(compiled, *leaves)
+    out_ref = _train_step(fn, *leaves_ref)
     assert torch.allclose(out, out_ref, atol=1e-5)
-    for a, b in zip(inputs, inputs_ref):
+    for a, b in zip(leaves, leaves_ref):
         assert torch.allclose(a.grad, b.grad, atol=1e-4)
 
 
@@ -180,14 +178,7 @@ def test_compile_sdpa_drop_in_backward_plain_inputs(backend):
     def fn(q, k, v):
         return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    inputs = [torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3)]
-    inputs_ref = [x.detach().clone().requires_grad_() for x in inputs]
-    out = _train_step(compiled, *inputs)
-    out_ref = _train_step(fn, *inputs_ref)
-    assert torch.allclose(out, out_ref, atol=1e-5)
-    for a, b in zip(inputs, inputs_ref):
-        assert torch.allclose(a.grad, b.grad, atol=1e-4)
+    _assert_compiled_training_matches(fn, backend, [torch.randn(2, 3, 17, 8) for _ in range(3)])
 
 
 def test_compile_dynamic_shapes_no_graph_break():
