@@ -277,12 +277,16 @@ void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq
 TORCH_LIBRARY(flash_attn_ext, m) {
   // Returns (out (B, L, H, Dv), softmax_lse (B, H, L) float32 [float64 for float64 inputs],
   // rng_state int64[2] = philox (seed, offset) used by dropout, zeros without dropout).
-  // `deterministic` does not change the forward; autograd hands it to bwd.
+  // `deterministic` does not change the forward; autograd hands it to bwd.  Tagged
+  // nondeterministic_seeded (its dropout seed comes from PyTorch's generator): torch.compile's
+  // partitioner then replays the generator state for a forward it recomputes in the backward
+  // (activation checkpointing), so the recomputation draws the same dropout mask.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
       "int window_left=-1, int window_right=-1, bool align_bottom_right=True, float softcap=0.0, "
       "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
-      "bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)");
+      "bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
   // Returns (dq, dk, dv, dbias); dbias is empty unless attn_bias is given and bias_requires_grad.
   // dsoftmax_lse: the gradient flowing into softmax_lse (like it, or None); since
   // d lse_i / d s_ij = P_ij it enters as delta_i = rowsum(dO_i * O_i) - dlse_i.

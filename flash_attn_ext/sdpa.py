@@ -122,8 +122,10 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
                          f"{attn_mask.device}")
     if key is not None:
         full = tuple(query.shape[:-1]) + (key.shape[-2],)  # (N, H, L, S) or (N, L, S)
+        # (m == 1 or m == f, not m in (1, f): under torch.compile with dynamic shapes, Dynamo
+        # evaluates `int in (..., SymInt)` as False even where they are equal)
         ok = attn_mask.dim() <= len(full) and all(
-            m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full)))
+            m == 1 or m == f for m, f in zip(reversed(attn_mask.shape), reversed(full)))
         if not ok:
             dims = "(N, H, L, S)" if len(full) == 4 else "(N, L, S)"
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "

@@ -181,6 +181,54 @@ def test_compile_sdpa_drop_in_backward_plain_inputs(backend):
     _assert_compiled_training_matches(fn, backend, [torch.randn(2, 3, 17, 8) for _ in range(3)])
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_checkpointed_dropout_recomputes_the_same_mask(backend):
+    # Activation checkpointing recomputes the forward in the backward; compiled, the partitioner
+    # replays the generator state only for ops tagged nondeterministic_seeded (the fwd op is),
+    # else the recomputation draws another dropout mask and the gradients are of that mask.
+    from torch.utils.checkpoint import checkpoint
+    torch._dynamo.reset()
+
+    def attn(q, k, v):
+        return scaled_dot_product_attention(q.sin(), k, v, dropout_p=0.5)
+
+    inputs = [torch.randn(1, 2, 8, 16) for _ in range(3)]
+
+    def grads(fn):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        torch.manual_seed(3)
+        out = fn(q, k, v)
+        (out * torch.arange(out.numel()).view(out.shape)).sum().backward()
+        return out, q.grad
+
+    out_ref, dq_ref = grads(attn)
+    compiled = torch.compile(lambda q, k, v: checkpoint(attn, q, k, v, use_reentrant=False),
+                             backend=backend, fullgraph=True)
+    out, dq = grads(compiled)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(dq, dq_ref, atol=1e-3, rtol=1e-4)
+    assert torch.Tag.nondeterministic_seeded in ops.fwd_op.tags
+
+
+def test_compile_dynamic_shapes_static_mask():
+    # A learned (1, H, L, L) bias: Dynamo keeps a parameter's shape static while the inputs'
+    # are symbolic; the mask's broadcast check must still see them equal.
+    torch._dynamo.reset()
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.randn(1, 2, 6, 6))
+
+        def forward(self, q, k, v):
+            return scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+    module = Biased()
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
+
+
 def test_compile_dynamic_shapes_no_graph_break():
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
