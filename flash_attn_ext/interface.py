@@ -141,11 +141,11 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     if not torch.compiler.is_compiling():  # (only eager calls are recorded for last_plan())
         # last_plan() reports what explain() would: the backward's deterministic dQ path too.
         p = dispatch.deterministic_backward_note(p, deterministic)
-    if not p.fused and not torch.compiler.is_compiling():
+    if not p.fused:
         # Same argument checks as the fused op, so bad input fails the same way on every path
         # (and is not reported as a fallback).
-        ops.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                       dropout_p)
+        check = ops.check_args_traced if torch.compiler.is_compiling() else ops.check_args
+        check(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or (attn_bias is not None and attn_bias.requires_grad))

@@ -119,6 +119,20 @@ def check_args(q, k, v, softmax_scale, causal, window_left, window_right, softca
     _C.check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
 
 
+@torch.compiler.allow_in_graph
+def check_args_traced(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                      dropout_p):
+    """check_args inside torch.compile: Dynamo puts the call into its graph instead of tracing
+    into the C++ (which would break the graph), so it runs on the fake tensors while the graph
+    is traced and bad input raises then (wrapped in Dynamo's TorchRuntimeError); the traced
+    graph keeps no trace of it, so it costs nothing per call.  Skipped where a size or stride
+    is symbolic (dynamic shapes), which the C++ checks cannot read."""
+    tensors = (q, k, v)
+    if any(isinstance(x, torch.SymInt) for t in tensors for x in (*t.shape, *t.stride())):
+        return
+    check_args(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+
+
 def build_info() -> dict:
     """How the compiled library was built: version, CUDA on/off and CUDA archs."""
     return dict(_BUILD_INFO)

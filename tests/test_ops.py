@@ -229,6 +229,18 @@ def test_compile_dynamic_shapes_static_mask():
     torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
 
 
+def test_compile_checks_arguments_of_calls_no_kernel_serves():
+    # A call the kernels refuse (here head_dim 300, which eager flash_attn_func rejects with
+    # ValueError) must not run silently on the fallback path when compiled: the checks run
+    # while the graph is traced (Dynamo wraps the ValueError).
+    torch._dynamo.reset()
+    q = torch.randn(1, 4, 2, 300)
+    compiled = torch.compile(lambda q: flash_attn_func(q, q, q), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(Exception, match="head_dim must be between 1 and 256"):
+        compiled(q)
+
+
 def test_compile_dynamic_shapes_no_graph_break():
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
