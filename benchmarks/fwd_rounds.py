@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import HIDDEN, TOKENS, graph_ms, implementations
-from timing import queued_ms
+from timing import CAUSAL_MODES, queued_ms, rotated
 
 IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash")
 
@@ -62,13 +62,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    parser.add_argument("--causal", choices=tuple(CAUSAL_MODES), default="both")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="also write every reading as JSON here")
     args = parser.parse_args()
     impls = {k: v for k, v in implementations(flex=False).items() if k in IMPLS}
     order = [k for k in IMPLS if k in impls]
-    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}, {args.rounds} interleaved rounds, forward only")
     print(f"{'d':>3} {'L':>6} {'c':>1} {'timing':>6} " + " ".join(f"{k:>22}" for k in order)
@@ -79,12 +78,12 @@ def main() -> int:
             batch, heads = max(1, TOKENS // seqlen), HIDDEN // d
             q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            for causal in causals:
+            for causal in CAUSAL_MODES[args.causal]:
                 flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                 tf = {t: {name: [] for name in order} for t in ("queued", "graph")}
                 with torch.no_grad():
                     for r in range(args.rounds):
-                        for name in order[r % len(order):] + order[:r % len(order)]:
+                        for name in rotated(order, r):
                             ms_q, clk_q, ms_g, clk_g = time_forward(impls[name], q, k, v,
                                                                     causal)
                             tf["queued"][name].append(flops / ms_q / 1e9)

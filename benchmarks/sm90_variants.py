@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import graph_ms
+from timing import CAUSAL_MODES, rotated
 
 import flash_attn_ext
 
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["tile", "static", "dynamic"])
     parser.add_argument("--epilogues", nargs="+", default=["tma", "direct"])
     parser.add_argument("--sections", type=int, nargs="+", default=[0])
-    parser.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    parser.add_argument("--causal", choices=tuple(CAUSAL_MODES), default="both")
     args = parser.parse_args()
     variants = [(s, e, n) for s in args.schedules for e in args.epilogues for n in args.sections]
     names = {v: "/".join(v[:2]) + (f"/sec{v[2]}" if v[2] else "") for v in variants}
@@ -39,7 +40,7 @@ def main() -> None:
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for d in args.head_dims:
         for seqlen in args.seqlens:
-            for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+            for causal in CAUSAL_MODES[args.causal]:
                 batch, heads = 16384 // seqlen, 2048 // d
                 q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda",
                                        dtype=torch.bfloat16) for _ in "qkv")
@@ -47,8 +48,7 @@ def main() -> None:
                 rates = {name: [] for name in list(names.values()) + ["cudnn"]}
                 for r in range(args.rounds):
                     with torch.no_grad():
-                        # the order rotated by one per round (no variant always first)
-                        for s, e, n in variants[r % len(variants):] + variants[:r % len(variants)]:
+                        for s, e, n in rotated(variants, r):
                             os.environ["FLASH_ATTN_EXT_SM90_SCHEDULE"] = s
                             os.environ["FLASH_ATTN_EXT_SM90_EPILOGUE"] = e
                             os.environ["FLASH_ATTN_EXT_SM90_SECTION"] = str(n) if n else ""

@@ -23,3 +23,14 @@ def queued_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
         times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
+
+
+# The causal modes a benchmark's --causal option names.
+CAUSAL_MODES = {"no": [False], "yes": [True], "both": [False, True]}
+
+
+def rotated(items, round_index: int):
+    """items in round round_index's order: rotated by one per round, so that no item is always
+    timed first (interleaved rounds)."""
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
