@@ -8,10 +8,11 @@ FLOPs are counted the FlashAttention way: forward 4 * B * H * L * S * d (halved 
 backward 2.5x forward.  Times are medians of CUDA-event-timed repetitions after warm-up, with
 fresh random inputs (never zeros); --timing queued (default) times back-to-back calls, single
 times one call from an idle stream (see median_ms); fwd_graph times the forward (no autograd)
-replayed from a CUDA graph, the GPU time without any host work, right after the forward and
-before the backward.  Writes a table to stdout and JSON + PNG to --out-dir.  (For a forward
-comparison that must decide a few percent, fwd_rounds.py times the forwards alone in
-interleaved rounds.)
+replayed from a CUDA graph, the GPU time without any host work.  Per point, the forwards of all
+implementations are timed first, in --fwd-rounds interleaved rounds (order rotated by one per
+round; the median over rounds is reported, the per-round values are in the JSON), then each
+implementation's forward+backward.  Writes a table to stdout and JSON + PNG to --out-dir.
+(fwd_rounds.py times the forwards alone in more rounds and logs the SM clock.)
 
 Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
 the math path (which materialises L x L scores; OOM is reported as such).
@@ -25,13 +26,14 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from timing import queued_ms
+from timing import queued_ms, rotated
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext
@@ -147,51 +149,65 @@ def implementations(flex: bool) -> Dict[str, Callable]:
     return impls
 
 
-def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=()) -> List[dict]:
+def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
+                fwd_rounds: int = 3) -> List[dict]:
     batch, heads = max(1, TOKENS // seqlen), HIDDEN // d
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
     flops_fwd = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-    rows = []
-    for name, fn in impls.items():
-        row = dict(impl=name, d=d, L=seqlen, B=batch, H=heads, causal=causal)
-        if name == "flex" and d not in flex_dims:
-            continue
-        try:
-            # Forward with autograd recording (as in training); backward = (fwd+bwd) - fwd, so
-            # no implementation has to support retain_graph.
-            fwd_ms = median_ms(lambda fn=fn: fn(q, k, v, causal))
-        except Exception as e:  # a backend that refuses a shape is recorded, not fatal
-            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        if "error" not in row and name != "flex":
-            # The forward's GPU time alone (inference call replayed from a CUDA graph), timed
-            # right after the forward: timed after this implementation's backward loop, it read
-            # 4-10% low for ours at d=128 L=8k while forward-only interleaved rounds
-            # (fwd_rounds.py) read it above cuDNN (results/fwd_rounds_20261130_742aafb.txt).
+    names = [n for n in impls if n != "flex" or d in flex_dims]
+    rows = {n: dict(impl=n, d=d, L=seqlen, B=batch, H=heads, causal=causal) for n in names}
+    # Forwards first, in `fwd_rounds` interleaved rounds whose order rotates by one per round;
+    # each round times every implementation's forward with autograd recording (as in training)
+    # and then its forward alone (no autograd) replayed from a CUDA graph, the GPU time without
+    # host work.  The reported forward is the median over rounds: one reading of a kernel moves
+    # +-3..5% with the GPU's clock and temperature, and the implementation timed right after a
+    # slower one may start on a hotter GPU (results/fwd_rounds_20261130_742aafb.txt).
+    fwd = {n: [] for n in names}
+    graph = {n: [] for n in names}
+    for r in range(fwd_rounds):
+        for name in rotated(names, r):
+            row, fn = rows[name], impls[name]
+            if "error" in row:
+                continue
+            try:
+                fwd[name].append(median_ms(lambda fn=fn: fn(q, k, v, causal)))
+            except Exception as e:  # a backend that refuses a shape is recorded, not fatal
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            if name == "flex" or "graph_error" in row:
+                continue
             try:
                 with torch.no_grad():
-                    ms = graph_ms(lambda fn=fn: fn(q, k, v, causal))
-                row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9)
+                    graph[name].append(graph_ms(lambda fn=fn: fn(q, k, v, causal)))
             except Exception as e:
                 row.update(graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        if "error" not in row:
-            try:
+    for name in names:
+        row, fn = rows[name], impls[name]
+        if "error" in row:
+            continue
+        fwd_ms = statistics.median(fwd[name])
+        row.update(fwd_ms=fwd_ms, fwd_tflops_rounds=[flops_fwd / ms / 1e9 for ms in fwd[name]])
+        if graph[name] and "graph_error" not in row:
+            ms = statistics.median(graph[name])
+            row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9,
+                       fwd_graph_tflops_rounds=[flops_fwd / t / 1e9 for t in graph[name]])
+        try:
+            # Backward = (fwd+bwd) - fwd, so no implementation has to support retain_graph.
+            def fwd_bwd(fn=fn):
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v, causal).backward(dout)
 
-                def fwd_bwd(fn=fn):
-                    q.grad = k.grad = v.grad = None
-                    fn(q, k, v, causal).backward(dout)
-
-                bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
-                row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-                           fwd_tflops=flops_fwd / fwd_ms / 1e9,
-                           bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
-                           fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        rows.append(row)
+            bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
+            row.update(bwd_ms=bwd_ms,
+                       fwd_tflops=flops_fwd / fwd_ms / 1e9,
+                       bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
+                       fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
         torch.cuda.empty_cache()
-    return rows
+    return list(rows.values())
 
 
 def host_us_per_call(impls, calls: int = 200) -> Dict[str, float]:
@@ -251,6 +267,8 @@ def main() -> int:
     parser.add_argument("--timing", choices=("queued", "single"), default="queued",
                         help="queued: back-to-back calls (GPU time per call); single: one call "
                              "from an idle stream (adds the host time before the launch)")
+    parser.add_argument("--fwd-rounds", type=int, default=3,
+                        help="interleaved rounds of forward timings per point (median reported)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     global TIMING
@@ -264,7 +282,7 @@ def main() -> int:
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in (False, True):
-                point = bench_point(impls, d, seqlen, causal, args.flex_dims)
+                point = bench_point(impls, d, seqlen, causal, args.flex_dims, args.fwd_rounds)
                 rows += point
                 for r in point:
                     if "error" in r:
@@ -288,7 +306,7 @@ def main() -> int:
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), commit=commit,
-                timing=args.timing,
+                timing=args.timing, fwd_rounds=args.fwd_rounds,
                 plan=str(flash_attn_ext.explain(*(torch.empty(1, 16, 128, 128, device="cuda",
                                                               dtype=torch.bfloat16),) * 3)))
     os.makedirs(args.out_dir, exist_ok=True)

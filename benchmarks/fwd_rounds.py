@@ -1,12 +1,12 @@
 """Forward-only comparison in interleaved rounds: ours against SDPA's cuDNN and FLASH backends.
 
-bench_attention.py times each implementation once per point, and times its forward replayed from a
-CUDA graph right after that implementation's own forward+backward loop.  Single readings of the
-same kernel move +-3..5% between runs there, and the graph reading of a kernel timed after a
-slower backward may start on a hotter GPU.  This script times only forwards: per point, `rounds`
-rounds, each of which times every implementation once (queued, then graph), in an order rotated
-by one from round to round, and it logs the SM clock after each timing.  It reports the median
-and range over rounds per implementation and the ratio of the medians to cuDNN's.
+Single readings of the same kernel move +-3..5% between runs, and an implementation timed right
+after a slower one may start on a hotter GPU.  This script times only forwards: per point,
+`rounds` rounds, each of which times every implementation once (queued, then graph), in an order
+rotated by one from round to round, and it logs the SM clock after each timing.  It reports the
+median and range over rounds per implementation and the ratio of the medians to cuDNN's.
+(bench_attention.py times its forwards the same way, in fewer rounds by default, next to the
+backward and the other implementations.)
 
 Shapes and calls as bench_attention.py (bf16, (B, H, L, d) contiguous, B * L = 16384 tokens,
 H * d = 2048); FLOPs 4 * B * H * L^2 * d, halved when causal.

@@ -254,6 +254,36 @@ def test_compile_sdpa_drop_in_backward_on_cuda(backend):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_checkpointed_dropout_on_cuda(backend):
+    # Activation checkpointing recomputes the forward in the backward.  The fwd op's
+    # nondeterministic_seeded tag makes the partitioner run the forward and its recomputation on
+    # the same generator state, so the backward's dropout mask is the forward's.  Compiled, the
+    # mask on CUDA is not eager's (the partitioner runs the op on its own copy of the generator
+    # state), so the check is one that holds for any mask M (out = M v, dv = M^T dout):
+    # sum(dout * out) == sum(dv * v) per (batch, head); a different mask in the backward breaks it.
+    from torch.utils.checkpoint import checkpoint
+    torch._dynamo.reset()
+
+    def attn(q, k, v):
+        return scaled_dot_product_attention(q.sin(), k, v, dropout_p=0.3)
+
+    compiled = torch.compile(lambda q, k, v: checkpoint(attn, q, k, v, use_reentrant=False),
+                             backend=backend, fullgraph=True)
+    q, k, v = (torch.randn(2, 4, 77, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(2, 4, 77, 64, device="cuda", dtype=torch.bfloat16)
+    out = compiled(q, k, v)
+    out.backward(dout)
+    lhs = (dout.float() * out.float()).sum((-2, -1))
+    terms = v.grad.float() * v.float()
+    rhs = terms.sum((-2, -1))
+    # bf16 rounding of out and dv: ~0.003x sqrt(sum of squares) on the CPU; another mask ~1x.
+    bound = 0.05 * terms.square().sum((-2, -1)).sqrt()
+    assert torch.isfinite(lhs).all() and ((lhs - rhs).abs() <= bound).all(), (lhs, rhs)
+    assert (bound > 0).all()  # (nonzero out and dv: the identity does not hold trivially)
+
+
 def test_training_call_is_fused_in_strict_mode():
     dispatch.reset_fallback_counts()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
