@@ -278,7 +278,11 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     (f"head_dim={q.shape[-1]}, head_dim_v={v.shape[-1]}: the kernels take head "
                      f"dims up to {MAX_HEAD_DIM}",))
     if device == "cpu":
-        return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
+        cpu_plan = _cpu_plans.get(dtype)
+        if cpu_plan is None:
+            cpu_plan = _cpu_plans[dtype] = Plan(f"cpu_flash_fwd_{dtype}",
+                                                f"cpu_flash_bwd_{dtype}", True)
+        return cpu_plan
     if device == "cuda":
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if torch.compiler.is_compiling():
@@ -304,6 +308,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
+_cpu_plans: dict = {}  # plan() of CPU calls, by dtype name
 
 PACK_GQA_ENV = "FLASH_ATTN_EXT_SM90_PACK_GQA"
 SM90_MAX_ROWS = ops._C.sm90_max_rows  # the Hopper kernel's 32-bit row bound (pack_gqa.h)
@@ -338,8 +343,8 @@ _packed_plans: dict = {}  # plan -> the same plan with the packed Hopper forward
 
 def _with_packing(p: Plan, q: torch.Tensor, k: torch.Tensor) -> Plan:
     """``p``, with the Hopper forward named ``..._packgqa`` where it packs GQA query heads."""
-    if not p.kernel.startswith("sm90_fwd"):
-        return p
+    if q.shape[2] == k.shape[2] or not p.kernel.startswith("sm90_fwd"):
+        return p  # (no GQA group: nothing to pack)
     padded = int(p.kernel.split("_hdim")[1].split("_")[0])
     if not sm90_packs_gqa(q.shape[1], q.shape[2], k.shape[2], padded):
         return p

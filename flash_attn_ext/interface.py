@@ -60,6 +60,14 @@ def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
 
 
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    # (autocast off on q's device, k and v there too: the common case, checked at once;
+    # is_cuda/is_cpu are cheaper than device.type)
+    device = "cuda" if q.is_cuda else "cpu" if q.is_cpu else None
+    if (device is not None and not torch.is_autocast_enabled(device)
+            and k.is_cuda == q.is_cuda and v.is_cuda == q.is_cuda
+            and k.is_cpu == q.is_cpu and v.is_cpu == q.is_cpu):
+        return q, k, v
+
     def cast(t):
         dtype = autocast_dtype(t)
         return t if dtype is None else t.to(dtype)

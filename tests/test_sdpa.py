@@ -1,11 +1,15 @@
 """The SDPA drop-in against PyTorch's own scaled_dot_product_attention."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_attn_ext import scaled_dot_product_attention
+from flash_attn_ext import scaled_dot_product_attention, sdpa
 from reference import assert_error_rule
 
 
@@ -109,3 +113,33 @@ def test_dropout_p_one_gives_zeros_like_torch():
                                                                                 dropout_p=1.0))
     (g,) = torch.autograd.grad(out.sum(), q)
     assert (g == 0).all()
+
+
+@settings(max_examples=400, deadline=None)
+@given(b=st.integers(0, 2), hk=st.integers(0, 3), hq=st.integers(0, 6),
+       seq=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       e=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       ranks=st.sampled_from([(4, 4, 4), (4, 4, 4), (3, 3, 3), (4, 4, 3), (3, 4, 4)]),
+       perturb=st.one_of(st.none(), st.tuples(st.integers(0, 11), st.integers(0, 4))),
+       enable_gqa=st.booleans())
+def test_to_bshd_fast_path_follows_the_checked_rules(b, hk, hq, seq, e, ranks, perturb,
+                                                     enable_gqa):
+    # to_bshd's one-expression fast path must accept exactly what the rule-by-rule checks
+    # accept, with the same views; otherwise it defers to them for their error.  SDPA shapes
+    # (valid but for the head counts, which may or may not form GQA groups), then (perturb) one
+    # size changed.
+    dims = [b, hq, seq[0], e[0], b, hk, seq[1], e[0], b, hk, seq[1], e[1]]
+    if perturb is not None:
+        dims[perturb[0]] = perturb[1]
+    shapes = [dims[4 * i:4 * i + 4] if r == 4 else dims[4 * i:4 * i + 1] + dims[4 * i + 2:4 * i + 4]
+              for i, r in enumerate(ranks)]
+    q, k, v = (torch.empty(s) for s in shapes)
+    try:
+        expected = sdpa._checked_to_bshd(q, k, v, enable_gqa)
+    except ValueError as err:
+        with pytest.raises(ValueError, match=re.escape(str(err))):
+            sdpa.to_bshd(q, k, v, enable_gqa)
+        return
+    got = sdpa.to_bshd(q, k, v, enable_gqa)
+    for x, y in zip(got, expected):
+        assert x.shape == y.shape and x.stride() == y.stride() and x.data_ptr() == y.data_ptr()
