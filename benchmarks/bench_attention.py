@@ -45,7 +45,8 @@ HIDDEN = 2048
 TIMING = "queued"  # set from --timing in main()
 
 
-def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5) -> float:
+def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5,
+              host_us: Optional[list] = None) -> float:
     """Median milliseconds per call of fn.
 
     "queued" (default): events around `reps` back-to-back calls, no synchronisation between
@@ -54,7 +55,7 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
     when the host keeps up (host time per call is printed separately by --host-overhead).
     "single": events around each call started from an idle, synchronised stream, so the host
     time spent before the first kernel launch is in the number (the timing used before
-    2026-11-29).
+    2026-11-29).  host_us (queued only): see timing.queued_ms.
     """
     for _ in range(warmup):
         fn()
@@ -70,7 +71,7 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
             times.append(start.elapsed_time(end))
         times.sort()
         return times[len(times) // 2]
-    return queued_ms(fn, warmup=0, reps=reps, groups=groups)
+    return queued_ms(fn, warmup=0, reps=reps, groups=groups, host_us=host_us)
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
@@ -165,6 +166,7 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
     # +-3..5% with the GPU's clock and temperature, and the implementation timed right after a
     # slower one may start on a hotter GPU (results/fwd_rounds_20261130_742aafb.txt).
     fwd = {n: [] for n in names}
+    fwd_host = {n: [] for n in names}  # host us per call while queueing the timed forwards
     graph = {n: [] for n in names}
     for r in range(fwd_rounds):
         for name in rotated(names, r):
@@ -172,7 +174,8 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
             if "error" in row:
                 continue
             try:
-                fwd[name].append(median_ms(lambda fn=fn: fn(q, k, v, causal)))
+                fwd[name].append(median_ms(lambda fn=fn: fn(q, k, v, causal),
+                                           host_us=fwd_host[name]))
             except Exception as e:  # a backend that refuses a shape is recorded, not fatal
                 row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 continue
@@ -188,7 +191,8 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
         if "error" in row:
             continue
         fwd_ms = statistics.median(fwd[name])
-        row.update(fwd_ms=fwd_ms, fwd_tflops_rounds=[flops_fwd / ms / 1e9 for ms in fwd[name]])
+        row.update(fwd_ms=fwd_ms, fwd_tflops_rounds=[flops_fwd / ms / 1e9 for ms in fwd[name]],
+                   fwd_host_us_rounds=fwd_host[name])
         if graph[name] and "graph_error" not in row:
             ms = statistics.median(graph[name])
             row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9,
@@ -289,9 +293,13 @@ def main() -> int:
                         print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
                               f"{r['error']}", flush=True)
                     else:
+                        # host: us per call spent queueing the timed forwards (median over
+                        # rounds) against the GPU's us per forward: near it, host-bound
+                        host = statistics.median(r["fwd_host_us_rounds"])
                         print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
                               f"fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
-                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s", flush=True)
+                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s  host "
+                              f"{host:5.0f} us/{r['fwd_ms'] * 1e3:6.0f} us per fwd", flush=True)
     memory = []
     for seqlen in args.memory_seqlens:
         entry = dict(L=seqlen, ours_gib=peak_memory(seqlen, "ours"),

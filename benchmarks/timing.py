@@ -1,26 +1,37 @@
 """CUDA-event timing shared by the benchmark scripts (needs only PyTorch)."""
-from typing import Callable
+import statistics
+import time
+from typing import Callable, Optional
 
 import torch
 
 
-def queued_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5) -> float:
+def queued_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups: int = 5,
+              host_us: Optional[list] = None) -> float:
     """Median milliseconds per call of fn: events around `reps` back-to-back calls, no
     synchronisation between them (the host prepares the next call while the GPU runs this one,
-    as in a training step); the median over `groups` such runs of the per-call mean."""
+    as in a training step); the median over `groups` such runs of the per-call mean.
+
+    host_us: if a list, the median over groups of the host's microseconds per call while it
+    queued the timed calls is appended to it.  Near the GPU time per call, the reading is bound
+    by the host, not by the kernel."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(groups):
         fn()  # one call ahead so the queue is not empty when the timed calls start
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
+        host.append((time.perf_counter() - t0) / reps * 1e6)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / reps)
+    if host_us is not None:
+        host_us.append(statistics.median(host))
     times.sort()
     return times[len(times) // 2]
 
