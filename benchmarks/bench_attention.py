@@ -295,11 +295,13 @@ def main() -> int:
                     else:
                         # host: us per call spent queueing the timed forwards (median over
                         # rounds) against the GPU's us per forward: near it, host-bound
-                        host = statistics.median(r["fwd_host_us_rounds"])
+                        # (--timing single: none)
+                        host = (f"  host {statistics.median(r['fwd_host_us_rounds']):5.0f} us/"
+                                f"{r['fwd_ms'] * 1e3:6.0f} us per fwd"
+                                if r["fwd_host_us_rounds"] else "")
                         print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
                               f"fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
-                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s  host "
-                              f"{host:5.0f} us/{r['fwd_ms'] * 1e3:6.0f} us per fwd", flush=True)
+                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s{host}", flush=True)
     memory = []
     for seqlen in args.memory_seqlens:
         entry = dict(L=seqlen, ours_gib=peak_memory(seqlen, "ours"),
