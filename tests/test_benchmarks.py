@@ -1,0 +1,82 @@
+"""The GPU benchmark's bookkeeping, run on the CPU: bench_attention.bench_point and main() with
+CUDA events, synchronisation and graphs replaced by host-side stand-ins, so that a change to
+the script is exercised before it costs device time.  The timings themselves mean nothing here."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import flash_attn_ext
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_attention as ba
+
+
+class HostEvent:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu stand-in")
+    randn, empty = torch.randn, torch.empty
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))
+    monkeypatch.setattr(ba, "graph_ms", lambda fn, reps=10: ba.median_ms(fn))
+    monkeypatch.setattr(ba, "TOKENS", 64)
+    monkeypatch.setattr(ba, "HIDDEN", 64)
+
+    def refuses(q, k, v, causal):
+        raise RuntimeError("this backend refuses the shape")
+
+    impls = {
+        "ours": lambda q, k, v, c: flash_attn_ext.scaled_dot_product_attention(q, k, v,
+                                                                                is_causal=c),
+        "sdpa_cudnn": lambda q, k, v, c: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=c),
+        "refuses": refuses,
+    }
+    monkeypatch.setattr(ba, "implementations", lambda flex: dict(impls))
+    monkeypatch.setattr(ba, "host_us_per_call", lambda impls: {})
+    return impls
+
+
+def test_bench_point_rows(cpu_bench):
+    rows = {r["impl"]: r for r in ba.bench_point(cpu_bench, 32, 32, True, fwd_rounds=3)}
+    assert rows["refuses"]["error"].startswith("RuntimeError: this backend refuses")
+    for name in ("ours", "sdpa_cudnn"):
+        r = rows[name]
+        assert len(r["fwd_tflops_rounds"]) == len(r["fwd_graph_tflops_rounds"]) == 3
+        assert len(r["fwd_host_us_rounds"]) == 3 and min(r["fwd_host_us_rounds"]) > 0
+        flops = 4 * r["B"] * r["H"] * 32 * 32 * 32 / 2
+        assert r["fwd_tflops"] == pytest.approx(flops / r["fwd_ms"] / 1e9)
+        assert sorted(r["fwd_tflops_rounds"])[1] == pytest.approx(r["fwd_tflops"])  # median
+        assert r["bwd_ms"] > 0 and r["fwdbwd_tflops"] > 0
+
+
+def test_main_writes_the_table(cpu_bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--dims", "32", "--seqlens", "32",
+                                      "--no-flex", "--memory-seqlens", "--fwd-rounds", "2",
+                                      "--out-dir", str(tmp_path)])
+    assert ba.main() == 0
+    out = capsys.readouterr().out
+    assert "fwd_tflops" in out and "host" in out and "refuses" in out
+    (path,) = tmp_path.glob("gpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["meta"]["fwd_rounds"] == 2
+    assert {(r["impl"], r["causal"]) for r in data["rows"]} == {
+        (n, c) for n in ("ours", "sdpa_cudnn", "refuses") for c in (False, True)}
