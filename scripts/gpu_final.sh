@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: build, CUDA tests, compute-sanitizer, and only if every test passed the full
 # benchmark table (bench_attention.py defaults), then with FWD_ROUNDS=<n> also fwd_rounds.py's
-# forward-only comparison in n interleaved rounds (~20 s per round).  Usage on the GPU machine:
+# forward-only comparison in n interleaved rounds (~20 s per round).  Timing on the H200
+# (2026-11-30): build ~90 s, tests ~30 s, compute-sanitizer ~60 s, bench_attention ~340 s (its
+# forwards in 3 rounds): ~520 s of a call's 600.  Usage on the GPU machine:
 #   OUT=... [FWD_ROUNDS=5] bash scripts/gpu_final.sh [extra pytest files]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +14,7 @@ if grep -qE "[0-9]+ failed|[0-9]+ error" "$OUT/tests.log" || ! grep -qE "[0-9]+ 
   echo "tests did not all pass: no benchmark"; exit 1
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_attention.py --out-dir "$OUT" --flex-dims 128 \
+timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out-dir "$OUT" --flex-dims 128 \
   2>&1 | grep -v Warning > "$OUT/bench.log"
 sed -n '/^fwd_tflops/,$p' "$OUT/bench.log"
 grep -iE "memory|GiB" "$OUT/bench.log" | head -8
