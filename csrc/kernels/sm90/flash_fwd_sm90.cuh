@@ -137,9 +137,10 @@ struct Sm90FwdTraits {
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
   // Q double-buffered at head dim 64 (not packed): the producer then loads the next tile's Q
   // while this tile's last key tiles run, instead of once every consumer is done with this
-  // tile's Q, so the next tile need not wait for it.  Measured +1.0..+1.8% at d=64 L=1k
-  // (tiles of 192 rows x 1024 keys), none at 16k; at d=128 (which has the shared memory for
-  // it) -0.5..-1.5% at 1k-16k, within the noise of single runs (NOTES, session 15).
+  // tile's Q, so the next tile need not wait for it.  Measured +0.9..+1.1% at d=64 L=1k
+  // (tiles of 192 rows x 1024 keys; an A/A control read within 0.3%), +0..+0.8% at 2k-4k; at
+  // d=128 (which has the shared memory for it) -0.5..-1.5% at 1k-16k, within the noise of
+  // single runs (NOTES, session 15).
   static constexpr int kQStages = (!kPackGQA && kHeadDim == 64) ? 2 : 1;
   using SmemLayoutQ = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
