@@ -11,7 +11,8 @@ times one call from an idle stream (see median_ms); fwd_graph times the forward 
 replayed from a CUDA graph, the GPU time without any host work.  Per point, the forwards of all
 implementations are timed first, in --fwd-rounds interleaved rounds (order rotated by one per
 round; the median over rounds is reported, the per-round values are in the JSON), then each
-implementation's forward+backward.  Writes a table to stdout and JSON + PNG to --out-dir.
+implementation's forward+backward.  Writes a table to stdout and JSON (rewritten after every
+point, so a run cut short keeps what it measured) + PNG to --out-dir.
 (fwd_rounds.py times the forwards alone in more rounds and logs the SM clock.)
 
 Also measures peak extra memory of forward+backward at long L (B=1, H=16, d=128) for ours and
@@ -176,8 +177,11 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
             try:
                 fwd[name].append(median_ms(lambda fn=fn: fn(q, k, v, causal),
                                            host_us=fwd_host[name]))
-            except Exception as e:  # a backend that refuses a shape is recorded, not fatal
-                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            except Exception as e:
+                if not fwd[name]:  # a backend that refuses a shape is recorded, not fatal
+                    row.update(error=_error(e))
+                else:  # a later round failed (e.g. out of memory): the earlier ones stand
+                    row.setdefault("fwd_round_errors", []).append(_error(e))
                 continue
             if name == "flex" or "graph_error" in row:
                 continue
@@ -185,33 +189,41 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
                 with torch.no_grad():
                     graph[name].append(graph_ms(lambda fn=fn: fn(q, k, v, causal)))
             except Exception as e:
-                row.update(graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                row.update(graph_error=_error(e))
     for name in names:
         row, fn = rows[name], impls[name]
         if "error" in row:
             continue
         fwd_ms = statistics.median(fwd[name])
-        row.update(fwd_ms=fwd_ms, fwd_tflops_rounds=[flops_fwd / ms / 1e9 for ms in fwd[name]],
+        row.update(fwd_ms=fwd_ms, fwd_tflops=flops_fwd / fwd_ms / 1e9,
+                   fwd_tflops_rounds=[flops_fwd / ms / 1e9 for ms in fwd[name]],
                    fwd_host_us_rounds=fwd_host[name])
         if graph[name] and "graph_error" not in row:
             ms = statistics.median(graph[name])
             row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9,
                        fwd_graph_tflops_rounds=[flops_fwd / t / 1e9 for t in graph[name]])
         try:
-            # Backward = (fwd+bwd) - fwd, so no implementation has to support retain_graph.
+            # Backward = (fwd+bwd) - fwd, so no implementation has to support retain_graph;
+            # with a forward reading taken right before, so that a drift of the GPU's clock
+            # since the rounds above does not land in the backward.
             def fwd_bwd(fn=fn):
                 q.grad = k.grad = v.grad = None
                 fn(q, k, v, causal).backward(dout)
 
-            bwd_ms = max(median_ms(fwd_bwd) - fwd_ms, 1e-6)
-            row.update(bwd_ms=bwd_ms,
-                       fwd_tflops=flops_fwd / fwd_ms / 1e9,
-                       bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
-                       fwdbwd_tflops=3.5 * flops_fwd / (fwd_ms + bwd_ms) / 1e9)
+            fwd_now = median_ms(lambda fn=fn: fn(q, k, v, causal))
+            fwd_bwd_ms = median_ms(fwd_bwd)
+            bwd_ms = max(fwd_bwd_ms - fwd_now, 1e-6)
+            row.update(bwd_ms=bwd_ms, bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
+                       fwdbwd_tflops=3.5 * flops_fwd / fwd_bwd_ms / 1e9)
         except Exception as e:
-            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            row.update(bwd_error=_error(e))
         torch.cuda.empty_cache()
     return list(rows.values())
+
+
+def _error(e: Exception) -> str:
+    """An exception as a row records it: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def host_us_per_call(impls, calls: int = 200) -> Dict[str, float]:
@@ -275,40 +287,10 @@ def main() -> int:
                         help="interleaved rounds of forward timings per point (median reported)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
+    if args.fwd_rounds < 1:
+        parser.error(f"--fwd-rounds must be at least 1, got {args.fwd_rounds}")
     global TIMING
     TIMING = args.timing
-
-    impls = implementations(not args.no_flex)
-    host_us = host_us_per_call(impls)
-    print("host us per forward call (tiny shape): "
-          + ", ".join(f"{n} {t:.1f}" for n, t in host_us.items()), flush=True)
-    rows = []
-    for d in args.dims:
-        for seqlen in args.seqlens:
-            for causal in (False, True):
-                point = bench_point(impls, d, seqlen, causal, args.flex_dims, args.fwd_rounds)
-                rows += point
-                for r in point:
-                    if "error" in r:
-                        print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
-                              f"{r['error']}", flush=True)
-                    else:
-                        # host: us per call spent queueing the timed forwards (median over
-                        # rounds) against the GPU's us per forward: near it, host-bound
-                        # (--timing single: none)
-                        host = (f"  host {statistics.median(r['fwd_host_us_rounds']):5.0f} us/"
-                                f"{r['fwd_ms'] * 1e3:6.0f} us per fwd"
-                                if r["fwd_host_us_rounds"] else "")
-                        print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s} "
-                              f"fwd {r['fwd_tflops']:6.1f}  bwd {r['bwd_tflops']:6.1f}  "
-                              f"fwd+bwd {r['fwdbwd_tflops']:6.1f} TFLOP/s{host}", flush=True)
-    memory = []
-    for seqlen in args.memory_seqlens:
-        entry = dict(L=seqlen, ours_gib=peak_memory(seqlen, "ours"),
-                     math_gib=peak_memory(seqlen, "math") if seqlen <= 32768 else None)
-        memory.append(entry)
-        print(f"peak extra memory fwd+bwd L={seqlen}: ours {entry['ours_gib']} GiB, "
-              f"math {entry['math_gib']} GiB (None = OOM or skipped)", flush=True)
 
     commit = os.environ.get("FLASH_ATTN_EXT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -321,8 +303,45 @@ def main() -> int:
                                                               dtype=torch.bfloat16),) * 3)))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"gpu_{datetime.date.today():%Y%m%d}_{commit}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows, memory=memory, host_us_per_call=host_us), f, indent=1)
+    rows, memory = [], []
+
+    def save():  # after every point, so that a run cut short keeps what it measured
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(meta=meta, rows=rows, memory=memory, host_us_per_call=host_us), f,
+                      indent=1)
+
+    impls = implementations(not args.no_flex)
+    host_us = host_us_per_call(impls)
+    print("host us per forward call (tiny shape): "
+          + ", ".join(f"{n} {t:.1f}" for n, t in host_us.items()), flush=True)
+    for d in args.dims:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                point = bench_point(impls, d, seqlen, causal, args.flex_dims, args.fwd_rounds)
+                rows += point
+                save()
+                for r in point:
+                    where = f"d={d:3d} L={seqlen:5d} causal={causal!s:5s} {r['impl']:14s}"
+                    if "error" in r:
+                        print(f"{where} {r['error']}", flush=True)
+                        continue
+                    # host: us per call spent queueing the timed forwards (median over rounds)
+                    # against the GPU's us per forward: near it, host-bound (--timing single:
+                    # none)
+                    host = (f"  host {statistics.median(r['fwd_host_us_rounds']):5.0f} us/"
+                            f"{r['fwd_ms'] * 1e3:6.0f} us per fwd"
+                            if r["fwd_host_us_rounds"] else "")
+                    bwd = (f"bwd {r['bwd_tflops']:6.1f}  fwd+bwd {r['fwdbwd_tflops']:6.1f}"
+                           if "bwd_error" not in r else f"bwd {r['bwd_error']}")
+                    print(f"{where} fwd {r['fwd_tflops']:6.1f}  {bwd} TFLOP/s{host}",
+                          flush=True)
+    for seqlen in args.memory_seqlens:
+        entry = dict(L=seqlen, ours_gib=peak_memory(seqlen, "ours"),
+                     math_gib=peak_memory(seqlen, "math") if seqlen <= 32768 else None)
+        memory.append(entry)
+        print(f"peak extra memory fwd+bwd L={seqlen}: ours {entry['ours_gib']} GiB, "
+              f"math {entry['math_gib']} GiB (None = OOM or skipped)", flush=True)
+    save()
     print(f"wrote {stem}.json")
     print_table(rows)
     try:

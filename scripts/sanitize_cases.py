@@ -28,9 +28,9 @@ def main() -> None:
         (300, 300, 2, 2, 256, 256, True, (-1, -1), False, 0.0, False, 0.0),
         # More (query block, head) tiles than SMs.
         (260, 260, 40, 8, 64, 64, True, (-1, -1), True, 0.0, False, 0.0),
-        # Three tiles per CTA on an H200 (384 tiles, static schedule): head dim 64's two Q
-        # buffers each refilled after their release.
-        (400, 400, 64, 64, 64, 64, False, (-1, -1), True, 0.0, False, 0.0),
+        # Five or six tiles per CTA on an H200 (768 tiles, static schedule): head dim 64's two
+        # Q buffers each refilled after their release, both phases of their barriers.
+        (400, 400, 128, 128, 64, 64, False, (-1, -1), True, 0.0, False, 0.0),
         # GQA packed into shared tiles (seqlen_q * group rows; Q by cp.async, O from registers).
         (5, 300, 16, 2, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (40, 200, 12, 4, 64, 64, False, (20, 0), True, 0.0, False, 0.0),

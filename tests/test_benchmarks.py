@@ -43,12 +43,27 @@ def cpu_bench(monkeypatch):
     def refuses(q, k, v, causal):
         raise RuntimeError("this backend refuses the shape")
 
+    calls = {"n": 0}
+
+    def fails_later(q, k, v, causal):  # succeeds in the first round's forward timing only
+        calls["n"] += 1
+        if calls["n"] > 58:  # (3 warm-up calls, 5 groups of 1 + 10)
+            raise RuntimeError("out of memory, say")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def no_backward(q, k, v, causal):
+        out = torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(),
+                                                               v.detach(), is_causal=causal)
+        return out  # does not require grad: its backward raises
+
     impls = {
         "ours": lambda q, k, v, c: flash_attn_ext.scaled_dot_product_attention(q, k, v,
                                                                                 is_causal=c),
         "sdpa_cudnn": lambda q, k, v, c: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=c),
         "refuses": refuses,
+        "fails_later": fails_later,
+        "no_backward": no_backward,
     }
     monkeypatch.setattr(ba, "implementations", lambda flex: dict(impls))
     monkeypatch.setattr(ba, "host_us_per_call", lambda impls: {})
@@ -58,6 +73,16 @@ def cpu_bench(monkeypatch):
 def test_bench_point_rows(cpu_bench):
     rows = {r["impl"]: r for r in ba.bench_point(cpu_bench, 32, 32, True, fwd_rounds=3)}
     assert rows["refuses"]["error"].startswith("RuntimeError: this backend refuses")
+    # A failure after the first round keeps the rounds that ran; a backward failure keeps the
+    # forward's numbers.
+    later = rows["fails_later"]
+    assert "error" not in later and len(later["fwd_tflops_rounds"]) == 1
+    assert later["graph_error"].startswith("RuntimeError: out of memory")
+    assert later["fwd_round_errors"][0].startswith("RuntimeError: out of memory")
+    assert "fwd_graph_tflops" not in later
+    nb = rows["no_backward"]
+    assert "error" not in nb and nb["fwd_tflops"] > 0 and "bwd_tflops" not in nb
+    assert nb["bwd_error"].startswith("RuntimeError")
     for name in ("ours", "sdpa_cudnn"):
         r = rows[name]
         assert len(r["fwd_tflops_rounds"]) == len(r["fwd_graph_tflops_rounds"]) == 3
@@ -79,4 +104,10 @@ def test_main_writes_the_table(cpu_bench, tmp_path, monkeypatch, capsys):
     data = json.loads(path.read_text())
     assert data["meta"]["fwd_rounds"] == 2
     assert {(r["impl"], r["causal"]) for r in data["rows"]} == {
-        (n, c) for n in ("ours", "sdpa_cudnn", "refuses") for c in (False, True)}
+        (n, c) for n in cpu_bench for c in (False, True)}
+
+
+def test_main_refuses_zero_rounds(cpu_bench, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--fwd-rounds", "0"])
+    with pytest.raises(SystemExit):
+        ba.main()
