@@ -3,7 +3,9 @@
 # benchmark table (bench_attention.py defaults), then with FWD_ROUNDS=<n> also fwd_rounds.py's
 # forward-only comparison in n interleaved rounds (~20 s per round).  Timing on the H200
 # (2026-11-30): build ~90 s, tests ~30 s, compute-sanitizer ~60 s, bench_attention ~340 s (its
-# forwards in 3 rounds): ~520 s of a call's 600.  Usage on the GPU machine:
+# forwards in 3 rounds; ~10% more since its backward takes its own forward reading): ~560 s of
+# a call's 600 (bench_attention rewrites its JSON after every point, so a timeout keeps what
+# it measured).  Usage on the GPU machine:
 #   OUT=... [FWD_ROUNDS=5] bash scripts/gpu_final.sh [extra pytest files]
 set -uo pipefail
 cd "$(dirname "$0")/.."
