@@ -73,6 +73,12 @@ class Plan:
         return text + "".join(f"; note: {n}" for n in self.notes)
 
 
+def _unfused(kernel: str, reasons: tuple) -> Plan:
+    """The plan of a call that no fused kernel serves, forward or backward (the backward is the
+    fallback's own autograd)."""
+    return Plan(kernel, kernel, False, reasons, backward_fused=False, backward_reasons=reasons)
+
+
 _strict_override: Optional[bool] = None
 _counts: collections.Counter = collections.Counter()
 _warned: set = set()
@@ -101,7 +107,15 @@ def strict_enabled(strict: Optional[bool] = None) -> bool:
         return strict
     if _strict_override is not None:
         return _strict_override
-    return os.environ.get("FLASH_ATTN_EXT_STRICT", "0").strip().lower() in ("1", "true", "yes")
+    raw = os.environ.get("FLASH_ATTN_EXT_STRICT", "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    # (an unknown value must not quietly leave strict mode off)
+    raise ValueError(f"FLASH_ATTN_EXT_STRICT must be 1, true, yes or on (strict) or 0, false, "
+                     f"no, off or unset (not strict), got {raw!r}")
 
 
 def fallback_counts() -> dict:
@@ -270,13 +284,14 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dtype = _DTYPE_NAMES.get(q_dtype, str(q_dtype).replace("torch.", ""))
     reasons = []
     if q_dtype not in _DTYPE_NAMES:
-        return Plan("none", "none", False,
-                    (f"q.dtype={q_dtype} is not a floating dtype: no kernel or fallback takes it",))
+        return _unfused("none",
+                        (f"q.dtype={q_dtype} is not a floating dtype: no kernel or fallback "
+                         "takes it",))
     head_dim = max(q.shape[-1], v.shape[-1])
     if head_dim > MAX_HEAD_DIM:
-        return Plan(FALLBACK, FALLBACK, False,
-                    (f"head_dim={q.shape[-1]}, head_dim_v={v.shape[-1]}: the kernels take head "
-                     f"dims up to {MAX_HEAD_DIM}",))
+        return _unfused(FALLBACK,
+                        (f"head_dim={q.shape[-1]}, head_dim_v={v.shape[-1]}: the kernels take "
+                         f"head dims up to {MAX_HEAD_DIM}",))
     if device == "cpu":
         cpu_plan = _cpu_plans.get(dtype)
         if cpu_plan is None:
@@ -304,7 +319,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 _cuda_plans[key] = cached
         return _with_packing(cached, q, k)
     reasons.append(f"device type {device!r} has no flash_attn_ext kernel")
-    return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
+    return _unfused(FALLBACK, tuple(reasons))
 
 
 _cuda_plans: dict = {}  # plan() of eager CUDA calls, by what the plan depends on
@@ -399,7 +414,7 @@ def _plan_cuda(q, k, v, softmax_scale, general, q_dtype, dtype, head_dim, index)
             notes.append("backward on the 4-warp sm80 kernels, not the faster 8-warp ones, "
                          "because " + "; ".join(why))
         return Plan(forward, f"sm80_bwd_hdim{padded}_{dtype}", True, notes=tuple(notes))
-    return Plan(FALLBACK, FALLBACK, False, tuple(reasons))
+    return _unfused(FALLBACK, tuple(reasons))
 
 
 def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:

@@ -344,3 +344,24 @@ def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_di
         assert not backward_notes
     else:
         assert len(backward_notes) == 1 and text in backward_notes[0] and text in str(p)
+
+
+@pytest.mark.parametrize("value,strict", [("on", True), ("Yes", True), ("off", False),
+                                          ("", False), (" 0 ", False)])
+def test_strict_env_values(monkeypatch, value, strict):
+    monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", value)
+    assert dispatch.strict_enabled() is strict
+
+
+def test_strict_env_unknown_value_raises(monkeypatch):
+    # An unknown value must not quietly leave strict mode off.
+    monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", "enable")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_STRICT must be .* got 'enable'"):
+        dispatch.strict_enabled()
+
+
+def test_fallback_plan_has_no_fused_backward():
+    q = torch.randn(1, 3, 1, 300)
+    p = flash_attn_ext.explain(q, q, q)
+    assert not p.fused and not p.backward_fused
+    assert p.backward_reasons == p.reasons and "head dims up to 256" in p.reasons[0]
