@@ -26,12 +26,17 @@
 // Usage: kernel_ab [--dims 64 128] [--seqlens 2048 16384] [--causal no|yes|both]
 //                  [--reps 10] [--deterministic] [--fwd sm80|sm90] [--no-bwd]
 //                  [--layout bshd|bhsd] [--data uniform|normal] [--section PAIRS]
-//                  [--tag NAME]
+//                  [--tag NAME] [--addresses]
+//
+// --addresses prints each case's q, k, v and out device addresses (offsets within 2 MiB pages
+// and the pages' numbers), to relate run-to-run differences of one binary to where its buffers
+// landed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -163,6 +168,7 @@ struct Options {
   int section = 0;  // --section: the Hopper forward's (batch, head) pairs per section
   int schedule = 0;  // --schedule: 0 as the extension, 1 static, 2 dynamic (Hopper forward)
   std::string tag = "ours";
+  bool addresses = false;
 };
 
 template <int kHeadDim>
@@ -236,6 +242,16 @@ void run_case(int64_t seqlen, bool causal, const Options& o) {
   };
   fwd();
   CHECK_CUDA(cudaDeviceSynchronize());
+  if (o.addresses) {
+    std::printf("%s   addresses (2 MiB page:offset):", tag);
+    for (const void* ptr : {static_cast<const void*>(q), static_cast<const void*>(k),
+                            static_cast<const void*>(v), static_cast<const void*>(out)}) {
+      const auto a = reinterpret_cast<uintptr_t>(ptr);
+      std::printf(" %llx:%llx", static_cast<unsigned long long>(a >> 21),
+                  static_cast<unsigned long long>(a & ((uintptr_t{1} << 21) - 1)));
+    }
+    std::printf("\n");
+  }
   const double flops = 4.0 * batch * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
   const double fwd_ms = median_ms(fwd, reps);
   if (o.bwd) {
@@ -343,6 +359,8 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--tag" && i + 1 < argc) {
       o.tag = argv[++i];
+    } else if (a == "--addresses") {
+      o.addresses = true;
     } else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
