@@ -150,8 +150,8 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
 def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):
     """Validates SDPA-layout tensors and returns (B, L, H, E) views of them (no copies)."""
     # Fast path (every call pays for this function: its checks once cost ~2 us of host time
-    # per call): the same rules as _checked_to_bshd in one expression, which raises each one's
-    # error where the expression is false.
+    # per call): the rules of _checked_to_bshd for 4-D inputs in one expression; where it is
+    # false, _checked_to_bshd checks them one by one and raises the broken rule's error.
     if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
             and isinstance(value, torch.Tensor)
             and not (query.is_nested or key.is_nested or value.is_nested)):
