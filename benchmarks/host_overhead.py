@@ -36,6 +36,11 @@ def host_us(fn, calls: int) -> float:
     return best
 
 
+def _causal(backend, q, k, v):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
@@ -44,10 +49,18 @@ def main() -> int:
                            requires_grad=True) for _ in range(3))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
+    qg, kg, vg = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
     cases = {
         "ours sdpa (grad)": lambda: flash_attn_ext.scaled_dot_product_attention(q, k, v),
+        "ours sdpa causal (grad)": lambda: flash_attn_ext.scaled_dot_product_attention(
+            q, k, v, is_causal=True),
         "ours sdpa (no grad)": lambda: flash_attn_ext.scaled_dot_product_attention(qd, kd, vd),
+        "ours flash_attn_func (grad)": lambda: flash_attn_ext.flash_attn_func(qg, kg, vg),
+        "ours op fwd (grad)": lambda: torch.ops.flash_attn_ext.fwd(qg, kg, vg),
+        "ours op fwd causal (grad)": lambda: torch.ops.flash_attn_ext.fwd(qg, kg, vg, causal=True),
         "ours op fwd (no grad)": lambda: torch.ops.flash_attn_ext.fwd(qt, kt, vt),
+        "transpose x4 (grad)": lambda: (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        q.transpose(1, 2)),
         "torch.empty x3": lambda: (torch.empty_like(qd), torch.empty_like(qd),
                                    torch.empty_like(qd)),
     }
@@ -59,8 +72,9 @@ def main() -> int:
                     F.scaled_dot_product_attention(qd, kd, vd)
         cases[f"sdpa {name} (grad)"] = run
         cases[f"sdpa {name} (no grad)"] = lambda run=run: run(grad=False)
+        cases[f"sdpa {name} causal (grad)"] = lambda backend=backend: _causal(backend, q, k, v)
     for name, fn in cases.items():
-        print(f"{name:24s} {host_us(fn, args.calls):7.1f} us/call", flush=True)
+        print(f"{name:30s} {host_us(fn, args.calls):7.1f} us/call", flush=True)
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
