@@ -73,8 +73,11 @@ struct FwdParams {
 // Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the
 // atomic-dQ kernel adds whole tiles without a row test (rows past seqlen_q receive zeros).
 constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 128 * 128; }
-// Columns of BwdParams::dq_accum: the head dim padded as the 8-warp kernels take it (64 or 128).
-constexpr int64_t dq_accum_cols(int64_t head_dim) { return head_dim <= 64 ? 64 : 128; }
+// Columns of BwdParams::dq_accum: the head dim padded as the 8-warp kernels take it (64, 128
+// or 256).
+constexpr int64_t dq_accum_cols(int64_t head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+}
 // Floats of BwdParams::dq_accum: (batch, dq_accum_rows(seqlen_q), heads_q, dq_accum_cols(d)).
 constexpr int64_t dq_accum_floats(int64_t batch, int64_t seqlen_q, int64_t heads_q,
                                   int64_t head_dim) {
@@ -98,7 +101,7 @@ struct BwdParams : FwdParams {
   // accumulator type, or nullptr: the kernels use delta = rowsum(dO * O) - dsoftmax_lse.
   const void* dsoftmax_lse = nullptr;
   // Optional fp32 scratch for FlashAttention-2's atomic dQ, batch * dq_accum_rows(seqlen_q) *
-  // heads_q * (padded head dim of the kernel: 64 or 128) floats: where the 8-warp plain-attention
+  // heads_q * (padded head dim of the kernel: 64, 128 or 256) floats: where the 8-warp plain-attention
   // kernels run (flash_bwd_lean.cuh), the delta kernel zeroes it, the dK/dV kernel adds dQ into
   // it (layout: flash_bwd_lean.cuh, DqMode) and a conversion writes dq, in place of the separate
   // dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible

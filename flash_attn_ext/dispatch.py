@@ -176,9 +176,10 @@ def _sm80_smem_bytes(padded_dim: int) -> int:
     """Dynamic shared memory of the largest sm80 kernel for a padded head dim: the dK/dV kernel
     (csrc/kernels/sm80/flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv: K, V of 64 keys, Q/dO
     double-buffered, two fp32 statistics per query row; 64 query rows per step up to head
-    dim 128, 32 above).  The faster plain-attention kernels of flash_bwd_lean.cuh (head dims 64
-    and 128: up to 161 KB) run only where the GPU allows them; elsewhere (sm_86 / sm_89) the
-    backward uses these, so this stays the requirement."""
+    dim 128, 32 above).  The faster plain-attention kernels of flash_bwd_lean.cuh (up to 161 KB
+    at head dims 64 and 128, 209 KB at 256) run only where the GPU allows them; elsewhere (e.g.
+    sm_86 / sm_89, and sm_80 at head dim 256) the backward uses these, so this stays the
+    requirement."""
     rows = 64 if padded_dim <= 128 else 32
     return (2 * 64 + 4 * rows) * padded_dim * 2 + 4 * rows * 4
 
@@ -200,10 +201,11 @@ def kernel_choice() -> str:
 def _lean_bwd_smem_bytes(padded_dim: int, rows: int = 64) -> int:
     """Dynamic shared memory of the 8-warp plain-attention backward (csrc/kernels/sm80/
     flash_bwd_lean.cuh, LeanBwdTraits::kSmemDkdv, the larger of its two kernels) with ``rows``
-    query rows per step: K and V of 128 keys, Q and dO double-buffered, P^T and dS^T, lse and D
-    per row.  Head dim 64 takes 128-row steps where they fit and 64-row ones elsewhere, so the
-    64-row figure is the requirement."""
-    return ((2 * 128 + 2 * 2 * rows) * padded_dim * 2 + 2 * 128 * rows * 2
+    query rows per step: K and V of 128 keys (64 at head dim 256), Q and dO double-buffered,
+    P^T and dS^T, lse and D per row.  Head dim 64 takes 128-row steps where they fit and 64-row
+    ones elsewhere, so the 64-row figure is the requirement."""
+    keys = 128 if padded_dim <= 128 else 64
+    return ((2 * keys + 2 * 2 * rows) * padded_dim * 2 + 2 * keys * rows * 2
             + 2 * 2 * rows * 4)
 
 
@@ -214,9 +216,7 @@ def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> lis
     why = []
     if general:
         why.append("softcap, attn_mask/attn_bias and dropout run on them")
-    if padded_dim > 128:
-        why.append(f"head dim {padded_dim} (the 8-warp kernels take up to 128)")
-    elif 0 < allowed_smem < _lean_bwd_smem_bytes(padded_dim):
+    if 0 < allowed_smem < _lean_bwd_smem_bytes(padded_dim):
         why.append(f"they need {_lean_bwd_smem_bytes(padded_dim)} bytes of shared memory per "
                    f"block, this GPU allows {allowed_smem}")
     return why

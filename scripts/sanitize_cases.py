@@ -35,7 +35,13 @@ def main() -> None:
         (5, 300, 16, 2, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (40, 200, 12, 4, 64, 64, False, (20, 0), True, 0.0, False, 0.0),
     ]
-    for L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p in cases:
+    # The backward's deterministic path (the separate dQ kernel) for the last three cases (head
+    # dims 64 and 128) and a head dim 256 GQA case (also run with the atomic dQ); the others
+    # take the atomic / bulk dQ.
+    deterministic = [False] * (len(cases) - 3) + [True] * 3
+    cases += [(300, 257, 4, 2, 256, 256, True, (-1, -1), True, 0.0, False, 0.0)] * 2
+    deterministic += [False, True]
+    for i, (L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p) in enumerate(cases):
         q = torch.randn(2, L, H, D, device=dev, dtype=dt)
         k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
         v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
@@ -43,7 +49,8 @@ def main() -> None:
         out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
                                 bias, p)
         grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
-                           window[0], window[1], br, softcap, None, bias, p, False, has_bias)
+                           window[0], window[1], br, softcap, None, bias, p, deterministic[i],
+                           has_bias)
         torch.cuda.synchronize()
         assert all(torch.isfinite(g).all() for g in grads if g.numel())
     print(f"sanitize_cases: {len(cases)} cases ran")

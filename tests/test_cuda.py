@@ -122,9 +122,10 @@ def _gqa_causal_grads(deterministic, dim=128):
     return grads
 
 
-def test_backward_is_bitwise_reproducible():
+@pytest.mark.parametrize("dim", [128, 256])
+def test_backward_is_bitwise_reproducible(dim):
     # deterministic=True: the separate dQ kernel, no atomics: the same gradients bit for bit.
-    grads = _gqa_causal_grads(True)
+    grads = _gqa_causal_grads(True, dim)
     first = grads()
     for _ in range(10):
         assert all(torch.equal(a, b) for a, b in zip(grads(), first))
@@ -143,11 +144,11 @@ def test_use_deterministic_algorithms_selects_the_reproducible_backward():
 
 
 @pytest.mark.parametrize("dq_mode", ["auto", "atomic"])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 def test_atomic_dq_matches_deterministic(dim, dq_mode, monkeypatch):
-    # deterministic=False at head dims <= 128: dQ added in fp32 by the dK/dV kernel (sm_90:
-    # bulk reductions of whole tiles by default, FLASH_ATTN_EXT_BWD_DQ=atomic: per-lane atomics,
-    # the sm_80 path; order varies either way), dK and dV from the same kernel arithmetic as
+    # deterministic=False: dQ added in fp32 by the 8-warp dK/dV kernel (sm_90: bulk reductions
+    # of whole tiles by default, FLASH_ATTN_EXT_BWD_DQ=atomic: per-lane atomics, the sm_80 path
+    # and head dim 256's on sm_90; order varies either way), dK and dV from the same arithmetic as
     # the deterministic path; dq equal up to the fp32 summation order and the recomputed dS's
     # last bit.  seqlen_q = 1000 leaves the last query tile partly outside the sequence.
     monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", dq_mode)

@@ -323,14 +323,15 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
 @pytest.mark.parametrize("cap,smem,head_dim,general,text", [
     ((9, 0), 232448, 128, False, None),
     ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),
-    ((9, 0), 232448, 256, False, "head dim 256"),
+    ((9, 0), 232448, 256, False, None),           # 209 KB: fits sm_90's 227 KB
+    ((8, 0), 166912, 256, False, "214016 bytes of shared memory"),  # not sm_80's 163 KB
     ((8, 6), 101376, 64, False, None),            # 97 KB: the d=64 kernels fit
     ((8, 6), 101376, 128, False, "164864 bytes of shared memory"),
     ((8, 0), 166912, 128, False, None)])
 def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, general,
                                                  text):
-    # The 8-warp backward serves plain attention at head dims <= 128 where the GPU's shared
-    # memory allows; otherwise the plan says that the 4-warp kernels serve it, and why.
+    # The 8-warp backward serves plain attention where the GPU's shared memory allows (head dim
+    # 256: sm_90, not sm_80); otherwise the plan says that the 4-warp kernels serve it, and why.
     monkeypatch.setattr(dispatch, "_capability", lambda index: cap)
     monkeypatch.setattr(dispatch, "_smem_per_block", lambda index: smem)
     monkeypatch.setattr(dispatch.ops, "build_info",

@@ -324,8 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       // fp32 scratch of the atomic dQ (params.h: dq_accum); the backward zeroes it and uses it
       // where the 8-warp kernels run (their shared memory fits), else ignores it.
       at::Tensor dq_accum;
-      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
-          kernel_dim <= 128) {
+      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general()) {
         dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());

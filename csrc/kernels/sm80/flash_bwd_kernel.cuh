@@ -17,8 +17,8 @@
 // 4-warp kernels, measured 11-21% slower (commit b76b23a, benchmarks/NOTES.md) and is not kept
 // here; the 8-warp kernels below do use it.
 //
-// Plain attention (no softcap / bias / dropout) at padded head dims 64 and 128 runs the 8-warp
-// kernels of flash_bwd_lean.cuh instead of 2 and 3 where the GPU's shared memory allows them
+// Plain attention (no softcap / bias / dropout) runs the 8-warp kernels of flash_bwd_lean.cuh
+// instead of 2 and 3 where the GPU's shared memory allows them (head dim 256: sm_90's 227 KB)
 // (launch_flash_bwd picks; with p.dq_accum, i.e. deterministic=False, dQ is added there with
 // atomics); the kernels here serve everything else.
 //
@@ -397,10 +397,10 @@ template <typename T>
 cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stream) {
   using Element = typename T::Element;
   const bool general = p.general();
-  if constexpr (T::kHeadDim <= 128) {
+  {
     // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits
-    // (at head dim 64 with 64-row steps on GPUs with less shared memory).  The delta kernel
-    // zeroes their atomic-dQ scratch.
+    // (at head dim 64 with 64-row steps on GPUs with less shared memory; head dim 256 on sm_90
+    // only).  The delta kernel zeroes their atomic-dQ scratch.
     using Lean = LeanBwdTraits<Element, T::kHeadDim>;
     static_assert(dq_accum_cols(T::kHeadDim) == T::kHeadDim, "");
     const int64_t accum_floats =

@@ -1,9 +1,9 @@
 // Backward kernels for plain attention (no softcap, attn_bias or dropout: the `kGeneral = false`
-// case) at padded head dims 64 and 128, on sm_80+ (mma.sync; also runs on sm_90).  The general
-// case and head dim 256 keep the kernels of flash_bwd_kernel.cuh, which also serve GPUs whose
-// shared memory per block is too small for these (sm_86 / sm_89, 99 KB: head dim 128; their
-// head dim 64 kernels in their 64-row-step variant need 97 KB and run there, measured on sm_90
-// only).
+// case) at padded head dims 64, 128 and 256, on sm_80+ (mma.sync; also runs on sm_90).  The
+// general case keeps the kernels of flash_bwd_kernel.cuh, which also serve GPUs whose shared
+// memory per block is too small for these (sm_86 / sm_89, 99 KB: head dim 128; their head dim
+// 64 kernels in their 64-row-step variant need 97 KB and run there, measured on sm_90 only;
+// head dim 256 needs 209 KB: sm_90, not sm_80's 163 KB).
 //
 // Same algorithm as flash_bwd_kernel.cuh, with FlashAttention-2's warp tiling instead of one
 // 16-row tile per warp, which left every shared-memory fragment feeding one or two MMAs
@@ -14,17 +14,18 @@
 // writes dq; with deterministic=True the dK/dV kernel, then a separate dQ kernel that
 // recomputes S and dP (7 passes, no atomics, bitwise reproducible):
 //
-//  dK/dV: one CTA of 8 warps per (128 keys, batch, kv head); per step a kBlockM-row Q / dO
-//    tile (64 rows; 128 at head dim 64) of one query head of the GQA group (double-buffered
-//    cp.async, lse and D with it).  S^T = K Q^T and dP^T = V dO^T (128 x kBlockM) are split
-//    4 x 2 over the warps (32 keys x kBlockM / 2 queries each); P^T and dS^T = P^T (dP^T - D)
-//    go to shared memory as 16-bit values; after a barrier dQ (kBlockM x head dim, if here),
-//    then dV += P^T dO and dK += dS^T Q (128 x head dim, split 4 x 2 again: 32 keys x half
-//    the head dim each, accumulators in registers).  Every warp's ldmatrix fragment feeds
-//    2-4 MMAs (0.375-0.5 ldmatrix.x4 per m16n8k16 instead of ~0.6-1).
-//  dQ: one CTA of 8 warps per (128 query rows, batch, head), K / V tiles of 64 keys double-
-//    buffered; S and dP (128 x 64) split 4 x 2 (32 x 32 each), dS to shared memory, then
-//    dQ += dS K (128 x head dim) split 4 x 2 (32 rows x half the head dim each).
+//  dK/dV: one CTA of 8 warps per (kBlockN = 128 keys, 64 at head dim 256; batch, kv head); per
+//    step a kBlockM-row Q / dO tile (64 rows; 128 at head dim 64) of one query head of the GQA
+//    group (double-buffered cp.async, lse and D with it).  S^T = K Q^T and dP^T = V dO^T
+//    (kBlockN x kBlockM) are split 4 x 2 over the warps (2 x 4 at head dim 256: 32 keys each);
+//    P^T and dS^T = P^T (dP^T - D) go to shared memory as 16-bit values; after a barrier dQ
+//    (kBlockM x head dim, if here), then dV += P^T dO and dK += dS^T Q (kBlockN x head dim,
+//    split the same way: 32 keys x a half or quarter of the head dim each, accumulators in
+//    registers).  Every warp's ldmatrix fragment feeds 2-4 MMAs (0.375-0.5 ldmatrix.x4 per
+//    m16n8k16 instead of ~0.6-1).
+//  dQ: one CTA of 8 warps per (128 query rows, 64 at head dim 256; batch, head), K / V tiles
+//    of 64 keys double-buffered; S and dP split over the warps as above (32 rows each), dS to
+//    shared memory, then dQ += dS K split the same way.
 // dS is multiplied by the softmax scale before it is rounded to 16 bits (as in the 4-warp
 // kernels; unscaled, fp16 dS would overflow 1 / scale times sooner).
 //
@@ -50,46 +51,50 @@ namespace flash_attn_ext::sm80 {
 template <typename Element_, int kHeadDim_, int kBlockM_ = 0>
 struct LeanBwdTraits {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v): 64 or 128
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim (q/k and v): 64, 128 or 256
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  // Both kernels lay their 8 warps out as 4 along the CTA's own rows (keys for dK/dV, queries
-  // for dQ) by 2 along the other GEMM dimension: 32 rows per warp, two m16 tiles.
-  static constexpr int kWarpsRow = 4, kWarpsCol = 2;
+  // Both kernels lay their 8 warps out as kWarpsRow along the CTA's own rows (keys for dK/dV,
+  // queries for dQ), 32 rows per warp (two m16 tiles), by kWarpsCol along the other GEMM
+  // dimension: 4 x 2 up to head dim 128, 2 x 4 at 256, where each warp's dK / dV accumulators
+  // (32 rows x kHeadDim / kWarpsCol) stay the 2 x 64 floats per lane of head dim 128.
+  static constexpr int kWarpsRow = kHeadDim <= 128 ? 4 : 2, kWarpsCol = kWarps / kWarpsRow;
   static constexpr int kStages = 2;  // cp.async ring depth of the streamed tiles (sm_80's smem)
-  // dK/dV kernel: kBlockN keys per CTA, kBlockM query rows per step: by default 128 at head
-  // dim 64, as FlashAttention-2 (twice the MMA work per barrier, statistics load and ldmatrix
-  // of K / V; 162 KB of shared memory, so GPUs with less, sm_86 / sm_89, take 64), 64 at head
-  // dim 128 (128 would not fit the S^T / dP^T accumulators beside dK / dV).  Shared memory:
-  // K, V; [stage] Q, dO; P^T, dS^T; [stage] lse, D (fp32).
-  static constexpr int kBlockN = 128;
+  // dK/dV kernel: kBlockN keys per CTA (128; 64 at head dim 256), kBlockM query rows per step:
+  // by default 128 at head dim 64, as FlashAttention-2 (twice the MMA work per barrier,
+  // statistics load and ldmatrix of K / V; 162 KB of shared memory, so GPUs with less, sm_86 /
+  // sm_89, take 64), 64 at head dim 128 (128 would not fit the S^T / dP^T accumulators beside
+  // dK / dV) and 256 (FlashAttention-2's 64 x 64 tiles there).  Shared memory: K, V; [stage] Q,
+  // dO; P^T, dS^T; [stage] lse, D (fp32).
+  static constexpr int kBlockN = 32 * kWarpsRow;
   static constexpr int kBlockM = kBlockM_ != 0 ? kBlockM_ : (kHeadDim == 64 ? 128 : 64);
   static constexpr int kSmemDkdv =
       (2 * kBlockN + 2 * kStages * kBlockM) * kHeadDim * int(sizeof(Element)) +
       2 * kBlockN * kBlockM * int(sizeof(Element)) + 2 * kStages * kBlockM * int(sizeof(float));
   // dQ kernel: kBlockMQ query rows per CTA, kBlockNQ keys per step.  Shared memory: Q, dO;
   // [stage] K, V; dS.
-  static constexpr int kBlockMQ = 128, kBlockNQ = 64;
+  static constexpr int kBlockMQ = 32 * kWarpsRow, kBlockNQ = 64;
   static constexpr int kSmemDq =
       (2 * kBlockMQ + 2 * kStages * kBlockNQ) * kHeadDim * int(sizeof(Element)) +
       kBlockMQ * kBlockNQ * int(sizeof(Element));
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "");
   // The 16-bit P^T / dS^T / dS tiles are swizzled over 8 or 16 chunks per row (tile.h: swz).
-  static_assert(kBlockM % 64 == 0 && kBlockNQ == 64 && kBlockN == 32 * kWarpsRow &&
-                    kBlockMQ == 32 * kWarpsRow && kWarpsRow * kWarpsCol == kWarps,
+  static_assert(kBlockM % 64 == 0 && kBlockNQ == 64 && kWarpsRow * kWarpsCol == kWarps, "");
+  // Head dims up to 128 fit sm_80's 163 KB; head dim 256 (209 KB) needs sm_90's 227 KB (the
+  // launcher checks the device's limit: lean_bwd_fits).
+  static_assert((kHeadDim <= 128 ? 163 : 227) * 1024 >= (kSmemDkdv > kSmemDq ? kSmemDkdv : kSmemDq),
                 "");
-  static_assert(kSmemDkdv <= 163 * 1024 && kSmemDq <= 163 * 1024, "sm_80 allows 163 KB");
   // dQ inside the dK/dV kernel (kBlockM x head dim per step): warps kDqWarpsRow x kDqWarpsCol
   // over (query rows, head dim), 32 rows x kDqN8 n8 tiles each.
   static constexpr int kDqWarpsRow = kBlockM / 32, kDqWarpsCol = kWarps / kDqWarpsRow;
   static constexpr int kDqN8 = kHeadDim / kDqWarpsCol / 8;
   static_assert(kDqWarpsRow * kDqWarpsCol == kWarps && kDqN8 % 2 == 0, "");
   // The default variant (kBlockM_ = 0) also has the bulk-reduce dQ for sm_90 (DqMode::kBulk),
-  // which stages each step's fp32 dQ tile in kSmemDqTile more bytes of shared memory.
-  static constexpr bool kHasBulkDq = kBlockM_ == 0;
+  // which stages each step's fp32 dQ tile in kSmemDqTile more bytes of shared memory, where that
+  // fits in sm_90's 227 KB (not at head dim 256: atomics there).
   static constexpr int kSmemDqTile = kBlockM * kHeadDim * int(sizeof(float));
-  static_assert(!kHasBulkDq || kSmemDkdv + kSmemDqTile <= 227 * 1024, "sm_90 allows 227 KB");
+  static constexpr bool kHasBulkDq = kBlockM_ == 0 && kSmemDkdv + kSmemDqTile <= 227 * 1024;
 };
 
 // How the dK/dV kernel delivers dQ (flash_bwd_lean.cuh header):
@@ -301,7 +306,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     [[maybe_unused]] const int64_t pos_h = pos.h;  // query head of this step
     advance(pos);
 
-    // S^T and dP^T: this warp's 32 keys x 32 queries.
+    // S^T and dP^T: this warp's 32 keys x kM / kWarpsCol queries.
     float st[kMT][kS8][4], dpt[kMT][kS8][4];
     zero(st);
     zero(dpt);
@@ -357,7 +362,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     __syncthreads();  // P^T and dS^T complete
 
     if constexpr (kDqHere) {
-      // dQ (kM query rows x head dim) += dS K over this CTA's 128 keys, added to the fp32
+      // dQ (kM query rows x head dim) += dS K over this CTA's kBlockN keys, added to the fp32
       // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps kQW x kQC
       // over (query rows, head dim), 32 rows x kD / kQC columns each.  First in the phase, so
       // the REDs drain while the dV / dK MMAs run.
@@ -401,7 +406,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // (benchmarks/NOTES.md, session 8).  Still half a step ahead of their use.
     if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
     cp_async_commit();
-    // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x half the head dim.
+    // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x kD / kWarpsCol head-dim columns.
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dv_acc, pt_a, do_bt + stage_bytes);
     lean_gemm_ss_t<Element, kMC, kC, kMT, kD8, kM>(dk_acc, dst_a, q_bt + stage_bytes);
   }
@@ -521,7 +526,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cp_async_commit();
     const uint32_t stage_bytes = static_cast<uint32_t>(stage * 2 * kN * kD * sizeof(Element));
 
-    // S and dP: this warp's 32 rows x 32 keys.
+    // S and dP: this warp's 32 rows x kN / kWarpsCol keys.
     float s[kMT][kS8][4], dp[kMT][kS8][4];
     zero(s);
     zero(dp);
@@ -562,7 +567,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     store_frag_smem<Element, kNC>(ds_c, s);
     __syncthreads();  // dS complete
 
-    // dQ += dS K: this warp's 32 rows x half the head dim.
+    // dQ += dS K: this warp's 32 rows x kD / kWarpsCol head-dim columns.
     lean_gemm_ss_t<Element, kNC, kC, kMT, kD8, kN>(dq_acc, ds_a, k_bt + stage_bytes);
   }
   cp_async_wait<0>();
@@ -678,13 +683,15 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv;
   if (p.dq_accum != nullptr) {
     cudaError_t err;
-    if (p.dq_bulk && bulk_dq_ok<T>()) {
-      err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
-                   T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
-      if (err != cudaSuccess) return err;
-      const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
-      return launch(flash_bwd_convert_dq_kernel<T, DqMode::kBulk>,
-                    num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
+    if constexpr (T::kHasBulkDq) {  // (not instantiated where its tile does not fit)
+      if (p.dq_bulk && bulk_dq_ok<T>()) {
+        err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
+                     T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
+        if (err != cudaSuccess) return err;
+        const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+        return launch(flash_bwd_convert_dq_kernel<T, DqMode::kBulk>,
+                      num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
+      }
     }
     err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kAtomic>, dkdv_blocks, T::kThreads,
                  T::kSmemDkdv, stream, p, delta, num_n_blocks);
