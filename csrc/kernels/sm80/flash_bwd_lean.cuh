@@ -366,10 +366,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps kQW x kQC
       // over (query rows, head dim), 32 rows x kD / kQC columns each.  First in the phase, so
       // the REDs drain while the dV / dK MMAs run.
-      float dq_acc[2][kQD8][4];
-      zero(dq_acc);
-      lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
       if constexpr (kDqMode == DqMode::kBulk) {
+        float dq_acc[2][kQD8][4];
+        zero(dq_acc);
+        lean_gemm_ss_t<Element, kMC, kC, 2, kQD8, kN, true>(dq_acc, ds_at, k_bt);
         // The tile to shared memory in fragment order, 16-byte stores; fenced for the bulk
         // reduction, which thread 0 issues after the next barrier (or after the loop).
 #pragma unroll
@@ -383,20 +383,33 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         dq_pending = p.dq_accum + ((b * p.heads_q + pos_h) * dq_rows + m0) * kD;
       } else {
         // Whole tiles: dq_accum has dq_accum_rows(seqlen_q) rows per batch (zeros added beyond
-        // seqlen_q), so no row test splits the REDs from the MMAs around them.
+        // seqlen_q), so no row test splits the REDs from the MMAs around them.  In parts of
+        // kPartN8 n8 tiles: two at head dim 256 (kQD8 = 8), so that 32 fewer accumulators
+        // are live beside dK / dV (the whole tile spilled 40 bytes there).
         static_assert(128 % kM == 0, "dq_accum_rows pads to 128-row tiles");
+        constexpr int kPartN8 = kQD8 > 4 ? kQD8 / 2 : kQD8;
         const int64_t row_stride = p.heads_q * kD;
         float* dq_row0 = p.dq_accum + (b * dq_rows + m0) * row_stride + pos_h * kD +
                          wd * kQD8 * 8 + 2 * (lane % 4);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int part = 0; part < kQD8 / kPartN8; ++part) {
+          float dq_acc[2][kPartN8][4];
+          zero(dq_acc);
+          // (swz_step: the part's first chunk, a multiple of kPartN8 = 4, shares no bit with
+          // the base's lane / 16 or the GEMM's steps 2 j2 < 4)
+          lean_gemm_ss_t<Element, kMC, kC, 2, kPartN8, kN, true>(
+              dq_acc, ds_at, swz_step(k_bt, part * kPartN8));
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float* dst = dq_row0 + (wq * 32 + mt * 16 + lane / 4 + 8 * r) * row_stride;
+          for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int j = 0; j < kQD8; ++j)
-              red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
-          }
+            for (int r = 0; r < 2; ++r) {
+              float* dst = dq_row0 + (wq * 32 + mt * 16 + lane / 4 + 8 * r) * row_stride +
+                           part * kPartN8 * 8;
+#pragma unroll
+              for (int j = 0; j < kPartN8; ++j)
+                red_add2(dst + j * 8, dq_acc[mt][j][2 * r], dq_acc[mt][j][2 * r + 1]);
+            }
+        }
       }
     }
 
