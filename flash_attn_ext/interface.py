@@ -215,9 +215,10 @@ def flash_attn_func(
         alibi_slopes: not supported yet; must be None.
         deterministic: with True (or under torch.use_deterministic_algorithms(True)) gradients
             are bitwise reproducible run to run.  With False, plain attention (no softcap, mask
-            or dropout) at head dims <= 128 on CUDA uses FlashAttention-2's single backward
-            kernel, which adds dq with fp32 atomics (faster; dq's last bits vary with the
-            summation order); everything else, and the CPU, is reproducible either way.
+            or dropout) on CUDA's 8-warp backward kernels (every head dim on sm_90; up to 128
+            on sm_80) uses FlashAttention-2's single backward kernel, which adds dq with fp32
+            atomics (faster; dq's last bits vary with the summation order); everything else,
+            and the CPU, is reproducible either way.
         return_softmax_lse: also return softmax_lse.
         return_attn_probs: FlashAttention-2's argument, for code written against it: with True
             the call returns (out, softmax_lse, None); the attention probabilities are never

@@ -266,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 }
 
 // Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
-// kernels.  Plain attention at head dims <= 128 (the 8-warp kernels of flash_bwd_lean.cuh),
+// kernels.  Plain attention (the 8-warp kernels of flash_bwd_lean.cuh, where they fit),
 // unless `deterministic` or torch.use_deterministic_algorithms(True): FlashAttention-2's
 // single dK/dV/dQ kernel adding dQ into an fp32 buffer with atomics (the summation order, and
 // so dq's last bits, vary from run to run).  Everything else, and deterministic calls: a
