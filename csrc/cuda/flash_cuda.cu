@@ -77,6 +77,15 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
   }
 }
 
+// Shared memory per block the current device lets a kernel opt in to.
+int max_smem_optin() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
 // An environment switch with two values: false when `name` is unset, empty or "auto", true when
 // it is `other`; anything else is a ValueError naming the variable.
 bool env_switch(const char* name, const char* other) {
@@ -321,10 +330,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.philox_offset_ptr = p.philox_seed_ptr + 1;
       }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-      // fp32 scratch of the atomic dQ (params.h: dq_accum); the backward zeroes it and uses it
-      // where the 8-warp kernels run (their shared memory fits), else ignores it.
+      // fp32 scratch of the atomic dQ (params.h: dq_accum), where the 8-warp kernels run (their
+      // shared memory fits this GPU: not at head dim 256 on sm_80, 128 on sm_86 / sm_89); the
+      // backward zeroes it there.
       at::Tensor dq_accum;
-      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general()) {
+      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
+          max_smem_optin() >= sm80::lean_bwd_smem_bytes(dq_accum_cols(kernel_dim))) {
         dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());

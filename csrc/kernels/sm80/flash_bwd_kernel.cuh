@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "kernels/sm80/dropout.h"
+#include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_bwd_lean.cuh"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
@@ -408,6 +409,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
     // (Lean64 is Lean itself where Lean already takes 64-row steps.)
     using Lean64 = std::conditional_t<Lean::kBlockM != 64, LeanBwdTraits<Element, T::kHeadDim, 64>,
                                       Lean>;
+    static_assert(lean_bwd_smem_bytes(T::kHeadDim) ==
+                      (Lean64::kSmemDkdv > Lean64::kSmemDq ? Lean64::kSmemDkdv : Lean64::kSmemDq),
+                  "flash_bwd_launch.h's lean_bwd_smem_bytes must follow LeanBwdTraits");
     if (!general) {
       const bool full = lean_bwd_fits<Lean>();
       if (full || lean_bwd_fits<Lean64>()) {
