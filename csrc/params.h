@@ -102,9 +102,9 @@ struct BwdParams : FwdParams {
   const void* dsoftmax_lse = nullptr;
   // Optional fp32 scratch for FlashAttention-2's atomic dQ, batch * dq_accum_rows(seqlen_q) *
   // heads_q * (padded head dim of the kernel: 64, 128 or 256) floats: where the 8-warp
-  // plain-attention kernels run (flash_bwd_lean.cuh), the delta kernel zeroes it, the dK/dV kernel adds dQ into
-  // it (layout: flash_bwd_lean.cuh, DqMode) and a conversion writes dq, in place of the separate
-  // dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible
+  // plain-attention kernels run (flash_bwd_lean.cuh), the delta kernel zeroes it, the dK/dV
+  // kernel adds dQ into it (layout: flash_bwd_lean.cuh, DqMode) and a conversion writes dq, in
+  // place of the separate dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible
   // gradients, `deterministic=True`).
   float* dq_accum = nullptr;
   // With dq_accum, whether the sm_90 bulk-reduce dQ may be used where it applies (else the

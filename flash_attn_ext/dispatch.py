@@ -176,7 +176,7 @@ def _sm80_smem_bytes(padded_dim: int) -> int:
     """Dynamic shared memory of the largest sm80 kernel for a padded head dim: the dK/dV kernel
     (csrc/kernels/sm80/flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv: K, V of 64 keys, Q/dO
     double-buffered, two fp32 statistics per query row; 64 query rows per step up to head
-    dim 128, 32 above).  The faster plain-attention kernels of flash_bwd_lean.cuh (up to 161 KB
+    dim 128, 32 above).  The faster plain-attention kernels of flash_bwd_lean.cuh (up to 162 KB
     at head dims 64 and 128, 209 KB at 256) run only where the GPU allows them; elsewhere (e.g.
     sm_86 / sm_89, and sm_80 at head dim 256) the backward uses these, so this stays the
     requirement."""
@@ -225,8 +225,8 @@ def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> lis
 def deterministic_backward_note(p: Plan, deterministic: bool) -> Plan:
     """``p`` with a note where ``deterministic`` (the call's flag) or
     torch.use_deterministic_algorithms moves a CUDA backward off its faster dQ path: the 8-warp
-    backward otherwise accumulates dQ in its dK/dV pass (fp32 bulk reductions on sm_90, atomics
-    elsewhere: not bitwise reproducible); deterministic gradients take the separate dQ kernel,
+    backward otherwise accumulates dQ in its dK/dV pass (fp32 bulk reductions on sm_90 up to
+    head dim 128, atomics elsewhere: not bitwise reproducible); deterministic gradients take the separate dQ kernel,
     which recomputes S and dP (~0.75x the speed, measured at d = 64/128 on an H200)."""
     eight_warp = (p.fused and p.backward_fused and p.backward_kernel.startswith("sm80_bwd")
                   and not any("4-warp" in n for n in p.notes))

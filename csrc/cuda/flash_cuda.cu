@@ -97,8 +97,9 @@ bool env_switch(const char* name, const char* other) {
 }
 
 // FLASH_ATTN_EXT_BWD_DQ: "auto" (default: on sm_90 the backward's dQ leaves the dK/dV kernel
-// through bulk reductions, flash_bwd_lean.cuh) or "atomic" (per-lane fp32 atomics, the path
-// sm_80-class GPUs take; to test and compare it on sm_90).
+// through bulk reductions, flash_bwd_lean.cuh, except at head dim 256, where that tile does not
+// fit and atomics are used) or "atomic" (per-lane fp32 atomics, the path sm_80-class GPUs
+// take; to test and compare it on sm_90).
 bool atomic_dq_forced() { return env_switch("FLASH_ATTN_EXT_BWD_DQ", "atomic"); }
 
 #ifdef FLASH_ATTN_EXT_SM90

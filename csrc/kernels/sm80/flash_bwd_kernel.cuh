@@ -400,8 +400,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
   const bool general = p.general();
   {
     // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits
-    // (at head dim 64 with 64-row steps on GPUs with less shared memory; head dim 256 on sm_90
-    // only).  The delta kernel zeroes their atomic-dQ scratch.
+    // (at head dim 64 with 64-row steps on GPUs with less shared memory; head dim 256 needs
+    // 209 KB, e.g. sm_90's).  The delta kernel zeroes their atomic-dQ scratch.
     using Lean = LeanBwdTraits<Element, T::kHeadDim>;
     static_assert(dq_accum_cols(T::kHeadDim) == T::kHeadDim, "");
     const int64_t accum_floats =

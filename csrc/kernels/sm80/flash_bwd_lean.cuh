@@ -22,7 +22,8 @@
 //    (kBlockM x head dim, if here), then dV += P^T dO and dK += dS^T Q (kBlockN x head dim,
 //    split the same way: 32 keys x a half or quarter of the head dim each, accumulators in
 //    registers).  Every warp's ldmatrix fragment feeds 2-4 MMAs (0.375-0.5 ldmatrix.x4 per
-//    m16n8k16 instead of ~0.6-1).
+//    m16n8k16 instead of ~0.6-1 at head dims 64 / 128; at 256 S^T and dP^T, 16 queries per
+//    warp, take 0.75).
 //  dQ: one CTA of 8 warps per (128 query rows, 64 at head dim 256; batch, head), K / V tiles
 //    of 64 keys double-buffered; S and dP split over the warps as above (32 rows each), dS to
 //    shared memory, then dQ += dS K split the same way.
@@ -95,6 +96,9 @@ struct LeanBwdTraits {
   // fits in sm_90's 227 KB (not at head dim 256: atomics there).
   static constexpr int kSmemDqTile = kBlockM * kHeadDim * int(sizeof(float));
   static constexpr bool kHasBulkDq = kBlockM_ == 0 && kSmemDkdv + kSmemDqTile <= 227 * 1024;
+  // (Only head dim 256 goes without it: a change that grew another default variant past sm_90's
+  // limit would otherwise quietly lose the bulk dQ.)
+  static_assert(kBlockM_ != 0 || kHeadDim == 256 || kHasBulkDq, "");
 };
 
 // How the dK/dV kernel delivers dQ (flash_bwd_lean.cuh header):
@@ -363,7 +367,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
     if constexpr (kDqHere) {
       // dQ (kM query rows x head dim) += dS K over this CTA's kBlockN keys, added to the fp32
-      // p.dq_accum with atomics (FlashAttention-2's single-kernel backward): warps kQW x kQC
+      // p.dq_accum (FlashAttention-2's single-kernel backward): warps kDqWarpsRow x kQC
       // over (query rows, head dim), 32 rows x kD / kQC columns each.  First in the phase, so
       // the REDs drain while the dV / dK MMAs run.
       if constexpr (kDqMode == DqMode::kBulk) {
