@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
-from .interface import as_number, check_flags, check_scale, run
+from .interface import as_number, autocast_dtype, check_flags, check_scale, run
 
 
 def scaled_dot_product_attention(
@@ -158,6 +158,7 @@ def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_
         qs, ks, vs = query.shape, key.shape, value.shape
         n = len(qs)
         if (n == 4 and len(ks) == 4 and len(vs) == 4 and qs[0] == ks[0] == vs[0]
+                and query.dtype == key.dtype == value.dtype
                 and ks[2] == vs[2] and qs[3] == ks[3] and ks[1] == vs[1]
                 and (qs[1] == ks[1] or (enable_gqa and ks[1] != 0 and qs[1] % ks[1] == 0))):
             return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -206,6 +207,14 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if heads_kv != 0 and heads % heads_kv != 0:
             raise ValueError(f"with enable_gqa, query.size(1)={heads} must be a multiple of "
                              f"key.size(1)={heads_kv}")
+    # One dtype, after autocast's casts (under torch.autocast PyTorch's function takes, e.g.,
+    # a float32 query with bfloat16 key and value: all run in bfloat16).
+    dtypes = [autocast_dtype(t) or t.dtype for t in (query, key, value)]
+    if not dtypes[0] == dtypes[1] == dtypes[2]:
+        cast = "" if dtypes == [query.dtype, key.dtype, value.dtype] else \
+            f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
+        raise ValueError(f"query, key and value must have the same dtype, got query.dtype="
+                         f"{query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}{cast}")
     if query.dim() == 3:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -143,3 +143,38 @@ def test_to_bshd_fast_path_follows_the_checked_rules(b, hk, hq, seq, e, ranks, p
     got = sdpa.to_bshd(q, k, v, enable_gqa)
     for x, y in zip(got, expected):
         assert x.shape == y.shape and x.stride() == y.stride() and x.data_ptr() == y.data_ptr()
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_dtype_mismatch_names_the_sdpa_arguments(which):
+    # The drop-in's error names its own arguments (query/key/value), with every dtype, for 4-D
+    # and 3-D inputs alike; PyTorch's function refuses the same calls.
+    for shape in ((1, 2, 5, 8), (2, 5, 8)):
+        t = {n: torch.randn(shape) for n in ("query", "key", "value")}
+        t[which] = t[which].to(torch.bfloat16)
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(t["query"], t["key"], t["value"])
+        dtypes = ", ".join(f"{n}.dtype={t[n].dtype}" for n in ("query", "key", "value"))
+        with pytest.raises(ValueError, match=re.escape(
+                f"query, key and value must have the same dtype, got {dtypes}")):
+            scaled_dot_product_attention(t["query"], t["key"], t["value"])
+
+
+def test_mixed_dtypes_under_autocast_run_as_pytorch_does():
+    # Under torch.autocast PyTorch's function casts a float32 query (here beside bfloat16 key and
+    # value) to the autocast dtype; so does the drop-in.  float64 stays float64 under autocast,
+    # so float64 beside bfloat16 is still refused, with the dtypes after the casts.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 17, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 17, 8, generator=gen).to(torch.bfloat16) for _ in "kv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = scaled_dot_product_attention(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v)
+        assert out.dtype == ref.dtype == torch.bfloat16
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        # within twice PyTorch's own bf16 error, plus bf16's rounding of the output
+        assert (out.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-2
+        with pytest.raises(ValueError, match=re.escape(
+                "key.dtype=torch.float32, value.dtype=torch.bfloat16 (under torch.autocast: "
+                "torch.float64, torch.bfloat16 and torch.bfloat16)")):
+            scaled_dot_product_attention(q.double(), k.float(), v)
