@@ -17,6 +17,7 @@
 #include "dropout.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
+#include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
 #include "kernels/sm90/pack_gqa.h"  // plain C++: the Hopper forward's limits and packing rule
 #ifdef FLASH_ATTN_EXT_SM90
 #include <cstdlib>
@@ -75,15 +76,6 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
     p.philox_seed = state.seed_.val;
     p.philox_offset = state.offset_.val;
   }
-}
-
-// Shared memory per block the current device lets a kernel opt in to.
-int max_smem_optin() {
-  int device = 0, bytes = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return bytes;
 }
 
 // An environment switch with two values: false when `name` is unset, empty or "auto", true when
@@ -335,8 +327,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       // shared memory fits this GPU: not at head dim 256 on sm_80, 128 on sm_86 / sm_89); the
       // backward zeroes it there.
       at::Tensor dq_accum;
+      const int lean_smem = sm80::lean_bwd_smem_bytes(static_cast<int>(dq_accum_cols(kernel_dim)));
       if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
-          max_smem_optin() >= sm80::lean_bwd_smem_bytes(dq_accum_cols(kernel_dim))) {
+          sm80::max_smem_optin_per_block() >= lean_smem) {
         dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());

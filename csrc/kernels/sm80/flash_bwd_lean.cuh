@@ -594,18 +594,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                       static_cast<int>(p.head_dim), lane);
 }
 
-// Largest dynamic shared memory a block may opt in to on the current device, queried once per
-// device (0 if the query fails).
-inline int max_smem_optin_per_block() {
-  return per_device_cached([](int device) {
-    int bytes = 0;
-    return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
-                   cudaSuccess
-               ? bytes
-               : 0;
-  });
-}
-
 template <typename T>
 bool lean_bwd_fits() {
   const int need = T::kSmemDkdv > T::kSmemDq ? T::kSmemDkdv : T::kSmemDq;

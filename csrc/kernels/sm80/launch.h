@@ -35,6 +35,18 @@ int per_device_cached(Query query) {
   return value;
 }
 
+// Largest dynamic shared memory a block may opt in to on the current device, queried once per
+// device (0 if the query fails).
+inline int max_smem_optin_per_block() {
+  return per_device_cached([](int device) {
+    int bytes = 0;
+    return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+                   cudaSuccess
+               ? bytes
+               : 0;
+  });
+}
+
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for `kernel` on the current device, once.
 inline cudaError_t opt_in_smem(const void* kernel, int bytes) {
   static std::mutex mutex;
