@@ -79,6 +79,9 @@ PYBIND11_MODULE(_C, m) {
         "Whether the Hopper forward can pack GQA query heads at all (a group of 2+, packed rows "
         "within its 32-bit row arithmetic).");
   m.attr("sm90_max_rows") = flash_attn_ext::sm90::kMaxRows;
+  m.def("lean_bwd_smem_bytes", &flash_attn_ext::lean_bwd_smem_bytes, pybind11::arg("head_dim"),
+        "Shared memory per block the 8-warp CUDA backward needs at a padded head dim (64, 128 "
+        "or 256); GPUs that allow less run the 4-warp kernels.");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
   m.def("dropout_mask", &dropout_mask,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "

@@ -78,6 +78,20 @@ constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 12
 constexpr int64_t dq_accum_cols(int64_t head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
+// Shared memory per block that the 8-warp plain-attention backward (kernels/sm80/
+// flash_bwd_lean.cuh) needs at a padded head dim (64, 128 or 256) in its smallest variant
+// (64-row steps): the larger of its dK/dV kernel (K, V of 128 keys, 64 at head dim 256; Q, dO
+// double-buffered; P^T, dS^T; lse, D) and its dQ kernel.  GPUs that allow less run the 4-warp
+// kernels, which ignore BwdParams::dq_accum, so the glue allocates that only where this fits;
+// flash_attn_ext/dispatch.py reads it (_C.lean_bwd_smem_bytes) for its notes.
+// launch_flash_bwd checks the formula against LeanBwdTraits.
+constexpr int lean_bwd_smem_bytes(int head_dim) {
+  const int keys = head_dim <= 128 ? 128 : 64, rows = 64, stages = 2, elem = 2;
+  const int dkdv = (2 * keys + 2 * stages * rows) * head_dim * elem + 2 * keys * rows * elem +
+                   2 * stages * rows * 4;
+  const int dq = (2 * keys + 2 * stages * 64) * head_dim * elem + keys * 64 * elem;
+  return dkdv > dq ? dkdv : dq;
+}
 // Floats of BwdParams::dq_accum: (batch, dq_accum_rows(seqlen_q), heads_q, dq_accum_cols(d)).
 constexpr int64_t dq_accum_floats(int64_t batch, int64_t seqlen_q, int64_t heads_q,
                                   int64_t head_dim) {
@@ -104,8 +118,8 @@ struct BwdParams : FwdParams {
   // heads_q * (padded head dim of the kernel: 64, 128 or 256) floats: where the 8-warp
   // plain-attention kernels run (flash_bwd_lean.cuh), the delta kernel zeroes it, the dK/dV
   // kernel adds dQ into it (layout: flash_bwd_lean.cuh, DqMode) and a conversion writes dq, in
-  // place of the separate dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel (bitwise reproducible
-  // gradients, `deterministic=True`).
+  // place of the separate dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel
+  // (bitwise reproducible gradients, `deterministic=True`).
   float* dq_accum = nullptr;
   // With dq_accum, whether the sm_90 bulk-reduce dQ may be used where it applies (else the
   // per-lane atomics; FLASH_ATTN_EXT_BWD_DQ=atomic in the glue, to test and compare both).

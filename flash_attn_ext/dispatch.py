@@ -198,17 +198,6 @@ def kernel_choice() -> str:
     return value or "auto"
 
 
-def _lean_bwd_smem_bytes(padded_dim: int, rows: int = 64) -> int:
-    """Dynamic shared memory of the 8-warp plain-attention backward (csrc/kernels/sm80/
-    flash_bwd_lean.cuh, LeanBwdTraits::kSmemDkdv, the larger of its two kernels) with ``rows``
-    query rows per step: K and V of 128 keys (64 at head dim 256), Q and dO double-buffered,
-    P^T and dS^T, lse and D per row.  Head dim 64 takes 128-row steps where they fit and 64-row
-    ones elsewhere, so the 64-row figure is the requirement."""
-    keys = 128 if padded_dim <= 128 else 64
-    return ((2 * keys + 2 * 2 * rows) * padded_dim * 2 + 2 * keys * rows * 2
-            + 2 * 2 * rows * 4)
-
-
 def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> list:
     """Why the 8-warp backward kernels do not serve a CUDA call (launch_flash_bwd in
     csrc/kernels/sm80/flash_bwd_kernel.cuh applies the same rule); ``allowed_smem``: the GPU's
@@ -216,9 +205,11 @@ def _lean_bwd_blockers(padded_dim: int, general: bool, allowed_smem: int) -> lis
     why = []
     if general:
         why.append("softcap, attn_mask/attn_bias and dropout run on them")
-    if 0 < allowed_smem < _lean_bwd_smem_bytes(padded_dim):
-        why.append(f"they need {_lean_bwd_smem_bytes(padded_dim)} bytes of shared memory per "
-                   f"block, this GPU allows {allowed_smem}")
+    # (the glue's rule, csrc/params.h: lean_bwd_smem_bytes)
+    need = ops._C.lean_bwd_smem_bytes(padded_dim)
+    if 0 < allowed_smem < need:
+        why.append(f"they need {need} bytes of shared memory per block, this GPU allows "
+                   f"{allowed_smem}")
     return why
 
 
@@ -226,8 +217,9 @@ def deterministic_backward_note(p: Plan, deterministic: bool) -> Plan:
     """``p`` with a note where ``deterministic`` (the call's flag) or
     torch.use_deterministic_algorithms moves a CUDA backward off its faster dQ path: the 8-warp
     backward otherwise accumulates dQ in its dK/dV pass (fp32 bulk reductions on sm_90 up to
-    head dim 128, atomics elsewhere: not bitwise reproducible); deterministic gradients take the separate dQ kernel,
-    which recomputes S and dP (~0.75x the speed, measured at d = 64/128 on an H200)."""
+    head dim 128, atomics elsewhere: not bitwise reproducible); deterministic gradients take the
+    separate dQ kernel, which recomputes S and dP (~0.75x the speed, measured at d = 64/128 on
+    an H200)."""
     eight_warp = (p.fused and p.backward_fused and p.backward_kernel.startswith("sm80_bwd")
                   and not any("4-warp" in n for n in p.notes))
     if not (eight_warp and (deterministic or torch.are_deterministic_algorithms_enabled())):

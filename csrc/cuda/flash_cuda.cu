@@ -327,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       // shared memory fits this GPU: not at head dim 256 on sm_80, 128 on sm_86 / sm_89); the
       // backward zeroes it there.
       at::Tensor dq_accum;
-      const int lean_smem = sm80::lean_bwd_smem_bytes(static_cast<int>(dq_accum_cols(kernel_dim)));
+      const int lean_smem = lean_bwd_smem_bytes(static_cast<int>(dq_accum_cols(kernel_dim)));
       if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
           sm80::max_smem_optin_per_block() >= lean_smem) {
         dq_accum = at::empty(
