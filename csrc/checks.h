@@ -10,8 +10,6 @@
 
 namespace flash_attn_ext {
 
-constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
-
 struct AttnArgs {
   int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
   double softmax_scale;

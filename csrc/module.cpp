@@ -2,10 +2,13 @@
 // it also carries build information that is not an op.
 #include <torch/extension.h>
 
+#include <limits>
+#include <tuple>
+
 #include "checks.h"
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
-#include "kernels/sm90/pack_gqa.h"
+#include "kernel_select.h"
 
 #ifndef FLASH_ATTN_EXT_VERSION
 #define FLASH_ATTN_EXT_VERSION "unknown"
@@ -63,6 +66,119 @@ at::Tensor dropout_mask(int64_t seed, int64_t offset, int64_t batch, int64_t hea
   return mask;
 }
 
+// kernel_select.h's rule for a CUDA call described by Python values (flash_attn_ext/planning.py
+// passes them; it reads no tensor).  `build`: build_info(); `device`: (major, minor,
+// smem_optin); `layout`: None (sizes symbolic: traced) or 24 ints, the sizes then strides of q,
+// k and v in (batch, seqlen, heads, head_dim).  Returns (fused, reasons, forward kernel name,
+// backward kernel name, notes) for the process's current kernel options.
+pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tuple<int, int, int>& device,
+                                    const std::string& dtype, std::optional<double> softmax_scale,
+                                    int64_t head_dim, int64_t head_dim_v,
+                                    const std::optional<std::vector<int64_t>>& layout,
+                                    bool general, bool unequal_tiles, bool deterministic) {
+  using namespace flash_attn_ext;
+  BuildInfo b;
+  b.cuda = build["cuda"].cast<bool>();
+  b.sm90 = build["sm90"].cast<bool>();
+  b.archs = build["cuda_archs"].cast<std::string>();
+  DeviceInfo d;
+  std::tie(d.major, d.minor, d.smem_optin) = device;
+  CallInfo call;
+  call.dtype = dtype;
+  call.has_scale = softmax_scale.has_value();
+  call.softmax_scale = softmax_scale.value_or(0.0);
+  call.head_dim = head_dim;
+  call.head_dim_v = head_dim_v;
+  call.known = layout.has_value();
+  if (call.known) {
+    TORCH_CHECK_VALUE(layout->size() == 24, "layout must hold 24 sizes and strides, got ",
+                      layout->size());
+    TensorDesc* tensors[3] = {&call.q, &call.k, &call.v};
+    for (int t = 0; t < 3; ++t)
+      for (int i = 0; i < 4; ++i) {
+        tensors[t]->size[i] = (*layout)[t * 8 + i];
+        tensors[t]->stride[i] = (*layout)[t * 8 + 4 + i];
+      }
+  }
+  call.general = general;
+  call.unequal_tiles = unequal_tiles;
+  call.deterministic = deterministic;
+  const KernelChoice c = select_cuda_kernels(b, d, call, kernel_options());
+  pybind11::tuple reasons = pybind11::cast(c.reasons), notes = pybind11::cast(c.notes);
+  return pybind11::make_tuple(c.fused, pybind11::tuple(reasons), c.fwd_name, c.bwd_name,
+                              pybind11::tuple(notes));
+}
+
+// KernelOptions as a dict of plain values, and back (unknown keys and bad values raise).
+pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
+  static const char* pack[] = {"auto", "on", "off"};
+  static const char* schedule[] = {"auto", "dynamic", "static", "tile"};
+  pybind11::dict d;
+  d["force_portable"] = o.force_portable;
+  d["sm90_pack_gqa"] = pack[static_cast<int>(o.sm90_pack_gqa)];
+  d["sm90_schedule"] = schedule[static_cast<int>(o.sm90_schedule)];
+  d["sm90_section_pairs"] = o.sm90_section_pairs;
+  d["sm90_row_shift"] = o.sm90_row_shift;
+  d["sm90_direct_epilogue"] = o.sm90_direct_epilogue;
+  d["bwd_atomic_dq"] = o.bwd_atomic_dq;
+  return d;
+}
+
+pybind11::dict get_kernel_options() { return options_dict(flash_attn_ext::kernel_options()); }
+
+void set_kernel_options(const pybind11::dict& values) {
+  using namespace flash_attn_ext;
+  KernelOptions o = kernel_options();
+  for (const auto& item : values) {
+    const std::string key = item.first.cast<std::string>();
+    const pybind11::handle v = item.second;
+    auto flag = [&](bool& field) {
+      TORCH_CHECK_VALUE(pybind11::isinstance<pybind11::bool_>(v), key, " must be a bool, got ",
+                        pybind11::repr(v).cast<std::string>());
+      field = v.cast<bool>();
+    };
+    auto word = [&](std::initializer_list<const char*> words) {
+      const std::string w = pybind11::isinstance<pybind11::str>(v) ? v.cast<std::string>() : "";
+      int i = 0;
+      for (const char* allowed : words) {
+        if (w == allowed) return i;
+        ++i;
+      }
+      std::string list;
+      for (const char* allowed : words) list += std::string(list.empty() ? "" : ", ") + "'" + allowed + "'";
+      TORCH_CHECK_VALUE(false, key, " must be one of ", list, ", got ",
+                        pybind11::repr(v).cast<std::string>());
+      return 0;
+    };
+    if (key == "force_portable") {
+      flag(o.force_portable);
+    } else if (key == "sm90_pack_gqa") {
+      o.sm90_pack_gqa = static_cast<PackGqa>(word({"auto", "on", "off"}));
+    } else if (key == "sm90_schedule") {
+      o.sm90_schedule = static_cast<Sm90Schedule>(word({"auto", "dynamic", "static", "tile"}));
+    } else if (key == "sm90_section_pairs") {
+      const bool ok = pybind11::isinstance<pybind11::int_>(v) &&
+                      !pybind11::isinstance<pybind11::bool_>(v) && v.cast<int64_t>() >= 0 &&
+                      v.cast<int64_t>() <= std::numeric_limits<int32_t>::max();
+      TORCH_CHECK_VALUE(ok, "sm90_section_pairs must be a number of (batch, head) pairs >= 0 "
+                        "(0: the launcher's choice), got ", pybind11::repr(v).cast<std::string>());
+      o.sm90_section_pairs = static_cast<int32_t>(v.cast<int64_t>());
+    } else if (key == "sm90_row_shift") {
+      flag(o.sm90_row_shift);
+    } else if (key == "sm90_direct_epilogue") {
+      flag(o.sm90_direct_epilogue);
+    } else if (key == "bwd_atomic_dq") {
+      flag(o.bwd_atomic_dq);
+    } else {
+      TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
+                        pybind11::str(pybind11::list(options_dict(o).attr("keys")()))
+                            .cast<std::string>(),
+                        ")");
+    }
+  }
+  set_kernel_options(o);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -70,18 +186,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "How this library was built: version, CUDA on/off, archs.");
   m.def("set_debug_poison", &flash_attn_ext::set_debug_poison,
         "Testing aid: outputs start as NaN so unwritten elements are caught.");
-  m.def("sm90_pack_gqa", &flash_attn_ext::sm90::pack_gqa_pays, pybind11::arg("seqlen_q"),
-        pybind11::arg("heads_q"), pybind11::arg("heads_kv"), pybind11::arg("padded_head_dim"),
-        "The Hopper forward's rule for packing GQA query heads (without the environment "
-        "override; dispatch.sm90_packs_gqa applies it).");
-  m.def("sm90_pack_gqa_possible", &flash_attn_ext::sm90::pack_gqa_possible,
-        pybind11::arg("seqlen_q"), pybind11::arg("heads_q"), pybind11::arg("heads_kv"),
-        "Whether the Hopper forward can pack GQA query heads at all (a group of 2+, packed rows "
-        "within its 32-bit row arithmetic).");
   m.attr("sm90_max_rows") = flash_attn_ext::sm90::kMaxRows;
-  m.def("lean_bwd_smem_bytes", &flash_attn_ext::lean_bwd_smem_bytes, pybind11::arg("head_dim"),
-        "Shared memory per block the 8-warp CUDA backward needs at a padded head dim (64, 128 "
-        "or 256); GPUs that allow less run the 4-warp kernels.");
+  m.attr("max_head_dim") = flash_attn_ext::kMaxHeadDim;
+  m.def("select_cuda_kernels", &select_cuda_kernels, pybind11::arg("build"),
+        pybind11::arg("device"), pybind11::arg("dtype"), pybind11::arg("softmax_scale"),
+        pybind11::arg("head_dim"), pybind11::arg("head_dim_v"), pybind11::arg("layout"),
+        pybind11::arg("general"), pybind11::arg("unequal_tiles"), pybind11::arg("deterministic"),
+        "The CUDA glue's kernel choice (csrc/kernel_select.h) for a described call: "
+        "(fused, reasons, forward kernel, backward kernel, notes).");
+  m.def("kernel_options", &get_kernel_options, "The process's kernel options (a dict).");
+  m.def("set_kernel_options", &set_kernel_options, pybind11::arg("values"),
+        "Sets some of the process's kernel options (a dict; unknown keys and bad values raise "
+        "ValueError).");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
   m.def("dropout_mask", &dropout_mask,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "

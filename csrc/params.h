@@ -10,6 +10,8 @@
 
 namespace flash_attn_ext {
 
+constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -57,14 +59,17 @@ struct FwdParams {
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
   // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;
-  // FLASH_ATTN_EXT_SM90_SECTION, experimental)
+  // KernelOptions::sm90_section_pairs, experimental)
   int32_t heads_per_section = 0;
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
-  // FLASH_ATTN_EXT_SM90_ROW_SHIFT=off, experimental, clears it)
+  // KernelOptions::sm90_row_shift = false, experimental, clears it)
   bool sm90_row_shift = true;
   // Hopper forward: pack the query heads of a GQA group into one tile (see its launcher; the
-  // glue sets it by kernels/sm90/pack_gqa.h's rule or FLASH_ATTN_EXT_SM90_PACK_GQA)
+  // glue sets it as kernel_select.h decides)
   bool sm90_pack_gqa = false;
+  // Hopper forward: store O from registers instead of by TMA (an experimental variant,
+  // KernelOptions::sm90_direct_epilogue)
+  bool sm90_direct_epilogue = false;
 
   // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
   bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }
@@ -78,13 +83,22 @@ constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 12
 constexpr int64_t dq_accum_cols(int64_t head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
+// Shared memory per block of the largest portable (4-warp) backward kernel at a padded head dim:
+// its dK/dV kernel (flash_bwd_kernel.cuh, BwdTraits::kSmemDkdv; the launcher checks this formula
+// against the traits): K and V of 64 keys, Q and dO double-buffered (64 query rows per step up
+// to head dim 128, 32 above), two fp32 statistics per query row.  Every fused CUDA call needs its
+// backward to fit, so a GPU that allows less gets no fused kernel (e.g. sm_86 at head dim 256).
+constexpr int portable_bwd_smem_bytes(int head_dim) {
+  const int rows = head_dim <= 128 ? 64 : 32;
+  return (2 * 64 + 4 * rows) * head_dim * 2 + 4 * rows * 4;
+}
+
 // Shared memory per block that the 8-warp plain-attention backward (kernels/sm80/
 // flash_bwd_lean.cuh) needs at a padded head dim (64, 128 or 256) in its smallest variant
 // (64-row steps): the larger of its dK/dV kernel (K, V of 128 keys, 64 at head dim 256; Q, dO
 // double-buffered; P^T, dS^T; lse, D) and its dQ kernel.  GPUs that allow less run the 4-warp
-// kernels, which ignore BwdParams::dq_accum, so the glue allocates that only where this fits;
-// flash_attn_ext/dispatch.py reads it (_C.lean_bwd_smem_bytes) for its notes.
-// launch_flash_bwd checks the formula against LeanBwdTraits.
+// kernels (kernel_select.h decides which run; the glue allocates BwdParams::dq_accum only for
+// the 8-warp ones).  launch_flash_bwd checks the formula against LeanBwdTraits.
 constexpr int lean_bwd_smem_bytes(int head_dim) {
   const int keys = head_dim <= 128 ? 128 : 64, rows = 64, stages = 2, elem = 2;
   const int dkdv = (2 * keys + 2 * stages * rows) * head_dim * elem + 2 * keys * rows * elem +
@@ -121,9 +135,11 @@ struct BwdParams : FwdParams {
   // place of the separate dQ kernel.  Ignored elsewhere.  nullptr: the separate dQ kernel
   // (bitwise reproducible gradients, `deterministic=True`).
   float* dq_accum = nullptr;
-  // With dq_accum, whether the sm_90 bulk-reduce dQ may be used where it applies (else the
-  // per-lane atomics; FLASH_ATTN_EXT_BWD_DQ=atomic in the glue, to test and compare both).
-  bool dq_bulk = true;
+  // Which backward kernels run (kernel_select.h decides; the launcher obeys): the 8-warp
+  // plain-attention kernels of flash_bwd_lean.cuh, or the 4-warp ones of flash_bwd_kernel.cuh.
+  bool bwd_eight_warp = false;
+  // With dq_accum: dQ by sm_90 bulk reductions of whole tiles (else per-lane fp32 atomics).
+  bool dq_bulk = false;
 };
 
 }  // namespace flash_attn_ext

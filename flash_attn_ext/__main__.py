@@ -11,7 +11,7 @@ import torch
 
 def info() -> int:
     import flash_attn_ext
-    from flash_attn_ext import dispatch, ops
+    from flash_attn_ext import ops, planning, policy
 
     b = ops.build_info()
     print(f"flash_attn_ext {flash_attn_ext.__version__}")
@@ -24,7 +24,7 @@ def info() -> int:
                                       "not built (need 9.0a in TORCH_CUDA_ARCH_LIST and the "
                                       "CUTLASS headers; see setup.py)"))
     print("  CPU kernels     yes")
-    print(f"  strict mode     {dispatch.strict_enabled()}")
+    print(f"  strict mode     {policy.strict_enabled()}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
@@ -37,7 +37,7 @@ def info() -> int:
         for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             for head_dim in (64, 128):
                 q = torch.empty(2, 1024, 8, head_dim, dtype=dtype, device=device)
-                p = dispatch.plan(q, q, q)
+                p = planning.plan(q, q, q)
                 name = str(dtype).replace("torch.", "")
                 print(f"  {device:5s} {name:9s} d={head_dim:<4d} {p}")
     return 0

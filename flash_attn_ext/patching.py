@@ -21,10 +21,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import policy
 from .sdpa import scaled_dot_product_attention
-
-_ORIGINAL = F.scaled_dot_product_attention
+from .unfused import TORCH_SDPA as _ORIGINAL
 
 
 def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -37,7 +36,7 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     elif query.dim() not in (3, 4):
         reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or 4-D inputs"
     if reason is not None:
-        dispatch.note_fallback(reason, "the original torch.nn.functional."
+        policy.note_fallback(reason, "the original torch.nn.functional."
                                "scaled_dot_product_attention")
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)

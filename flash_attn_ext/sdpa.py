@@ -6,8 +6,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch
-from .interface import as_number, autocast_dtype, check_flags, check_scale, run
+from . import planning, policy
+from ._call import as_number, autocast_dtype, check_flags, check_scale, run
+from .unfused import TORCH_SDPA
 
 
 def scaled_dot_product_attention(
@@ -62,11 +63,10 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, "scale")
     dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    if max(q.shape[-1], v.shape[-1]) > dispatch.MAX_HEAD_DIM:
+    if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM:
         # Beyond the kernels' head dims: PyTorch's own function, reported as a fallback.
-        dispatch.record(dispatch.plan(q, k, v), strict)
-        from .patching import _ORIGINAL
-        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+        policy.record(planning.plan(q, k, v), strict)
+        return TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     out = run_sdpa(q, k, v, query, key, attn_mask, 0.0 if drop_all else dropout_p, is_causal,
                    scale, 0.0, strict).transpose(1, 2)

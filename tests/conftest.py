@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import flash_attn_ext  # noqa: F401  (loads the ops)
+import flash_attn_ext
 from flash_attn_ext import _C
 
 
@@ -16,3 +16,11 @@ def _poison_outputs():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def kernel_opts():
+    """flash_attn_ext.set_kernel_options for one test: the options it sets are restored after."""
+    before = _C.kernel_options()
+    yield flash_attn_ext.set_kernel_options
+    flash_attn_ext.set_kernel_options(**before)

@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from flash_attn_ext import dispatch, flash_attn_func, ops, scaled_dot_product_attention
+import flash_attn_ext
+
+from flash_attn_ext import flash_attn_func, ops, planning, policy, scaled_dot_product_attention
 from reference import (
     assert_bwd_fake_strides_match,
     assert_error_rule,
@@ -145,13 +147,13 @@ def test_use_deterministic_algorithms_selects_the_reproducible_backward():
 
 @pytest.mark.parametrize("dq_mode", ["auto", "atomic"])
 @pytest.mark.parametrize("dim", [64, 128, 256])
-def test_atomic_dq_matches_deterministic(dim, dq_mode, monkeypatch):
+def test_atomic_dq_matches_deterministic(dim, dq_mode, kernel_opts):
     # deterministic=False: dQ added in fp32 by the 8-warp dK/dV kernel (sm_90: bulk reductions
-    # of whole tiles by default, FLASH_ATTN_EXT_BWD_DQ=atomic: per-lane atomics, the sm_80 path
+    # of whole tiles by default, the bwd_atomic_dq option: per-lane atomics, the sm_80 path
     # and head dim 256's on sm_90; order varies either way), dK and dV from the same arithmetic as
     # the deterministic path; dq equal up to the fp32 summation order and the recomputed dS's
     # last bit.  seqlen_q = 1000 leaves the last query tile partly outside the sequence.
-    monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", dq_mode)
+    kernel_opts(bwd_atomic_dq=dq_mode == "atomic")
     dq0, dk0, dv0 = _gqa_causal_grads(True, dim)()
     for _ in range(3):
         dq1, dk1, dv1 = _gqa_causal_grads(False, dim)()
@@ -177,12 +179,9 @@ def test_gradients_keep_the_sdpa_layout():
         assert err <= 2e-2 * r.grad.abs().max().item() + 1e-3, err
 
 
-def test_bwd_dq_env_is_validated(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_EXT_BWD_DQ", "fast")
-    # raised in the backward, through autograd
-    with pytest.raises((ValueError, RuntimeError),
-                       match="FLASH_ATTN_EXT_BWD_DQ must be 'auto' or 'atomic'"):
-        _gqa_causal_grads(False, 64)()
+def test_bwd_atomic_dq_option_is_validated(kernel_opts):
+    with pytest.raises(ValueError, match="bwd_atomic_dq must be a bool, got 'fast'"):
+        kernel_opts(bwd_atomic_dq="fast")
 
 
 def test_sdpa_api_on_cuda_and_plan():
@@ -191,16 +190,16 @@ def test_sdpa_api_on_cuda_and_plan():
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(),
                                                            is_causal=True)
     assert (out.float() - ref).abs().max() < 2e-2
-    p = dispatch.plan(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+    p = planning.plan(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
     hopper = (torch.cuda.get_device_capability() == (9, 0) and ops.build_info()["sm90"]
-              and dispatch.kernel_choice() == "auto")
+              and not flash_attn_ext.ops._C.kernel_options()["force_portable"])
     assert p.fused and p.kernel == ("sm90" if hopper else "sm80") + "_fwd_hdim64_bf16"
     assert p.backward_fused and p.backward_kernel == "sm80_bwd_hdim64_bf16"
 
 
 def test_compile_on_cuda():
     torch._dynamo.reset()
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     f = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True), fullgraph=True)
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     f(q).sum().backward()
@@ -212,7 +211,7 @@ def test_compile_on_cuda():
     # q is q, k and v at once: the three gradients are summed in an order of the compiler's
     # choosing, so equal up to rounding.
     torch.testing.assert_close(q.grad, q2.grad, atol=2e-2, rtol=2e-2)
-    assert dispatch.fallback_counts() == {}
+    assert policy.fallback_counts() == {}
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])  # 40: kernel_ready pads it (copies, contiguous)
@@ -286,10 +285,10 @@ def test_compile_checkpointed_dropout_on_cuda(backend):
 
 
 def test_training_call_is_fused_in_strict_mode():
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     flash_attn_func(q, q, q, strict=True).sum().backward()
-    assert dispatch.fallback_counts() == {}
+    assert policy.fallback_counts() == {}
 
 
 @pytest.mark.parametrize("causal,window,br", list(itertools.product(
@@ -302,18 +301,18 @@ def test_opcheck_cuda(causal, window, br):
 
 
 def test_float32_falls_back_visibly_and_correctly():
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     q = torch.randn(1, 33, 2, 64, device="cuda")
     with pytest.warns(UserWarning, match="float32"):
         out = flash_attn_func(q, q, q, causal=True)
     ref, _ = attention_ref(q, q, q, causal=True, compute_dtype=torch.float32)
     assert (out - ref).abs().max().item() < 1e-4
-    with pytest.raises(dispatch.FallbackError, match="float32"):
+    with pytest.raises(policy.FallbackError, match="float32"):
         flash_attn_func(q, q, q, strict=True)
 
 
 def test_non_positive_scale_falls_back_visibly_and_correctly():
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     q = torch.randn(1, 33, 2, 64, device="cuda", dtype=torch.bfloat16)
     for scale in (-0.3, 0.0):
         with pytest.warns(UserWarning, match="positive"):
@@ -321,7 +320,7 @@ def test_non_positive_scale_falls_back_visibly_and_correctly():
         ref, _ = attention_ref(q, q, q, softmax_scale=scale, causal=True,
                                compute_dtype=torch.float32)
         assert (out.float() - ref).abs().max().item() < 3e-2
-        dispatch.reset_fallback_counts()
+        policy.reset_fallback_counts()
     with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
         ops.fwd(q, q, q, -0.3)
 
@@ -354,10 +353,10 @@ def test_lse_gradient_on_cuda(causal, bias):
 
 
 @pytest.mark.parametrize("kernel", ["auto", "sm80"])
-def test_rng_state_is_written_without_dropout(kernel, monkeypatch):
+def test_rng_state_is_written_without_dropout(kernel, kernel_opts):
     # The forward kernel writes rng_state ((0, 0) without dropout; no separate fill launch):
     # recycle a block the caching allocator hands back, filled with garbage first.
-    monkeypatch.setenv(dispatch.KERNEL_ENV, kernel)
+    kernel_opts(force_portable=kernel == "sm80")
     q = torch.randn(2, 77, 4, 64, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         junk = torch.full((2,), 12345, device="cuda", dtype=torch.int64)
@@ -386,3 +385,46 @@ def test_fp16_gradients_with_large_score_gradients():
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(a).all(), name
         assert (a.float() - r).abs().max().item() <= 1e-2 * r.abs().max().item() + 1e-3, name
+
+
+def _launched_kernels(fn):
+    """Names of the CUDA kernels that ``fn`` launches (torch.profiler, demangled)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "_kernel" in e.name]
+
+
+@pytest.mark.parametrize("case", [
+    dict(head_dim=64), dict(head_dim=128, causal=True), dict(head_dim=256),
+    dict(head_dim=40, seqlen_q=1, heads_q=32, heads_kv=4),     # decoding GQA: packed on sm_90
+    dict(head_dim=128, softcap=5.0),                           # general: portable, 4-warp bwd
+    dict(head_dim=64, deterministic=True),                     # separate dQ kernel
+    dict(head_dim=128, window_size=(64, 0), portable=True)],   # forced portable forward
+    ids=str)
+def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
+    # explain() asks the same C++ rule (csrc/kernel_select.h) the glue obeys: the kernels the
+    # profiler sees launched are the ones the plan names, forward and backward.
+    case = dict(case)
+    d, seqlen_q = case.pop("head_dim"), case.pop("seqlen_q", 300)
+    heads_q, heads_kv = case.pop("heads_q", 4), case.pop("heads_kv", 4)
+    kernel_opts(force_portable=case.pop("portable", False))
+    q = torch.randn(2, seqlen_q, heads_q, d, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    k, v = (torch.randn(2, 257, heads_kv, d, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in "kv")
+    plan = flash_attn_ext.explain(q, k, v, layout="blhd", **case)
+    names = _launched_kernels(lambda: flash_attn_func(q, k, v, **case).sum().backward())
+    sm90 = [n for n in names if "flash_fwd_sm90_kernel" in n]
+    assert bool(sm90) == plan.kernel.startswith("sm90_fwd"), (plan, names)
+    assert any("flash_fwd_kernel" in n for n in names) == plan.kernel.startswith("sm80_fwd")
+    if sm90:
+        assert ("true>" in sm90[0]) == plan.kernel.endswith("_packgqa"), (plan, sm90)
+    eight = any("flash_bwd_dkdv_lean_kernel" in n for n in names)
+    assert eight == (not any("4-warp" in n for n in plan.notes)), (plan, names)
+    assert any("flash_bwd_dkdv_kernel" in n for n in names) == (not eight)
+    if eight:
+        separate = any("flash_bwd_dq_lean_kernel" in n for n in names)
+        assert separate == any("separate dQ kernel" in n for n in plan.notes), (plan, names)
+        assert any("convert_dq" in n for n in names) == (not separate)

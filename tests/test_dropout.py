@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_ext import _C, dispatch, flash_attn_func, ops, scaled_dot_product_attention
+from flash_attn_ext import _C, flash_attn_func, ops, policy, scaled_dot_product_attention
 from reference import assert_error_rule
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
@@ -99,12 +99,12 @@ def test_host_mask_statistics():
 
 
 def test_sdpa_dropout_is_fused_and_matches_reference():
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     q = torch.randn(2, 4, 33, 16, requires_grad=True)
     torch.manual_seed(5)
     out = scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=True, strict=True)
     out.sum().backward()
-    assert dispatch.fallback_counts() == {}
+    assert policy.fallback_counts() == {}
     assert torch.isfinite(q.grad).all() and (out == 0).any() is not None
 
 

@@ -260,7 +260,7 @@ def test_compile_fullgraph_inside_activation_checkpointing():
     # write module state (it did: the last plan), or fullgraph=True fails.
     from torch.utils.checkpoint import checkpoint
     torch._dynamo.reset()
-    flash_attn_ext.dispatch._last_plan = None
+    flash_attn_ext.policy._last_plan = None
 
     def block(q):
         return scaled_dot_product_attention(q, q, q, is_causal=True)

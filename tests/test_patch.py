@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attn_ext
-from flash_attn_ext import dispatch
+from flash_attn_ext import policy
 
 
 class TinyAttention(torch.nn.Module):
@@ -31,7 +31,7 @@ def test_patch_routes_and_undoes():
     ref = model(x)
     with flash_attn_ext.patch():
         assert flash_attn_ext.is_patched()
-        dispatch._last_plan = None
+        policy._last_plan = None
         out = model(x)
         assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp32"
         mask = torch.rand(2, 1, 1, 11) > 0.3
@@ -46,18 +46,18 @@ def test_patch_routes_and_undoes():
 
 
 def test_patch_runs_dropout_fused_and_falls_back_visibly_for_unknown_arguments():
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     model = TinyAttention()
     x = torch.randn(1, 5, 32)
     with flash_attn_ext.patch():
-        dispatch.set_strict(True)
+        policy.set_strict(True)
         try:
             torch.manual_seed(3)
             first = model(x, dropout_p=0.3)
             torch.manual_seed(3)
             assert torch.equal(model(x, dropout_p=0.3), first)  # reproducible, fused
         finally:
-            dispatch.set_strict(None)
+            policy.set_strict(None)
     q = torch.randn(1, 1, 2, 5, 8)  # 5-D: PyTorch's function takes it, ours does not
     with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

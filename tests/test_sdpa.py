@@ -94,15 +94,15 @@ def test_gradients_keep_the_input_layout(dtype):
 
 def test_head_dim_beyond_the_kernels_falls_back_visibly():
     import flash_attn_ext
-    from flash_attn_ext import dispatch
+    from flash_attn_ext import policy
 
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     q = torch.randn(1, 2, 9, 288)
     with pytest.warns(UserWarning, match="head dims up to 256"):
         out = scaled_dot_product_attention(q, q, q, is_causal=True)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
     assert not flash_attn_ext.explain(q, q, q).fused
-    with pytest.raises(dispatch.FallbackError, match="head dims up to 256"):
+    with pytest.raises(policy.FallbackError, match="head dims up to 256"):
         scaled_dot_product_attention(q, q, q, strict=True)
 
 

@@ -2,14 +2,15 @@
 and its answers against an fp32 reference next to the portable kernel's.
 
 The full CUDA grid (tests/test_cuda.py) runs on whichever forward the dispatcher picks, so on an
-H200 it exercises this kernel; FLASH_ATTN_EXT_KERNEL=sm80 runs the same grid on the portable one.
+H200 it exercises this kernel; FLASH_ATTN_EXT_KERNEL=sm80 runs the same grid on the portable one
+(and kernel_options(force_portable=True) switches within a process).
 Skipped without an sm_90 GPU and a build with the Hopper kernels.
 """
 
 import pytest
 import torch
 
-from flash_attn_ext import dispatch, explain, flash_attn_func, ops
+from flash_attn_ext import explain, flash_attn_func, ops, planning
 from reference import assert_error_rule, attention_ref
 
 pytestmark = pytest.mark.skipif(
@@ -38,7 +39,7 @@ def check_forward(out, lse, low_out, true_out, true_lse, what):
                                              (200, 256), (256, 256)])
 def test_plan_names_the_hopper_forward(head_dim, padded):
     q = rand(2, 100, 4, head_dim)
-    p = dispatch.plan(q, q, q)
+    p = planning.plan(q, q, q)
     assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
     # No note: every padded head dim's plain backward runs the 8-warp kernels on sm_90 (head
     # dim 256's need 214016 bytes of shared memory per block, which sm_90 allows).
@@ -58,18 +59,15 @@ def test_explain_names_the_deterministic_dq_path():
         torch.use_deterministic_algorithms(False)
 
 
-def test_general_calls_and_the_env_switch_name_the_portable_forward(monkeypatch):
+def test_general_calls_and_the_portable_switch_name_the_portable_forward(kernel_opts):
     q = rand(2, 100, 4, 64)
     p = explain(q, q, q, layout="blhd", softcap=5.0)
     assert p.kernel == "sm80_fwd_hdim64_bf16" and "softcap" in p.notes[0]
-    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm80")
-    p = dispatch.plan(q, q, q)
+    kernel_opts(force_portable=True)
+    p = planning.plan(q, q, q)
     assert p.kernel == "sm80_fwd_hdim64_bf16" and "FLASH_ATTN_EXT_KERNEL=sm80" in str(p)
-    monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", "sm70")
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL"):
-        dispatch.plan(q, q, q)
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_KERNEL"):
-        ops.fwd(q, q, q, None, False, -1, -1, True)
+    with pytest.raises(ValueError, match="force_portable must be a bool"):
+        kernel_opts(force_portable="sm70")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -80,7 +78,7 @@ def test_general_calls_and_the_env_switch_name_the_portable_forward(monkeypatch)
     (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
     (False, (100, 7), True)])
 def test_hopper_and_portable_forward_both_meet_the_error_rule(
-        monkeypatch, dtype, seqlen_q, seqlen_k, head_dim, causal, window, bottom_right):
+        kernel_opts, dtype, seqlen_q, seqlen_k, head_dim, causal, window, bottom_right):
     q, k, v = rand(2, seqlen_q, 4, head_dim, dtype=dtype), \
         rand(2, seqlen_k, 2, head_dim, dtype=dtype), rand(2, seqlen_k, 2, head_dim, dtype=dtype)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
@@ -90,7 +88,7 @@ def test_hopper_and_portable_forward_both_meet_the_error_rule(
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
     outs = {}
     for choice in ("auto", "sm80"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", choice)
+        kernel_opts(force_portable=choice == "sm80")
         out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
         check_forward(out, lse, low_out, true_out, true_lse, f"out ({choice})")
         outs[choice] = out
@@ -103,7 +101,7 @@ def test_strided_and_broadcast_inputs():
     q = rand(3, 8, 333, 128).transpose(1, 2)
     k = rand(3, 2, 400, 128).transpose(1, 2)
     v = rand(3, 2, 400, 128).transpose(1, 2)
-    assert dispatch.plan(q, k, v).kernel.startswith("sm90")
+    assert planning.plan(q, k, v).kernel.startswith("sm90")
     out = flash_attn_func(q, k, v, causal=True)
     ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=True,
                            compute_dtype=torch.float32)
@@ -112,7 +110,7 @@ def test_strided_and_broadcast_inputs():
     # A key/value head broadcast over the batch (stride 0): TMA cannot load it, the portable
     # kernel does, and the plan says so.
     kb, vb = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
-    p = dispatch.plan(q, kb, vb)
+    p = planning.plan(q, kb, vb)
     assert p.kernel.startswith("sm80") and "broadcast" in p.notes[0]
     out = flash_attn_func(q, kb, vb)
     ref, _ = attention_ref(q.float(), kb.float(), vb.float(), compute_dtype=torch.float32)
@@ -137,19 +135,18 @@ def test_long_sequence_and_many_heads():
     (333, 2500, False, (-1, -1), True)])   # few query blocks, long rows
 @pytest.mark.parametrize("schedule", ["auto", "dynamic", "static", "tile"])
 @pytest.mark.parametrize("epilogue", ["tma", "direct"])
-def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, epilogue, head_dim,
+def test_many_tiles_empty_short_and_long_mixed(kernel_opts, schedule, epilogue, head_dim,
                                                seqlen_q, seqlen_k, causal, window, bottom_right):
     # Hundreds of (query block, head) tiles, more than the GPU has SMs, long, short and empty ones
     # (rows that see no key) mixed in one launch; outputs are poisoned by conftest, so every
     # element must be written.  (Written for a persistent version of the kernel, which runs
     # several tiles per CTA; kept for the one-CTA-per-tile kernel.)
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_EPILOGUE", epilogue)
+    kernel_opts(sm90_schedule=schedule, sm90_direct_epilogue=epilogue == "direct")
     q = rand(3, seqlen_q, 20, head_dim)
     k, v = rand(3, seqlen_k, 4, head_dim), rand(3, seqlen_k, 4, head_dim)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
               align_bottom_right=bottom_right)
-    assert dispatch.plan(q, k, v).kernel.startswith("sm90")
+    assert planning.plan(q, k, v).kernel.startswith("sm90")
     true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
                                        compute_dtype=torch.float32, **kw)
     low_out, _ = attention_ref(q, k, v, compute_dtype=torch.bfloat16, **kw)
@@ -161,7 +158,7 @@ def test_many_tiles_empty_short_and_long_mixed(monkeypatch, schedule, epilogue, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_running_max_that_keeps_growing(monkeypatch, dtype, head_dim, causal):
+def test_running_max_that_keeps_growing(kernel_opts, dtype, head_dim, causal):
     # The Hopper kernel moves a row's reference max only when a key tile's max exceeds it by
     # more than 2^8 (lazy rescaling); random scores almost never do past the first tile.  Keys
     # whose norm grows along the sequence make the row maxima grow tile after tile, by more and
@@ -175,8 +172,8 @@ def test_running_max_that_keeps_growing(monkeypatch, dtype, head_dim, causal):
                                        compute_dtype=torch.float32, causal=causal)
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, causal=causal)
     for choice in ("auto", "sm80"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_KERNEL", choice)
-        assert dispatch.plan(q, k, v).kernel.startswith("sm90" if choice == "auto" else "sm80")
+        kernel_opts(force_portable=choice == "sm80")
+        assert planning.plan(q, k, v).kernel.startswith("sm90" if choice == "auto" else "sm80")
         out, lse, _ = ops.fwd(q, k, v, None, causal)
         assert_error_rule(out, low_out, true_out.double(), 2.0, f"out ({choice})")
         assert (lse - true_lse).abs().max().item() < 1e-2
@@ -184,19 +181,18 @@ def test_running_max_that_keeps_growing(monkeypatch, dtype, head_dim, causal):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tile_order_sections_change_no_result(monkeypatch, head_dim, causal):
-    # FLASH_ATTN_EXT_SM90_SECTION only reorders the tiles: each tile's arithmetic is the same,
+def test_tile_order_sections_change_no_result(kernel_opts, head_dim, causal):
+    # The sm90_section_pairs option only reorders the tiles: each tile's arithmetic is the same,
     # so every order gives the default's output bit for bit.
     q, k, v = rand(3, 700, 6, head_dim), rand(3, 700, 2, head_dim), rand(3, 700, 2, head_dim)
     out, lse, _ = ops.fwd(q, k, v, None, causal)
-    for pairs in ("1", "4", "1000"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SECTION", pairs)
+    for pairs in (1, 4, 1000):
+        kernel_opts(sm90_section_pairs=pairs)
         out2, lse2, _ = ops.fwd(q, k, v, None, causal)
         assert torch.equal(out, out2) and torch.equal(lse, lse2), pairs
-    for bad in ("0", "-2", "x", "3x"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SECTION", bad)
-        with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_SECTION"):
-            ops.fwd(q, k, v, None, causal)
+    for bad in (-2, "x", 3.0, True):
+        with pytest.raises(ValueError, match="sm90_section_pairs"):
+            kernel_opts(sm90_section_pairs=bad)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,bottom_right", [
@@ -207,12 +203,12 @@ def test_tile_order_sections_change_no_result(monkeypatch, head_dim, causal):
     (900, 1500, False),    # top-left alignment
     (65, 65, True)])       # one block, two of its warpgroups idle
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k,
+def test_causal_partial_block_first_changes_no_result(kernel_opts, head_dim, seqlen_q, seqlen_k,
                                                       bottom_right):
     # Under a causal mask the head-dim-64 kernel (192-row tiles) puts the query block that
     # seqlen_q fills only in part first, its missing rows below row 0, instead of last.  Every
     # row still meets its key tiles in the same order (extra fully masked ones add exact zeros),
-    # so FLASH_ATTN_EXT_SM90_ROW_SHIFT=off must give the same result bit for bit, and both the
+    # so sm90_row_shift=False must give the same result bit for bit, and both the
     # fp32 reference's within the error rule; every output element written (poisoned outputs).
     # Head dim 128 (128-row tiles) never shifts: the same check holds trivially there.
     q = rand(2, seqlen_q, 6, head_dim)
@@ -224,18 +220,16 @@ def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seq
                                compute_dtype=torch.bfloat16)
     results = {}
     for shift in ("auto", "off"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT", shift)
         for schedule in ("dynamic", "static"):
-            monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", schedule)
+            kernel_opts(sm90_row_shift=shift == "auto", sm90_schedule=schedule)
             out, lse, _ = ops.fwd(q, k, v, None, True, -1, -1, bottom_right)
             check_forward(out, lse, low_out, true_out, true_lse, f"out ({shift}, {schedule})")
             results[shift, schedule] = out, lse
     out, lse = results["auto", "dynamic"]
     for key, (out2, lse2) in results.items():
         assert torch.equal(out, out2) and torch.equal(lse, lse2), key
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT", "1")
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_ROW_SHIFT"):
-        ops.fwd(q, k, v, None, True)
+    with pytest.raises(ValueError, match="sm90_row_shift must be a bool"):
+        kernel_opts(sm90_row_shift="1")
 
 
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
@@ -248,9 +242,9 @@ def test_causal_partial_block_first_changes_no_result(monkeypatch, head_dim, seq
     (700, 300, 4, 2, True, (-1, -1), True),       # L > S: the first 400 positions see nothing
     (1000, 1000, 8, 2, True, (-1, -1), True)])    # many tiles, the partial block first
 @pytest.mark.parametrize("strided", [False, True])
-def test_packed_gqa_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k, heads_q,
+def test_packed_gqa_changes_no_result(kernel_opts, head_dim, seqlen_q, seqlen_k, heads_q,
                                       heads_kv, causal, window, bottom_right, strided):
-    # FLASH_ATTN_EXT_SM90_PACK_GQA=on puts the query heads of a KV head's group in one tile
+    # sm90_pack_gqa="on" puts the query heads of a KV head's group in one tile
     # (tile row = position * group + head in group; Q by cp.async, O from registers).  Each row
     # still meets its key tiles in the same order (extra fully masked ones add exact zeros), so
     # the result must equal the unpacked kernel's bit for bit, and the fp32 reference's within
@@ -270,8 +264,8 @@ def test_packed_gqa_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k,
     low_out, _ = attention_ref(q, k, v, compute_dtype=torch.bfloat16, **kw)
     results = {}
     for pack in ("on", "off"):
-        monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", pack)
-        kernel = dispatch.plan(q, k, v).kernel
+        kernel_opts(sm90_pack_gqa=pack)
+        kernel = planning.plan(q, k, v).kernel
         assert kernel.startswith("sm90") and kernel.endswith("_packgqa") == (pack == "on")
         out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right)
         check_forward(out, lse, low_out, true_out, true_lse, f"out (pack {pack})")
@@ -280,17 +274,14 @@ def test_packed_gqa_changes_no_result(monkeypatch, head_dim, seqlen_q, seqlen_k,
     assert torch.equal(results["on"][1], results["off"][1])
 
 
-def test_pack_gqa_variable_is_checked(monkeypatch):
+def test_pack_gqa_option_is_checked(kernel_opts):
     q, k = rand(1, 1, 8, 64), rand(1, 64, 2, 64)
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", "auto")
-    assert dispatch.plan(q, k, k).kernel == "sm90_fwd_hdim64_bf16_packgqa"  # decoding, group 4
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_PACK_GQA", "yes")
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_PACK_GQA"):
-        ops.fwd(q, k, k)
+    kernel_opts(sm90_pack_gqa="auto")
+    assert planning.plan(q, k, k).kernel == "sm90_fwd_hdim64_bf16_packgqa"  # decoding, group 4
+    with pytest.raises(ValueError, match="sm90_pack_gqa must be one of 'auto', 'on', 'off'"):
+        kernel_opts(sm90_pack_gqa="yes")
 
 
-def test_schedule_variable_is_checked(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_EXT_SM90_SCHEDULE", "greedy")
-    q = rand(1, 64, 2, 64)
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_SM90_SCHEDULE"):
-        ops.fwd(q, q, q)
+def test_schedule_option_is_checked(kernel_opts):
+    with pytest.raises(ValueError, match="sm90_schedule must be one of"):
+        kernel_opts(sm90_schedule="greedy")

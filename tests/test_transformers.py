@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attn_ext
-from flash_attn_ext import dispatch
+from flash_attn_ext import policy
 from reference import assert_error_rule
 
 transformers = pytest.importorskip("transformers")
@@ -80,16 +80,16 @@ def test_llama_matches_sdpa(device, padding, compiled):
     if compiled:
         torch._dynamo.reset()
         models["ours"].forward = torch.compile(models["ours"].forward)
-    dispatch.reset_fallback_counts()
-    dispatch.set_strict(True)  # a fallback anywhere in the model raises
+    policy.reset_fallback_counts()
+    policy.set_strict(True)  # a fallback anywhere in the model raises
     try:
         ours = run(models["ours"], ids, mask, valid, weights)
     finally:
-        dispatch.set_strict(None)
+        policy.set_strict(None)
     if not compiled:  # compiled calls are not recorded (strict mode covered them)
-        plan = dispatch.last_plan()
+        plan = policy.last_plan()
         assert plan.fused and plan.backward_fused, plan
-    assert dispatch.fallback_counts() == {}
+    assert policy.fallback_counts() == {}
     low = run(models["sdpa"], ids, mask, valid, weights)
     true = run(models["true"], ids, mask, valid, weights)
     assert_error_rule(ours[0], low[0], true[0].double(), 2.0, "logits")

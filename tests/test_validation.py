@@ -278,12 +278,12 @@ def test_zero_heads_and_nested_tensors():
                                     layout=torch.jagged).transpose(1, 2)
     with pytest.raises(ValueError, match="query is a nested tensor"):
         scaled_dot_product_attention(nt, nt, nt)
-    import flash_attn_ext.dispatch as dispatch
+    import flash_attn_ext.policy as policy
     from flash_attn_ext import patch
-    dispatch.reset_fallback_counts()
+    policy.reset_fallback_counts()
     with patch(), pytest.warns(UserWarning, match="nested"):
         out = torch.nn.functional.scaled_dot_product_attention(nt, nt, nt)
-    assert out.is_nested and any("nested" in r for r in dispatch.fallback_counts())
+    assert out.is_nested and any("nested" in r for r in policy.fallback_counts())
 
 
 def test_raw_ops_refuse_mixed_meta_arguments():

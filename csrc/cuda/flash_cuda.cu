@@ -18,10 +18,8 @@
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
 #include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
-#include "kernels/sm90/pack_gqa.h"  // plain C++: the Hopper forward's limits and packing rule
+#include "kernel_select.h"
 #ifdef FLASH_ATTN_EXT_SM90
-#include <cstdlib>
-
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
 #endif
 
@@ -49,13 +47,6 @@ at::Tensor kernel_ready(const at::Tensor& t) {
   return out;
 }
 
-// The kernels keep the running max of raw q.k and scale it afterwards: that needs scale > 0
-// (flash_attn_ext's Python layer sends other scales to the fallback path).
-void check_positive_scale(const AttnArgs& a) {
-  TORCH_CHECK_NOT_IMPLEMENTED(a.softmax_scale > 0.0,
-                              "the CUDA kernels need softmax_scale > 0, got ", a.softmax_scale);
-}
-
 // The instantiation for the padded head dim (64, 128 or 256) of head_dim = max(d_qk, d_v).
 // The forward's Philox (seed, offset) from PyTorch's CUDA generator (torch.manual_seed reproduces
 // it), advanced by the counters one call uses; under CUDA-graph capture the generator hands out
@@ -78,107 +69,72 @@ void take_philox_state(FwdParams& p, int64_t seqlen_k) {
   }
 }
 
-// An environment switch with two values: false when `name` is unset, empty or "auto", true when
-// it is `other`; anything else is a ValueError naming the variable.
-bool env_switch(const char* name, const char* other) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(env, other) == 0, name, " must be 'auto' or '", other,
-                    "', got '", env, "'");
-  return true;
+// The GPU the call runs on, as kernel_select.h reads it (queried once per device).
+DeviceInfo current_device_info() {
+  DeviceInfo d;
+  const int capability = sm80::per_device_cached([](int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return 0;
+    return major * 10 + minor;
+  });
+  TORCH_CHECK(capability > 0, "flash_attn_ext: could not read the GPU's compute capability");
+  d.major = capability / 10;
+  d.minor = capability % 10;
+  d.smem_optin = sm80::max_smem_optin_per_block();
+  return d;
 }
 
-// FLASH_ATTN_EXT_BWD_DQ: "auto" (default: on sm_90 the backward's dQ leaves the dK/dV kernel
-// through bulk reductions, flash_bwd_lean.cuh, except at head dim 256, where that tile does not
-// fit and atomics are used) or "atomic" (per-lane fp32 atomics, the path sm_80-class GPUs
-// take; to test and compare it on sm_90).
-bool atomic_dq_forced() { return env_switch("FLASH_ATTN_EXT_BWD_DQ", "atomic"); }
+BuildInfo this_build() {
+  BuildInfo b;
+  b.cuda = true;
+#ifdef FLASH_ATTN_EXT_SM90
+  b.sm90 = true;
+#endif
+#ifdef FLASH_ATTN_EXT_CUDA_ARCHS
+  b.archs = FLASH_ATTN_EXT_CUDA_ARCHS;
+#endif
+  return b;
+}
+
+TensorDesc describe(const at::Tensor& t) {
+  TensorDesc d;
+  for (int i = 0; i < 4; ++i) {
+    d.size[i] = t.size(i);
+    d.stride[i] = t.stride(i);
+  }
+  return d;
+}
+
+// kernel_select.h's answer for a call (the inputs as the caller passed them, before
+// kernel_ready), or an error that gives the rule's reasons where no fused kernel serves it
+// (flash_attn_ext's Python layer sends such calls to its fallback and reports them).
+KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const AttnArgs& a, bool general, bool deterministic,
+                        const KernelOptions& options) {
+  CallInfo call;
+  call.dtype = q.scalar_type() == at::kBFloat16 ? "bf16"
+               : q.scalar_type() == at::kHalf   ? "fp16"
+               : q.scalar_type() == at::kFloat  ? "fp32"
+                                                : "fp64";
+  call.has_scale = true;
+  call.softmax_scale = a.softmax_scale;
+  call.head_dim = a.head_dim;
+  call.head_dim_v = a.head_dim_v;
+  call.q = describe(q);
+  call.k = describe(k);
+  call.v = describe(v);
+  call.general = general;
+  call.unequal_tiles = a.window_left >= 0 || a.window_right >= 0;
+  call.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
+  KernelChoice c = select_cuda_kernels(this_build(), current_device_info(), call, options);
+  TORCH_CHECK_NOT_IMPLEMENTED(c.fused, "no flash_attn_ext CUDA kernel serves this call: ",
+                              detail::join(c.reasons, "; "));
+  return c;
+}
 
 #ifdef FLASH_ATTN_EXT_SM90
-// FLASH_ATTN_EXT_KERNEL: "auto" (default; the Hopper kernel where it applies) or "sm80" (the
-// portable kernels everywhere, e.g. to compare the two).  flash_attn_ext/dispatch.py reads the
-// same variable to report the choice.
-bool force_portable() { return env_switch("FLASH_ATTN_EXT_KERNEL", "sm80"); }
-
-// The Hopper forward (kernels/sm90) serves plain attention (any mask window, GQA, L != S) on
-// sm_90 when TMA can describe q, k and v: no zero (broadcast) strides on a dimension of size > 1.
-// dispatch.py's plan() applies the same rule.
-bool use_sm90_fwd(const FwdParams& p) {
-  int device = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return false;
-  if (force_portable()) return false;  // checked on every sm_90 call, as dispatch.py does
-  if (p.general()) return false;
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) return false;
-  if (p.seqlen_q > sm90::kMaxRows || p.seqlen_k > sm90::kMaxRows) return false;  // 32-bit rows
-  auto broadcast = [](int64_t size, int64_t stride) { return size > 1 && stride == 0; };
-  return !(broadcast(p.batch, p.q_batch_stride) || broadcast(p.batch, p.k_batch_stride) ||
-           broadcast(p.batch, p.v_batch_stride) || broadcast(p.heads_q, p.q_head_stride) ||
-           broadcast(p.heads_kv, p.k_head_stride) || broadcast(p.heads_kv, p.v_head_stride) ||
-           broadcast(p.seqlen_q, p.q_row_stride) || broadcast(p.seqlen_k, p.k_row_stride) ||
-           broadcast(p.seqlen_k, p.v_row_stride));
-}
-
-// The Hopper forward's tile schedule (see flash_fwd_sm90.cuh).  FLASH_ATTN_EXT_SM90_SCHEDULE
-// (to compare schedules in one build): "auto" (default: "dynamic" when a causal mask or window
-// makes tiles unequal, else "static"), "dynamic" (one CTA per SM, each takes its next tile from
-// an atomic counter: the longest-first order balances unequal tiles), "static" (one CTA per
-// SM, CTA c computes tiles c, c + grid, ...: no counter to zero) or "tile" (one CTA per tile).
-enum class Sm90Schedule { kDynamic, kStatic, kTile };
-Sm90Schedule sm90_schedule(const FwdParams& p) {
-  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_SCHEDULE");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-    const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
-    return unequal_tiles ? Sm90Schedule::kDynamic : Sm90Schedule::kStatic;
-  }
-  if (std::strcmp(env, "dynamic") == 0) return Sm90Schedule::kDynamic;
-  if (std::strcmp(env, "static") == 0) return Sm90Schedule::kStatic;
-  TORCH_CHECK_VALUE(std::strcmp(env, "tile") == 0,
-                    "FLASH_ATTN_EXT_SM90_SCHEDULE must be 'auto', 'dynamic', 'static' or 'tile', "
-                    "got '", env, "'");
-  return Sm90Schedule::kTile;
-}
-
-// FLASH_ATTN_EXT_SM90_SECTION=<pairs> (experimental): (batch, head) pairs per section of the
-// Hopper forward's tile order; 0 (unset) leaves the choice to its launcher.
-int32_t sm90_section_pairs() {
-  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_SECTION");
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  const long long pairs = std::strtoll(env, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && pairs > 0 && pairs <= std::numeric_limits<int32_t>::max(),
-                    "FLASH_ATTN_EXT_SM90_SECTION must be a positive number of (batch, head) "
-                    "pairs, got '", env, "'");
-  return static_cast<int32_t>(pairs);
-}
-
-// FLASH_ATTN_EXT_SM90_ROW_SHIFT=auto|off (experimental): whether the Hopper forward puts the
-// partial query block first under a causal mask ("auto", the default) or last ("off").
-bool sm90_row_shift() {
-  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_ROW_SHIFT");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
-  TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
-                    "FLASH_ATTN_EXT_SM90_ROW_SHIFT must be 'auto' or 'off', got '", env, "'");
-  return false;
-}
-
-// Whether the Hopper forward packs GQA query heads (kernels/sm90/pack_gqa.h).
-// FLASH_ATTN_EXT_SM90_PACK_GQA=auto|on|off (experimental): "auto" (default) where the rule says
-// it pays, "on" for every GQA/MQA call, "off" never.
-bool sm90_pack_gqa(const FwdParams& p, int64_t padded_head_dim) {
-  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_PACK_GQA");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0)
-    return sm90::pack_gqa_pays(p.seqlen_q, p.heads_q, p.heads_kv, padded_head_dim);
-  if (std::strcmp(env, "on") == 0)
-    return sm90::pack_gqa_possible(p.seqlen_q, p.heads_q, p.heads_kv);
-  TORCH_CHECK_VALUE(std::strcmp(env, "off") == 0,
-                    "FLASH_ATTN_EXT_SM90_PACK_GQA must be 'auto', 'on' or 'off', got '", env,
-                    "'");
-  return false;
-}
-
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (p.sm90_pack_gqa) {
@@ -210,12 +166,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     bool align_bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool deterministic) {
-  (void)deterministic;
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
-  check_positive_scale(a);
   const c10::cuda::CUDAGuard guard(q_in.device());
+  const KernelOptions options = kernel_options();
+  const KernelChoice choice =
+      select_for(q_in, k_in, v_in, a, softcap > 0.0 || attn_bias.has_value() || dropout_p > 0.0,
+                 deterministic, options);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
   at::Tensor out_padded =
@@ -240,16 +198,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     cudaError_t err;
 #ifdef FLASH_ATTN_EXT_SM90
     at::Tensor tile_counter;  // the Hopper kernel's scheduler scratch (zeroed by its launcher)
-    if (use_sm90_fwd(p)) {
-      const Sm90Schedule schedule = sm90_schedule(p);
-      if (schedule == Sm90Schedule::kDynamic) {
+    if (choice.fwd == FwdKernel::kSm90 || choice.fwd == FwdKernel::kSm90PackGqa) {
+      if (choice.sm90_schedule == Sm90Schedule::kDynamic) {
         tile_counter = at::empty({1}, q.options().dtype(at::kInt));
         p.tile_counter = tile_counter.data_ptr<int32_t>();
       }
-      if (schedule == Sm90Schedule::kTile) p.max_ctas = std::numeric_limits<int32_t>::max();
-      p.heads_per_section = sm90_section_pairs();
-      p.sm90_row_shift = sm90_row_shift();
-      p.sm90_pack_gqa = sm90_pack_gqa(p, kernel_dim <= 64 ? 64 : kernel_dim <= 128 ? 128 : 256);
+      if (choice.sm90_schedule == Sm90Schedule::kTile)
+        p.max_ctas = std::numeric_limits<int32_t>::max();
+      p.heads_per_section = options.sm90_section_pairs;
+      p.sm90_row_shift = options.sm90_row_shift;
+      p.sm90_direct_epilogue = options.sm90_direct_epilogue;
+      p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
       err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                  : run_fwd_sm90<__half>(kernel_dim, p, stream);
     } else
@@ -268,11 +227,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 }
 
 // Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
-// kernels.  Plain attention (the 8-warp kernels of flash_bwd_lean.cuh, where they fit),
-// unless `deterministic` or torch.use_deterministic_algorithms(True): FlashAttention-2's
-// single dK/dV/dQ kernel adding dQ into an fp32 buffer with atomics (the summation order, and
-// so dq's last bits, vary from run to run).  Everything else, and deterministic calls: a
-// separate dQ kernel, no atomics, bitwise reproducible gradients.
+// kernels, as kernel_select.h picks them.  Plain attention runs the 8-warp kernels of
+// flash_bwd_lean.cuh where they fit, which, unless `deterministic` or
+// torch.use_deterministic_algorithms(True), add dQ into an fp32 buffer from the dK/dV kernel
+// (bulk reductions on sm_90, atomics elsewhere: dq's last bits vary from run to run).
+// Everything else, and deterministic calls: a separate dQ kernel, bitwise reproducible.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
@@ -284,9 +243,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const AttnArgs a = check_attn_args(q_in, k_in, v_in, softmax_scale, causal, window_left,
                                      window_right, softcap, alibi_slopes, attn_bias, dropout_p);
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
-  check_positive_scale(a);
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
+  const KernelChoice choice =
+      select_for(q_in, k_in, v_in, a, softcap > 0.0 || attn_bias.has_value() || dropout_p > 0.0,
+                 deterministic, kernel_options());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
   const at::Tensor lse = softmax_lse.contiguous();
@@ -323,18 +284,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.philox_offset_ptr = p.philox_seed_ptr + 1;
       }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-      // fp32 scratch of the atomic dQ (params.h: dq_accum), where the 8-warp kernels run (their
-      // shared memory fits this GPU: not at head dim 256 on sm_80, 128 on sm_86 / sm_89); the
-      // backward zeroes it there.
+      // fp32 scratch of the 8-warp kernels' accumulated dQ (params.h: dq_accum), where the
+      // rule has them accumulate it (not deterministic); the backward zeroes it.
+      p.bwd_eight_warp = choice.bwd == BwdKernel::kSm80EightWarp;
       at::Tensor dq_accum;
-      const int lean_smem = lean_bwd_smem_bytes(static_cast<int>(dq_accum_cols(kernel_dim)));
-      if (!deterministic && !at::globalContext().deterministicAlgorithms() && !p.general() &&
-          sm80::max_smem_optin_per_block() >= lean_smem) {
+      if (p.bwd_eight_warp && choice.dq != DqPath::kSeparate) {
         dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
-        p.dq_bulk = !atomic_dq_forced();
+        p.dq_bulk = choice.dq == DqPath::kBulk;
       }
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       float* delta_ptr = delta.data_ptr<float>();

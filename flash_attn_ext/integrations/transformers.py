@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..interface import check_flags
+from .._call import check_flags
 from ..sdpa import run_sdpa, to_bshd
 
 NAME = "flash_attn_ext"

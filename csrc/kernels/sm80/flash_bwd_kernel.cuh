@@ -412,15 +412,17 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
     static_assert(lean_bwd_smem_bytes(T::kHeadDim) ==
                       (Lean64::kSmemDkdv > Lean64::kSmemDq ? Lean64::kSmemDkdv : Lean64::kSmemDq),
                   "flash_bwd_launch.h's lean_bwd_smem_bytes must follow LeanBwdTraits");
-    if (!general) {
+    static_assert(portable_bwd_smem_bytes(T::kHeadDim) == T::kSmemDkdv,
+                  "kernel_select.h's portable_bwd_smem_bytes must follow BwdTraits");
+    if (p.bwd_eight_warp) {  // kernel_select.h's choice (it never picks them with `general`)
+      if (general) return cudaErrorInvalidValue;
+      // The full variant where its shared memory fits, else 64-row steps (the rule's minimum).
       const bool full = lean_bwd_fits<Lean>();
-      if (full || lean_bwd_fits<Lean64>()) {
-        const cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, p.dq_accum,
-                                                                        accum_floats, stream);
-        if (err != cudaSuccess) return err;
-        return full ? launch_flash_bwd_lean<Lean>(p, delta, stream)
-                    : launch_flash_bwd_lean<Lean64>(p, delta, stream);
-      }
+      const cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, p.dq_accum,
+                                                                      accum_floats, stream);
+      if (err != cudaSuccess) return err;
+      return full ? launch_flash_bwd_lean<Lean>(p, delta, stream)
+                  : launch_flash_bwd_lean<Lean64>(p, delta, stream);
     }
   }
   cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, nullptr, 0, stream);

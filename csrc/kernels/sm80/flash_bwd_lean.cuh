@@ -688,8 +688,11 @@ cudaError_t launch_flash_bwd_lean(const BwdParams& p, const float* delta, cudaSt
   const int64_t dkdv_blocks = num_n_blocks * p.batch * p.heads_kv;
   if (p.dq_accum != nullptr) {
     cudaError_t err;
+    // kernel_select.h picks the bulk dQ only where it runs; a mismatch is an error, never a
+    // silent switch to the atomic path.
+    if (p.dq_bulk && !bulk_dq_ok<T>()) return cudaErrorNotSupported;
     if constexpr (T::kHasBulkDq) {  // (not instantiated where its tile does not fit)
-      if (p.dq_bulk && bulk_dq_ok<T>()) {
+      if (p.dq_bulk) {
         err = launch(flash_bwd_dkdv_lean_kernel<T, DqMode::kBulk>, dkdv_blocks, T::kThreads,
                      T::kSmemDkdv + T::kSmemDqTile, stream, p, delta, num_n_blocks);
         if (err != cudaSuccess) return err;

@@ -1015,10 +1015,9 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   auto aligned = [](int64_t size, int64_t stride) {
     return size <= 1 || (stride * static_cast<int64_t>(sizeof(Element))) % 16 == 0;
   };
-  // FLASH_ATTN_EXT_SM90_EPILOGUE=direct (experimental, to compare the two in one build):
-  // the threads store O from registers (packed GQA rows too).
-  const char* env = std::getenv("FLASH_ATTN_EXT_SM90_EPILOGUE");
-  const bool direct = env != nullptr && std::strcmp(env, "direct") == 0;
+  // p.sm90_direct_epilogue (KernelOptions, experimental: to compare the two in one build): the
+  // threads store O from registers (packed GQA rows too).
+  const bool direct = p.sm90_direct_epilogue;
   const bool o_aligned = reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                         aligned(p.seqlen_q, p.out_row_stride) &&
                         aligned(p.heads_q, p.out_head_stride) &&
@@ -1040,7 +1039,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // +9.6% at L = 1k, +3.3% at 2k, +-1% from 4k.  Without a mask both orders do the same work,
   // yet the shift measured -4% at L = 2k (the static schedule's waves), so it stays off there.
   // Only with three consumers: the idle path (for warpgroups without rows) exists only there.
-  // p.sm90_row_shift = false (FLASH_ATTN_EXT_SM90_ROW_SHIFT=off, experimental: to compare the
+  // p.sm90_row_shift = false (KernelOptions::sm90_row_shift, experimental: to compare the
   // two in one build) keeps the partial block last.
   if (T::kConsumers == 3 && p.sm90_row_shift && p.window_left < 0 && p.window_right >= 0) {
     args.row_shift = static_cast<int32_t>(
@@ -1066,7 +1065,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // one pair, d = 256 causal +4% at L = 1k, +15% at 2k-4k; d = 128 +1% at 1k, +2..+9% at 2k-4k;
   // 24 pairs measured 2-7% below 8; sm90_variants.py, NOTES session 14; measured under a causal
   // mask only: a window bounded on both sides, whose tiles are nearly equal, follows the rule).
-  // p.heads_per_section > 0 (FLASH_ATTN_EXT_SM90_SECTION, experimental: orders compared in one
+  // p.heads_per_section > 0 (KernelOptions::sm90_section_pairs, experimental: orders compared in one
   // build) overrides it.
   const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);

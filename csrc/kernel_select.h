@@ -1,0 +1,305 @@
+// The one rule that picks the CUDA kernels of a call (docs/design.md, "Kernel selection").
+//
+// Plain C++: no torch, no CUDA.  The CUDA glue (csrc/cuda/flash_cuda.cu) asks it before every
+// launch and obeys the answer; the Python module exposes it (flash_attn_ext._C.select_cuda_kernels)
+// so that explain(), last_plan() and strict mode report exactly the kernels the glue launches,
+// with the rule's own reasons.  Nothing else decides a kernel: a new condition goes here.
+//
+// Inputs: how the library was built, the GPU, the call (dtype, head dims, sizes, strides, flags)
+// and the process's kernel options.  Output: whether a fused CUDA kernel serves the call at all
+// (else why not), which forward (portable sm80, Hopper sm90, Hopper with packed GQA heads), which
+// backward (4-warp or 8-warp portable kernels) and how that backward forms dQ.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/sm90/pack_gqa.h"
+#include "params.h"
+
+namespace flash_attn_ext {
+
+// The head dim a CUDA kernel instantiation takes for max(head_dim, head_dim_v): 64, 128 or 256.
+constexpr int64_t padded_head_dim(int64_t head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+}
+
+// Where the process's kernel options come from: the one user-facing switch (FLASH_ATTN_EXT_KERNEL
+// =sm80, read once when flash_attn_ext is imported) and experimental variants that compare
+// kernels in one build (tests, benchmarks and dev/ab set them through
+// flash_attn_ext.kernel_options; no environment variable is read per call).
+enum class PackGqa : int { kAuto = 0, kOn = 1, kOff = 2 };
+enum class Sm90Schedule : int { kAuto = 0, kDynamic = 1, kStatic = 2, kTile = 3 };
+struct KernelOptions {
+  bool force_portable = false;  // the portable sm80 kernels on every GPU
+  PackGqa sm90_pack_gqa = PackGqa::kAuto;
+  // The Hopper forward's tile schedule: kAuto is kDynamic when a causal mask or window makes
+  // tiles unequal, else kStatic (one CTA per SM; kDynamic takes the next tile from an atomic
+  // counter, longest first; kTile launches one CTA per tile).
+  Sm90Schedule sm90_schedule = Sm90Schedule::kAuto;
+  int32_t sm90_section_pairs = 0;  // (batch, head) pairs per tile-order section; 0: launcher's
+  bool sm90_row_shift = true;      // causal: the partial query block first
+  bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
+  bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90
+};
+
+enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };
+enum class BwdKernel : int { kNone = 0, kSm80FourWarp = 1, kSm80EightWarp = 2 };
+// How the 8-warp backward forms dQ: a separate dQ kernel (bitwise reproducible), fp32 atomics
+// from the dK/dV kernel, or bulk reductions of whole dQ tiles from it (sm_90).
+enum class DqPath : int { kSeparate = 0, kAtomic = 1, kBulk = 2 };
+
+struct BuildInfo {
+  bool cuda = false;      // CUDA kernels compiled in
+  bool sm90 = false;      // the Hopper forward compiled in
+  std::string archs;      // TORCH_CUDA_ARCH_LIST of the build, e.g. "8.0;9.0a"
+};
+
+struct DeviceInfo {
+  int major = 0, minor = 0;
+  int smem_optin = 0;  // largest dynamic shared memory per block; 0 = unknown
+};
+
+// A tensor as the rule sees it: sizes and element strides in (batch, seqlen, heads, head_dim).
+struct TensorDesc {
+  int64_t size[4] = {0, 0, 0, 0};
+  int64_t stride[4] = {0, 0, 0, 0};
+};
+
+struct CallInfo {
+  std::string dtype;  // "bf16", "fp16", "fp32", "fp64"
+  bool has_scale = false;
+  double softmax_scale = 0.0;
+  int64_t head_dim = 0, head_dim_v = 0;
+  // Sizes and strides of q, k, v; with known = false (a call traced with symbolic sizes) the
+  // rule decides only what does not depend on them: whether a fused kernel serves the call, and
+  // the kernels' families.  The op then applies the whole rule with the real sizes.
+  bool known = true;
+  TensorDesc q, k, v;
+  bool general = false;        // softcap, a bias or dropout
+  bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
+  bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
+};
+
+struct KernelChoice {
+  bool fused = false;
+  std::vector<std::string> reasons;  // why no fused CUDA kernel serves the call (fused = false)
+  int64_t head_dim = 0;              // padded: the instantiation's
+  FwdKernel fwd = FwdKernel::kNone;
+  BwdKernel bwd = BwdKernel::kNone;
+  DqPath dq = DqPath::kSeparate;
+  Sm90Schedule sm90_schedule = Sm90Schedule::kAuto;  // resolved (never kAuto) for kSm90*
+  // Why a fused but slower kernel serves the call (the portable forward on sm_90, the 4-warp
+  // backward, the separate dQ kernel).
+  std::vector<std::string> notes;
+  std::string fwd_name, bwd_name;  // e.g. "sm90_fwd_hdim128_bf16", "sm80_bwd_hdim128_bf16"
+};
+
+namespace detail {
+
+inline std::string join(const std::vector<std::string>& parts, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? sep : "") + parts[i];
+  return out;
+}
+
+// A double as Python's repr writes it for ordinary values ("-1.0", "0.5", "inf").
+inline std::string number(double x) {
+  std::ostringstream os;
+  os << std::setprecision(17) << x;
+  std::string s = os.str();
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+inline std::string torch_dtype_name(const std::string& dtype) {
+  if (dtype == "bf16") return "torch.bfloat16";
+  if (dtype == "fp16") return "torch.float16";
+  if (dtype == "fp32") return "torch.float32";
+  if (dtype == "fp64") return "torch.float64";
+  return dtype;
+}
+
+// A TMA descriptor cannot describe a broadcast (stride-0) dimension.  The glue copies tensors
+// whose strides are not multiples of 8 elements (kernel_ready, which removes broadcasts), so
+// only tensors it passes through as they are can carry one to the Hopper kernel.
+inline bool broadcast_reaches_tma(const TensorDesc& t) {
+  const bool as_is = t.stride[3] == 1 && t.size[3] % 8 == 0 && t.stride[0] % 8 == 0 &&
+                     t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0;
+  if (!as_is) return false;
+  for (int i = 0; i < 3; ++i)
+    if (t.size[i] > 1 && t.stride[i] == 0) return true;
+  return false;
+}
+
+}  // namespace detail
+
+// Whether a build for TORCH_CUDA_ARCH_LIST-style `archs` (e.g. "8.0;9.0a") has code that runs on
+// a GPU of compute capability (major, minor): machine code (SASS) for the same major version and
+// a minor version not above the GPU's ("9.0a" counts only on 9.0 itself), or PTX ("+PTX") for a
+// version not above the GPU's, which the driver compiles.  With native_only, PTX does not count.
+inline bool arch_runs_on(const std::string& archs, int major, int minor, bool native_only = false) {
+  std::string token;
+  std::string list = archs;
+  for (char& c : list)
+    if (c == ' ') c = ';';
+  std::istringstream tokens(list);
+  while (std::getline(tokens, token, ';')) {
+    if (token.empty()) continue;
+    const bool ptx = token.size() > 4 && token.compare(token.size() - 4, 4, "+PTX") == 0;
+    std::string name = ptx ? token.substr(0, token.size() - 4) : token;
+    const bool specific = !name.empty() && name.back() == 'a';
+    if (specific) name.pop_back();
+    int a = 0, b = 0;
+    char dot = 0, extra = 0;
+    std::istringstream parse(name);
+    if (!(parse >> a >> dot >> b) || dot != '.' || (parse >> extra)) continue;
+    if (specific) {
+      if (a == major && b == minor) return true;
+    } else if (a == major && b <= minor) {
+      return true;
+    }
+    if (!native_only && ptx && !specific && (a < major || (a == major && b <= minor))) return true;
+  }
+  return false;
+}
+
+// The rule.  Reads nothing but its arguments.
+inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo& device,
+                                        const CallInfo& call, const KernelOptions& options) {
+  KernelChoice c;
+  const int64_t d = padded_head_dim(call.head_dim > call.head_dim_v ? call.head_dim
+                                                                    : call.head_dim_v);
+  c.head_dim = d;
+  // 1. Is there a fused CUDA kernel for this call at all?
+  if (!build.cuda)
+    c.reasons.push_back("this build of flash_attn_ext has no CUDA kernels (built without CUDA; "
+                        "see FLASH_ATTN_EXT_CUDA in README.md)");
+  if (call.dtype != "bf16" && call.dtype != "fp16")
+    c.reasons.push_back("q.dtype=" + detail::torch_dtype_name(call.dtype) +
+                        ": the CUDA kernels take float16 and bfloat16 (cast the inputs or use "
+                        "torch.autocast)");
+  if (call.has_scale && !(call.softmax_scale > 0.0))
+    // The kernels track the running max on raw q.k and scale afterwards: that needs scale > 0.
+    c.reasons.push_back("softmax_scale=" + detail::number(call.softmax_scale) +
+                        ": the CUDA kernels take a positive scale");
+  if (c.reasons.empty()) {
+    const std::string gpu = "GPU sm_" + std::to_string(device.major) + std::to_string(device.minor);
+    if (device.major < 8)
+      c.reasons.push_back(gpu + ": the CUDA kernels need sm_80 or newer");
+    else if (!arch_runs_on(build.archs, device.major, device.minor))
+      c.reasons.push_back(gpu + ": this build's CUDA code (" + build.archs +
+                          ") does not run on it (rebuild with its arch in TORCH_CUDA_ARCH_LIST, "
+                          "or a +PTX arch)");
+  }
+  if (c.reasons.empty()) {
+    const int need = portable_bwd_smem_bytes(static_cast<int>(d));
+    if (device.smem_optin > 0 && device.smem_optin < need)
+      c.reasons.push_back("head_dim=" + std::to_string(call.head_dim > call.head_dim_v
+                                                           ? call.head_dim
+                                                           : call.head_dim_v) +
+                          ": the backward kernel needs " + std::to_string(need) +
+                          " bytes of shared memory per block, this GPU allows " +
+                          std::to_string(device.smem_optin) + " (e.g. sm_86/sm_89)");
+  }
+  if (!c.reasons.empty()) return c;
+  c.fused = true;
+  const std::string suffix = "_hdim" + std::to_string(d) + "_" + call.dtype;
+
+  // 2. The forward: the Hopper kernel on sm_90 where it applies, else the portable one.
+  c.fwd = FwdKernel::kSm80;
+  if (device.major == 9 && device.minor == 0) {
+    std::vector<std::string> why;
+    if (!build.sm90)
+      why.push_back("this build has no Hopper kernels (they need 9.0a in TORCH_CUDA_ARCH_LIST "
+                    "and the CUTLASS headers at build time: pip install --no-deps "
+                    "nvidia-cutlass==4.2.0.0 and rebuild)");
+    if (options.force_portable) why.push_back("FLASH_ATTN_EXT_KERNEL=sm80");
+    if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel");
+    if (call.known) {
+      const int64_t seqlen_q = call.q.size[1], seqlen_k = call.k.size[1];
+      if (seqlen_q == 0 || seqlen_k == 0) why.push_back("an empty sequence");
+      if (seqlen_q > sm90::kMaxRows || seqlen_k > sm90::kMaxRows)
+        why.push_back("seqlen_q=" + std::to_string(seqlen_q) + ", seqlen_k=" +
+                      std::to_string(seqlen_k) + ": the Hopper kernel's row arithmetic is "
+                      "32-bit (at most " + std::to_string(sm90::kMaxRows) + ")");
+      const char* names[3] = {"q", "k", "v"};
+      const TensorDesc* tensors[3] = {&call.q, &call.k, &call.v};
+      for (int i = 0; i < 3; ++i)
+        if (detail::broadcast_reaches_tma(*tensors[i]))
+          why.push_back(std::string(names[i]) +
+                        " has a broadcast (stride-0) dimension, which TMA cannot load");
+    }
+    if (why.empty()) {
+      c.fwd = FwdKernel::kSm90;
+      c.sm90_schedule = options.sm90_schedule != Sm90Schedule::kAuto ? options.sm90_schedule
+                        : call.unequal_tiles ? Sm90Schedule::kDynamic
+                                             : Sm90Schedule::kStatic;
+    } else {
+      c.notes.push_back("forward on the portable sm80 kernel, not the Hopper one, because " +
+                        detail::join(why, "; "));
+    }
+  }
+  if (c.fwd == FwdKernel::kSm90 && call.known) {
+    const int64_t seqlen_q = call.q.size[1], heads_q = call.q.size[2], heads_kv = call.k.size[2];
+    bool pack = false;
+    if (heads_q != heads_kv) {
+      switch (options.sm90_pack_gqa) {
+        case PackGqa::kAuto: pack = sm90::pack_gqa_pays(seqlen_q, heads_q, heads_kv, d); break;
+        case PackGqa::kOn: pack = sm90::pack_gqa_possible(seqlen_q, heads_q, heads_kv); break;
+        case PackGqa::kOff: pack = false; break;
+      }
+    }
+    if (pack) c.fwd = FwdKernel::kSm90PackGqa;
+  }
+  c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
+               (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa" : "");
+
+  // 3. The backward: the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their
+  // shared memory fits the GPU, else the 4-warp ones; dQ by bulk reductions on sm_90 (its tile
+  // fits up to head dim 128, and the kernels must run as sm_90 machine code), atomics elsewhere,
+  // a separate kernel for bitwise-reproducible gradients.
+  std::vector<std::string> why;
+  if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on them");
+  const int lean_need = lean_bwd_smem_bytes(static_cast<int>(d));
+  if (device.smem_optin > 0 && device.smem_optin < lean_need)
+    why.push_back("they need " + std::to_string(lean_need) +
+                  " bytes of shared memory per block, this GPU allows " +
+                  std::to_string(device.smem_optin));
+  if (why.empty()) {
+    c.bwd = BwdKernel::kSm80EightWarp;
+    if (call.deterministic) {
+      c.dq = DqPath::kSeparate;
+      c.notes.push_back("backward dQ on the separate dQ kernel, not accumulated in the dK/dV "
+                        "pass, because deterministic=True or torch.use_deterministic_algorithms"
+                        "(True): bitwise-reproducible gradients at ~0.75x the default "
+                        "backward's speed");
+    } else {
+      const bool bulk = device.major == 9 && d <= 128 && !options.bwd_atomic_dq &&
+                        arch_runs_on(build.archs, device.major, device.minor, true);
+      c.dq = bulk ? DqPath::kBulk : DqPath::kAtomic;
+    }
+  } else {
+    c.bwd = BwdKernel::kSm80FourWarp;
+    c.dq = DqPath::kSeparate;
+    c.notes.push_back("backward on the 4-warp sm80 kernels, not the faster 8-warp ones, because " +
+                      detail::join(why, "; "));
+  }
+  c.bwd_name = "sm80_bwd" + suffix;
+  return c;
+}
+
+}  // namespace flash_attn_ext
+
+namespace flash_attn_ext {
+
+// The process's kernel options (csrc/kernel_select.cpp): a copy is read once per call by the
+// glue and by the Python module's planning; set_kernel_options replaces them as a whole.
+KernelOptions kernel_options();
+void set_kernel_options(const KernelOptions& options);
+
+}  // namespace flash_attn_ext

@@ -1,0 +1,168 @@
+"""The one call path under both public faces (flash_attn_func, scaled_dot_product_attention):
+argument checks, autocast, plan, record (the no-silent-fallback rule), run."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+import torch.autograd.forward_ad as fwad
+
+from . import ops, planning, policy, unfused
+
+
+def check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
+    """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
+    if torch.compiler.is_compiling():
+        return
+    dual = fwad._current_level >= 0  # a tensor can carry a tangent only inside a dual level
+    functorch = torch._C._functorch.peek_interpreter_stack() is not None
+    if not dual and not functorch:
+        return  # no forward-AD level and no functorch transform active: the common case
+    if dropout_p > 0 and functorch:
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+        interpreter = retrieve_current_functorch_interpreter()
+        randomness = getattr(interpreter, "randomness", lambda: "different")()
+        # vmap runs the op once per sample (PyTorch's fallback, which warns): every sample
+        # draws its own mask, which is vmap's randomness="different" and nothing else.
+        if randomness == "error":
+            raise RuntimeError(
+                "vmap: called random operation while in randomness error mode (dropout_p > 0 "
+                "in flash_attn_ext). Please use randomness='different' on vmap, or dropout_p=0")
+        if randomness == "same":
+            raise NotImplementedError(
+                "flash_attn_ext: dropout under vmap(randomness='same') is not supported: each "
+                "sample draws its own mask (use randomness='different')")
+    for t in tensors:
+        if dual and fwad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "flash_attn_ext does not support forward-mode AD (torch.func.jvp, "
+                "torch.autograd.forward_ad): its tangent would be silently zero; use reverse mode "
+                "(loss.backward(), torch.autograd.grad)")
+        if torch._C._functorch.is_gradtrackingtensor(t):
+            raise NotImplementedError(
+                "flash_attn_ext does not support torch.func.grad/jacrev/jacfwd (functorch "
+                "gradient transforms); use torch.autograd.grad or loss.backward()")
+
+
+def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype a tensor of the call runs in under torch.autocast (None: its own).
+    scaled_dot_product_attention is on autocast's lower-precision list: every floating input
+    except float64 is cast to the autocast dtype (float64 stays, as in PyTorch)."""
+    device = t.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+        return None
+    return dtype
+
+
+def autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    # (autocast off on q's device, k and v there too: the common case, checked at once;
+    # is_cuda/is_cpu are cheaper than device.type)
+    device = "cuda" if q.is_cuda else "cpu" if q.is_cpu else None
+    if (device is not None and not torch.is_autocast_enabled(device)
+            and k.is_cuda == q.is_cuda and v.is_cuda == q.is_cuda
+            and k.is_cpu == q.is_cpu and v.is_cpu == q.is_cpu):
+        return q, k, v
+
+    def cast(t):
+        dtype = autocast_dtype(t)
+        return t if dtype is None else t.to(dtype)
+    return cast(q), cast(k), cast(v)
+
+
+def as_number(x):
+    """``x`` as a Python number when it is a real number PyTorch's function accepts in its
+    place (a NumPy scalar, a 0-d real tensor); anything else unchanged, bools included, for the
+    checks to refuse."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 and x.dtype != torch.bool and not x.is_complex():
+            return x.item()
+        return x
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        return int(x) if isinstance(x, numbers.Integral) else float(x)
+    return x
+
+
+def check_scale(scale, name: str) -> Optional[float]:
+    """A softmax scale as the kernels take it: None, or a finite real number (a Python or NumPy
+    number or a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
+    if scale is None:
+        return None
+    scale = as_number(scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{name} must be a finite number or a 0-d real tensor (None: "
+                         f"1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def check_softcap(softcap) -> float:
+    """ValueError unless ``softcap`` is a number (bools refused); the kernels check its range."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_bool(value, name: str) -> bool:
+    """ValueError unless ``value`` is a bool (so that e.g. the string "no" is not taken as True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> None:
+    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
+                         f"got {window_size!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    for side, w in zip(("window_left", "window_right"), window_size):
+        if w < -1:
+            raise ValueError(f"{side} must be >= -1 (-1 = unbounded), got {w} "
+                             f"(window_size={window_size!r})")
+    if any(w > 2**63 - 1 for w in window_size):
+        raise ValueError(f"window_size sides must fit in int64 (-1, or any length >= seqlen_q + "
+                         f"seqlen_k, means unbounded), got {window_size!r}")
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
+        causal: bool, window_left: int, window_right: int, align_bottom_right: bool,
+        softcap: float, dropout_p: float, deterministic: bool,
+        strict: Optional[bool],
+        attn_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse).
+
+    ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None.
+    """
+    check_transforms(q, k, v, dropout_p=dropout_p)
+    q, k, v = autocast(q, k, v)
+    p = planning.plan(q, k, v, softmax_scale,
+                      planning.is_general(softcap, dropout_p, attn_bias is not None),
+                      unequal_tiles=causal or window_left >= 0 or window_right >= 0,
+                      deterministic=deterministic)
+    if not p.fused:
+        # Same argument checks as the fused op, so bad input fails the same way on every path
+        # (and is not reported as a fallback).
+        check = ops.check_args_traced if torch.compiler.is_compiling() else ops.check_args
+        check(q, k, v, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (attn_bias is not None and attn_bias.requires_grad))
+    policy.record(p, strict, needs_grad)
+    if p.fused:
+        out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
+                                      align_bottom_right, softcap, None, attn_bias, dropout_p,
+                                      deterministic)
+        return out, softmax_lse
+    return unfused.fallback_attention(q, k, v, softmax_scale, window_left,
+                                      0 if causal else window_right, align_bottom_right, softcap,
+                                      attn_bias, dropout_p)

@@ -1,0 +1,87 @@
+"""``explain()``: which kernel would serve attention on given tensors, and why, without
+running it (the plan the call itself would record; see flash_attn_ext.planning)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from ._call import autocast_dtype, check_bool, check_flags, check_scale, check_softcap
+from .planning import Plan, is_general, plan
+from .sdpa import check_sdpa_flags, mask_to_bias, to_bshd
+
+__all__ = ["explain"]
+
+
+# The keywords each layout's function takes (besides the tensors and enable_gqa).
+_CALL_KEYWORDS = {
+    "bhld": frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "strict"}),
+    "blhd": frozenset({"dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                       "alibi_slopes", "deterministic", "return_softmax_lse",
+                       "return_attn_probs", "strict"}),
+}
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+            layout: str = "bhld", enable_gqa: bool = False, **call_kwargs) -> Plan:
+    """Says which kernel would serve attention on these tensors, without running it.
+
+    Args:
+        query, key, value: tensors in ``layout``: ``"bhld"`` (N, H, L, E) as
+            scaled_dot_product_attention takes them (default), or ``"blhd"`` (N, L, H, E) as
+            flash_attn_func takes them.
+        layout: see above.
+        enable_gqa: allow H_kv < H, as scaled_dot_product_attention's argument (False by
+            default, as there: a call with H_kv < H without it raises ``ValueError``, and so
+            does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
+        **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
+            explained as written; softcap, dropout_p and attn_mask pick the portable forward
+            on sm_90 GPUs (``Plan.notes`` says so), and ``deterministic=True`` (or
+            torch.use_deterministic_algorithms(True)) adds a note where it moves the CUDA
+            backward's dQ to its slower, bitwise-reproducible kernel.
+
+    Returns:
+        A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
+        ``fused`` and ``reasons`` (why it falls back, empty when fused).
+
+    Raises:
+        ValueError: unknown layout, or shapes/dtypes the kernels reject (the same checks as a
+            call).
+        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``).
+    """
+    if layout not in _CALL_KEYWORDS:
+        raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
+    unknown = set(call_kwargs) - _CALL_KEYWORDS[layout]
+    if unknown:
+        function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
+        raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
+                        f"does not take: {sorted(unknown)}")
+    attn_mask = call_kwargs.get("attn_mask")
+    causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
+    window = call_kwargs.get("window_size", (-1, -1))
+    dropout_p = call_kwargs.get("dropout_p", 0.0)
+    kernel_dropout = dropout_p
+    if layout == "bhld":
+        dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, causal)
+        # SDPA takes dropout_p = 1 (all dropped: no kernel work); the kernels take [0, 1).
+        kernel_dropout = 0.0 if drop_all else dropout_p
+        if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
+            mask_to_bias(attn_mask, query, key)
+        query, key, value = to_bshd(query, key, value, enable_gqa)
+    else:
+        check_flags(causal, window, dropout_p)
+    scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
+                        "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
+    softcap = check_softcap(call_kwargs.get("softcap", 0.0))
+    deterministic = call_kwargs.get("deterministic", False)
+    check_bool(deterministic, "deterministic")
+    wl, wr = window
+    p = plan(query, key, value, scale, is_general(softcap, dropout_p, attn_mask is not None),
+             run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
+             deterministic=deterministic)
+    if p.kernel == "none":  # not a floating dtype: a call raises
+        raise ValueError("; ".join(p.reasons))
+    if p.fused and query.device.type != "meta":
+        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
+                       float(kernel_dropout))
+    return p

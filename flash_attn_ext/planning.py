@@ -1,0 +1,232 @@
+"""Which kernels serve a call: the :class:`Plan`, and the process's kernel options.
+
+On the CPU one kernel family serves every floating dtype.  On CUDA the choice is made by one
+C++ rule, ``csrc/kernel_select.h`` (docs/design.md, "Kernel selection"), which the CUDA glue
+obeys on every launch; this module asks the same rule (``_C.select_cuda_kernels``) with the same
+inputs and only formats its answer, so ``explain()`` and ``last_plan()`` name exactly the
+kernels that run.  Nothing here restates a C++ formula.
+
+Tracing: under ``torch.compile`` the rule is called through
+``torch.compiler.assume_constant_result`` with plain Python values, so Dynamo evaluates it once
+while tracing and never traces into the pybind function (which would break the graph).  Where
+sizes are symbolic (dynamic shapes) they are not passed: the rule then decides only what cannot
+depend on them (whether a fused kernel serves the call, which is all a traced call needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from . import ops
+
+__all__ = ["Plan", "FALLBACK", "plan", "is_general", "kernel_options", "MAX_HEAD_DIM",
+           "SM90_MAX_ROWS"]
+
+FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
+MAX_HEAD_DIM = ops._C.max_head_dim  # the largest head dim the kernels instantiate
+SM90_MAX_ROWS = ops._C.sm90_max_rows  # the Hopper kernel's 32-bit row bound (pack_gqa.h)
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
+                torch.bfloat16: "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernels that serve a call.
+
+    Attributes:
+        kernel: forward kernel name, e.g. ``"cpu_flash_fwd_fp32"``, ``"sm90_fwd_hdim128_bf16"``,
+            or :data:`FALLBACK`.
+        backward_kernel: backward kernel name, or :data:`FALLBACK`.
+        fused: True when a flash_attn_ext kernel serves the forward.
+        reasons: why no fused kernel serves the forward (empty when ``fused``).
+        backward_fused: True when a fused kernel serves the backward too.
+        backward_reasons: why not (empty when ``backward_fused``).
+        notes: why a fused but slower kernel serves the call, e.g. the portable sm80 forward on
+            an sm_90 GPU (empty when the fastest kernel for the GPU serves it).
+    """
+
+    kernel: str
+    backward_kernel: str
+    fused: bool
+    reasons: tuple = ()
+    backward_fused: bool = True
+    backward_reasons: tuple = ()
+    notes: tuple = ()
+
+    def __str__(self) -> str:
+        text = self.kernel if self.fused else f"{self.kernel}, because: " + "; ".join(self.reasons)
+        if self.backward_fused or not self.fused:
+            text = f"{text} (backward: {self.backward_kernel})" if self.fused else text
+        else:
+            text = (f"{text} (backward: {self.backward_kernel}, because: "
+                    + "; ".join(self.backward_reasons) + ")")
+        return text + "".join(f"; note: {n}" for n in self.notes)
+
+
+def unfused(kernel: str, reasons: tuple) -> Plan:
+    """The plan of a call that no fused kernel serves, forward or backward (the backward is the
+    fallback's own autograd)."""
+    return Plan(kernel, kernel, False, reasons, backward_fused=False, backward_reasons=reasons)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel options: the one user-facing switch (FLASH_ATTN_EXT_KERNEL=sm80, read once, here, at
+# import) and the experimental variants that compare kernels in one build (tests, benchmarks,
+# dev/ab).  They live in C++ (kernel_select.h: KernelOptions), which the glue reads per call.
+
+KERNEL_ENV = "FLASH_ATTN_EXT_KERNEL"
+_options_version = 0  # part of the plan cache's key: a change of options plans afresh
+
+
+def _read_kernel_env() -> None:
+    value = os.environ.get(KERNEL_ENV, "")
+    if value not in ("", "auto", "sm80"):
+        raise ValueError(f"{KERNEL_ENV} must be 'auto' or 'sm80', got {value!r}")
+    ops._C.set_kernel_options({"force_portable": value == "sm80"})
+
+
+def set_kernel_options(**options) -> dict:
+    """Sets kernel options for this process; returns the previous values of those named.
+
+    ``force_portable`` (bool): the portable sm80 kernels on every GPU (as
+    ``FLASH_ATTN_EXT_KERNEL=sm80``).  Experimental variants, to compare kernels in one build:
+    ``sm90_pack_gqa`` ("auto", "on", "off"), ``sm90_schedule`` ("auto", "dynamic", "static",
+    "tile"), ``sm90_section_pairs`` (int >= 0, 0: the launcher's choice), ``sm90_row_shift``,
+    ``sm90_direct_epilogue``, ``bwd_atomic_dq`` (bools).  csrc/kernel_select.h says what each
+    does.  Raises ``ValueError`` for an unknown option or a bad value (nothing is changed then).
+    """
+    global _options_version
+    before = ops._C.kernel_options()
+    unknown = set(options) - set(before)
+    if unknown:
+        raise ValueError(f"unknown kernel options {sorted(unknown)} (known: {sorted(before)})")
+    ops._C.set_kernel_options(options)
+    _options_version += 1
+    return {name: before[name] for name in options}
+
+
+@contextlib.contextmanager
+def kernel_options(**options) -> Iterator[dict]:
+    """Context manager: :func:`set_kernel_options` for the ``with`` block, then the previous
+    values back.  Yields all current options."""
+    before = set_kernel_options(**options)
+    try:
+        yield ops._C.kernel_options()
+    finally:
+        set_kernel_options(**before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU, as the rule reads it.  assume_constant_result: evaluated once while torch.compile
+# traces (the compiled graph does not re-read them).
+
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@torch.compiler.assume_constant_result
+def _smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+def is_general(softcap: float, dropout_p: float, has_bias: bool) -> bool:
+    """Whether a call needs the kernels' general variant (softcap, an attn_mask/attn_bias or
+    dropout), which the rule takes into account."""
+    return bool(softcap > 0 or dropout_p > 0 or has_bias)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[float],
+               head_dim: int, head_dim_v: int, layout: Optional[tuple], general: bool,
+               unequal_tiles: bool, deterministic: bool, options_version: int) -> Plan:
+    """The rule's answer as a Plan (cached: it depends on nothing but these values;
+    ``options_version`` stands for the process's kernel options, which the rule reads)."""
+    del options_version
+    cuda, sm90, archs = build
+    fused, reasons, forward, backward, notes = ops._C.select_cuda_kernels(
+        {"cuda": cuda, "sm90": sm90, "cuda_archs": archs}, device, dtype, softmax_scale,
+        head_dim, head_dim_v, None if layout is None else list(layout), general,
+        unequal_tiles, deterministic)
+    if not fused:
+        return unfused(FALLBACK, tuple(reasons))
+    return Plan(forward, backward, True, notes=tuple(notes))
+
+
+@torch.compiler.assume_constant_result
+def _cuda_plan_traced(*args) -> Plan:
+    """_cuda_plan while torch.compile traces: evaluated on the spot, the result a constant."""
+    return _cuda_plan(*args)
+
+
+def _static_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[tuple]:
+    """Sizes then strides of q, k, v, or None where one is symbolic (traced dynamic shapes)."""
+    values = (*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride())
+    if any(isinstance(x, torch.SymInt) for x in values):
+        return None
+    return tuple(values)
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         softmax_scale: Optional[float] = None, general: bool = False,
+         run_dtype: Optional[torch.dtype] = None, unequal_tiles: bool = False,
+         deterministic: bool = False) -> Plan:
+    """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
+
+    ``general``: the call has a softcap, an attn_mask/attn_bias or dropout; ``run_dtype``: the
+    dtype the call runs in when it differs from q's (torch.autocast); ``unequal_tiles``: a causal
+    mask or a window (the Hopper forward's schedule); ``deterministic``: the call asks for
+    bitwise-reproducible gradients (torch.use_deterministic_algorithms(True) counts too).
+    """
+    q_dtype = run_dtype or q.dtype
+    dtype = _DTYPE_NAMES.get(q_dtype)
+    if dtype is None:
+        return unfused("none", (f"q.dtype={q_dtype} is not a floating dtype: no kernel or "
+                                "fallback takes it",))
+    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
+    if max(head_dim, head_dim_v) > MAX_HEAD_DIM:
+        return unfused(FALLBACK, (f"head_dim={head_dim}, head_dim_v={head_dim_v}: the kernels "
+                                  f"take head dims up to {MAX_HEAD_DIM}",))
+    device = q.device.type
+    if device == "cpu":
+        return _cpu_plan(dtype)
+    if device != "cuda":
+        return unfused(FALLBACK, (f"device type {device!r} has no flash_attn_ext kernel",))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _plan_cuda(q, k, v, index, dtype, softmax_scale, general, unequal_tiles,
+                      deterministic)
+
+
+def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_tiles,
+               deterministic) -> Plan:
+    """plan() of a call on CUDA device ``index`` (the path torch.compile traces for CUDA
+    calls: tests/test_planning.py traces it on the CPU with the GPU's answers stood in)."""
+    info = ops.build_info()
+    build = (bool(info["cuda"]), bool(info["sm90"]), str(info.get("cuda_archs", "")))
+    if not build[0]:
+        gpu = (0, 0, 0)  # (a CPU build: the rule answers without asking the GPU)
+    else:
+        cap = _capability(index)
+        gpu = (int(cap[0]), int(cap[1]), _smem_per_block(index))
+    compiling = torch.compiler.is_compiling()
+    args = (build, gpu, dtype, softmax_scale, int(q.shape[-1]), int(v.shape[-1]),
+            _static_layout(q, k, v), bool(general), bool(unequal_tiles),
+            bool(deterministic) or (not compiling and torch.are_deterministic_algorithms_enabled()),
+            _options_version)
+    return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_plan(dtype: str) -> Plan:
+    return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
+
+
+_read_kernel_env()

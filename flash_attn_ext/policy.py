@@ -1,0 +1,122 @@
+"""The no-silent-slow-path rule (docs/design.md, "Kernel selection"): strict mode, counters,
+warn-once.
+
+Every call is planned (flash_attn_ext.planning).  A call that no fused flash_attn_ext kernel can
+serve runs on a correct fallback (flash_attn_ext.unfused), and then
+
+* a warning names the reason, once per reason per process;
+* ``fallback_counts()`` counts it;
+* strict mode turns it into a :class:`FallbackError` instead.  Strict mode is on when the call
+  passes ``strict=True``, after ``set_strict(True)``, or with the environment variable
+  ``FLASH_ATTN_EXT_STRICT=1``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from .planning import FALLBACK, Plan
+
+__all__ = ["FallbackError", "set_strict", "strict_enabled", "fallback_counts",
+           "reset_fallback_counts", "last_plan", "record", "note_fallback"]
+
+
+class FallbackError(RuntimeError):
+    """Raised in strict mode when a call cannot run on a fused flash_attn_ext kernel."""
+
+
+_strict_override: Optional[bool] = None
+_counts: collections.Counter = collections.Counter()
+_warned: set = set()
+_last_plan: Optional[Plan] = None
+
+
+def set_strict(enabled: Optional[bool]) -> None:
+    """Turns strict mode on or off for this process; ``None`` defers to FLASH_ATTN_EXT_STRICT."""
+    global _strict_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_strict takes True, False or None, got {enabled!r}")
+    _strict_override = enabled
+
+
+def check_strict(strict) -> None:
+    """ValueError unless a call's ``strict`` is True, False or None (a string like "no" is not
+    taken as True)."""
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"strict must be True, False or None, got {strict!r}")
+
+
+def strict_enabled(strict: Optional[bool] = None) -> bool:
+    """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else the env var."""
+    check_strict(strict)
+    if strict is not None:
+        return strict
+    if _strict_override is not None:
+        return _strict_override
+    raw = os.environ.get("FLASH_ATTN_EXT_STRICT", "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    # (an unknown value must not quietly leave strict mode off)
+    raise ValueError(f"FLASH_ATTN_EXT_STRICT must be 1, true, yes or on (strict) or 0, false, "
+                     f"no, off or unset (not strict), got {raw!r}")
+
+
+def fallback_counts() -> dict:
+    """How many calls fell back, per reason, since the process started (or the last reset)."""
+    return dict(_counts)
+
+
+def reset_fallback_counts() -> None:
+    """Clears the fallback counters and the warn-once memory."""
+    _counts.clear()
+    _warned.clear()
+
+
+def last_plan() -> Optional[Plan]:
+    """The plan of the most recent eager call.  Calls inside torch.compile are not recorded
+    (``explain()`` gives their plan; strict mode still refuses their fallbacks when traced)."""
+    return _last_plan
+
+
+def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
+    """Applies the no-silent-fallback rule to a plan that is about to run.
+
+    A forward fallback is noted here.  A backward fallback is noted by the backward itself when
+    it runs (eagerly) or is traced (torch.compile, through the bwd op's fake kernel); here, with
+    ``needs_grad``, strict mode only refuses it early, before any work.
+    """
+    global _last_plan
+    check_strict(strict)
+    if not torch.compiler.is_compiling():
+        # Not while tracing: inside activation checkpointing (a higher-order op) dynamo refuses
+        # the write to a module global, and fullgraph=True would fail.
+        _last_plan = p
+    if not p.fused:
+        note_fallback("; ".join(p.reasons), FALLBACK, strict)
+    elif needs_grad and not p.backward_fused and strict_enabled(strict) \
+            and not torch.compiler.is_compiling():
+        note_fallback("backward: " + "; ".join(p.backward_reasons), p.backward_kernel, strict)
+
+
+def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> None:
+    """Raises in strict mode; else counts the fallback and warns once per reason."""
+    target = target.removeprefix("fallback:")
+    if strict_enabled(strict):
+        raise FallbackError(
+            f"flash_attn_ext strict mode: no fused kernel serves this call ({reason}); it would "
+            f"run on {target}")
+    if torch.compiler.is_compiling():
+        return  # noted again where it runs: the compiled graph calls the same op
+    _counts[reason] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
+                      "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)

@@ -1,0 +1,65 @@
+"""The correct but unfused attention that serves calls no fused kernel takes (reported by
+flash_attn_ext.policy), and PyTorch's own ``scaled_dot_product_attention`` as imported before
+any patching."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .planning import FALLBACK
+
+__all__ = ["TORCH_SDPA", "visible_keys", "fallback_attention"]
+
+# PyTorch's own function, captured before flash_attn_ext.patch() can replace it.
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
+                 align_bottom_right: bool, device) -> torch.Tensor:
+    """(len(rows), seqlen_k) bool, True where key j is visible to query row i (the rule of
+    docs/design.md, "Semantics", and csrc/mask.h; causal already folded into window_right = 0)."""
+    offset = seqlen_k - seqlen_q if align_bottom_right else 0
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None] + offset
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(len(rows), seqlen_k, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= j >= i - window_left
+    if window_right >= 0:
+        visible &= j <= i + window_right
+    return visible
+
+
+def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
+                       softcap, attn_bias=None, dropout_p=0.0):
+    """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
+
+    Used only where no fused kernel exists (see flash_attn_ext.planning); follows the same
+    semantics (diagonal offset, window, GQA, fully masked rows give out = 0 and lse = -inf).
+    """
+    if softcap > 0:
+        raise NotImplementedError("softcap is not supported on the fallback path "
+                                  f"({FALLBACK})")
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // max(k.shape[2], 1)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * scale
+    if window_left >= 0 or window_right >= 0:
+        visible = visible_keys(range(seqlen_q), seqlen_q, seqlen_k, window_left, window_right,
+                               align_bottom_right, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(acc)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)
+    return out, lse.to(ops.lse_dtype(q.dtype))

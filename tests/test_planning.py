@@ -1,0 +1,410 @@
+"""Planning (which kernel serves a call: the C++ rule of csrc/kernel_select.h, asked from
+Python), explain(), strict mode, warn-once and counters (the no-silent-fallback rule).  The CUDA
+rule is exercised here without a GPU: the GPU's answers (capability, shared memory) and the
+build are stood in."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import flash_attn_ext
+from flash_attn_ext import FallbackError, explain, flash_attn_func, ops, planning, policy, unfused
+from reference import attention_ref
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    policy.reset_fallback_counts()
+    policy.set_strict(None)
+    yield
+    policy.reset_fallback_counts()
+    policy.set_strict(None)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                        (torch.float16, "fp16"), (torch.float64, "fp64")])
+def test_cpu_calls_are_fused(dtype, name):
+    q = torch.randn(1, 2, 5, 8, dtype=dtype)
+    p = explain(q, q, q)
+    assert p.fused and p.kernel == f"cpu_flash_fwd_{name}" and p.reasons == ()
+    assert p.backward_kernel == f"cpu_flash_bwd_{name}"
+    flash_attn_ext.scaled_dot_product_attention(q, q, q)
+    assert flash_attn_ext.last_plan() == p
+    assert flash_attn_ext.fallback_counts() == {}
+
+
+def test_explain_layouts_and_errors():
+    q = torch.randn(1, 5, 2, 8)
+    assert explain(q, q, q, layout="blhd").fused
+    with pytest.raises(ValueError, match="layout"):
+        explain(q, q, q, layout="xyz")
+
+
+def test_deterministic_backward_note(monkeypatch):
+    # The CUDA 8-warp backward's dQ path: a note only where deterministic moves it to the
+    # separate dQ kernel; none where the 4-warp kernels serve the call (they have no other).
+    _pretend_hopper(monkeypatch)
+    q = _CudaLike((2, 100, 4, 64))
+    assert planning.plan(q, q, q).notes == ()
+    noted = planning.plan(q, q, q, deterministic=True)
+    assert len(noted.notes) == 1 and "separate dQ kernel" in noted.notes[0]
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert planning.plan(q, q, q).notes == noted.notes
+    finally:
+        torch.use_deterministic_algorithms(old)
+    general = planning.plan(q, q, q, general=True, deterministic=True)
+    assert not any("separate dQ kernel" in n for n in general.notes)
+    cpu = torch.randn(1, 5, 2, 8)
+    assert explain(cpu, cpu, cpu, layout="blhd", deterministic=True).notes == ()
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        explain(cpu, cpu, cpu, layout="blhd", deterministic="yes")
+
+
+def test_call_path_plans_with_the_call_flags(monkeypatch):
+    # The recorded plan is what explain() gives: the call path passes deterministic, the mask
+    # window and the general flag to the same plan().
+    seen = []
+    real = planning.plan
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(planning, "plan", spy)
+    q = torch.randn(1, 5, 2, 8)
+    flash_attn_ext.flash_attn_func(q, q, q, deterministic=True, causal=True)
+    flash_attn_ext.flash_attn_func(q, q, q, window_size=(3, -1), softcap=2.0)
+    assert seen[0]["deterministic"] and seen[0]["unequal_tiles"]
+    assert not seen[1]["deterministic"] and seen[1]["unequal_tiles"]
+    assert flash_attn_ext.last_plan() == real(q, q, q)
+
+
+def test_fallback_reasons_warn_once_count_and_strict():
+    q = torch.empty(1, 4, 2, 8, device="meta")
+    p = planning.plan(q, q, q)
+    assert not p.fused and p.kernel == planning.FALLBACK
+    assert any("'meta'" in r for r in p.reasons)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy.record(p, strict=False)
+        policy.record(p, strict=False)
+    assert len([w for w in caught if "falling back" in str(w.message)]) == 1
+    assert sum(flash_attn_ext.fallback_counts().values()) == 2
+    with pytest.raises(FallbackError, match="strict mode.*'meta'"):
+        policy.record(p, strict=True)
+    policy.set_strict(True)
+    with pytest.raises(FallbackError):
+        policy.record(p, strict=None)
+    policy.record(p, strict=False)  # the call's own argument wins
+
+
+def test_strict_env_variable():
+    code = ("import torch, flash_attn_ext as f; from flash_attn_ext import planning, policy;"
+            "q = torch.empty(1, 4, 2, 8, device='meta');"
+            "policy.record(planning.plan(q, q, q), None)")
+    env = {"FLASH_ATTN_EXT_STRICT": "1", "PATH": ""}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, **_pythonpath()},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "FallbackError" in r.stderr
+
+
+def _pythonpath():
+    import os
+    return {"PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_cuda_without_kernels_is_reported():
+    if flash_attn_ext.ops.build_info()["cuda"]:
+        pytest.skip("this build has CUDA kernels")
+    # Plan a CUDA call without a GPU: fake a CUDA tensor through the meta device's plan path.
+    q = torch.empty(1, 4, 2, 8, device="meta", dtype=torch.float32)
+    assert "no flash_attn_ext kernel" in str(planning.plan(q, q, q))
+
+
+@pytest.mark.parametrize("causal,window,br", [(False, (-1, -1), True), (True, (-1, -1), True),
+                                              (True, (-1, -1), False), (False, (3, 1), True)])
+def test_fallback_path_is_correct(causal, window, br):
+    q, k, v = torch.randn(2, 13, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 6)
+    out, lse = unfused.fallback_attention(q, k, v, None, window[0], 0 if causal else window[1],
+                                           br, 0.0)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_left=window[0],
+                                 window_right=window[1], align_bottom_right=br)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+
+
+def test_info_cli_runs():
+    r = subprocess.run([sys.executable, "-m", "flash_attn_ext", "info"], capture_output=True,
+                       text=True, env=_pythonpath() | {"PATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert "flash_attn_ext " + flash_attn_ext.__version__ in r.stdout
+    assert "cpu   float32   d=64   cpu_flash_fwd_fp32" in r.stdout
+
+
+def test_flash_attn_func_strict_does_not_raise_on_cpu():
+    q = torch.randn(1, 3, 1, 4)
+    flash_attn_func(q, q, q, strict=True)
+
+
+def test_fallback_through_the_public_api_on_meta():
+    q = torch.empty(2, 7, 4, 16, device="meta")
+    with pytest.warns(UserWarning, match="'meta'"):
+        out = flash_attn_func(q, q, q, causal=True)
+    assert out.shape == q.shape and out.device.type == "meta"
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_func(torch.empty(2, 7, 4, 300, device="meta"),
+                        torch.empty(2, 7, 4, 300, device="meta"),
+                        torch.empty(2, 7, 4, 300, device="meta"))
+
+
+def test_fallback_path_with_bias_is_correct():
+    q, k, v = torch.randn(2, 13, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 6)
+    bias = torch.randn(2, 1, 13, 9)
+    out, _ = unfused.fallback_attention(q, k, v, None, -1, -1, True, 0.0, bias)
+    ref, _ = attention_ref(q, k, v, attn_bias=bias)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_plan_notes_are_printed():
+    p = planning.Plan("sm80_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True,
+                      notes=("forward on the portable sm80 kernel, not the Hopper one, because x",))
+    assert str(p) == ("sm80_fwd_hdim64_bf16 (backward: sm80_bwd_hdim64_bf16); note: forward on "
+                      "the portable sm80 kernel, not the Hopper one, because x")
+
+
+def test_kernel_env_is_read_once_at_import():
+    # FLASH_ATTN_EXT_KERNEL=sm80 sets the force_portable option when flash_attn_ext is imported;
+    # another value makes the import fail with the variable's rule.
+    code = ("import flash_attn_ext as f; print(f.ops._C.kernel_options()['force_portable'])")
+    for value, out in (("sm80", "True"), ("auto", "False"), ("", "False")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={"FLASH_ATTN_EXT_KERNEL": value, "PATH": "", **_pythonpath()})
+        assert r.returncode == 0 and r.stdout.strip() == out, (value, r.stderr)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"FLASH_ATTN_EXT_KERNEL": "hopper", "PATH": "", **_pythonpath()})
+    assert r.returncode != 0
+    assert "FLASH_ATTN_EXT_KERNEL must be 'auto' or 'sm80', got 'hopper'" in r.stderr
+
+
+def test_kernel_options_are_checked_and_restored(kernel_opts):
+    with flash_attn_ext.kernel_options(sm90_schedule="tile", bwd_atomic_dq=True) as now:
+        assert now["sm90_schedule"] == "tile" and now["bwd_atomic_dq"]
+    assert ops._C.kernel_options()["sm90_schedule"] == "auto"
+    assert not ops._C.kernel_options()["bwd_atomic_dq"]
+    with pytest.raises(ValueError, match="unknown kernel options"):
+        kernel_opts(sm90_epilogue="direct")
+    with pytest.raises(ValueError, match="sm90_pack_gqa must be one of 'auto', 'on', 'off'"):
+        kernel_opts(sm90_pack_gqa=True)
+    before = ops._C.kernel_options()
+    with pytest.raises(ValueError):  # a bad value changes nothing, the good ones neither
+        kernel_opts(force_portable=True, sm90_schedule="greedy")
+    assert ops._C.kernel_options() == before
+
+
+def test_build_info_reports_the_hopper_kernels():
+    info = ops.build_info()
+    assert isinstance(info["sm90"], bool)
+    assert not info["sm90"] or info["cuda"]
+
+
+def test_explain_follows_autocast():
+    q = torch.randn(1, 2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert explain(q, q, q).kernel == "cpu_flash_fwd_bf16"
+        flash_attn_ext.scaled_dot_product_attention(q, q, q)
+        assert policy.last_plan().kernel == "cpu_flash_fwd_bf16"
+    assert explain(q, q, q).kernel == "cpu_flash_fwd_fp32"
+
+
+@pytest.mark.parametrize("archs,capability,runs", [
+    ("8.0;9.0a", (8, 0), True), ("8.0;9.0a", (8, 6), True), ("8.0;9.0a", (8, 9), True),
+    ("8.0;9.0a", (9, 0), True), ("8.0;9.0a", (10, 0), False), ("8.0;9.0a", (12, 0), False),
+    ("8.0;9.0a", (7, 5), False), ("8.6", (8, 0), False), ("9.0a", (8, 0), False),
+    ("8.0+PTX", (10, 0), True), ("8.0 9.0+PTX", (10, 0), True), ("9.0a+PTX", (10, 0), False),
+    ("9.0", (9, 0), True),
+    ("", (9, 0), False)])
+def test_arch_runs_on(monkeypatch, archs, capability, runs):
+    # The rule's arch test (kernel_select.h: arch_runs_on), seen through a plan.
+    monkeypatch.setattr(planning, "_capability", lambda index: capability)
+    monkeypatch.setattr(planning, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(planning.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": archs, "sm90": False})
+    q = _CudaLike((2, 100, 4, 64))
+    p = planning.plan(q, q, q)
+    if capability < (8, 0):
+        assert not p.fused and "need sm_80 or newer" in str(p)
+    else:
+        assert p.fused is runs and (runs or "does not run on it" in str(p))
+
+
+class _CudaLike:
+    """Shape, dtype, strides and a CUDA device: what plan() reads, without a GPU."""
+
+    def __init__(self, shape, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
+        self._strides = torch.empty(shape, device="meta").stride()
+
+    def stride(self, i=None):
+        return self._strides if i is None else self._strides[i]
+
+
+@pytest.mark.parametrize("cap,sm90,kernel,text", [
+    ((9, 0), True, "sm90_fwd_hdim64_bf16", ""),
+    ((9, 0), False, "sm80_fwd_hdim64_bf16", "no Hopper kernels"),
+    ((8, 6), True, "sm80_fwd_hdim64_bf16", ""),
+    ((10, 0), True, planning.FALLBACK, "does not run on it"),
+    ((7, 5), True, planning.FALLBACK, "need sm_80 or newer")])
+def test_cuda_plan_by_gpu_and_build(monkeypatch, cap, sm90, kernel, text):
+    monkeypatch.setattr(planning, "_capability", lambda index: cap)
+    monkeypatch.setattr(planning, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(planning.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": sm90})
+    q = _CudaLike((2, 100, 4, 64))
+    p = planning.plan(q, q, q)
+    assert p.kernel == kernel and text in str(p)
+    assert planning.plan(q, q, q) is p  # eager CUDA plans are computed once per key
+
+
+def _pretend_hopper(monkeypatch):
+    """plan() as on an H200 with a build that has the Hopper kernels, from an empty cache."""
+    monkeypatch.setattr(planning, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(planning, "_smem_per_block", lambda index: 232448)
+    monkeypatch.setattr(planning.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;9.0a", "sm90": True})
+
+
+def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
+    # What the CUDA plan depends on reaches the rule: the options, softcap/mask/dropout
+    # ("general"), the dtype, a stride-0 (broadcast) input, the scale.
+    _pretend_hopper(monkeypatch)
+    q = _CudaLike((2, 100, 4, 128))
+    assert planning.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    assert planning.plan(q, q, q, general=True).kernel == "sm80_fwd_hdim128_bf16"
+    assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
+    kernel_opts(force_portable=True)
+    p = planning.plan(q, q, q)
+    assert p.kernel == "sm80_fwd_hdim128_bf16" and "FLASH_ATTN_EXT_KERNEL=sm80" in str(p)
+    kernel_opts(force_portable=False)
+    assert planning.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    k = _CudaLike((2, 100, 4, 128))
+    k._strides = (0, 512, 128, 1)  # batch broadcast: TMA cannot describe it
+    p = planning.plan(q, k, k)
+    assert p.kernel == "sm80_fwd_hdim128_bf16" and "k has a broadcast" in str(p)
+    k._strides = (0, 500, 125, 1)  # not 8-aligned: the glue copies it, broadcast and all
+    assert planning.plan(q, k, k).kernel == "sm90_fwd_hdim128_bf16"
+    p = planning.plan(q, q, q, softmax_scale=-1.0)
+    assert not p.fused and "softmax_scale=-1.0: the CUDA kernels take a positive scale" in str(p)
+    p = planning.plan(q, q, q, run_dtype=torch.float32)
+    assert not p.fused and "q.dtype=torch.float32" in str(p)
+
+
+def test_pack_gqa_rule(monkeypatch, kernel_opts):
+    # The Hopper forward packs a GQA group's query heads where that needs at most half the
+    # tiles (csrc/kernels/sm90/pack_gqa.h); the options force it on or off.
+    _pretend_hopper(monkeypatch)
+
+    def packs(seqlen_q, heads_q, heads_kv, head_dim):
+        q, k = _CudaLike((1, seqlen_q, heads_q, head_dim)), _CudaLike((1, 9, heads_kv, head_dim))
+        return planning.plan(q, k, k).kernel.endswith("_packgqa")
+    assert packs(1, 32, 4, 128)         # decoding: 1 tile instead of 4
+    assert packs(64, 32, 4, 64)         # 2 tiles of 192 rows instead of 4
+    assert not packs(128, 32, 4, 64)    # 3 instead of 4: measured slower
+    assert not packs(4096, 32, 4, 128)  # long rows fill their tiles
+    assert not packs(1, 8, 8, 128)      # no group to pack
+    kernel_opts(sm90_pack_gqa="on")
+    assert packs(4096, 32, 4, 128) and not packs(1, 8, 8, 64)
+    kernel_opts(sm90_pack_gqa="off")
+    assert not packs(1, 32, 4, 128)
+
+
+def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
+    # A decoding-shaped GQA call on sm_90 is planned as the packed Hopper forward; the same
+    # heads at a long seqlen_q, or without GQA, are not; the sm80 forward never packs.
+    _pretend_hopper(monkeypatch)
+    q1, q2k, k = _CudaLike((2, 1, 32, 64)), _CudaLike((2, 2048, 32, 64)), _CudaLike((2, 9, 4, 64))
+    p = planning.plan(q1, k, k)
+    assert p.kernel == "sm90_fwd_hdim64_bf16_packgqa" and p.fused
+    assert p.backward_kernel == "sm80_bwd_hdim64_bf16" and p.notes == ()
+    assert planning.plan(q1, k, k) is p
+    assert planning.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
+    assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
+    assert planning.plan(q1, k, k, general=True).kernel == "sm80_fwd_hdim64_bf16"
+    with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
+        assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
+    # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason
+    # (planned afresh, not from the cached plan of the same dtype and head dim).
+    huge = _CudaLike((1, planning.SM90_MAX_ROWS + 1, 1, 64))
+    p = planning.plan(huge, huge, huge)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "32-bit" in str(p)
+    assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
+
+
+@pytest.mark.parametrize("cap,smem,head_dim,general,text", [
+    ((9, 0), 232448, 128, False, None),
+    ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),
+    ((9, 0), 232448, 256, False, None),           # 209 KB: fits sm_90's 227 KB
+    ((8, 0), 166912, 256, False, "214016 bytes of shared memory"),  # not sm_80's 163 KB
+    ((8, 6), 101376, 64, False, None),            # 97 KB: the d=64 kernels fit
+    ((8, 6), 101376, 128, False, "164864 bytes of shared memory"),
+    ((8, 0), 166912, 128, False, None)])
+def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, general,
+                                                 text):
+    # The 8-warp backward serves plain attention where the GPU's shared memory allows (head dim
+    # 256: sm_90, not sm_80); otherwise the plan says that the 4-warp kernels serve it, and why.
+    monkeypatch.setattr(planning, "_capability", lambda index: cap)
+    monkeypatch.setattr(planning, "_smem_per_block", lambda index: smem)
+    monkeypatch.setattr(planning.ops, "build_info",
+                        lambda: {"cuda": True, "cuda_archs": "8.0;8.6;9.0a", "sm90": True})
+    q = _CudaLike((2, 100, 4, head_dim))
+    p = planning.plan(q, q, q, general=general)
+    backward_notes = [n for n in p.notes if n.startswith("backward")]
+    if text is None:
+        assert not backward_notes
+    else:
+        assert len(backward_notes) == 1 and text in backward_notes[0] and text in str(p)
+
+
+@pytest.mark.parametrize("value,strict", [("on", True), ("Yes", True), ("off", False),
+                                          ("", False), (" 0 ", False)])
+def test_strict_env_values(monkeypatch, value, strict):
+    monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", value)
+    assert policy.strict_enabled() is strict
+
+
+def test_strict_env_unknown_value_raises(monkeypatch):
+    # An unknown value must not quietly leave strict mode off.
+    monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", "enable")
+    with pytest.raises(ValueError, match="FLASH_ATTN_EXT_STRICT must be .* got 'enable'"):
+        policy.strict_enabled()
+
+
+def test_fallback_plan_has_no_fused_backward():
+    q = torch.randn(1, 3, 1, 300)
+    p = flash_attn_ext.explain(q, q, q)
+    assert not p.fused and not p.backward_fused
+    assert p.backward_reasons == p.reasons and "head dims up to 256" in p.reasons[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cuda_planning_traces_under_torch_compile(monkeypatch, dynamic):
+    # The planning path of every CUDA call (planning._plan_cuda), traced by Dynamo with
+    # fullgraph=True here on the CPU, the GPU's answers stood in.  Anything on it that Dynamo
+    # cannot trace (a pybind function called directly, say) fails here as it fails every
+    # compiled CUDA call; with dynamic shapes the sizes are symbolic and the rule answers
+    # without them.
+    _pretend_hopper(monkeypatch)
+
+    def f(q, k, v):
+        p = planning._plan_cuda(q, k, v, 0, "bf16", None, False, True, False)
+        return q * 2 if p.fused and p.kernel.startswith("sm90_fwd") else q
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager", dynamic=dynamic)
+    for seqlen in (100, 37):
+        q = torch.randn(2, seqlen, 4, 64)
+        torch.testing.assert_close(compiled(q, q, q), q * 2)
+    torch._dynamo.reset()
