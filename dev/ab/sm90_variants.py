@@ -7,7 +7,7 @@ default, is static without and dynamic with a causal mask), FLASH_ATTN_EXT_SM90_
 (tma, the default where the kernel has room for it, or direct) and FLASH_ATTN_EXT_SM90_SECTION
 ((batch, head) pairs per section of the tile order; 0: the launcher's choice).  Shapes:
 bench_attention's, bf16, B * L = 16k tokens, H * d = 2048.  Usage (on an sm_90 GPU):
-python benchmarks/sm90_variants.py [--sections 0 1 8 ...] [--causal no|yes|both]
+python dev/ab/sm90_variants.py [--sections 0 1 8 ...] [--causal no|yes|both]
 """
 import argparse
 import os
@@ -17,7 +17,8 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)  # timing.py, bench_attention.py
 from bench_attention import graph_ms
 from timing import CAUSAL_MODES, rotated
 

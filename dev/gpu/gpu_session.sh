@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, print the build/kernel table, run the CUDA tests,
 # compute-sanitizer (SANITIZE=1), then benchmark (BENCH=0 skips it).  Logs go to $OUT (or
-# ./gpu_out).  Usage: scripts/gpu_session.sh [bench args]
+# ./gpu_out).  Usage: dev/gpu/gpu_session.sh [bench args]
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -28,7 +28,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck; do
     echo "compute-sanitizer $tool: $(timeout 120 "$SAN" --print-limit 5 --tool $tool \
-      python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
+      python3 dev/gpu/sanitize_cases.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
   done
 fi
 if [ "${BENCH:-1}" = 1 ]; then

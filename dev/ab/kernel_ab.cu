@@ -1,11 +1,11 @@
 // Times the portable (sm80) CUDA kernels without PyTorch, for A/B comparisons of kernel variants
-// that cost no build on the GPU machine: scripts/kernel_ab.sh compiles this file with the
+// that cost no build on the GPU machine: dev/ab/kernel_ab.sh compiles this file with the
 // kernel translation units of a source tree (bf16, head dims 64, 128, 256) into one binary per
 // tree on a machine without a GPU; the GPU machine only runs the binaries, alternately.
 //
 // Shapes as benchmarks/bench_attention.py: bf16, inputs (B, L, H, d) contiguous, B * L = 16384
 // tokens, H * d = 2048; values uniform in [-2, 2) from a hash of (tensor, index), or standard
-// normal with --data normal (torch.randn's distribution, as benchmarks/peers_fwd.py uses).  Per (d, L, causal) the forward runs once to produce out and
+// normal with --data normal (torch.randn's distribution, as dev/ab/peers_fwd.py uses).  Per (d, L, causal) the forward runs once to produce out and
 // softmax_lse, then the forward (run_flash_fwd) and the backward (run_flash_bwd: delta, dK/dV
 // with atomic dQ into a zeroed fp32 buffer, conversion; or with --deterministic the separate
 // dQ kernel) are timed: CUDA events around `reps` launches, the median of 7 such groups.
@@ -13,7 +13,7 @@
 // Also a consistency check (not a correctness test: tests/test_cuda.py is): the atomic-dQ and
 // the deterministic backward's dq, dk, dv, as max |difference| / max |value| per gradient.
 //
-// Built with -DFLASH_ATTN_EXT_SM90 and the sm90 forward translation units (scripts/kernel_ab.sh
+// Built with -DFLASH_ATTN_EXT_SM90 and the sm90 forward translation units (dev/ab/kernel_ab.sh
 // with SM90=1), --fwd sm90 times the Hopper forward instead (its tile counter zeroed by its
 // launcher, as in the extension) and compares its out and softmax_lse with the sm80 forward's
 // (max |diff| / max |value|, max |diff|): a consistency check of kernel variants, not a test.

@@ -3,7 +3,7 @@
 # time split against SDPA FLASH (benchmarks/bench_bwd_kernels.py) and an ncu profile of both
 # backwards at one shape.  BASE=<dir> (a source tree, e.g. `git archive` of main unpacked there):
 # built too, and bench_bwd_kernels runs alternately in it and here, ROUNDS times (same-call A/B).
-# Usage on the GPU machine: OUT=... bash scripts/gpu_profile_bwd.sh
+# Usage on the GPU machine: OUT=... bash dev/gpu/gpu_profile_bwd.sh
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
@@ -24,7 +24,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in ${SANITIZERS:-}; do
-  echo "$tool: $(timeout 90 "$SAN" --print-limit 5 --tool $tool python3 scripts/sanitize_cases.py \
+  echo "$tool: $(timeout 90 "$SAN" --print-limit 5 --tool $tool python3 dev/gpu/sanitize_cases.py \
     2>&1 | tee "$OUT/sanitize_$tool.log" | tail -1)"
 done
 if [ -n "${BASE:-}" ]; then

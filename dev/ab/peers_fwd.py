@@ -1,4 +1,4 @@
-"""Forward TFLOP/s of SDPA's cuDNN and FLASH backends timed the way benchmarks/kernel_ab.cu
+"""Forward TFLOP/s of SDPA's cuDNN and FLASH backends timed the way dev/ab/kernel_ab.cu
 times our kernels, so that a kernel_ab run on the GPU machine has its peers from the same call
 without building the extension (this script needs only PyTorch).
 
@@ -8,7 +8,7 @@ H * d = 2048.  Timing: timing.queued_ms, `reps` back-to-back calls between CUDA 
 median of 7 such groups, after 3 warm-up calls.  TFLOP/s the FlashAttention way: 4 B H L^2 d,
 halved when causal.
 
-Usage (on a CUDA GPU): python benchmarks/peers_fwd.py [--dims 64 128 256]
+Usage (on a CUDA GPU): python dev/ab/peers_fwd.py [--dims 64 128 256]
     [--seqlens 1024 2048 4096 16384] [--causal no|yes|both] [--reps 10] [--layout bshd|bhsd]
 """
 import argparse
@@ -18,7 +18,8 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)  # timing.py, bench_attention.py
 from timing import queued_ms
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

@@ -6,12 +6,12 @@
 # forwards in 3 rounds; ~10% more since its backward takes its own forward reading): ~560 s of
 # a call's 600 (bench_attention rewrites its JSON after every point, so a timeout keeps what
 # it measured).  Usage on the GPU machine:
-#   OUT=... [FWD_ROUNDS=5] bash scripts/gpu_final.sh [extra pytest files]
+#   OUT=... [FWD_ROUNDS=5] bash dev/gpu/gpu_final.sh [extra pytest files]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_out}
 SANITIZE=1 BENCH=0 PYTEST_ARGS="--maxfail=15 --tb=short tests/test_sm90.py tests/test_cuda.py $*" \
-  bash scripts/gpu_session.sh
+  bash dev/gpu/gpu_session.sh
 if grep -qE "[0-9]+ failed|[0-9]+ error" "$OUT/tests.log" || ! grep -qE "[0-9]+ passed" "$OUT/tests.log"; then
   echo "tests did not all pass: no benchmark"; exit 1
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Same-call A/B of portable-kernel variants without building the extension on the GPU machine.
-#   build: compile benchmarks/kernel_ab.cu with the sm80 bf16 head-dim 64/128/256 forward and
+#   build: compile dev/ab/kernel_ab.cu with the sm80 bf16 head-dim 64/128/256 forward and
 #          backward translation units of a source tree into one binary (no GPU, no PyTorch
 #          needed: nvcc and the CUDA runtime).  ARCH (default 90a) picks the target.
-#     bash scripts/kernel_ab.sh build <tree> <binary>
+#     bash dev/ab/kernel_ab.sh build <tree> <binary>
 #          SM90=1 adds the Hopper forward (bf16, same head dims; the CUTLASS headers of the
 #          pinned nvidia-cutlass wheel or $CUTLASS_INCLUDE_DIR) for --fwd sm90; SM80_FROM=<binary>
 #          reuses that earlier build's sm80 objects (kept in <binary>.objs) when only the
@@ -11,12 +11,12 @@
 #   run:   on the GPU machine, run the binaries alternately ROUNDS times (default 2), each
 #          line prefixed with the binary's name and the round; extra arguments after `--` go
 #          to every binary (see kernel_ab.cu: --dims, --seqlens, --causal, --reps, ...).
-#     bash scripts/kernel_ab.sh run <binary>... [-- args]
-# Example: git archive main | tar -x -C /tmp/base; bash scripts/kernel_ab.sh build /tmp/base
-#   .ab/base; bash scripts/kernel_ab.sh build . .ab/new; then on the GPU machine (carry .ab):
-#   bash scripts/kernel_ab.sh run .ab/base .ab/new -- --seqlens 2048 16384
+#     bash dev/ab/kernel_ab.sh run <binary>... [-- args]
+# Example: git archive main | tar -x -C /tmp/base; bash dev/ab/kernel_ab.sh build /tmp/base
+#   .ab/base; bash dev/ab/kernel_ab.sh build . .ab/new; then on the GPU machine (carry .ab):
+#   bash dev/ab/kernel_ab.sh run .ab/base .ab/new -- --seqlens 2048 16384
 set -euo pipefail
-HARNESS=$(cd "$(dirname "$0")/.." && pwd)/benchmarks/kernel_ab.cu
+HARNESS=$(cd "$(dirname "$0")" && pwd)/kernel_ab.cu
 case "${1:-}" in
   build)
     tree=$2 bin=$3 arch=${ARCH:-90a}

@@ -2,7 +2,7 @@
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
 """
 
 import torch
