@@ -165,7 +165,8 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
     # and then its forward alone (no autograd) replayed from a CUDA graph, the GPU time without
     # host work.  The reported forward is the median over rounds: one reading of a kernel moves
     # +-3..5% with the GPU's clock and temperature, and the implementation timed right after a
-    # slower one may start on a hotter GPU (results/fwd_rounds_20261130_742aafb.txt).
+    # slower one may start on a hotter GPU (docs/perf/measuring.md;
+    # benchmarks/results/fwd_rounds_20261130_742aafb.txt).
     fwd = {n: [] for n in names}
     fwd_host = {n: [] for n in names}  # host us per call while queueing the timed forwards
     graph = {n: [] for n in names}

@@ -15,7 +15,7 @@ import torch
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, window_right: int,
                  align_bottom_right: bool, device="cpu") -> torch.Tensor:
-    """(L, S) bool, True where key j is visible to query i (DESIGN.md section 2)."""
+    """(L, S) bool, True where key j is visible to query i (docs/design.md section 2)."""
     offset = seqlen_k - seqlen_q if align_bottom_right else 0
     i = torch.arange(seqlen_q, device=device)[:, None] + offset
     j = torch.arange(seqlen_k, device=device)[None, :]
@@ -51,7 +51,7 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
         scores = scores + attn_bias.to(compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    # Rows that see no key: out = 0 and no gradient (DESIGN.md section 2).  Their scores are
+    # Rows that see no key: out = 0 and no gradient (docs/design.md section 2).  Their scores are
     # replaced before the softmax so that its backward does not turn them into NaN.
     empty = (torch.isinf(lse) & (lse < 0)).unsqueeze(-1)
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)

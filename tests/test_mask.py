@@ -22,7 +22,7 @@ if HAS_CUDA:  # pragma: no cover - needs a GPU
 def torch_math(query, key, value, mask, gqa):
     with sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
-    return out.nan_to_num(0.0)  # rows the mask empties: PyTorch NaN, ours 0 (DESIGN.md)
+    return out.nan_to_num(0.0)  # rows the mask empties: PyTorch NaN, ours 0 (docs/design.md)
 
 
 MASKS = {

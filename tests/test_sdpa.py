@@ -40,7 +40,7 @@ def test_matches_torch_sdpa(dtype, shape, is_causal):
         # Leaves in compute_dtype, so float64 gradients are not rounded back to the input dtype.
         leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (query, key, value)]
         o = torch_sdpa(*leaves, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-        # PyTorch gives NaN for rows that see no key; DESIGN.md section 2 says 0.
+        # PyTorch gives NaN for rows that see no key; docs/design.md section 2 says 0.
         o = o.nan_to_num(0.0)
         return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: build, CUDA tests, compute-sanitizer, and only if every test passed the full
+# benchmark table (bench_attention.py defaults), then with FWD_ROUNDS=<n> also fwd_rounds.py's
+# forward-only comparison in n interleaved rounds (~20 s per round).  Timing on the H200
+# (2026-11-30): build ~90 s, tests ~30 s, compute-sanitizer ~60 s, bench_attention ~340 s (its
+# forwards in 3 rounds; ~10% more since its backward takes its own forward reading): ~560 s of
+# a call's 600 (bench_attention rewrites its JSON after every point, so a timeout keeps what
+# it measured).  Usage on the GPU machine:
+#   OUT=... [FWD_ROUNDS=5] bash dev/gpu/gpu_final.sh [extra pytest files]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu_out}
+SANITIZE=1 BENCH=0 PYTEST_ARGS="--maxfail=15 --tb=short tests/test_sm90.py tests/test_cuda.py $*" \
+  bash dev/gpu/gpu_session.sh
+if grep -qE "[0-9]+ failed|[0-9]+ error" "$OUT/tests.log" || ! grep -qE "[0-9]+ passed" "$OUT/tests.log"; then
+  echo "tests did not all pass: no benchmark"; exit 1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out-dir "$OUT" --flex-dims 128 \
+  2>&1 | grep -v Warning > "$OUT/bench.log"
+sed -n '/^fwd_tflops/,$p' "$OUT/bench.log"
+grep -iE "memory|GiB" "$OUT/bench.log" | head -8
+if [ "${FWD_ROUNDS:-0}" -gt 0 ]; then
+  timeout ${ROUNDS_TIMEOUT:-200} python3 benchmarks/fwd_rounds.py --rounds "$FWD_ROUNDS" \
+    --out "$OUT/fwd_rounds.json" 2>&1 | grep -v Warning | tee "$OUT/fwd_rounds.txt"
+fi

@@ -1,0 +1,60 @@
+"""Small CUDA calls covering every kernel path, for compute-sanitizer (memcheck, racecheck,
+synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
+alignments, a window, GQA, a mask with a gradient, softcap and dropout.
+
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
+"""
+
+import torch
+
+from flash_attn_ext import ops
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    cases = [  # (L, S, H, Hkv, D, Dv, causal, window, bottom_right, softcap, bias, dropout)
+        (17, 33, 2, 1, 40, 40, True, (-1, -1), True, 0.0, False, 0.0),
+        (70, 65, 4, 2, 128, 128, False, (-1, -1), True, 0.0, True, 0.0),
+        (33, 70, 2, 2, 256, 200, True, (-1, -1), False, 5.0, False, 0.2),
+        (65, 65, 2, 1, 64, 64, False, (8, 3), True, 0.0, False, 0.1),
+        # Plain attention: the Hopper forward on sm_90 (several K/V tiles, partial last ones).
+        (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
+        (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
+        (300, 129, 2, 2, 64, 64, False, (40, 5), False, 0.0, False, 0.0),
+        # Causal, one KV head per query head, several query blocks per head: the partial
+        # block first (row shift) at head dim 64, the longest-first tile order in sections.
+        (1000, 1000, 2, 2, 64, 64, True, (-1, -1), False, 0.0, False, 0.0),
+        (300, 300, 2, 2, 256, 256, True, (-1, -1), False, 0.0, False, 0.0),
+        # More (query block, head) tiles than SMs.
+        (260, 260, 40, 8, 64, 64, True, (-1, -1), True, 0.0, False, 0.0),
+        # Five or six tiles per CTA on an H200 (768 tiles, static schedule): head dim 64's two
+        # Q buffers each refilled after their release, both phases of their barriers.
+        (400, 400, 128, 128, 64, 64, False, (-1, -1), True, 0.0, False, 0.0),
+        # GQA packed into shared tiles (seqlen_q * group rows; Q by cp.async, O from registers).
+        (5, 300, 16, 2, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
+        (40, 200, 12, 4, 64, 64, False, (20, 0), True, 0.0, False, 0.0),
+    ]
+    # The backward's deterministic path (the separate dQ kernel) for the last three cases (head
+    # dims 64 and 128) and a head dim 256 GQA case (also run with the atomic dQ); the others
+    # take the atomic / bulk dQ.
+    deterministic = [False] * (len(cases) - 3) + [True] * 3
+    cases += [(300, 257, 4, 2, 256, 256, True, (-1, -1), True, 0.0, False, 0.0)] * 2
+    deterministic += [False, True]
+    for i, (L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p) in enumerate(cases):
+        q = torch.randn(2, L, H, D, device=dev, dtype=dt)
+        k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
+        v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
+        bias = torch.randn(2, 1, L, S, device=dev) if has_bias else None
+        out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
+                                bias, p)
+        grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
+                           window[0], window[1], br, softcap, None, bias, p, deterministic[i],
+                           has_bias)
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(g).all() for g in grads if g.numel())
+    print(f"sanitize_cases: {len(cases)} cases ran")
+
+
+if __name__ == "__main__":
+    main()
