@@ -115,15 +115,8 @@ def implementations(flex: bool) -> Dict[str, Callable]:
         return run
 
     def ours_sm80(q, k, v, causal):  # the portable kernels, where the Hopper forward serves "ours"
-        old = os.environ.get("FLASH_ATTN_EXT_KERNEL")
-        os.environ["FLASH_ATTN_EXT_KERNEL"] = "sm80"
-        try:
+        with flash_attn_ext.kernel_options(force_portable=True):
             return ours(q, k, v, causal)
-        finally:
-            if old is None:
-                del os.environ["FLASH_ATTN_EXT_KERNEL"]
-            else:
-                os.environ["FLASH_ATTN_EXT_KERNEL"] = old
 
     sample = torch.empty(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16)
     impls = {"ours": ours}

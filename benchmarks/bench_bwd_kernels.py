@@ -6,7 +6,7 @@ measured in the same process (CUDA events, queued calls, median; FLOPs the Flash
 (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole backward's FLOPs.
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
---sm80-forward: also time the portable (sm80) forward (FLASH_ATTN_EXT_KERNEL=sm80) and SDPA
+--sm80-forward: also time the portable (sm80) forward (kernel_options(force_portable=True)) and SDPA
 FLASH's forward, no autograd.
 --ncu: run each backward exactly once between cudaProfilerStart/Stop (after warm-up), for
 `ncu --profile-from-start off`; no timing.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +54,8 @@ def forward_ms(d: int, seqlen: int, causal: bool):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         flash = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-    old = os.environ.get("FLASH_ATTN_EXT_KERNEL")
-    os.environ["FLASH_ATTN_EXT_KERNEL"] = "sm80"
-    try:
+    with flash_attn_ext.kernel_options(force_portable=True):
         ours = median_ms(lambda: flash_attn_ext.flash_attn_func(q, k, v, causal=causal))
-    finally:
-        if old is None:
-            del os.environ["FLASH_ATTN_EXT_KERNEL"]
-        else:
-            os.environ["FLASH_ATTN_EXT_KERNEL"] = old
     return ours, flash
 
 

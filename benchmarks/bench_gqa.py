@@ -1,6 +1,6 @@
 """GQA/MQA forward on the Hopper kernel with and without packing the query heads of a group into
-one tile (FLASH_ATTN_EXT_SM90_PACK_GQA=on/off; the default, auto, follows
-flash_attn_ext.dispatch.sm90_packs_gqa), next to SDPA's FLASH and cuDNN backends (enable_gqa),
+one tile (flash_attn_ext.kernel_options(sm90_pack_gqa="on"/"off"); the default, "auto", follows
+the rule of csrc/kernels/sm90/pack_gqa.h, as explain() reports it), next to SDPA's FLASH and cuDNN backends (enable_gqa),
 in one process, CUDA-graph timing (bench_attention.graph_ms), interleaved over rounds (median).
 
 Shapes: bf16, (B, H, L, d) as SDPA takes them, H = 32 query heads, H_kv = 32 / group, S keys;
@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import graph_ms
 
 import flash_attn_ext
-from flash_attn_ext import dispatch
 
 PEERS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -64,14 +63,12 @@ def run_point(args, heads: int, d: int, group: int, seqlen_q: int, seqlen_k: int
     def peer():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    padded = 64 if d <= 64 else 128 if d <= 128 else 256
-    auto = dispatch.sm90_packs_gqa(seqlen_q, heads, heads_kv, padded)
+    auto = flash_attn_ext.explain(q, k, v, enable_gqa=True).kernel.endswith("_packgqa")
     with torch.no_grad():
         for _ in range(args.rounds):
             for name, pack in (("packed", "on"), ("unpacked", "off")):
-                os.environ[dispatch.PACK_GQA_ENV] = pack
-                ms[name].append(graph_ms(ours))
-            os.environ.pop(dispatch.PACK_GQA_ENV)
+                with flash_attn_ext.kernel_options(sm90_pack_gqa=pack):
+                    ms[name].append(graph_ms(ours))
             for name, backend in PEERS.items():
                 try:
                     with sdpa_kernel(backend):

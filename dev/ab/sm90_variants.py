@@ -2,9 +2,9 @@
 process, interleaved over rounds in a rotated order (the median of the rounds is printed),
 CUDA-graph timing.
 
-Variants are picked through FLASH_ATTN_EXT_SM90_SCHEDULE (tile, static, dynamic; "auto", the
-default, is static without and dynamic with a causal mask), FLASH_ATTN_EXT_SM90_EPILOGUE
-(tma, the default where the kernel has room for it, or direct) and FLASH_ATTN_EXT_SM90_SECTION
+Variants are picked through flash_attn_ext.kernel_options: sm90_schedule (tile, static, dynamic;
+"auto", the default, is static without and dynamic with a causal mask), sm90_direct_epilogue
+(tma, the default where the kernel has room for it, or direct) and sm90_section_pairs
 ((batch, head) pairs per section of the tile order; 0: the launcher's choice).  Shapes:
 bench_attention's, bf16, B * L = 16k tokens, H * d = 2048.  Usage (on an sm_90 GPU):
 python dev/ab/sm90_variants.py [--sections 0 1 8 ...] [--causal no|yes|both]
@@ -50,21 +50,18 @@ def main() -> None:
                 for r in range(args.rounds):
                     with torch.no_grad():
                         for s, e, n in rotated(variants, r):
-                            os.environ["FLASH_ATTN_EXT_SM90_SCHEDULE"] = s
-                            os.environ["FLASH_ATTN_EXT_SM90_EPILOGUE"] = e
-                            os.environ["FLASH_ATTN_EXT_SM90_SECTION"] = str(n) if n else ""
-                            ms = graph_ms(lambda q=q, k=k, v=v, c=causal:
-                                          flash_attn_ext.scaled_dot_product_attention(
-                                              q, k, v, is_causal=c))
+                            with flash_attn_ext.kernel_options(
+                                    sm90_schedule=s, sm90_direct_epilogue=e == "direct",
+                                    sm90_section_pairs=n):
+                                ms = graph_ms(lambda q=q, k=k, v=v, c=causal:
+                                              flash_attn_ext.scaled_dot_product_attention(
+                                                  q, k, v, is_causal=c))
                             rates[names[(s, e, n)]].append(flops / ms / 1e9)
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                             ms = graph_ms(lambda q=q, k=k, v=v, c=causal:
                                           torch.nn.functional.scaled_dot_product_attention(
                                               q, k, v, is_causal=c))
                         rates["cudnn"].append(flops / ms / 1e9)
-                os.environ.pop("FLASH_ATTN_EXT_SM90_SCHEDULE")
-                os.environ.pop("FLASH_ATTN_EXT_SM90_EPILOGUE")
-                os.environ.pop("FLASH_ATTN_EXT_SM90_SECTION")
                 med = {name: statistics.median(r) for name, r in rates.items()}
                 best = max(v for name, v in med.items() if name != "cudnn")
                 cells = "  ".join(f"{name} {rate:5.1f}" for name, rate in med.items())
