@@ -8,9 +8,10 @@ kernels that run.  Nothing here restates a C++ formula.
 
 Tracing: under ``torch.compile`` the rule is called through
 ``torch.compiler.assume_constant_result`` with plain Python values, so Dynamo evaluates it once
-while tracing and never traces into the pybind function (which would break the graph).  Where
-sizes are symbolic (dynamic shapes) they are not passed: the rule then decides only what cannot
-depend on them (whether a fused kernel serves the call, which is all a traced call needs).
+while tracing and never traces into the pybind function (which would break the graph).  Sizes
+and strides are not passed then: the rule decides only what cannot depend on them (whether a
+fused kernel serves the call, which is all a traced call needs), and the op applies the whole
+rule with the real sizes when it runs.
 """
 
 from __future__ import annotations
@@ -167,12 +168,26 @@ def _cuda_plan_traced(*args) -> Plan:
     return _cuda_plan(*args)
 
 
-def _static_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[tuple]:
-    """Sizes then strides of q, k, v, or None where one is symbolic (traced dynamic shapes)."""
-    values = (*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride())
-    if any(isinstance(x, torch.SymInt) for x in values):
-        return None
-    return tuple(values)
+def _pinned(size) -> int:
+    """A head dim as a Python int.  While Dynamo traces with dynamic shapes it may be symbolic
+    (and isinstance cannot tell there): a binary search by comparisons pins it (each one a guard,
+    as Dynamo installs for a static size), since the kernel instantiation, and so the plan,
+    depends on it.  On a plain int the comparisons are constant and install nothing."""
+    if not torch.compiler.is_compiling():
+        return int(size)
+    lo, hi = 0, MAX_HEAD_DIM + 1  # (callers have refused larger head dims)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if size >= mid:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Sizes then strides of q, k and v, as the rule takes them."""
+    return (*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride())
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -217,8 +232,10 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_
         cap = _capability(index)
         gpu = (int(cap[0]), int(cap[1]), _smem_per_block(index))
     compiling = torch.compiler.is_compiling()
-    args = (build, gpu, dtype, softmax_scale, int(q.shape[-1]), int(v.shape[-1]),
-            _static_layout(q, k, v), bool(general), bool(unequal_tiles),
+    args = (build, gpu, dtype, softmax_scale, _pinned(q.shape[-1]), _pinned(v.shape[-1]),
+            # (traced: no sizes, so that the graph neither guards on them nor recompiles for
+            # each; the op applies the whole rule with the real sizes when it runs)
+            None if compiling else _layout(q, k, v), bool(general), bool(unequal_tiles),
             bool(deterministic) or (not compiling and torch.are_deterministic_algorithms_enabled()),
             _options_version)
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
