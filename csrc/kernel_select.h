@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <iomanip>
 #include <sstream>
@@ -107,11 +108,16 @@ inline std::string join(const std::vector<std::string>& parts, const char* sep) 
   return out;
 }
 
-// A double as Python's repr writes it for ordinary values ("-1.0", "0.5", "inf").
+// A double as Python's repr writes it for ordinary values ("-1.0", "-0.3", "inf"): the fewest
+// significant digits that read back as the same double.
 inline std::string number(double x) {
-  std::ostringstream os;
-  os << std::setprecision(17) << x;
-  std::string s = os.str();
+  std::string s;
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream os;
+    os << std::setprecision(digits) << x;
+    s = os.str();
+    if (std::strtod(s.c_str(), nullptr) == x) break;
+  }
   if (s.find_first_of(".eni") == std::string::npos) s += ".0";
   return s;
 }
@@ -186,7 +192,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   if (call.has_scale && !(call.softmax_scale > 0.0))
     // The kernels track the running max on raw q.k and scale afterwards: that needs scale > 0.
     c.reasons.push_back("softmax_scale=" + detail::number(call.softmax_scale) +
-                        ": the CUDA kernels take a positive scale");
+                        ": the CUDA kernels take a positive scale (softmax_scale > 0)");
   if (c.reasons.empty()) {
     const std::string gpu = "GPU sm_" + std::to_string(device.major) + std::to_string(device.minor);
     if (device.major < 8)

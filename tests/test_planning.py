@@ -298,6 +298,7 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     assert planning.plan(q, k, k).kernel == "sm90_fwd_hdim128_bf16"
     p = planning.plan(q, q, q, softmax_scale=-1.0)
     assert not p.fused and "softmax_scale=-1.0: the CUDA kernels take a positive scale" in str(p)
+    assert "softmax_scale=-0.3: " in str(planning.plan(q, q, q, softmax_scale=-0.3))
     p = planning.plan(q, q, q, run_dtype=torch.float32)
     assert not p.fused and "q.dtype=torch.float32" in str(p)
 
