@@ -34,11 +34,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/block_info.h"
 #include "kernels/sm80/dropout.h"
+#include "kernels/sm80/flash_bwd_dq.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_bwd_lean.cuh"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
+#include "kernels/sm80/softmax.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -70,12 +73,6 @@ struct BwdTraits {
   static_assert(kHeadDim % 64 == 0 && kOutDim % 16 == 0 && kBlockM % 16 == 0 &&
                     kBlockNQ % 16 == 0, "");
 };
-
-// lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  return lse == -INFINITY ? INFINITY : lse * kLog2e;
-}
 
 // D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; kTpr
 // threads per row (one 16-byte load of O and of dO per thread and step: rows are 16-byte aligned
@@ -145,41 +142,25 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
 
   const int64_t bid = blockIdx.x;
   const int split = static_cast<int>(bid % T::kSplitD);
-  const int64_t n_block = (bid / T::kSplitD) % num_n_blocks;
-  const int64_t bhk = bid / T::kSplitD / num_n_blocks;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t n0 = n_block * kN;
+  const VisibleKeys vis = visible_keys(p);
+  const KeyBlock blk(p, vis, bid / T::kSplitD, num_n_blocks, kN, kM);  // block_info.h
+  const int64_t b = blk.b, hk = blk.hk, group = blk.group, n0 = blk.n0;
+  const int64_t m_begin = blk.m_begin, m_blocks = blk.m_blocks;
+  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int col_chunk0 = split * T::kOutDim / 8;
 
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
-  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
-  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
-  row_lo = row_lo < 0 ? 0 : row_lo;
-  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
-  const int64_t m_begin = row_lo / kM;
-  const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
-  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
-
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, hk);
+  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, hk);
   const DropoutFn drop(p);
 
   // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
   auto load_step = [&](int stage, int64_t t) {
     const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
     Element* dst = qdo_s + stage * 2 * kM * kD;
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        dst + kM * kD,
-        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
-        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
-    const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
-    const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+    load_q_do_async<Element, kM, kC, T::kThreads>(dst, dst + kM * kD, p, b, h, m0);
+    const float* lse = head_stats(static_cast<const float*>(p.softmax_lse), p, b, h);
+    const float* dlt = head_stats(delta, p, b, h);
     float* st = stats_s + stage * 2 * kM;
     for (int r = tid; r < kM; r += T::kThreads) {
       const bool in = m0 + r < p.seqlen_q;
@@ -189,10 +170,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
   };
 
   if (steps > 0) {
-    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim_v));
+    load_kv_async<Element, kN, kC, T::kThreads>(k_s, v_s, k, v, p, n0);
     load_step(0, 0);
     cp_async_commit();
   }
@@ -228,8 +206,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     gemm_ss<Element, kC, 1, kM8, kD>(dpt, v_s, warp * 16, do_s, 0, lane);
 
     // Masking is needed unless every key of the block is visible to every row of the tile.
-    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
-    const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
+    const bool need_mask = query_tile_masked(vis, m0, kM, p.seqlen_q, n0, kN);
 #pragma unroll
     for (int j = 0; j < kM8; ++j)
 #pragma unroll
@@ -257,8 +234,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     __syncthreads();  // this stage is overwritten by the prefetch two steps from now
   }
 
-  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+  auto* dk = head_rows<Element>(p.dk, p.dk_batch_stride, p.dk_head_stride, b, hk);
+  auto* dv = head_rows<Element>(p.dv, p.dv_batch_stride, p.dv_head_stride, b, hk);
   const int col0 = split * T::kOutDim;
   store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + warp * 16, p.seqlen_k, col0,
                       static_cast<int>(p.head_dim), lane);
@@ -266,103 +243,60 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
                       static_cast<int>(p.head_dim_v), lane);
 }
 
+// The 4-warp dQ kernel's part of flash_bwd_dq.h's skeleton: one 16-row tile per warp, S and dP
+// in registers, dQ += dS K with dS taken from them (gemm_rs); softcap, bias (and its gradient
+// dS, written to p.dbias_full) and dropout with kGeneral.
 template <typename T, bool kGeneral>
-__global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdParams p,
-                                                                   const float* delta,
-                                                                   int64_t num_m_blocks) {
+struct DqStep {
+  using Traits = T;
   using Element = typename T::Element;
-  constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
-  constexpr int kN8 = kN / 8, kD8 = kD / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Element* q_s = reinterpret_cast<Element*>(smem_raw);
-  Element* do_s = q_s + kM * kD;
-  Element* kv_s = do_s + kM * kD;  // [stage][K | V], kN x kD each
+  static constexpr int kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
+  static constexpr int kStages = 2, kMT = 1, kS8 = kN / 8, kD8 = kD / 8;
+  static constexpr bool kPrefetchFirst = true, kTwoCopies = false, kSyncAtEnd = true;
+  const int64_t b, h;
+  const ScoreFn fn;
+  const DropoutFn drop;
+  float* const dbias;
+  int64_t row_of[2];  // this lane's query rows
 
-  const int64_t bid = blockIdx.x;
-  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;
-  const int64_t bh = bid / num_m_blocks;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int64_t m0 = m_block * kM;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
-  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
-  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
-  const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
-
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  const ScoreFn fn(p, b, h);
-  const DropoutFn drop(p);
-  float* dbias = p.dbias_full == nullptr
-                     ? nullptr
-                     : static_cast<float*>(p.dbias_full) + (b * p.heads_q + h) * p.seqlen_q *
-                                                               p.seqlen_k;
-
-  auto load_kv = [&](int stage, int64_t n_block) {
-    Element* dst = kv_s + stage * 2 * kN * kD;
-    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
-                                                  p.seqlen_k, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(dst + kN * kD, v, p.v_row_stride,
-                                                  n_block * kN, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim_v));
-  };
-  if (n_begin < n_end) {
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        q_s, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        do_s, static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
-                  h * p.dout_head_stride,
-        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
-    load_kv(0, n_begin);
-    cp_async_commit();
-  }
-
-  int64_t row_of[2];
-  float lse_row[2], d_row[2];
-  const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
-  const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+  __device__ __forceinline__ DqStep(const BwdParams& p_, int64_t b_, int64_t h_)
+      : b(b_),
+        h(h_),
+        fn(p_, b_, h_),
+        drop(p_),
+        dbias(p_.dbias_full == nullptr
+                  ? nullptr
+                  : static_cast<float*>(p_.dbias_full) + (b_ * p_.heads_q + h_) * p_.seqlen_q *
+                                                             p_.seqlen_k) {}
+  __device__ __forceinline__ static int row0(int warp) { return warp * 16; }
+  __device__ __forceinline__ static int col0(int) { return 0; }
+  __device__ __forceinline__ static float scale_d(float d) { return d; }
+  __device__ __forceinline__ void setup(int64_t m0, const Element*, const Element*,
+                                        const Element*, int warp, int lane) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_of[r] = m0 + warp * 16 + lane / 4 + 8 * r;
-    const bool in = row_of[r] < p.seqlen_q;
-    lse_row[r] = in ? lse_log2(lse[row_of[r]]) : INFINITY;
-    d_row[r] = in ? dlt[row_of[r]] : 0.f;
+    for (int r = 0; r < 2; ++r) row_of[r] = m0 + warp * 16 + lane / 4 + 8 * r;
   }
-  float dq_acc[1][kD8][4];
-  zero(dq_acc);
 
-  for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-    const int stage = static_cast<int>((n_block - n_begin) & 1);
-    if (n_block + 1 < n_end) {
-      load_kv(stage ^ 1, n_block + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const Element* k_s = kv_s + stage * 2 * kN * kD;
-    const Element* v_s = k_s + kN * kD;
+  __device__ __forceinline__ void scores(float (&s)[1][kS8][4], float (&dp)[1][kS8][4],
+                                         const Element* q_s, const Element* do_s,
+                                         const Element* k_s, int, int warp, int lane) const {
+    gemm_ss<Element, kC, 1, kS8, kD>(s, q_s, warp * 16, k_s, 0, lane);
+    gemm_ss<Element, kC, 1, kS8, kD>(dp, do_s, warp * 16, k_s + kN * kD, 0, lane);
+  }
 
-    float s[1][kN8][4], dp[1][kN8][4];
-    zero(s);
-    zero(dp);
-    gemm_ss<Element, kC, 1, kN8, kD>(s, q_s, warp * 16, k_s, 0, lane);
-    gemm_ss<Element, kC, 1, kN8, kD>(dp, do_s, warp * 16, v_s, 0, lane);
-
-    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
-    const int64_t col0 = n_block * kN + 2 * (lane % 4);
+  // dS (times ds/dx) into s; need_mask: the tile straddles a row's visible range.
+  __device__ __forceinline__ void grad(bool need_mask, float (&s)[1][kS8][4],
+                                       const float (&dp)[1][kS8][4], const float (&lse_row)[1][2],
+                                       const float (&d_row)[1][2], const DqTile& t) const {
+    const BwdParams& p = t.p;
+    const int64_t col0 = t.n_block * kN + 2 * (t.lane % 4);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+      const int64_t lo = t.vis.begin(row_of[r]), hi = t.vis.end(row_of[r]);
       const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
       const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
 #pragma unroll
-      for (int j = 0; j < kN8; ++j) {
+      for (int j = 0; j < kS8; ++j) {
         uint4 w{};
         if (kGeneral && drop.enabled) w = drop.words(row_id, col0 + j * 8);  // one block
 #pragma unroll
@@ -371,25 +305,32 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
           const int64_t col = col0 + j * 8 + e;
           const float dscore =
               kGeneral ? fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1) : fn.scale;
-          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
+          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[0][r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
           float dpv = dp[0][j][2 * r + e];
           if (kGeneral && drop.enabled)
             dpv = DropoutFn::word(w, col) < drop.threshold ? dpv * drop.scale : 0.f;
-          const float ds = pr * (dpv - d_row[r]);
+          const float ds = pr * (dpv - d_row[0][r]);
           if (kGeneral && dbias != nullptr && row_of[r] < p.seqlen_q && col < p.seqlen_k)
             dbias[row_of[r] * p.seqlen_k + col] = ds;
           x = ds * dscore;
         }
       }
     }
-    gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
-    __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
   }
 
-  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + warp * 16, p.seqlen_q, 0,
-                      static_cast<int>(p.head_dim), lane);
+  __device__ __forceinline__ void dq(float (&dq_acc)[1][kD8][4], const float (&s)[1][kS8][4],
+                                     const Element* k_s, int, int lane) const {
+    gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
+  }
+};
+
+template <typename T, bool kGeneral>
+__global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdParams p,
+                                                                   const float* delta,
+                                                                   int64_t num_m_blocks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bwd_dq_body<DqStep<T, kGeneral>>(p, delta, num_m_blocks, smem_raw);
 }
 
 // Host side: the three launches on `stream`; `delta` is a (batch * heads_q * seqlen_q) fp32
