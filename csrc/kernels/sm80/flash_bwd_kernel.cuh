@@ -14,8 +14,9 @@
 //     streams K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of
 // FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant, on these
-// 4-warp kernels, measured 11-21% slower (commit b76b23a, benchmarks/NOTES.md) and is not kept
-// here; the 8-warp kernels below do use it.
+// 4-warp kernels, measured 11-21% slower (docs/perf/cuda_backward.md) and is not kept here; the
+// 8-warp kernels below do use it.  Kernel 3 and the 8-warp dQ kernel share one skeleton
+// (flash_bwd_dq.h); the block prologue is block_info.h's.
 //
 // Plain attention (no softcap / bias / dropout) runs the 8-warp kernels of flash_bwd_lean.cuh
 // instead of 2 and 3 where the GPU's shared memory allows them (head dim 256: sm_90's 227 KB)
