@@ -74,37 +74,6 @@ __device__ __forceinline__ void with_mask(bool masked, F&& f) {
   }
 }
 
-// The CTA of a dK/dV kernel: one per (key block of block_n keys, batch, kv head), `bid` its
-// index with any further split (of the head dim) taken out.  It walks the query tiles of
-// block_m rows that see one of its keys, [m_begin, m_begin + m_blocks), for every query head of
-// the GQA group.
-struct KeyBlock {
-  int64_t b, hk, group, n0, m_begin, m_blocks;
-  __device__ __forceinline__ KeyBlock(const FwdParams& p, const VisibleKeys& vis, int64_t bid,
-                                      int64_t num_n_blocks, int block_n, int block_m) {
-    const int64_t n_block = bid % num_n_blocks;
-    const int64_t bhk = bid / num_n_blocks;
-    b = bhk / p.heads_kv;
-    hk = bhk % p.heads_kv;
-    group = p.heads_q / p.heads_kv;
-    n0 = n_block * block_n;
-    const int64_t n1 = n0 + block_n < p.seqlen_k ? n0 + block_n : p.seqlen_k;
-    int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
-    row_lo = row_lo < 0 ? 0 : row_lo;
-    row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
-    m_begin = row_lo / block_m;
-    m_blocks = row_hi > row_lo ? (row_hi + block_m - 1) / block_m - m_begin : 0;
-  }
-};
-
-// The query tile [m0, m0 + block_m) (cut at seqlen_q) does not see every key of
-// [n0, n0 + block_n): the dK/dV kernels' per-element mask is needed.
-__device__ __forceinline__ bool query_tile_masked(const VisibleKeys& vis, int64_t m0, int block_m,
-                                                  int64_t seqlen_q, int64_t n0, int block_n) {
-  const int64_t last = (m0 + block_m < seqlen_q ? m0 + block_m : seqlen_q) - 1;
-  return n0 < vis.begin(last) || n0 + block_n > vis.end(m0);
-}
-
 // Async loads of key rows key0.. of K into k_dst and of V into v_dst (kRows x head dim tiles).
 template <typename Element, int kRows, int kChunks, int kThreads>
 __device__ __forceinline__ void load_kv_async(Element* k_dst, Element* v_dst, const Element* k,

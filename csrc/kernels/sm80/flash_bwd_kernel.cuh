@@ -143,25 +143,41 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
 
   const int64_t bid = blockIdx.x;
   const int split = static_cast<int>(bid % T::kSplitD);
-  const VisibleKeys vis = visible_keys(p);
-  const KeyBlock blk(p, vis, bid / T::kSplitD, num_n_blocks, kN, kM);  // block_info.h
-  const int64_t b = blk.b, hk = blk.hk, group = blk.group, n0 = blk.n0;
-  const int64_t m_begin = blk.m_begin, m_blocks = blk.m_blocks;
-  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+  const int64_t n_block = (bid / T::kSplitD) % num_n_blocks;
+  const int64_t bhk = bid / T::kSplitD / num_n_blocks;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = n_block * kN;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int col_chunk0 = split * T::kOutDim / 8;
 
-  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, hk);
-  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, hk);
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
+  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
+  row_lo = row_lo < 0 ? 0 : row_lo;
+  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  const int64_t m_begin = row_lo / kM;
+  const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
+  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   const DropoutFn drop(p);
 
   // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
   auto load_step = [&](int stage, int64_t t) {
     const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
     Element* dst = qdo_s + stage * 2 * kM * kD;
-    load_q_do_async<Element, kM, kC, T::kThreads>(dst, dst + kM * kD, p, b, h, m0);
-    const float* lse = head_stats(static_cast<const float*>(p.softmax_lse), p, b, h);
-    const float* dlt = head_stats(delta, p, b, h);
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst + kM * kD,
+        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+    const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+    const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
     float* st = stats_s + stage * 2 * kM;
     for (int r = tid; r < kM; r += T::kThreads) {
       const bool in = m0 + r < p.seqlen_q;
@@ -171,7 +187,10 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
   };
 
   if (steps > 0) {
-    load_kv_async<Element, kN, kC, T::kThreads>(k_s, v_s, k, v, p, n0);
+    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
     load_step(0, 0);
     cp_async_commit();
   }
@@ -207,7 +226,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     gemm_ss<Element, kC, 1, kM8, kD>(dpt, v_s, warp * 16, do_s, 0, lane);
 
     // Masking is needed unless every key of the block is visible to every row of the tile.
-    const bool need_mask = query_tile_masked(vis, m0, kM, p.seqlen_q, n0, kN);
+    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
 #pragma unroll
     for (int j = 0; j < kM8; ++j)
 #pragma unroll
@@ -235,8 +255,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     __syncthreads();  // this stage is overwritten by the prefetch two steps from now
   }
 
-  auto* dk = head_rows<Element>(p.dk, p.dk_batch_stride, p.dk_head_stride, b, hk);
-  auto* dv = head_rows<Element>(p.dv, p.dv_batch_stride, p.dv_head_stride, b, hk);
+  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
   const int col0 = split * T::kOutDim;
   store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + warp * 16, p.seqlen_k, col0,
                       static_cast<int>(p.head_dim), lane);

@@ -186,16 +186,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // a multiple of 128 bytes).
   [[maybe_unused]] float* dq_s = stats_s + kStages * 2 * kM;
 
-  const VisibleKeys vis = visible_keys(p);
-  const KeyBlock blk(p, vis, blockIdx.x, num_n_blocks, kN, kM);  // block_info.h
-  const int64_t b = blk.b, hk = blk.hk, group = blk.group, n0 = blk.n0, m_begin = blk.m_begin;
-  const int m_blocks = static_cast<int>(blk.m_blocks);
-  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+  const int64_t bid = blockIdx.x;
+  const int64_t n_block = bid % num_n_blocks;
+  const int64_t bhk = bid / num_n_blocks;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = n_block * kN;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wr = warp % T::kWarpsRow, wc = warp / T::kWarpsRow;
 
-  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, hk);
-  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, hk);
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
+  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
+  row_lo = row_lo < 0 ? 0 : row_lo;
+  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  const int64_t m_begin = row_lo / kM;
+  const int m_blocks = row_hi > row_lo ? static_cast<int>((row_hi + kM - 1) / kM - m_begin) : 0;
+  const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
+
+  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   const float scale = static_cast<float>(p.softmax_scale);
   const float scale_log2 = scale * 1.4426950408889634f;  // as ScoreFn's for plain scores
 
@@ -203,12 +214,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // and D (zero-filled beyond seqlen_q).
   auto load_step = [&](int stage, int64_t h, int64_t m0) {
     Element* dst = qdo_s + stage * 2 * kM * kD;
-    load_q_do_async<Element, kM, kC, T::kThreads>(dst, dst + kM * kD, p, b, h, m0);
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
+        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
+    load_tile_async<Element, kM, kC, T::kThreads>(
+        dst + kM * kD,
+        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
+        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
     static_assert(2 * kM <= T::kThreads, "one statistic per thread");
     if (tid < 2 * kM) {
       const int r = tid % kM;
       const float* src = tid < kM ? static_cast<const float*>(p.softmax_lse) : delta;
-      src = head_stats(src, p, b, h);
+      src += (b * p.heads_q + h) * p.seqlen_q;
       const bool in = m0 + r < p.seqlen_q;
       cp_async_4(smem_addr(stats_s + stage * 2 * kM + tid), in ? src + m0 + r : src, in);
     }
@@ -233,7 +250,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   };
 
   if (steps > 0) {
-    load_kv_async<Element, kN, kC, T::kThreads>(k_s, v_s, k, v, p, n0);
+    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim));
+    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
+                                                  static_cast<int>(p.head_dim_v));
     load_next(0);
   }
   cp_async_commit();
@@ -329,7 +349,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
     };
     // Masking is needed unless every key of the block is visible to every row of the tile.
-    with_mask<true>(query_tile_masked(vis, m0, kM, p.seqlen_q, n0, kN), softmax_grad);
+    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    if (n0 < vis.begin(last) || n0 + kN > vis.end(m0))
+      softmax_grad(std::true_type{});
+    else
+      softmax_grad(std::false_type{});
     store_frag_smem<Element, kMC>(pt_c, st);
     store_frag_smem<Element, kMC>(dst_c, dpt);
     // kBulk: dq_s is written after the next barrier; the reduction issued at the top of this
@@ -407,8 +431,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if (tid == 0) bulk_wait_all<false>();  // done before the CTA's shared memory goes
   }
 
-  auto* dk = head_rows<Element>(p.dk, p.dk_batch_stride, p.dk_head_stride, b, hk);
-  auto* dv = head_rows<Element>(p.dv, p.dv_batch_stride, p.dv_head_stride, b, hk);
+  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
   store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
                       static_cast<int>(p.head_dim), lane);
   store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + wr * kRowsW, p.seqlen_k, wc * kD8 * 8,
