@@ -16,7 +16,8 @@
 // FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant, on these
 // 4-warp kernels, measured 11-21% slower (docs/perf/cuda_backward.md) and is not kept here; the
 // 8-warp kernels below do use it.  Kernel 3 and the 8-warp dQ kernel share one skeleton
-// (flash_bwd_dq.h); the block prologue is block_info.h's.
+// (flash_bwd_dq.h), whose block
+// prologue (as the forward's) is block_info.h's.
 //
 // Plain attention (no softcap / bias / dropout) runs the 8-warp kernels of flash_bwd_lean.cuh
 // instead of 2 and 3 where the GPU's shared memory allows them (head dim 256: sm_90's 227 KB)
