@@ -14,8 +14,10 @@
 //     streams K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Kernel 3 repeats two of kernel 2's GEMMs (S and dP): 7 GEMM passes instead of the 5 of
 // FlashAttention-2's single kernel that adds dQ with fp32 atomics.  That variant, on these
-// 4-warp kernels, measured 11-21% slower (commit b76b23a, benchmarks/NOTES.md) and is not kept
-// here; the 8-warp kernels below do use it.
+// 4-warp kernels, measured 11-21% slower (docs/perf/cuda_backward.md) and is not kept here; the
+// 8-warp kernels below do use it.  Kernel 3 and the 8-warp dQ kernel share one skeleton
+// (flash_bwd_dq.h), whose block
+// prologue (as the forward's) is block_info.h's.
 //
 // Plain attention (no softcap / bias / dropout) runs the 8-warp kernels of flash_bwd_lean.cuh
 // instead of 2 and 3 where the GPU's shared memory allows them (head dim 256: sm_90's 227 KB)
@@ -34,11 +36,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/block_info.h"
 #include "kernels/sm80/dropout.h"
+#include "kernels/sm80/flash_bwd_dq.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_bwd_lean.cuh"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
+#include "kernels/sm80/softmax.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -70,12 +75,6 @@ struct BwdTraits {
   static_assert(kHeadDim % 64 == 0 && kOutDim % 16 == 0 && kBlockM % 16 == 0 &&
                     kBlockNQ % 16 == 0, "");
 };
-
-// lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  return lse == -INFINITY ? INFINITY : lse * kLog2e;
-}
 
 // D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; kTpr
 // threads per row (one 16-byte load of O and of dO per thread and step: rows are 16-byte aligned
@@ -266,103 +265,60 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
                       static_cast<int>(p.head_dim_v), lane);
 }
 
+// The 4-warp dQ kernel's part of flash_bwd_dq.h's skeleton: one 16-row tile per warp, S and dP
+// in registers, dQ += dS K with dS taken from them (gemm_rs); softcap, bias (and its gradient
+// dS, written to p.dbias_full) and dropout with kGeneral.
 template <typename T, bool kGeneral>
-__global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdParams p,
-                                                                   const float* delta,
-                                                                   int64_t num_m_blocks) {
+struct DqStep {
+  using Traits = T;
   using Element = typename T::Element;
-  constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
-  constexpr int kN8 = kN / 8, kD8 = kD / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Element* q_s = reinterpret_cast<Element*>(smem_raw);
-  Element* do_s = q_s + kM * kD;
-  Element* kv_s = do_s + kM * kD;  // [stage][K | V], kN x kD each
+  static constexpr int kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
+  static constexpr int kStages = 2, kMT = 1, kS8 = kN / 8, kD8 = kD / 8;
+  static constexpr bool kPrefetchFirst = true, kTwoCopies = false, kSyncAtEnd = true;
+  const int64_t b, h;
+  const ScoreFn fn;
+  const DropoutFn drop;
+  float* const dbias;
+  int64_t row_of[2];  // this lane's query rows
 
-  const int64_t bid = blockIdx.x;
-  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;
-  const int64_t bh = bid / num_m_blocks;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int64_t m0 = m_block * kM;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
-  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
-  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
-  const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
-
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  const ScoreFn fn(p, b, h);
-  const DropoutFn drop(p);
-  float* dbias = p.dbias_full == nullptr
-                     ? nullptr
-                     : static_cast<float*>(p.dbias_full) + (b * p.heads_q + h) * p.seqlen_q *
-                                                               p.seqlen_k;
-
-  auto load_kv = [&](int stage, int64_t n_block) {
-    Element* dst = kv_s + stage * 2 * kN * kD;
-    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
-                                                  p.seqlen_k, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(dst + kN * kD, v, p.v_row_stride,
-                                                  n_block * kN, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim_v));
-  };
-  if (n_begin < n_end) {
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        q_s, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        do_s, static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
-                  h * p.dout_head_stride,
-        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
-    load_kv(0, n_begin);
-    cp_async_commit();
-  }
-
-  int64_t row_of[2];
-  float lse_row[2], d_row[2];
-  const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
-  const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+  __device__ __forceinline__ DqStep(const BwdParams& p_, int64_t b_, int64_t h_)
+      : b(b_),
+        h(h_),
+        fn(p_, b_, h_),
+        drop(p_),
+        dbias(p_.dbias_full == nullptr
+                  ? nullptr
+                  : static_cast<float*>(p_.dbias_full) + (b_ * p_.heads_q + h_) * p_.seqlen_q *
+                                                             p_.seqlen_k) {}
+  __device__ __forceinline__ static int row0(int warp) { return warp * 16; }
+  __device__ __forceinline__ static int col0(int) { return 0; }
+  __device__ __forceinline__ static float scale_d(float d) { return d; }
+  __device__ __forceinline__ void setup(int64_t m0, const Element*, const Element*,
+                                        const Element*, int warp, int lane) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_of[r] = m0 + warp * 16 + lane / 4 + 8 * r;
-    const bool in = row_of[r] < p.seqlen_q;
-    lse_row[r] = in ? lse_log2(lse[row_of[r]]) : INFINITY;
-    d_row[r] = in ? dlt[row_of[r]] : 0.f;
+    for (int r = 0; r < 2; ++r) row_of[r] = m0 + warp * 16 + lane / 4 + 8 * r;
   }
-  float dq_acc[1][kD8][4];
-  zero(dq_acc);
 
-  for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-    const int stage = static_cast<int>((n_block - n_begin) & 1);
-    if (n_block + 1 < n_end) {
-      load_kv(stage ^ 1, n_block + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const Element* k_s = kv_s + stage * 2 * kN * kD;
-    const Element* v_s = k_s + kN * kD;
+  __device__ __forceinline__ void scores(float (&s)[1][kS8][4], float (&dp)[1][kS8][4],
+                                         const Element* q_s, const Element* do_s,
+                                         const Element* k_s, int, int warp, int lane) const {
+    gemm_ss<Element, kC, 1, kS8, kD>(s, q_s, warp * 16, k_s, 0, lane);
+    gemm_ss<Element, kC, 1, kS8, kD>(dp, do_s, warp * 16, k_s + kN * kD, 0, lane);
+  }
 
-    float s[1][kN8][4], dp[1][kN8][4];
-    zero(s);
-    zero(dp);
-    gemm_ss<Element, kC, 1, kN8, kD>(s, q_s, warp * 16, k_s, 0, lane);
-    gemm_ss<Element, kC, 1, kN8, kD>(dp, do_s, warp * 16, v_s, 0, lane);
-
-    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
-    const int64_t col0 = n_block * kN + 2 * (lane % 4);
+  // dS (times ds/dx) into s; need_mask: the tile straddles a row's visible range.
+  __device__ __forceinline__ void grad(bool need_mask, float (&s)[1][kS8][4],
+                                       const float (&dp)[1][kS8][4], const float (&lse_row)[1][2],
+                                       const float (&d_row)[1][2], const DqTile& t) const {
+    const BwdParams& p = t.p;
+    const int64_t col0 = t.n_block * kN + 2 * (t.lane % 4);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t lo = vis.begin(row_of[r]), hi = vis.end(row_of[r]);
+      const int64_t lo = t.vis.begin(row_of[r]), hi = t.vis.end(row_of[r]);
       const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
       const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
 #pragma unroll
-      for (int j = 0; j < kN8; ++j) {
+      for (int j = 0; j < kS8; ++j) {
         uint4 w{};
         if (kGeneral && drop.enabled) w = drop.words(row_id, col0 + j * 8);  // one block
 #pragma unroll
@@ -371,25 +327,32 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdPara
           const int64_t col = col0 + j * 8 + e;
           const float dscore =
               kGeneral ? fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1) : fn.scale;
-          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[r]));
+          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[0][r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
           float dpv = dp[0][j][2 * r + e];
           if (kGeneral && drop.enabled)
             dpv = DropoutFn::word(w, col) < drop.threshold ? dpv * drop.scale : 0.f;
-          const float ds = pr * (dpv - d_row[r]);
+          const float ds = pr * (dpv - d_row[0][r]);
           if (kGeneral && dbias != nullptr && row_of[r] < p.seqlen_q && col < p.seqlen_k)
             dbias[row_of[r] * p.seqlen_k + col] = ds;
           x = ds * dscore;
         }
       }
     }
-    gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
-    __syncthreads();  // this stage is overwritten by the prefetch two tiles from now
   }
 
-  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + warp * 16, p.seqlen_q, 0,
-                      static_cast<int>(p.head_dim), lane);
+  __device__ __forceinline__ void dq(float (&dq_acc)[1][kD8][4], const float (&s)[1][kS8][4],
+                                     const Element* k_s, int, int lane) const {
+    gemm_rs<Element, kC, 1, kN, kD8>(dq_acc, s, k_s, 0, 0, lane);
+  }
+};
+
+template <typename T, bool kGeneral>
+__global__ void __launch_bounds__(T::kThreads) flash_bwd_dq_kernel(const BwdParams p,
+                                                                   const float* delta,
+                                                                   int64_t num_m_blocks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bwd_dq_body<DqStep<T, kGeneral>>(p, delta, num_m_blocks, smem_raw);
 }
 
 // Host side: the three launches on `stream`; `delta` is a (batch * heads_q * seqlen_q) fp32

@@ -7,7 +7,7 @@
 //
 // Same algorithm as flash_bwd_kernel.cuh, with FlashAttention-2's warp tiling instead of one
 // 16-row tile per warp, which left every shared-memory fragment feeding one or two MMAs
-// (ldmatrix-bound, benchmarks/NOTES.md).  Two ways to get dQ: by default (p.dq_accum set,
+// (ldmatrix-bound, docs/perf/cuda_backward.md).  Two ways to get dQ: by default (p.dq_accum set,
 // deterministic=False) the dK/dV kernel also adds dS K into an fp32 buffer (FlashAttention-2's
 // single kernel: 5 GEMM passes; on sm_90 one bulk reduction of the step's tile from shared
 // memory, FlashAttention-3's way, elsewhere per-lane atomics: DqMode) and a conversion kernel
@@ -41,7 +41,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/block_info.h"
+#include "kernels/sm80/flash_bwd_dq.h"
 #include "kernels/sm80/launch.h"
+#include "kernels/sm80/softmax.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -117,12 +120,6 @@ enum class DqMode { kSeparate, kAtomic, kBulk };
 template <typename T>
 __host__ __device__ constexpr int dq_frag_offset(int warp, int mt, int j, int lane) {
   return ((warp * 2 * T::kDqN8 + mt * T::kDqN8 + j) * 32 + lane) * 4;
-}
-
-// lse in the exp2 domain; an empty row (lse = -inf) gets +inf so that every P of it is 0.
-__device__ __forceinline__ float lean_lse_log2(float lse) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
 // *gmem += *smem elementwise for `bytes` bytes of fp32 (multiple of 16, both 16-byte aligned),
@@ -330,7 +327,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int q = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // query row within the tile
-          const float lse2 = lean_lse_log2(lse_s[q]);
+          const float lse2 = lse_log2(lse_s[q]);
           const float dd = d_s[q] * scale;
           int lo = 0, hi = kN;  // visible keys of row q, relative to n0
           if constexpr (kMasked) {
@@ -420,7 +417,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // Step t + 1's Q / dO / lse / D loads into the stage step t - 1 used, issued here, under
     // the dV / dK MMAs, rather than right after the first barrier, where all 8 warps' cp.async
     // (and their address arithmetic) queued in front of the S^T / dP^T ldmatrix: +10-12%
-    // (benchmarks/NOTES.md, session 8).  Still half a step ahead of their use.
+    // (docs/perf/cuda_backward.md).  Still half a step ahead of their use.
     if (t + kStages - 1 < steps) load_next(static_cast<int>((t + kStages - 1) % kStages));
     cp_async_commit();
     // dV += P^T dO, dK += dS^T Q: this warp's 32 keys x kD / kWarpsCol head-dim columns.
@@ -442,156 +439,107 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                       static_cast<int>(p.head_dim_v), lane);
 }
 
+// The 8-warp dQ kernel's part of flash_bwd_dq.h's skeleton: warps kWarpsRow x kWarpsCol over
+// (query rows, keys) for S and dP, 32 rows each; dS (times the scale) through shared memory, then
+// dQ += dS K split over (query rows, head dim) the same way.
+template <typename T>
+struct DqLeanStep {
+  using Traits = T;
+  using Element = typename T::Element;
+  static constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
+  static constexpr int kStages = T::kStages;
+  static constexpr int kNC = kN / 8;                    // chunks per row of the dS tile
+  static constexpr int kRowsW = kM / T::kWarpsRow;      // query rows per warp, both phases
+  static constexpr int kMT = kRowsW / 16;
+  static constexpr int kS8 = kN / T::kWarpsCol / 8;     // n8 tiles (keys) per warp of S
+  static constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dQ
+  static constexpr bool kPrefetchFirst = false, kTwoCopies = true, kSyncAtEnd = false;
+  const float scale, scale_log2;
+  // Per-lane ldmatrix base addresses (stage 0 for K and V) and dS's store base.
+  uint32_t q_a, do_a, k_b, v_b, ds_a, ds_c, k_bt;
+
+  __device__ __forceinline__ DqLeanStep(const BwdParams& p, int64_t, int64_t)
+      : scale(static_cast<float>(p.softmax_scale)),
+        scale_log2(scale * 1.4426950408889634f) {}
+  __device__ __forceinline__ static int row0(int warp) { return (warp % T::kWarpsRow) * kRowsW; }
+  __device__ __forceinline__ static int col0(int warp) {
+    return (warp / T::kWarpsRow) * kD8 * 8;
+  }
+  // D scale (dS is stored scaled).
+  __device__ __forceinline__ float scale_d(float d) const { return d * scale; }
+
+  __device__ __forceinline__ void setup(int64_t, const Element* q_s, const Element* do_s,
+                                        const Element* kv_s, int warp, int lane) {
+    const int wr = warp % T::kWarpsRow, wc = warp / T::kWarpsRow;
+    const Element* ds_s = kv_s + kStages * 2 * kN * kD;  // dS, kM x kN
+    q_a = a_base<kC>(q_s, wr * kRowsW, lane);
+    do_a = a_base<kC>(do_s, wr * kRowsW, lane);
+    k_b = b_base<kC>(kv_s, wc * kS8 * 8, lane);
+    v_b = b_base<kC>(kv_s + kN * kD, wc * kS8 * 8, lane);
+    ds_a = a_base<kNC>(ds_s, wr * kRowsW, lane);
+    ds_c = frag_base<kNC>(ds_s, wr * kRowsW, wc * kS8, lane);
+    k_bt = bt_base<kC>(kv_s, wc * kD8, lane);
+  }
+  __device__ __forceinline__ static uint32_t stage_bytes(int stage) {
+    return static_cast<uint32_t>(stage * 2 * kN * kD * sizeof(Element));
+  }
+
+  // S and dP: this warp's 32 rows x kN / kWarpsCol keys.
+  __device__ __forceinline__ void scores(float (&s)[kMT][kS8][4], float (&dp)[kMT][kS8][4],
+                                         const Element*, const Element*, const Element*,
+                                         int stage, int, int) const {
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(s, q_a, k_b + stage_bytes(stage));
+    lean_gemm_ss<Element, kC, kMT, kS8, kD>(dp, do_a, v_b + stage_bytes(stage));
+  }
+
+  // dS * scale = P (dP scale - D scale), P = exp2(S * scale_log2 - lse_log2), into s; the masked
+  // variant compares each key with its row's visible range (32-bit, relative to the block).
+  template <typename Masked>
+  __device__ __forceinline__ void grad(Masked, float (&s)[kMT][kS8][4],
+                                       const float (&dp)[kMT][kS8][4],
+                                       const float (&lse_row)[kMT][2],
+                                       const float (&d_row)[kMT][2], const DqTile& t) const {
+    constexpr bool kMasked = Masked::value;
+    const int wr = t.warp % T::kWarpsRow, wc = t.warp / T::kWarpsRow, lane = t.lane;
+    VisibleKeys::Relative rel{};
+    if constexpr (kMasked) rel = t.vis.relative(t.m0, t.n_block * kN, kN);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int lo = 0, hi = kN;  // visible keys of this row, relative to the block
+        if constexpr (kMasked) {
+          const int dr = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // row within the block
+          lo = rel.begin(dr);
+          hi = rel.end(dr);
+        }
+#pragma unroll
+        for (int j = 0; j < kS8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
+            float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
+            if (kMasked && (key < lo || key >= hi)) pr = 0.f;
+            s[mt][j][2 * r + c] = pr * fmaf(dp[mt][j][2 * r + c], scale, -d_row[mt][r]);
+          }
+      }
+  }
+
+  // dS to shared memory, then dQ += dS K: this warp's 32 rows x kD / kWarpsCol head-dim columns.
+  __device__ __forceinline__ void dq(float (&dq_acc)[kMT][kD8][4], const float (&s)[kMT][kS8][4],
+                                     const Element*, int stage, int) const {
+    store_frag_smem<Element, kNC>(ds_c, s);
+    __syncthreads();  // dS complete
+    lean_gemm_ss_t<Element, kNC, kC, kMT, kD8, kN>(dq_acc, ds_a, k_bt + stage_bytes(stage));
+  }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_bwd_dq_lean_kernel(const BwdParams p, const float* delta, int64_t num_m_blocks) {
-  using Element = typename T::Element;
-  constexpr int kM = T::kBlockMQ, kN = T::kBlockNQ, kD = T::kHeadDim, kC = T::kChunks;
-  constexpr int kStages = T::kStages;
-  constexpr int kNC = kN / 8;                    // chunks per row of the dS tile
-  constexpr int kRowsW = kM / T::kWarpsRow;      // query rows per warp, both phases
-  constexpr int kMT = kRowsW / 16;
-  constexpr int kS8 = kN / T::kWarpsCol / 8;     // n8 tiles (keys) per warp of S
-  constexpr int kD8 = kD / T::kWarpsCol / 8;     // n8 tiles (head dim) per warp of dQ
   extern __shared__ __align__(128) unsigned char lean_smem[];  // 128: see swz_step
-  Element* q_s = reinterpret_cast<Element*>(lean_smem);
   check_swz_alignment(lean_smem);
-  Element* do_s = q_s + kM * kD;
-  Element* kv_s = do_s + kM * kD;                 // [stage][K | V], kN x kD each
-  Element* ds_s = kv_s + kStages * 2 * kN * kD;   // dS, kM x kN
-
-  const int64_t bid = blockIdx.x;
-  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;  // long rows first (causal)
-  const int64_t bh = bid / num_m_blocks;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int64_t m0 = m_block * kM;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int wr = warp % T::kWarpsRow, wc = warp / T::kWarpsRow;
-
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
-  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
-  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
-  const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
-
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  const float scale = static_cast<float>(p.softmax_scale);
-  const float scale_log2 = scale * 1.4426950408889634f;
-
-  auto load_kv = [&](int stage, int64_t n_block) {
-    Element* dst = kv_s + stage * 2 * kN * kD;
-    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
-                                                  p.seqlen_k, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(dst + kN * kD, v, p.v_row_stride,
-                                                  n_block * kN, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim_v));
-  };
-  if (n_begin < n_end) {
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        q_s, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        do_s, static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
-                  h * p.dout_head_stride,
-        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
-    load_kv(0, n_begin);
-  }
-  cp_async_commit();
-#pragma unroll
-  for (int s = 1; s < kStages - 1; ++s) {
-    if (n_begin + s < n_end) load_kv(s, n_begin + s);
-    cp_async_commit();
-  }
-
-  // This lane's rows: m0 + wr * kRowsW + 16 mt + lane / 4 + 8 r.
-  float lse_row[kMT][2], d_row[kMT][2];
-  const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
-  const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = m0 + wr * kRowsW + mt * 16 + lane / 4 + 8 * r;
-      const bool in = row < p.seqlen_q;
-      lse_row[mt][r] = in ? lean_lse_log2(lse[row]) : INFINITY;
-      d_row[mt][r] = in ? dlt[row] * scale : 0.f;  // D scale (dS is stored scaled)
-    }
-  // Per-lane ldmatrix base addresses (stage 0 for K and V).
-  const uint32_t q_a = a_base<kC>(q_s, wr * kRowsW, lane);
-  const uint32_t do_a = a_base<kC>(do_s, wr * kRowsW, lane);
-  const uint32_t k_b = b_base<kC>(kv_s, wc * kS8 * 8, lane);
-  const uint32_t v_b = b_base<kC>(kv_s + kN * kD, wc * kS8 * 8, lane);
-  const uint32_t ds_a = a_base<kNC>(ds_s, wr * kRowsW, lane);
-  const uint32_t ds_c = frag_base<kNC>(ds_s, wr * kRowsW, wc * kS8, lane);
-  const uint32_t k_bt = bt_base<kC>(kv_s, wc * kD8, lane);
-
-  float dq_acc[kMT][kD8][4];
-  zero(dq_acc);
-
-  const int64_t n_count = n_end - n_begin;
-  for (int64_t i = 0; i < n_count; ++i) {
-    const int64_t n_block = n_begin + i;
-    const int stage = static_cast<int>(i % kStages);
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // K/V of block i visible; every warp done with block i - 1 (its stage, dS)
-    // (Issuing these loads under the dQ MMAs instead, as the dK/dV kernel does, measured 0 to
-    // -4% here.)
-    if (i + kStages - 1 < n_count)
-      load_kv(static_cast<int>((i + kStages - 1) % kStages), n_block + kStages - 1);
-    cp_async_commit();
-    const uint32_t stage_bytes = static_cast<uint32_t>(stage * 2 * kN * kD * sizeof(Element));
-
-    // S and dP: this warp's 32 rows x kN / kWarpsCol keys.
-    float s[kMT][kS8][4], dp[kMT][kS8][4];
-    zero(s);
-    zero(dp);
-    lean_gemm_ss<Element, kC, kMT, kS8, kD>(s, q_a, k_b + stage_bytes);
-    lean_gemm_ss<Element, kC, kMT, kS8, kD>(dp, do_a, v_b + stage_bytes);
-
-    // dS * scale = P (dP scale - D scale), P = exp2(S * scale_log2 - lse_log2); the masked
-    // variant compares each key with its row's visible range (32-bit, relative to the block).
-    auto softmax_grad = [&](auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
-      VisibleKeys::Relative rel{};
-      if constexpr (kMasked) rel = vis.relative(m0, n_block * kN, kN);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          int lo = 0, hi = kN;  // visible keys of this row, relative to the block
-          if constexpr (kMasked) {
-            const int dr = wr * kRowsW + mt * 16 + lane / 4 + 8 * r;  // row within the block
-            lo = rel.begin(dr);
-            hi = rel.end(dr);
-          }
-#pragma unroll
-          for (int j = 0; j < kS8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int key = wc * kS8 * 8 + j * 8 + 2 * (lane % 4) + c;  // within the block
-              float pr = exp2f(fmaf(s[mt][j][2 * r + c], scale_log2, -lse_row[mt][r]));
-              if (kMasked && (key < lo || key >= hi)) pr = 0.f;
-              s[mt][j][2 * r + c] = pr * fmaf(dp[mt][j][2 * r + c], scale, -d_row[mt][r]);
-            }
-        }
-    };
-    if (n_block * kN < interior_begin || (n_block + 1) * kN > interior_end)
-      softmax_grad(std::true_type{});
-    else
-      softmax_grad(std::false_type{});
-    store_frag_smem<Element, kNC>(ds_c, s);
-    __syncthreads();  // dS complete
-
-    // dQ += dS K: this warp's 32 rows x kD / kWarpsCol head-dim columns.
-    lean_gemm_ss_t<Element, kNC, kC, kMT, kD8, kN>(dq_acc, ds_a, k_bt + stage_bytes);
-  }
-  cp_async_wait<0>();
-
-  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + wr * kRowsW, p.seqlen_q, wc * kD8 * 8,
-                      static_cast<int>(p.head_dim), lane);
+  bwd_dq_body<DqLeanStep<T>>(p, delta, num_m_blocks, lean_smem);
 }
 
 template <typename T>

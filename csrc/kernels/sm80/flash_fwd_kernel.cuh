@@ -4,8 +4,9 @@
 // Q tile -> shared once; K/V tiles of kBlockN rows stream through a double-buffered shared ring
 // with cp.async (the next tile loads while this one computes).  Per tile, in registers:
 // S = Q K^T (tensor cores), mask, online softmax in the exp2 domain with fp32 running max m and
-// sum l (FlashAttention-2, arXiv:2307.08691, Algorithm 1), O = O * exp2(m_old - m_new) + P V with
-// P re-used from the S accumulators as the A operand.  O / l and the LSE are written once.
+// sum l (softmax.h; FlashAttention-2, arXiv:2307.08691, Algorithm 1),
+// O = O * exp2(m_old - m_new) + P V with P re-used from the S accumulators as the A operand.
+// O / l and the LSE are written once.
 //
 // Shared tiles and the warp GEMMs are those of tile.h.
 #pragma once
@@ -15,9 +16,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/block_info.h"
 #include "kernels/sm80/dropout.h"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/score.h"
+#include "kernels/sm80/softmax.h"
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -53,29 +56,23 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kC = T::kChunks;
   constexpr int kNTiles = kN / 8;  // 8-column tiles of S per warp
   constexpr int kDTiles = kD / 8;  // 8-column tiles of O per warp
-  constexpr float kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: see tile.h swz_step
   Element* q_s = reinterpret_cast<Element*>(smem_raw);
   check_swz_alignment(smem_raw);
   Element* kv_s = q_s + T::kSmemQ;  // [stage][K | V]
 
-  // Longest rows first under causal masking: the heaviest query blocks start first.
   const int64_t bid = blockIdx.x;
-  const int64_t m_block = num_m_blocks - 1 - bid % num_m_blocks;
-  const int64_t bh = bid / num_m_blocks;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int64_t m0 = m_block * kM;
+  const QueryBlock blk(p, bid, num_m_blocks, kM);  // block_info.h
+  const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
+  const VisibleKeys vis = visible_keys(p);
   const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
   const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
 
-  const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const auto* q = head_rows<Element>(p.q, p.q_batch_stride, p.q_head_stride, b, h);
+  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, blk.hk);
+  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, blk.hk);
 
   const ScoreFn fn(p, b, h);
   const DropoutFn drop(p);
@@ -92,11 +89,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * T::kSmemKV;
-    load_tile_async<Element, kN, kC, T::kThreads>(dst, k, p.k_row_stride, n_block * kN,
-                                                  p.seqlen_k, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(dst + T::kSmemKV, v, p.v_row_stride,
-                                                  n_block * kN, p.seqlen_k,
-                                                  static_cast<int>(p.head_dim_v));
+    load_kv_async<Element, kN, kC, T::kThreads>(dst, dst + T::kSmemKV, k, v, p, n_block * kN);
   };
   if (n_begin < n_end) {
     load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, p.seqlen_q,
@@ -109,15 +102,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   float o_acc[kMT][kDTiles][4];
   zero(o_acc);
   // Per m-tile and half (rows lane/4 and lane/4 + 8): running max of raw (or transformed)
-  // scores and this thread's share of the running sum.
-  float m_row[kMT][2], l_row[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_row[mt][r] = -INFINITY;
-      l_row[mt][r] = 0.f;
-    }
+  // scores and this thread's share of the running sum (softmax.h).
+  OnlineSoftmax<kMT> softmax;
   // Query row of this lane's accumulator rows (computed where used: not kept in registers).
   auto row_of = [&](int mt, int r) -> int64_t {
     return m0 + (warp * kMT + mt) * 16 + lane / 4 + 8 * r;
@@ -126,13 +112,10 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const uint32_t q_a = a_base<kC>(q_s, warp * kMT * 16, lane);
   const uint32_t k_b = b_base<kC>(kv_s, 0, lane);
   const uint32_t v_bt = bt_base<kC>(kv_s + T::kSmemKV, 0, lane);
-  // Key tiles fully inside every row's visible range need no per-element mask.
-  const int64_t interior_begin = keys.interior_begin, interior_end = keys.interior_end;
-
   // Where the next K/V tile's loads go (into the other stage): at head dim <= 64 once this
   // tile's S = Q K^T is issued, at 128 before O += P V, not at the top of the iteration
-  // where the cp.async of all warps queue in front of the S GEMM's ldmatrix (measured,
-  // session 8: +3.5% at d=64, +1-2% at d=128); at 256 (one m-tile per warp, 32-key tiles)
+  // where the cp.async of all warps queue in front of the S GEMM's ldmatrix (measured: +3.5% at
+  // d=64, +1-2% at d=128, docs/perf/sm80_forward.md); at 256 (one m-tile per warp, 32-key tiles)
   // the top measured 4% faster.  After the barrier at the top of an iteration the other stage
   // is free, so only the top placement needs a barrier at the end of the iteration.
   enum { kTop, kAfterS, kBeforePV };
@@ -196,27 +179,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
                 if (key < lo || key >= hi) s[mt][j][2 * r + e] = -INFINITY;
               }
           }
-          float mx = -INFINITY;
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
-            mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          const float m_new = fmaxf(m_row[mt][r], mx);
-          // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-          const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-          const float alpha = exp2f(m_row[mt][r] * scale_log2 - m_scaled);  // 0 if m_old = -inf
-          m_row[mt][r] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& x = s[mt][j][2 * r + e];
-              x = exp2f(fmaf(x, scale_log2, -m_scaled));
-              sum += x;
-            }
-          l_row[mt][r] = l_row[mt][r] * alpha + sum;
+          const float alpha = softmax.update(mt, r, s[mt], scale_log2);
           if (kGeneral && drop.enabled) {  // after the row sum: dropout acts on the normalised P
             const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
                                                           row_of(mt, r));
@@ -229,21 +192,13 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
                 if (DropoutFn::word(w, col + e) >= drop.threshold) s[mt][j][2 * r + e] = 0.f;
             }
           }
-#pragma unroll
-          for (int j = 0; j < kDTiles; ++j) {
-            o_acc[mt][j][2 * r] *= alpha;
-            o_acc[mt][j][2 * r + 1] *= alpha;
-          }
+          rescale_row(o_acc[mt], r, alpha);
         }
       }
     };
-    const bool need_mask = n_block * kN < interior_begin || (n_block + 1) * kN > interior_end;
-    if constexpr (kGeneral)
-      softmax_tile(need_mask);
-    else if (need_mask)
-      softmax_tile(std::true_type{});
-    else
-      softmax_tile(std::false_type{});
+    // Key tiles fully inside every row's visible range need no per-element mask.
+    const bool need_mask = key_tile_masked(keys, n_block, kN);
+    with_mask<!kGeneral>(need_mask, softmax_tile);
 
     if constexpr (kPrefetchAt == kBeforePV) prefetch();
     // O += P V, P taken from the S accumulators.
@@ -254,17 +209,13 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
   // Epilogue: out = O / l (/ (1 - dropout_p)) (0 for rows that saw nothing),
   // lse = m * scale + ln(l).
-  auto* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
-  auto* lse = static_cast<float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
+  auto* out = head_rows<Element>(p.out, p.out_batch_stride, p.out_head_stride, b, h);
+  auto* lse = head_stats(static_cast<float*>(p.softmax_lse), p, b, h);
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = l_row[mt][r];
-      l += __shfl_xor_sync(0xffffffff, l, 1);
-      l += __shfl_xor_sync(0xffffffff, l, 2);
-      // No visible key (m = -inf, l = 0).  A NaN score makes l NaN: not empty, NaN comes out.
-      const bool empty = m_row[mt][r] == -INFINITY && l == 0.f;
+      const auto [l, empty] = softmax.finish(mt, r);  // empty: no visible key
       const float inv_l = empty ? 0.f : (kGeneral ? drop.scale : 1.f) / l;
       const int64_t row = row_of(mt, r);
       if (row >= p.seqlen_q) continue;
@@ -278,15 +229,15 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
         }
       }
       if (lane % 4 == 0) {
-        lse[row] = empty ? -INFINITY : (m_row[mt][r] * scale_log2 + log2f(l)) * kLn2;
+        lse[row] = empty ? -INFINITY : softmax.lse(mt, r, l, scale_log2);
       }
     }
   }
 }
 
 // Host side: one CTA per (query block, batch, head), launched on `stream`.  Plain attention at
-// head dim 64 takes 128-key tiles (Plain): measured 2-4% faster than T's 64 (session 8,
-// benchmarks/NOTES.md) although ptxas spills ~200 bytes there; the general variant keeps T's
+// head dim 64 takes 128-key tiles (Plain): measured 2-4% faster than T's 64
+// (docs/perf/sm80_forward.md) although ptxas spills ~200 bytes there; the general variant keeps T's
 // tile, where 128 keys would add to its spills.
 template <typename T>
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
