@@ -50,8 +50,10 @@ SM80_BWD = """\
 namespace flash_attn_ext::sm80 {{
 
 template <>
-cudaError_t run_flash_bwd<{element}, {d}>(const BwdParams& p, float* delta, cudaStream_t stream) {{
-  using Traits = BwdTraits<{element}, {d}, bwd_block_m<{d}>(), bwd_split_d<{d}>(), bwd_block_n_dq<{d}>()>;
+cudaError_t run_flash_bwd<{element}, {d}>(const BwdParams& p, float* delta, \
+cudaStream_t stream) {{
+  using Traits = BwdTraits<{element}, {d}, bwd_block_m<{d}>(), bwd_split_d<{d}>(), \
+bwd_block_n_dq<{d}>()>;
   return launch_flash_bwd<Traits>(p, delta, stream);
 }}
 
@@ -145,8 +147,8 @@ def main(argv=None):
         for path, reason in stale:
             print(f"csrc/kernels/{path}: {reason}", file=sys.stderr)
         if stale:
-            print("generate_kernels: stale instantiation files; run python csrc/generate_kernels.py",
-                  file=sys.stderr)
+            print("generate_kernels: stale instantiation files; rerun"
+                  " python csrc/generate_kernels.py", file=sys.stderr)
             return 1
         print(f"generate_kernels: {len(kernel_files())} instantiation files up to date")
         return 0

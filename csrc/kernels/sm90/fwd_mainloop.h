@@ -72,7 +72,8 @@ struct FwdMainloop {
                                               Shape<Int<kM>, Int<kN>>{}));
   using FragO = decltype(partition_fragment_C(std::declval<TiledMmaPV&>(),
                                               Shape<Int<kM>, Int<kD>>{}));
-  using FragP = decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{}));
+  using FragP =
+      decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{}));
   using CoordS = decltype(std::declval<ThrQK&>().partition_C(
       make_identity_tensor(Shape<Int<kM>, Int<kN>>{})));
   using CoordO = decltype(std::declval<ThrPV&>().partition_C(
