@@ -1,7 +1,8 @@
 // When the Hopper forward packs the query heads of a GQA group into one tile (PackGQA, see
-// Sm90FwdArgs::group and the kPackGQA instantiations in flash_fwd_sm90.cuh).  Plain C++ (no CUDA): the CUDA glue applies it,
-// the Python module exposes it (flash_attn_ext._C.sm90_pack_gqa, sm90_pack_gqa_possible,
-// sm90_max_rows) for dispatch.py, which names the kernel in explain() and last_plan() by it.
+// Sm90FwdArgs::group in fwd_traits.h and the flash_fwd_sm90_hdim*_packgqa.cu instantiations).
+// Plain C++ (no CUDA): the CUDA glue applies it, the Python module exposes it
+// (flash_attn_ext._C.sm90_pack_gqa, sm90_pack_gqa_possible, sm90_max_rows) for dispatch.py,
+// which names the kernel in explain() and last_plan() by it.
 #pragma once
 
 #include <cstdint>
