@@ -119,15 +119,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     clear(mainloop.tOrO);
 
     if (n_begin < n_end && idle) {
-      FwdMainloop<T>::idle_tile(pipe_k, pipe_v, state, ring, n_begin, n_end,
-                                &smem.barrier_q_empty[qs]);
+      state = FwdMainloop<T>::idle_tile(pipe_k, pipe_v, state, ring, n_begin, n_end,
+                                        &smem.barrier_q_empty[qs]);
     } else if (n_begin < n_end) {
       if constexpr (T::kPackGQA) {
         if (!q_issued) issue_q_packed<T>(args, sQ, ctid, me, m0, b, h);
         finish_q_packed<T>(me);
       }
-      mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end,
-                            qs, &smem.barrier_q_empty[qs]);
+      state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
+                                    n_end, qs, &smem.barrier_q_empty[qs]);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -142,11 +142,11 @@ struct FwdMainloop {
   // still waits for and releases every K/V stage and takes its pingpong turns, so the other
   // warpgroups' barriers count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192
   // rows: without this, the partial tile's two empty warpgroups cost the tensor cores a full
-  // tile.)  The same waits, releases and turns as compute_tile, without the math.
-  __device__ __forceinline__ static void idle_tile(Pipeline& pipe_k, Pipeline& pipe_v,
-                                                   PipelineState& state,
-                                                   const PingpongRing<T::kConsumers>& ring,
-                                                   int n_begin, int n_end, uint64_t* q_empty) {
+  // tile.)  The same waits, releases and turns as compute_tile, without the math.  Returns
+  // the K/V pipeline state after the tile's stages.
+  __device__ __forceinline__ static PipelineState idle_tile(
+      Pipeline& pipe_k, Pipeline& pipe_v, PipelineState state,
+      const PingpongRing<T::kConsumers>& ring, int n_begin, int n_end, uint64_t* q_empty) {
     auto prev = state;
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
       pipe_k.consumer_wait(state);
@@ -167,12 +167,15 @@ struct FwdMainloop {
     ring.turn_begin();
     ring.turn_end(true);
     pipe_v.consumer_release(prev);
+    return state;
   }
 
   // Key tiles [n_begin, n_end) of a tile (n_begin < n_end) into O, m and l; Q in buffer qs.
-  // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.
-  __device__ __forceinline__ void compute_tile(const Sm90FwdArgs<T>& args, Pipeline& pipe_k,
-                                               Pipeline& pipe_v, PipelineState& state,
+  // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
+  // K/V pipeline state after the tile's stages.
+  __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
+                                               Pipeline& pipe_k, Pipeline& pipe_v,
+                                               PipelineState state,
                                                const PingpongRing<T::kConsumers>& ring,
                                                OnlineSoftmax<T>& softmax, const RowMask<T>& mask,
                                                int n_begin, int n_end, int qs,
@@ -240,6 +243,7 @@ struct FwdMainloop {
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     pipe_v.consumer_release(prev);
+    return state;
   }
 };
 
