@@ -1,6 +1,7 @@
 // When the Hopper forward packs the query heads of a GQA group into one tile (PackGQA, see
-// Sm90FwdArgs::group and the kPackGQA instantiations).  Plain C++ (no CUDA): kernel_select.h
-// applies it for the glue and for flash_attn_ext's planning alike.
+// Sm90FwdArgs::group in fwd_traits.h and the flash_fwd_sm90_hdim*_packgqa.cu instantiations).
+// Plain C++ (no CUDA): kernel_select.h applies it for the glue and for flash_attn_ext's
+// planning alike.
 #pragma once
 
 #include <cstdint>

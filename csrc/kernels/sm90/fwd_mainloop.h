@@ -1,0 +1,250 @@
+// The Hopper forward's consumer main loop: per K/V tile, S = Q K^T (wgmma, both operands in
+// shared memory, fp32 accumulators in registers), mask and online softmax (fwd_softmax.h), then
+// O = O * exp2(m_old - m_new) + P V with P converted to 16 bits in registers and fed to wgmma as
+// its register A operand (the accumulator layout of S and the A-operand layout of P V hold the
+// same rows and columns per thread).  The consumer warpgroups take turns issuing their GEMMs
+// (pingpong, PingpongRing), and within a warpgroup tile n's Q K^T is issued together with tile
+// n-1's P V (FlashAttention-3, arXiv:2407.08608, sections 3.1-3.2).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "kernels/sm90/fwd_mask.h"
+#include "kernels/sm90/fwd_softmax.h"
+#include "kernels/sm90/fwd_tile_scheduler.h"
+#include "kernels/sm90/fwd_traits.h"
+
+namespace flash_attn_ext::sm90 {
+
+// Pingpong (FlashAttention-3, section 3.1): the consumer warpgroups take turns issuing their
+// GEMMs, in a ring, so one's softmax runs while the others' GEMMs occupy the tensor cores.
+// Named barrier `me` lets this warpgroup issue; after issuing, it lets the next one.  A tile's
+// first Q K^T is issued outside the ring, by every warpgroup as soon as it is ready (their
+// start then lies closer together: measured +0..+5% at L <= 4k; starting the ring earlier
+// for the first warpgroup instead, or running it on across tiles, measured 2-9% slower at
+// every L); after issuing it the last warpgroup opens the first turn for the first, and it
+// skips its own last hand-over, so every barrier sees as many arrivals as waits.  All
+// warpgroups have the same number of turns in a tile (one per key tile after the first,
+// plus one for the last P V).
+template <int kConsumers>
+struct PingpongRing {
+  static constexpr int kLastWg = kConsumers - 1;
+  const int me, next;  // this consumer warpgroup (0 .. kLastWg) and the one after it
+
+  __device__ __forceinline__ explicit PingpongRing(int me_)
+      : me(me_), next(me_ == kLastWg ? 0 : me_ + 1) {}
+
+  __device__ __forceinline__ void turn_begin() const {
+    cutlass::arch::NamedBarrier::sync(256, me);
+  }
+  __device__ __forceinline__ void turn_end(bool last) const {
+    if (!(last && me == kLastWg)) cutlass::arch::NamedBarrier::arrive(256, next);
+  }
+  __device__ __forceinline__ void open_ring() const {
+    if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
+  }
+};
+
+// One consumer thread's GEMM operands and accumulators, and the loop over a tile's key tiles.
+template <typename T>
+struct FwdMainloop {
+  using Element = typename T::Element;
+  using TiledMmaQK = typename T::TiledMmaQK;
+  using TiledMmaPV = typename T::TiledMmaPV;
+  using Pipeline = typename T::Pipeline;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
+
+  // The shared tiles (SharedStorage q, k, v; V also as (head_dim, keys, stage)).
+  using SmemQ = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                     typename T::SmemLayoutQ{}));
+  using SmemKV = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutKV{}));
+  using SmemVt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutVt{}));
+  using ThrQK = decltype(std::declval<TiledMmaQK&>().get_thread_slice(0));
+  using ThrPV = decltype(std::declval<TiledMmaPV&>().get_thread_slice(0));
+  using FragQ = decltype(std::declval<ThrQK&>().partition_fragment_A(std::declval<SmemQ&>()));
+  using FragK = decltype(std::declval<ThrQK&>().partition_fragment_B(std::declval<SmemKV&>()));
+  using FragV = decltype(std::declval<ThrPV&>().partition_fragment_B(std::declval<SmemVt&>()));
+  using FragS = decltype(partition_fragment_C(std::declval<TiledMmaQK&>(),
+                                              Shape<Int<kM>, Int<kN>>{}));
+  using FragO = decltype(partition_fragment_C(std::declval<TiledMmaPV&>(),
+                                              Shape<Int<kM>, Int<kD>>{}));
+  using FragP =
+      decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kN / 16>>>{}));
+  using CoordS = decltype(std::declval<ThrQK&>().partition_C(
+      make_identity_tensor(Shape<Int<kM>, Int<kN>>{})));
+  using CoordO = decltype(std::declval<ThrPV&>().partition_C(
+      make_identity_tensor(Shape<Int<kM>, Int<kD>>{})));
+
+  TiledMmaQK mma_qk;
+  TiledMmaPV mma_pv;
+  FragQ tSrQ;  // shared-memory descriptors
+  FragK tSrK;  // (MMA, MMA_N, MMA_K, stage)
+  FragV tOrV;
+  FragS tSrS;  // S, fp32, then P in fp32 (the softmax works in place)
+  FragO tOrO;  // O, fp32
+  FragP tOrP;  // P in 16 bits: P V's register A operand
+  // (row, column) of every accumulator element of this thread, within the tile.
+  CoordS tScS;
+  CoordO tOcO;
+
+  // wgmma's m64nNk16 accumulator layout (s_index, fwd_traits.h).
+  static constexpr int kSVals = decltype(size(std::declval<FragS&>()))::value;
+  static constexpr int kOVals = decltype(size(std::declval<FragO&>()))::value;
+  static_assert(kSVals == kN / 2 && kOVals == kD / 2, "unexpected wgmma accumulator layout");
+  static_assert(decltype(size(std::declval<FragP&>()))::value == kSVals, "");
+
+  // ctid: 0 .. 128 * kConsumers - 1 over the consumer warpgroups.
+  __device__ __forceinline__ FwdMainloop(int ctid, SmemQ& sQ, SmemKV& sK, SmemVt& sVt)
+      : tSrQ(mma_qk.get_thread_slice(ctid).partition_fragment_A(sQ)),
+        tSrK(mma_qk.get_thread_slice(ctid).partition_fragment_B(sK)),
+        tOrV(mma_pv.get_thread_slice(ctid).partition_fragment_B(sVt)),
+        tSrS(partition_fragment_C(mma_qk, Shape<Int<kM>, Int<kN>>{})),
+        tOrO(partition_fragment_C(mma_pv, Shape<Int<kM>, Int<kD>>{})),
+        tScS(mma_qk.get_thread_slice(ctid).partition_C(
+            make_identity_tensor(Shape<Int<kM>, Int<kN>>{}))),
+        tOcO(mma_pv.get_thread_slice(ctid).partition_C(
+            make_identity_tensor(Shape<Int<kM>, Int<kD>>{}))) {}
+
+  __device__ __forceinline__ void convert_p() {
+#pragma unroll
+    for (int i = 0; i < kSVals; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
+  }
+  // wgmma issue without waiting: S = Q K^T into tSrS, O += P V into tOrO (one commit group
+  // each).
+  __device__ __forceinline__ void issue_qk(int stage, int qs) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb, qs), tSrK(_, _, kb, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  }
+  __device__ __forceinline__ void issue_pv(int stage) {
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    mma_pv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+      cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    }
+    warpgroup_commit_batch();
+  }
+
+  // A warpgroup whose 64 rows do not exist (warpgroup_idle) issues no GEMMs and no softmax; it
+  // still waits for and releases every K/V stage and takes its pingpong turns, so the other
+  // warpgroups' barriers count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192
+  // rows: without this, the partial tile's two empty warpgroups cost the tensor cores a full
+  // tile.)  The same waits, releases and turns as compute_tile, without the math.  Returns
+  // the K/V pipeline state after the tile's stages.
+  __device__ __forceinline__ static PipelineState idle_tile(
+      Pipeline& pipe_k, Pipeline& pipe_v, PipelineState state,
+      const PingpongRing<T::kConsumers>& ring, int n_begin, int n_end, uint64_t* q_empty) {
+    auto prev = state;
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      pipe_k.consumer_wait(state);
+      if (n_block > n_begin) {
+        pipe_v.consumer_wait(prev);
+        ring.turn_begin();
+        ring.turn_end(false);
+      } else {
+        ring.open_ring();  // as the first Q K^T in compute_tile: outside the ring
+      }
+      pipe_k.consumer_release(state);
+      if (n_block + 1 == n_end) release_q(q_empty);
+      if (n_block > n_begin) pipe_v.consumer_release(prev);
+      prev = state;
+      ++state;
+    }
+    pipe_v.consumer_wait(prev);
+    ring.turn_begin();
+    ring.turn_end(true);
+    pipe_v.consumer_release(prev);
+    return state;
+  }
+
+  // Key tiles [n_begin, n_end) of a tile (n_begin < n_end) into O, m and l; Q in buffer qs.
+  // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
+  // K/V pipeline state after the tile's stages.
+  __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
+                                               Pipeline& pipe_k, Pipeline& pipe_v,
+                                               PipelineState state,
+                                               const PingpongRing<T::kConsumers>& ring,
+                                               OnlineSoftmax<T>& softmax, const RowMask<T>& mask,
+                                               int n_begin, int n_end, int qs,
+                                               uint64_t* q_empty) {
+    float alpha[2];
+    // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
+    // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
+    pipe_k.consumer_wait(state);
+    issue_qk(state.index(), qs);  // outside the ring (see PingpongRing)
+    ring.open_ring();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(state);
+    if (n_begin + 1 == n_end) release_q(q_empty);
+    softmax.step(tSrS, mask, n_begin, alpha);
+    convert_p();
+    auto prev = state;
+    ++state;
+    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+      pipe_k.consumer_wait(state);
+      pipe_v.consumer_wait(prev);
+      ring.turn_begin();
+      issue_qk(state.index(), qs);
+      issue_pv(prev.index());
+      ring.turn_end(false);
+      warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      warpgroup_fence_operand(tSrS);
+      pipe_k.consumer_release(state);
+      if (n_block + 1 == n_end) release_q(q_empty);
+      softmax.step(tSrS, mask, n_block, alpha);
+      if constexpr (T::kWaitPvAfterSoftmax) {
+        // ptxas hoists a wgmma wait to the start of its basic block.  Written plainly here,
+        // that block begins after the mask branch, before the max, so the softmax would not
+        // overlap this P V.  A branch right here, with the wait in both arms, keeps the wait
+        // after the softmax.  Its condition must be the same for the whole warpgroup
+        // (wgmma.wait_group is .aligned: all 128 threads must execute the same instruction),
+        // and ptxas must not know its value: num_tiles > 0, which is true for every tile (the
+        // launcher does not launch without tiles), so the second arm, which skips the rescale,
+        // never runs.  (The warp's rescale vote comes first, so that it runs with the softmax.)
+        const bool rescale = __any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f);
+        if (args.num_tiles > 0) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          pipe_v.consumer_release(prev);
+          if (rescale) softmax.rescale_o(tOrO, alpha, false);
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          pipe_v.consumer_release(prev);
+        }
+      } else {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        pipe_v.consumer_release(prev);
+        softmax.rescale_o(tOrO, alpha, true);
+      }
+      convert_p();
+      prev = state;
+      ++state;
+    }
+    pipe_v.consumer_wait(prev);
+    ring.turn_begin();
+    issue_pv(prev.index());
+    ring.turn_end(true);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipe_v.consumer_release(prev);
+    return state;
+  }
+};
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,88 @@
+// The Hopper forward's masking: csrc/mask.h's rule (VisibleKeys: causal and sliding windows),
+// applied at two levels.  The producer works out, per tile, the key tiles its rows see and, per
+// consumer warpgroup, the key tiles that every one of its rows sees in full (TileInfo); the
+// consumers then mask only the key tiles that straddle a boundary of their own 64 rows, per
+// element, against per-row bounds set once per tile (RowMask).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sm90/fwd_traits.h"
+#include "mask.h"
+
+namespace flash_attn_ext::sm90 {
+
+// The positions of tile rows [row, row + rows) cut to [0, rows_q), as VisibleKeys::block's
+// arguments (packed GQA: the rows of a group's heads share positions).
+template <typename T>
+__device__ __forceinline__ void row_positions(const Sm90FwdArgs<T>& args, int32_t row,
+                                              int32_t rows, int32_t& first, int32_t& count) {
+  const int32_t lo = max(row, 0), hi = min(row + rows, args.rows_q);
+  first = row_position(args, lo);
+  count = hi > lo ? row_position(args, hi - 1) + 1 - first : 0;
+}
+
+// The key tiles of kBlockN keys that tile rows [m0, m0 + rows) see (VisibleKeys::Block): the
+// producer's, per tile (the loop bounds) and per consumer warpgroup (its interior).
+template <typename T>
+__device__ __forceinline__ VisibleKeys::Block visible_key_tiles(const Sm90FwdArgs<T>& args,
+                                                                const VisibleKeys& vis,
+                                                                int32_t m0, int32_t rows) {
+  int32_t pos0, npos;
+  row_positions(args, m0, rows, pos0, npos);
+  return vis.block(pos0, npos, args.p.seqlen_q, T::kBlockN);
+}
+
+// One consumer thread's mask: per-tile bounds of its two rows (row halves r and r + 8 of
+// wgmma's accumulator, s_index), applied to an S tile in registers.
+template <typename T>
+struct RowMask {
+  static constexpr int kN = T::kBlockN;
+  // Keys [key_lo[r], key_hi[r]) are visible to row half r, stored relative to this thread's
+  // first column (thread_col: accumulator value c of a row half sits at column
+  // thread_col + s_col(c) of the key tile); key tiles inside [interior_begin, interior_end) are
+  // visible to every row of this warpgroup.  Rows, columns and key bounds fit in 32 bits
+  // (TMA's shapes are int32); keeping them 32-bit frees registers for the accumulators.
+  int32_t key_lo[2], key_hi[2], interior_begin, interior_end;
+  const int32_t thread_col;
+
+  __device__ __forceinline__ explicit RowMask(int32_t thread_col_) : thread_col(thread_col_) {}
+
+  // Row half r's bounds, from its tile row (>= 0 once clamped: rows below 0 see what row 0
+  // sees, and belong to idle warpgroups).
+  __device__ __forceinline__ void set_row(const Sm90FwdArgs<T>& args, const VisibleKeys& vis,
+                                          int r, int32_t row) {
+    const int32_t pos = row_position(args, max(row, 0));
+    key_lo[r] = static_cast<int32_t>(vis.begin(pos)) - thread_col;
+    key_hi[r] = static_cast<int32_t>(vis.end(pos)) - thread_col;
+  }
+
+  // Rows [r0, r1) of key tile n_block in tSrS: invisible scores become -inf, only on key tiles
+  // outside the warpgroup's interior.
+  template <int r0, int r1, typename TensorS>
+  __device__ __forceinline__ void apply(TensorS& tSrS, int n_block) const {
+    constexpr int kSVals = kN / 2;  // values of S per thread (FwdMainloop checks it)
+    const int32_t col0 = n_block * kN;
+    if (col0 < interior_begin || col0 + kN > interior_end) {
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
+        // Compared with the columns' compile-time offsets: one ISETP and one FSEL per value
+        // for the right bound (causal), one more only where a left window bound falls inside.
+        const int32_t lo = key_lo[r] - col0, hi = key_hi[r] - col0;
+        if (lo > 0) {
+#pragma unroll
+          for (int c = 0; c < kSVals / 2; ++c) {
+            if (s_col(c) < lo || s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < kSVals / 2; ++c) {
+            if (s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,164 @@
+// The Hopper forward's loads: the producer warpgroup's TMA loads of Q, K and V (one thread), and,
+// with GQA packing, the consumers' own cp.async loads of their Q rows.
+//
+// The producer issues, per tile, the Q tile once and the K and V tiles into a kStages-deep
+// shared-memory ring, each stage guarded by a pair of mbarriers (CUTLASS's PipelineTmaAsync:
+// "full" when the TMA bytes have landed, "empty" when every consumer is done with the stage).
+// The K/V ring runs on across tiles (the producer issues the next tile's first K before it
+// needs the Q buffer back), so the consumers find the next tile's data waiting when they finish
+// a tile, instead of a new CTA's start-up and first loads.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sm90/fwd_mask.h"
+#include "kernels/sm90/fwd_tile_scheduler.h"
+#include "kernels/sm90/fwd_traits.h"
+
+namespace flash_attn_ext::sm90 {
+
+// The producer thread's loop over this CTA's tiles (fwd_tile_scheduler.h), until it announced
+// the end (TileInfo::tile = -1).
+template <typename T, typename SmemQ, typename SmemKV>
+__device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
+                                             typename T::SharedStorage& smem,
+                                             typename T::Pipeline& pipe_k,
+                                             typename T::Pipeline& pipe_v, const VisibleKeys& vis,
+                                             int num_m_blocks, int group, SmemQ& sQ, SmemKV& sK,
+                                             SmemKV& sV) {
+  using Pipeline = typename T::Pipeline;
+  using Info = TileInfo<T::kConsumers>;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kQStages = T::kQStages;
+  const FwdParams& p = args.p;
+  const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
+  const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
+                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
+  Tensor mK = args.tma_k.get_tma_tensor(shape_k);
+  Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+  auto state = cutlass::make_producer_start_state<Pipeline>();
+  int32_t tile = blockIdx.x;
+  for (int iter = 0;; ++iter) {
+    if (tile >= args.num_tiles) {  // tell the consumers to stop, once they released Q
+      wait_q_free<kQStages>(smem.barrier_q_empty, iter);
+      Info stop{};
+      stop.tile = -1;
+      publish_tile(smem.info[iter & 1], stop);
+      cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q[q_stage<kQStages>(iter)]);
+      return;
+    }
+    // A tile's head: the KV head when packed, else the query head.
+    const int32_t tile_heads = static_cast<int32_t>(T::kPackGQA ? p.heads_kv : p.heads_q);
+    const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section,
+                                    args.num_sections,
+                                    static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
+    const int b = tc.b, h = tc.h;
+    const int hk = T::kPackGQA ? h : h / group;
+    // This tile's first row (negative in a partial first block: see Sm90FwdArgs::row_shift)
+    // and the key tiles its existing rows' positions see.
+    const int32_t m0 = tc.m_block * kM - args.row_shift;
+    const VisibleKeys::Block keys = visible_key_tiles(args, vis, m0, kM);
+    const int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
+    // Rows below 0 (a partial first block) are out of the tensor: TMA fills them with zeros.
+    // (Unused when packed: the consumers load Q.)
+    Tensor gQ = local_tile(domain_offset(make_coord(-args.row_shift, 0), mQ(_, _, h, b)),
+                           Shape<Int<kM>, Int<kD>>{}, make_coord(tc.m_block, 0));
+    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{},
+                           make_coord(_, 0));  // (kN, kD, n)
+    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+    auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{},
+                                    group_modes<0, 2>(sQ(_, _, q_stage<kQStages>(iter))),
+                                    group_modes<0, 2>(gQ));
+    auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    // The first K tile goes into the ring before the Q buffer is waited for: it may be freed
+    // by the previous tile's consumers sooner.
+    if (n_begin < n_end) {
+      pipe_k.producer_acquire(state);
+      copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_begin),
+           tKs(_, state.index()));
+    }
+    wait_q_free<kQStages>(smem.barrier_q_empty, iter);
+    Info info;
+    info.tile = tile;
+    info.m_block = tc.m_block;
+    info.b = b;
+    info.h = h;
+    info.n_begin = n_begin;
+    info.n_end = n_end;
+#pragma unroll
+    for (int w = 0; w < T::kConsumers; ++w) {
+      // warpgroup w's own 64 rows: a key tile straddling another warpgroup's diagonal needs
+      // no mask there (under a causal mask 1-2 masked key tiles per warpgroup, not 2-3)
+      // (no rows: an idle warpgroup, which reads neither)
+      const VisibleKeys::Block wg_keys = visible_key_tiles(args, vis, m0 + 64 * w, 64);
+      info.interior_begin[w] = static_cast<int32_t>(wg_keys.interior_begin);
+      info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
+    }
+    publish_tile(smem.info[iter & 1], info);  // released by the barrier arrive below
+    if constexpr (T::kPackGQA) {  // the consumers load their rows of Q themselves
+      cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q[0]);
+    } else {
+      uint64_t* full = &smem.barrier_q[q_stage<kQStages>(iter)];
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kTileBytesQ);
+      copy(args.tma_q.with(*full), tQg, tQs);
+    }
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      if (n_block > n_begin) {
+        pipe_k.producer_acquire(state);
+        copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),
+             tKs(_, state.index()));
+      }
+      pipe_v.producer_acquire(state);
+      copy(args.tma_v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n_block),
+           tVs(_, state.index()));
+      ++state;
+    }
+    tile = next_tile(args, tile);  // claimed only now, with this tile's loads issued
+  }
+}
+
+// GQA packing: consumer warpgroup me's 64 rows of a tile (rows m0 + 64 me ..) into its slice of
+// sQ, 16 bytes per cp.async; rows past rows_q and columns past head_dim (padding) as zeros, as
+// TMA would fill them.  Issued for the next tile as soon as this warpgroup's last P V of the
+// current one is done and the producer announced it (the epilogue then overlaps the load), else
+// at the tile's start.  Only this warpgroup reads its slice, and it finished its Q K^T GEMMs of
+// the previous tile before, so no other barrier is needed; finish_q_packed makes the writes
+// visible to wgmma (the async proxy): wait, fence, warpgroup barrier.
+template <typename T, typename SmemQ>
+__device__ __forceinline__ void issue_q_packed(const Sm90FwdArgs<T>& args, SmemQ& sQ, int ctid,
+                                               int me, int32_t m0, int b, int hk) {
+  using Element = typename T::Element;
+  const FwdParams& p = args.p;
+  constexpr int kChunks = T::kHeadDim / 8;  // 16-byte chunks per row
+  const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride +
+                  static_cast<int64_t>(hk) * args.group * p.q_head_stride;
+#pragma unroll 1  // unrolled, the compiler kept every address live across the main loop
+  for (int i = 0; i < 64 * kChunks / 128; ++i) {
+    const int c = ctid % 128 + 128 * i, r = c / kChunks, col = (c % kChunks) * 8;
+    const int32_t row = m0 + 64 * me + r;
+    const uint32_t dst = cast_smem_ptr_to_uint(&sQ(64 * me + r, col, 0));  // (kQStages 1)
+    if (row < args.rows_q && col < p.head_dim) {
+      const int32_t pos = row / args.group, g = row - pos * args.group;
+      const Element* src = q + pos * p.q_row_stride + g * p.q_head_stride + col;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+    } else {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0));
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void finish_q_packed(int me) {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cutlass::arch::fence_view_async_shared();
+  warpgroup_sync<T>(me);
+}
+
+}  // namespace flash_attn_ext::sm90

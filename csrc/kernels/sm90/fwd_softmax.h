@@ -1,0 +1,146 @@
+// The Hopper forward's online softmax, per consumer thread (two rows: wgmma's row halves r and
+// r + 8), in the exp2 domain: a running max m and sum l per row (FlashAttention-2,
+// arXiv:2307.08691, Algorithm 1), O rescaled by exp2(m_old - m_new) when m moves, with lazy
+// rescaling (m moves only by more than kRescaleLog2).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sm90/fwd_mask.h"
+#include "kernels/sm90/fwd_traits.h"
+
+namespace flash_attn_ext::sm90 {
+
+// A row's kChains partial maxima (max) or sums (!max) combined pairwise.
+template <int kChains>
+__device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
+#pragma unroll
+  for (int w = 1; w < kChains; w *= 2)
+#pragma unroll
+    for (int j = 0; j + w < kChains; j += 2 * w)
+      x[j] = max ? fmaxf(x[j], x[j + w]) : x[j] + x[j + w];
+  return x[0];
+}
+
+template <typename T>
+struct OnlineSoftmax {
+  static constexpr int kSVals = T::kBlockN / 2;  // values of S per thread (FwdMainloop checks)
+  static constexpr int kChains = T::kSoftmaxChains;
+  static_assert(kSVals / 2 % kChains == 0, "");
+  // Lazy rescaling's threshold in the exp2 domain (see rows).
+  static constexpr float kRescaleLog2 = 8.f;
+
+  const float scale_log2;  // softmax_scale * log2(e)
+  float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
+
+  __device__ __forceinline__ explicit OnlineSoftmax(float scale_log2_)
+      : scale_log2(scale_log2_) {}
+
+  __device__ __forceinline__ void reset(int r) {
+    m_row[r] = -INFINITY;
+    l_row[r] = 0.f;
+  }
+
+  // Online softmax of one S tile in place (S becomes exp2(S * scale - m) in fp32), `mask`
+  // applied first; alpha gets the rescale factors exp2(m_old - m_new) of O's two rows.  Rows
+  // [r0, r1) go through each phase (mask, max, exp2 and sum) together, each row's max and sum
+  // as kSoftmaxChains independent partial chains (see Sm90FwdTraits: the schedule ptxas makes
+  // of it differs per head dim).  Max is exact in any order; a chained sum rounds differently
+  // from a left-to-right one, at the level of fp32 rounding.
+  template <int r0, int r1, typename TensorS>
+  __device__ __forceinline__ void rows(TensorS& tSrS, const RowMask<T>& mask, int n_block,
+                                       float (&alpha)[2]) {
+    mask.template apply<r0, r1>(tSrS, n_block);
+    // A chain starts at its first value; a single chain starts from -inf and 0 instead (one
+    // FMNMX and one FADD more per row, the schedule measured for it).
+    float part[2][kChains], mx[2], m_scaled[2];
+#pragma unroll
+    for (int c = 0; c < kSVals / 2; ++c)
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
+        const float x = tSrS(s_index(r, c));
+        const float first = kChains > 1 ? x : fmaxf(-INFINITY, x);
+        part[r][c % kChains] = c < kChains ? first : fmaxf(part[r][c % kChains], x);
+      }
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = combine_chains<kChains>(part[r], true);
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+#pragma unroll
+    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+#pragma unroll
+    for (int r = r0; r < r1; ++r) {
+      // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
+      // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
+      // O and l always share one reference, so O / l and the LSE stay exact, and most key
+      // tiles leave O unscaled.  True for m_old = -inf < mx; false (NaN) while both are -inf.
+      const float m_old = m_row[r];
+      const bool raise = (mx[r] - m_old) * scale_log2 > kRescaleLog2;
+      const float m_new = raise ? mx[r] : m_old;
+      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+      m_scaled[r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      alpha[r] = raise ? exp2f(m_old * scale_log2 - m_scaled[r]) : 1.f;  // 0 if m_old = -inf
+      m_row[r] = m_new;
+    }
+#pragma unroll
+    for (int c = 0; c < kSVals / 2; ++c)
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
+        const int i = s_index(r, c);
+        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled[r]));
+        const float first = kChains > 1 ? tSrS(i) : 0.f + tSrS(i);
+        part[r][c % kChains] = c < kChains ? first : part[r][c % kChains] + tSrS(i);
+      }
+#pragma unroll
+    for (int r = r0; r < r1; ++r)
+      l_row[r] = l_row[r] * alpha[r] + combine_chains<kChains>(part[r], false);
+  }
+
+  // One key tile: both rows together or one after the other (Sm90FwdTraits).
+  template <typename TensorS>
+  __device__ __forceinline__ void step(TensorS& tSrS, const RowMask<T>& mask, int n_block,
+                                       float (&alpha)[2]) {
+    if constexpr (T::kSoftmaxRowsTogether) {
+      rows<0, 2>(tSrS, mask, n_block, alpha);
+    } else {
+      rows<0, 1>(tSrS, mask, n_block, alpha);
+      rows<1, 2>(tSrS, mask, n_block, alpha);
+    }
+  }
+
+  // O *= alpha per row; with `vote`, skipped by the whole warp when none of its rows moved its
+  // reference max (the caller without it has taken that vote).
+  template <typename TensorO>
+  __device__ __forceinline__ static void rescale_o(TensorO& tOrO, const float (&alpha)[2],
+                                                   bool vote) {
+    constexpr int kOVals = T::kHeadDim / 2;  // values of O per thread (FwdMainloop checks)
+    if (vote && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < kOVals / 2; ++c) tOrO(s_index(r, c)) *= alpha[r];
+  }
+
+  // At the tile's end: l summed over the row's four threads; inv_l = 1 / l, 0 for rows that
+  // saw nothing (empty).
+  __device__ __forceinline__ void finalize(float (&inv_l)[2], bool (&empty)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_row[r];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      // No visible key (m = -inf, l = 0).  A NaN score makes l NaN: not empty, NaN comes out.
+      empty[r] = m_row[r] == -INFINITY && l == 0.f;
+      inv_l[r] = empty[r] ? 0.f : 1.f / l;
+      l_row[r] = l;
+    }
+  }
+
+  // Row half r's log-sum-exp (natural log), after finalize.
+  __device__ __forceinline__ float lse(int r, bool empty) const {
+    constexpr float kLn2 = 0.6931471805599453f;
+    return empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l_row[r])) * kLn2;
+  }
+};
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,220 @@
+// The Hopper forward's compile-time shape (Sm90FwdTraits: tiles, warpgroups, register budgets,
+// shared-memory layouts, TMA and wgmma types) and its run-time arguments (Sm90FwdArgs), plus the
+// few conventions every role shares: the wgmma accumulator layout (s_index, s_col), a tile row's
+// sequence position (row_position) and the named barriers.
+#pragma once
+
+#ifndef NDEBUG
+#define NDEBUG  // CUTLASS's pipelines otherwise add device-side role checks to every wait
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernels/sm90/fwd_tile_scheduler.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+using namespace cute;
+
+// CUTLASS's 16-bit types for CUDA's.
+template <typename T>
+struct CuteType;
+template <>
+struct CuteType<__half> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CuteType<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+
+// A (seqlen, head_dim, heads, batch) view of q, k, v or out: element strides, head dim unit-stride.
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
+          bool kPackGQA_ = false>
+struct Sm90FwdTraits {
+  using Element = typename CuteType<CudaElement>::type;
+  // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
+  // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
+  static constexpr bool kPackGQA = kPackGQA_;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128 or 256)
+  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups
+  static constexpr int kBlockM = 64 * kConsumers;  // query rows per CTA
+  static constexpr int kBlockN = kBlockN_;         // keys per K/V tile
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  // setmaxnreg budgets (per thread) of the producer and of each consumer warpgroup.  They must
+  // fit in what the CTA got at launch, 65536 / kThreads per thread rounded down to a multiple
+  // of 8 (168 for 384 threads), or the consumers' increase waits forever.  Head dim 128: 40 for
+  // the persistent producer's tile loop (24 spilled ~90 bytes there) and 232 for the consumers
+  // (no spill); head dim 256's O accumulator needs 240 (232 spills in the main loop).
+  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kHeadDim == 128 ? 40 : 24;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kHeadDim == 128 ? 232 : 240;
+  static_assert(kConsumers == 2 || kConsumers == 3, "");
+  // The softmax's instruction schedule, which ptxas makes differently per head dim, so chosen
+  // per head dim from same-call A/Bs (docs/perf/sm90_forward.md): whether a thread's two rows go
+  // through the softmax together or one after the other, in how many independent chains each
+  // row's max and sum run, and whether the wait for the previous key tile's P V is pinned after
+  // the softmax (else ptxas hoists it before the max, so the softmax no longer overlaps that
+  // GEMM).  Against rows one after the other with one chain: head dim 64, together, 4 chains,
+  // not pinned: +2% at L = 1k, +1..+12% at 4k, +4..+6% at 16k (pinned: -4% at 1k).  128,
+  // together, 4 chains, pinned: +3..+6% at 4k-16k, -1..-3% at 1k without a mask.  256 keeps
+  // rows one after the other with one chain (the other schedules measured -1..-6% there).
+  static constexpr bool kSoftmaxRowsTogether = kHeadDim <= 128;
+  static constexpr int kSoftmaxChains = kHeadDim <= 128 ? 4 : 1;
+  static constexpr bool kWaitPvAfterSoftmax = kHeadDim == 128;
+
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
+                    kThreads * (65536 / kThreads / 8 * 8), "");
+  static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows need head dims in multiples of 64");
+
+  // S = Q K^T: M = kBlockM (one 64-row atom per consumer warpgroup), N = kBlockN,
+  // K = kHeadDim, operands in smem.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+  // O += P V: M = kBlockM, N = kHeadDim, K = kBlockN; P from registers, V read "MN-major" (the
+  // head dim is V's contiguous axis and the GEMM's N axis).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+
+  // Shared tiles: rows of kHeadDim 16-bit elements in 128-byte swizzled atoms (what both TMA and
+  // wgmma read without bank conflicts).
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  // Q double-buffered at head dim 64 (not packed): the producer then loads the next tile's Q
+  // while this tile's last key tiles run, instead of once every consumer is done with this
+  // tile's Q, so the next tile need not wait for it.  Measured +0.9..+1.1% at d=64 L=1k
+  // (tiles of 192 rows x 1024 keys; an A/A control read within 0.3%), +0..+0.8% at 2k-4k; at
+  // d=128 (which has the shared memory for it) -0.5..-1.5% at 1k-16k, within the noise of
+  // single runs (docs/perf/sm90_forward.md).
+  static constexpr int kQStages = (!kPackGQA && kHeadDim == 64) ? 2 : 1;
+  using SmemLayoutQ = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V seen as (head_dim, keys, stage): the B operand of P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                       take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  // The epilogue: each consumer warpgroup writes its 64 rows of O to shared memory, kOCols
+  // columns at a time, and one of its threads stores them with TMA, so the warpgroup goes on
+  // to its next tile while the last copy runs.  At head dim 256 the Q tile and the K/V ring
+  // leave room for 128 columns only: two chunks, the second written once TMA has read the first.
+  static constexpr int kOCols = kHeadDim < 128 ? kHeadDim : 128;
+  using SmemLayoutO = decltype(tile_to_shape(
+      SmemAtom{}, Shape<_64, Int<kOCols>, Int<kConsumers>>{}));  // (row, col, warpgroup)
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             GmemShape{}, GmemStride{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{},
+                                      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kOCols>>{},
+                                      _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTileBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTileBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    array_aligned<Element, cosize_v<SmemLayoutO>, 1024> o;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+    // Per Q buffer: Q landed (TMA transaction bytes) and its tile announced; every consumer
+    // thread is done with that Q and its tile.
+    alignas(8) uint64_t barrier_q[kQStages];
+    alignas(8) uint64_t barrier_q_empty[kQStages];
+    TileInfo<kConsumers> info[2];         // tile i's in info[i % 2] (fwd_tile_scheduler.h)
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
+};
+
+template <typename T>
+struct Sm90FwdArgs {
+  typename T::TmaQ tma_q;
+  typename T::TmaKV tma_k;
+  typename T::TmaKV tma_v;
+  FwdParams p;
+  // GQA packing (T::kPackGQA; FlashAttention-3's PackGQA): a tile holds the query rows of all
+  // `group` query heads of one KV head, tile row rho = position * group + head in group, so K
+  // and V are read once per group instead of once per query head.  Q then comes by cp.async
+  // (a TMA box cannot gather such rows with a run-time group) and O through shared memory and
+  // row stores.  Tiles are then (query block, batch, KV head).  rows_q: the rows a tile counts
+  // over, seqlen_q * group packed, else seqlen_q.
+  int32_t group;  // heads_q / heads_kv
+  int32_t rows_q;
+  int32_t num_m_blocks;
+  // Query block m holds rows [m * kBlockM - row_shift, (m + 1) * kBlockM - row_shift): the
+  // block that seqlen_q fills only in part is the first (its rows below 0 do not exist) rather
+  // than the last.  A multiple of 64 below kBlockM, so every warpgroup's 64 rows lie either all
+  // below 0 (it idles) or all at or above; 0 with two consumers (no idle warpgroups there).
+  // Under a causal mask the partial block then has the fewest key tiles instead of the most
+  // (see the launcher).
+  int32_t row_shift;
+  int32_t heads_per_section;
+  int32_t num_sections;  // (batch * tile heads) / heads_per_section, at least 1 (tile_coord)
+  int32_t num_tiles;     // num_m_blocks * batch * (heads_kv packed, else heads_q)
+  int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
+  // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
+  // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).  In both
+  // the producer announces each tile and, after the last, the end (TileInfo::tile = -1).
+  bool dynamic;
+  typename T::TmaO tma_o;  // set when tma_store_o
+  bool tma_store_o;        // out's address and strides suit TMA (else O from registers)
+  // Packed GQA with 16-byte aligned out rows: O goes through shared memory as with TMA, then
+  // the threads store whole 16-byte chunks of each row (a TMA box cannot scatter the rows).
+  bool o_row_stores;
+};
+
+// The sequence position of tile row `row` (>= 0).  (args' fields are read where used, from the
+// kernel parameters' constant bank, by every role: copies kept in registers across the main
+// loop made it spill.)
+template <typename T>
+__device__ __forceinline__ int32_t row_position(const Sm90FwdArgs<T>& args, int32_t row) {
+  if constexpr (T::kPackGQA) return row / args.group;
+  return row;
+}
+
+// wgmma's m64nNk16 accumulator: per thread, values (2 columns) x (rows r, r + 8) x (N / 8
+// column groups), in that order, which is also the order of the m64nNk16 register A operand
+// with K = N (16 columns = two groups per K step).  s_index: the index of value pair column c of
+// row half `half` (0: row r, 1: row r + 8); s_col: that value's column relative to the thread's
+// first column.  (The same for S and for O.)
+__device__ __forceinline__ constexpr int s_index(int half, int c) {
+  return (c & 1) + 2 * half + 4 * (c >> 1);
+}
+__device__ __forceinline__ constexpr int s_col(int c) { return (c & 1) + 8 * (c >> 1); }
+
+// Named barriers: 0 .. kConsumers - 1 are the consumers' pingpong ring (fwd_mainloop.h),
+// kConsumers + me is consumer warpgroup me's own (the packed Q load's and the epilogue's
+// shared-memory handoffs within the warpgroup).
+template <typename T>
+__device__ __forceinline__ void warpgroup_sync(int me) {
+  cutlass::arch::NamedBarrier::sync(128, T::kConsumers + me);
+}
+
+}  // namespace flash_attn_ext::sm90
