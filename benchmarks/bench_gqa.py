@@ -1,7 +1,8 @@
 """GQA/MQA forward on the Hopper kernel with and without packing the query heads of a group into
 one tile (flash_attn_ext.kernel_options(sm90_pack_gqa="on"/"off"); the default, "auto", follows
-the rule of csrc/kernels/sm90/pack_gqa.h, as explain() reports it), next to SDPA's FLASH and cuDNN backends (enable_gqa),
-in one process, CUDA-graph timing (bench_attention.graph_ms), interleaved over rounds (median).
+the rule of csrc/kernels/sm90/pack_gqa.h, as explain() reports it), next to SDPA's FLASH and
+cuDNN backends (enable_gqa), in one process, CUDA-graph timing (bench_attention.graph_ms),
+interleaved over rounds (median).
 
 Shapes: bf16, (B, H, L, d) as SDPA takes them, H = 32 query heads, H_kv = 32 / group, S keys;
 decoding-like (L = 1..16) and short prefill.  No mask (SDPA's is_causal is top-left, which for
