@@ -42,7 +42,8 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype);
 // Allocates an output the kernel must fill completely.  With debug poisoning on, it starts as NaN
 // (integers: -1) so that any element a kernel forgets to write shows up in tests.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
-// The same with t's sizes, dtype, device and, where t is dense, its strides (empty_like): a
+// The same with t's sizes, dtype, device and, where that keeps the last dimension innermost,
+// t's stride order (empty_like; otherwise contiguous, e.g. for an expanded t): a
 // gradient laid out like its input is kept by autograd as .grad instead of being copied into
 // the input's layout (an extra pass over q, k and v for inputs in SDPA's (B, H, L, d) layout).
 at::Tensor new_output_like(const at::Tensor& t);

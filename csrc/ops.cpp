@@ -39,10 +39,23 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 at::Tensor new_output_like(const at::Tensor& t) {
-  if (!g_debug_poison) return at::empty_like(t);
-  if (at::isFloatingType(t.scalar_type()))
-    return at::full_like(t, std::numeric_limits<double>::quiet_NaN());
-  return at::full_like(t, -1);
+  // empty_like lays a new tensor out in the order of t's strides, and every kernel writes rows
+  // with a unit-stride last dimension.  A dimension of size > 1 whose stride is not above the
+  // last one's (0 where t is expanded, as in K of shape (1, S, 2, D) with strides (1, D, 0, 1),
+  // which empty_like turned into (1, 2D, 1, 2)) would land inside the last dimension: such a
+  // tensor gets a contiguous buffer.  ops.py's _grad_like predicts the same layout for the
+  // fake kernels.
+  bool keep = t.size(-1) <= 1 || t.stride(-1) == 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.size(d) > 1 && t.stride(d) <= 1) keep = false;
+  at::Tensor out = keep ? at::empty_like(t) : at::empty(t.sizes(), t.options());
+  if (g_debug_poison) {
+    if (at::isFloatingType(t.scalar_type()))
+      out.fill_(std::numeric_limits<double>::quiet_NaN());
+    else
+      out.fill_(-1);
+  }
+  return out;
 }
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {

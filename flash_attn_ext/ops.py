@@ -72,6 +72,17 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_
     return out, softmax_lse, rng_state
 
 
+def _keeps_last_dim_innermost(t: torch.Tensor) -> bool:
+    """Whether empty_like(t) has a unit-stride last dimension (new_output_like's test): no other
+    dimension of size > 1 has a stride at or below the last one's (0: expanded)."""
+    if not (t.size(-1) <= 1 or t.stride(-1) == 1):
+        return False
+    for d in range(t.dim() - 1):
+        if t.size(d) > 1 and t.stride(d) <= 1:
+            return False
+    return True
+
+
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
     """An empty gradient laid out as the bwd op's device kernels lay out dq, dk, dv: like the
     tensor they compute on (``new_output_like``: ``empty_like``, which keeps a dense tensor's
@@ -85,9 +96,13 @@ def _grad_like(t: torch.Tensor) -> torch.Tensor:
         aligned = (t.stride(3) == 1 and t.size(3) % 8 == 0
                    and all(t.stride(i) % 8 == 0 for i in range(3))
                    and t.storage_offset() * t.element_size() % 16 == 0)
-        return torch.empty_like(t) if aligned else t.new_empty(t.shape)
-    last_dim_ok = t.stride(-1) == 1 or t.size(-1) <= 1
-    return torch.empty_like(t if last_dim_ok else t.contiguous())
+        if not aligned:
+            return t.new_empty(t.shape)
+    elif not (t.stride(-1) == 1 or t.size(-1) <= 1):
+        return t.new_empty(t.shape)  # (the kernel computes on a contiguous copy)
+    # new_output_like: empty_like where that keeps the last dimension innermost (an expanded
+    # tensor gets a contiguous buffer instead).
+    return torch.empty_like(t) if _keeps_last_dim_innermost(t) else t.new_empty(t.shape)
 
 
 @torch.library.register_fake("flash_attn_ext::bwd")

@@ -241,7 +241,7 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_plan(dtype: str) -> Plan:
     return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
 

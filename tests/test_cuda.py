@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import flash_attn_ext
-
 from flash_attn_ext import flash_attn_func, ops, planning, policy, scaled_dot_product_attention
 from reference import (
     assert_bwd_fake_strides_match,

@@ -281,3 +281,43 @@ def test_build_info_and_version():
     info = ops.build_info()
     assert info["version"] == flash_attn_ext.__version__
     assert info["cpu"] is True and isinstance(info["cuda"], bool)
+
+
+def _expanded_kv(kind, seqlen, dim, device, dtype):
+    """(leaf, k): k of shape (1, seqlen, 2, dim) expanded over its heads (stride 0) from leaf.
+    "batch_last": the leaf's storage puts the batch innermost (k's strides (1, dim, 0, 1));
+    "plain": an ordinary (1, seqlen, 1, dim) leaf (strides (seqlen * dim, dim, 0, 1))."""
+    if kind == "batch_last":
+        leaf = torch.randn(seqlen, dim, 1, device=device, dtype=dtype, requires_grad=True)
+        return leaf, leaf.permute(2, 0, 1).unsqueeze(2).expand(1, seqlen, 2, dim)
+    leaf = torch.randn(1, seqlen, 1, dim, device=device, dtype=dtype, requires_grad=True)
+    return leaf, leaf.expand(1, seqlen, 2, dim)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind", ["batch_last", "plain"])
+def test_expanded_inputs_get_the_gradients_of_their_copies(device, kind):
+    # An input expanded (stride 0) over its heads is not dense: empty_like of it ordered the
+    # gradient's dimensions by stride and put the heads inside the head dim, so the kernels'
+    # rows overwrote each other and dk/dv came back wrong while the forward was right.
+    if device == "cuda" and not ops.build_info()["cuda"]:
+        pytest.skip("a build without CUDA kernels")
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    seqlen, dim = 112, 32
+    leaf_k, k = _expanded_kv(kind, seqlen, dim, device, dtype)
+    leaf_v, v = _expanded_kv(kind, seqlen, dim, device, dtype)
+    q = torch.randn(1, 14, 4, dim, device=device, dtype=dtype, requires_grad=True)
+    dk, dv = torch.autograd.grad(flash_attn_func(q, k, v).sum(), (leaf_k, leaf_v))
+    k2, v2 = (x.detach().contiguous().requires_grad_() for x in (k, v))
+    dk2, dv2 = torch.autograd.grad(flash_attn_func(q, k2, v2).sum(), (k2, v2))
+    tol = 1e-10 if dtype == torch.float64 else 2e-2
+    for got, full, leaf in ((dk, dk2, leaf_k), (dv, dv2, leaf_v)):
+        want = full.sum(2, keepdim=True)  # the expand's backward sums over the heads
+        want = want.view(leaf.shape) if kind == "plain" else want.view(seqlen, dim, 1)
+        assert torch.isfinite(got).all()
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), err
+    args = (torch.ones(1, 14, 4, dim, device=device, dtype=dtype), q.detach(), k.detach(),
+            v.detach(), *ops.fwd(q.detach(), k.detach(), v.detach())[:2],
+            torch.zeros(2, dtype=torch.int64, device=device))
+    assert_bwd_fake_strides_match(ops.bwd_op, args)
