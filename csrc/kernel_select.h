@@ -1,4 +1,4 @@
-// The one rule that picks the CUDA kernels of a call (docs/design.md, "Kernel selection").
+// The one rule that picks the CUDA kernels of a call (docs/design.md section 4).
 //
 // Plain C++: no torch, no CUDA.  The CUDA glue (csrc/cuda/flash_cuda.cu) asks it before every
 // launch and obeys the answer; the Python module exposes it (flash_attn_ext._C.select_cuda_kernels)

@@ -1,7 +1,7 @@
 """Which kernels serve a call: the :class:`Plan`, and the process's kernel options.
 
 On the CPU one kernel family serves every floating dtype.  On CUDA the choice is made by one
-C++ rule, ``csrc/kernel_select.h`` (docs/design.md, "Kernel selection"), which the CUDA glue
+C++ rule, ``csrc/kernel_select.h`` (docs/design.md section 4), which the CUDA glue
 obeys on every launch; this module asks the same rule (``_C.select_cuda_kernels``) with the same
 inputs and only formats its answer, so ``explain()`` and ``last_plan()`` name exactly the
 kernels that run.  Nothing here restates a C++ formula.
@@ -83,14 +83,16 @@ def unfused(kernel: str, reasons: tuple) -> Plan:
 # dev/ab).  They live in C++ (kernel_select.h: KernelOptions), which the glue reads per call.
 
 KERNEL_ENV = "FLASH_ATTN_EXT_KERNEL"
-_options_version = 0  # part of the plan cache's key: a change of options plans afresh
+# The options as the plan cache's key (the rule reads them in C++): the same options, the same
+# cached plans, also after a kernel_options block has set and restored them.
+_options_key: tuple = ()
 
 
 def _read_kernel_env() -> None:
     value = os.environ.get(KERNEL_ENV, "")
     if value not in ("", "auto", "sm80"):
         raise ValueError(f"{KERNEL_ENV} must be 'auto' or 'sm80', got {value!r}")
-    ops._C.set_kernel_options({"force_portable": value == "sm80"})
+    set_kernel_options(force_portable=value == "sm80")
 
 
 def set_kernel_options(**options) -> dict:
@@ -103,13 +105,13 @@ def set_kernel_options(**options) -> dict:
     ``sm90_direct_epilogue``, ``bwd_atomic_dq`` (bools).  csrc/kernel_select.h says what each
     does.  Raises ``ValueError`` for an unknown option or a bad value (nothing is changed then).
     """
-    global _options_version
+    global _options_key
     before = ops._C.kernel_options()
     unknown = set(options) - set(before)
     if unknown:
         raise ValueError(f"unknown kernel options {sorted(unknown)} (known: {sorted(before)})")
     ops._C.set_kernel_options(options)
-    _options_version += 1
+    _options_key = tuple(sorted({**before, **options}.items()))
     return {name: before[name] for name in options}
 
 
@@ -148,10 +150,10 @@ def is_general(softcap: float, dropout_p: float, has_bias: bool) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[float],
                head_dim: int, head_dim_v: int, layout: Optional[tuple], general: bool,
-               unequal_tiles: bool, deterministic: bool, options_version: int) -> Plan:
+               unequal_tiles: bool, deterministic: bool, options: tuple) -> Plan:
     """The rule's answer as a Plan (cached: it depends on nothing but these values;
-    ``options_version`` stands for the process's kernel options, which the rule reads)."""
-    del options_version
+    ``options`` stands for the process's kernel options, which the rule reads)."""
+    del options
     cuda, sm90, archs = build
     fused, reasons, forward, backward, notes = ops._C.select_cuda_kernels(
         {"cuda": cuda, "sm90": sm90, "cuda_archs": archs}, device, dtype, softmax_scale,
@@ -237,7 +239,7 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_
             # each; the op applies the whole rule with the real sizes when it runs)
             None if compiling else _layout(q, k, v), bool(general), bool(unequal_tiles),
             bool(deterministic) or (not compiling and torch.are_deterministic_algorithms_enabled()),
-            _options_version)
+            _options_key)
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
 
 

@@ -1,4 +1,4 @@
-"""The no-silent-slow-path rule (docs/design.md, "Kernel selection"): strict mode, counters,
+"""The no-silent-slow-path rule (docs/design.md section 4): strict mode, counters,
 warn-once.
 
 Every call is planned (flash_attn_ext.planning).  A call that no fused flash_attn_ext kernel can

@@ -21,7 +21,7 @@ TORCH_SDPA = F.scaled_dot_product_attention
 def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
                  align_bottom_right: bool, device) -> torch.Tensor:
     """(len(rows), seqlen_k) bool, True where key j is visible to query row i (the rule of
-    docs/design.md, "Semantics", and csrc/mask.h; causal already folded into window_right = 0)."""
+    docs/design.md section 2, and csrc/mask.h; causal already folded into window_right = 0)."""
     offset = seqlen_k - seqlen_q if align_bottom_right else 0
     i = torch.arange(rows.start, rows.stop, device=device)[:, None] + offset
     j = torch.arange(seqlen_k, device=device)[None, :]

@@ -282,7 +282,11 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     # ("general"), the dtype, a stride-0 (broadcast) input, the scale.
     _pretend_hopper(monkeypatch)
     q = _CudaLike((2, 100, 4, 128))
-    assert planning.plan(q, q, q).kernel == "sm90_fwd_hdim128_bf16"
+    first = planning.plan(q, q, q)
+    assert first.kernel == "sm90_fwd_hdim128_bf16"
+    with flash_attn_ext.kernel_options(force_portable=True):
+        assert planning.plan(q, q, q).kernel == "sm80_fwd_hdim128_bf16"
+    assert planning.plan(q, q, q) is first  # the same options again: the cached plan
     assert planning.plan(q, q, q, general=True).kernel == "sm80_fwd_hdim128_bf16"
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
