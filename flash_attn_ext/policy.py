@@ -8,7 +8,7 @@ serve runs on a correct fallback (flash_attn_ext.unfused), and then
 * ``fallback_counts()`` counts it;
 * strict mode turns it into a :class:`FallbackError` instead.  Strict mode is on when the call
   passes ``strict=True``, after ``set_strict(True)``, or with the environment variable
-  ``FLASH_ATTN_EXT_STRICT=1``.
+  ``FLASH_ATTN_EXT_STRICT=1`` (read once, at import).
 """
 
 from __future__ import annotations
@@ -51,22 +51,32 @@ def check_strict(strict) -> None:
         raise ValueError(f"strict must be True, False or None, got {strict!r}")
 
 
-def strict_enabled(strict: Optional[bool] = None) -> bool:
-    """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else the env var."""
-    check_strict(strict)
-    if strict is not None:
-        return strict
-    if _strict_override is not None:
-        return _strict_override
+def _read_strict_env() -> bool:
+    """FLASH_ATTN_EXT_STRICT, read once when flash_attn_ext is imported: 1/true/yes/on (strict)
+    or 0/false/no/off/unset; any other value raises ValueError (it must not quietly leave strict
+    mode off)."""
     raw = os.environ.get("FLASH_ATTN_EXT_STRICT", "")
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("", "0", "false", "no", "off"):
         return False
-    # (an unknown value must not quietly leave strict mode off)
     raise ValueError(f"FLASH_ATTN_EXT_STRICT must be 1, true, yes or on (strict) or 0, false, "
                      f"no, off or unset (not strict), got {raw!r}")
+
+
+_env_strict: bool = _read_strict_env()
+
+
+def strict_enabled(strict: Optional[bool] = None) -> bool:
+    """Whether a fallback raises: the call's ``strict``, else ``set_strict``, else
+    FLASH_ATTN_EXT_STRICT as it was when flash_attn_ext was imported."""
+    check_strict(strict)
+    if strict is not None:
+        return strict
+    if _strict_override is not None:
+        return _strict_override
+    return _env_strict
 
 
 def fallback_counts() -> dict:

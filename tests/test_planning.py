@@ -376,15 +376,22 @@ def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_di
 @pytest.mark.parametrize("value,strict", [("on", True), ("Yes", True), ("off", False),
                                           ("", False), (" 0 ", False)])
 def test_strict_env_values(monkeypatch, value, strict):
+    # Read once, at import: the parser here; test_strict_env_variable shows the import.
     monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", value)
+    assert policy._read_strict_env() is strict
+    monkeypatch.setattr(policy, "_env_strict", policy._read_strict_env())
     assert policy.strict_enabled() is strict
 
 
 def test_strict_env_unknown_value_raises(monkeypatch):
-    # An unknown value must not quietly leave strict mode off.
+    # An unknown value must not quietly leave strict mode off: the import fails with the rule.
     monkeypatch.setenv("FLASH_ATTN_EXT_STRICT", "enable")
     with pytest.raises(ValueError, match="FLASH_ATTN_EXT_STRICT must be .* got 'enable'"):
-        policy.strict_enabled()
+        policy._read_strict_env()
+    r = subprocess.run([sys.executable, "-c", "import flash_attn_ext"], capture_output=True,
+                       text=True, env={"FLASH_ATTN_EXT_STRICT": "enable", "PATH": "",
+                                       **_pythonpath()})
+    assert r.returncode != 0 and "FLASH_ATTN_EXT_STRICT must be" in r.stderr
 
 
 def test_fallback_plan_has_no_fused_backward():
