@@ -149,21 +149,30 @@ inline bool broadcast_reaches_tma(const TensorDesc& t) {
 // a minor version not above the GPU's ("9.0a" counts only on 9.0 itself), or PTX ("+PTX") for a
 // version not above the GPU's, which the driver compiles.  With native_only, PTX does not count.
 inline bool arch_runs_on(const std::string& archs, int major, int minor, bool native_only = false) {
-  std::string token;
-  std::string list = archs;
-  for (char& c : list)
-    if (c == ' ') c = ';';
-  std::istringstream tokens(list);
-  while (std::getline(tokens, token, ';')) {
-    if (token.empty()) continue;
-    const bool ptx = token.size() > 4 && token.compare(token.size() - 4, 4, "+PTX") == 0;
-    std::string name = ptx ? token.substr(0, token.size() - 4) : token;
-    const bool specific = !name.empty() && name.back() == 'a';
-    if (specific) name.pop_back();
+  // Parsed by hand, without allocating: the glue asks this on every call.
+  auto number = [](const char* p, const char* end, int& value) {
+    if (p == end) return false;
+    value = 0;
+    for (; p != end; ++p) {
+      if (*p < '0' || *p > '9') return false;
+      value = value * 10 + (*p - '0');
+    }
+    return true;
+  };
+  const char* p = archs.data();
+  const char* const stop = p + archs.size();
+  while (p < stop) {
+    const char* begin = p;
+    while (p < stop && *p != ';' && *p != ' ') ++p;
+    const char* end = p++;  // (past the separator)
+    const bool ptx = end - begin > 4 && std::strncmp(end - 4, "+PTX", 4) == 0;
+    if (ptx) end -= 4;
+    const bool specific = end > begin && end[-1] == 'a';
+    if (specific) --end;
+    const char* dot = begin;
+    while (dot < end && *dot != '.') ++dot;
     int a = 0, b = 0;
-    char dot = 0, extra = 0;
-    std::istringstream parse(name);
-    if (!(parse >> a >> dot >> b) || dot != '.' || (parse >> extra)) continue;
+    if (dot == end || !number(begin, dot, a) || !number(dot + 1, end, b)) continue;
     if (specific) {
       if (a == major && b == minor) return true;
     } else if (a == major && b <= minor) {
