@@ -24,6 +24,7 @@ Usage: python benchmarks/bench_attention.py [--dims 64 128 256] [--seqlens ...] 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -114,9 +115,11 @@ def implementations(flex: bool) -> Dict[str, Callable]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
-    def ours_sm80(q, k, v, causal):  # the portable kernels, where the Hopper forward serves "ours"
-        with flash_attn_ext.kernel_options(force_portable=True):
+    def ours_sm80(q, k, v, causal):  # the portable kernels, where the Hopper ones serve "ours"
+        with flash_attn_ext.kernel_options(**ours_sm80.options):
             return ours(q, k, v, causal)
+    # (kernel options an implementation runs under: its backward too, see fwd_bwd)
+    ours_sm80.options = dict(force_portable=True)
 
     sample = torch.empty(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16)
     impls = {"ours": ours}
@@ -202,7 +205,10 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
             # since the rounds above does not land in the backward.
             def fwd_bwd(fn=fn):
                 q.grad = k.grad = v.grad = None
-                fn(q, k, v, causal).backward(dout)
+                options = getattr(fn, "options", None)
+                with (flash_attn_ext.kernel_options(**options) if options
+                      else contextlib.nullcontext()):
+                    fn(q, k, v, causal).backward(dout)
 
             fwd_now = median_ms(lambda fn=fn: fn(q, k, v, causal))
             fwd_bwd_ms = median_ms(fwd_bwd)

@@ -10,6 +10,7 @@ The files, under csrc/kernels/:
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper forward (run_flash_fwd_sm90)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_packgqa.cu   ... with packed GQA heads
                                                           (run_flash_fwd_sm90_packgqa)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -74,6 +75,22 @@ cudaError_t {entry}<{element}, {d}>(const FwdParams& p, cudaStream_t stream) {{
 }}  // namespace flash_attn_ext::sm90
 """
 
+SM90_BWD = """\
+// Hopper backward instantiation: head dim {d}, {dtype}.
+#include "kernels/sm90/bwd_launch_template.h"
+
+namespace flash_attn_ext::sm90 {{
+
+template <>
+cudaError_t run_flash_bwd_sm90<{element}, {d}>(const BwdParams& p, float* stats, \
+cudaStream_t stream) {{
+  return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}>>(p, stats, stream);
+}}
+
+}}  // namespace flash_attn_ext::sm90
+"""
+SM90_BWD_HEAD_DIMS = (64, 128)
+
 
 def kernel_files():
     """{path relative to csrc/kernels: content} of every instantiation file."""
@@ -91,6 +108,8 @@ def kernel_files():
                     pack="true" if pack else "false",
                     **args,
                 )
+            if d in SM90_BWD_HEAD_DIMS:
+                files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}.cu"] = SM90_BWD.format(**args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 

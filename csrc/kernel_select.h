@@ -46,17 +46,19 @@ struct KernelOptions {
   bool sm90_row_shift = true;      // causal: the partial query block first
   bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
   bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90
+  bool sm90_bwd = true;  // the Hopper backward where it applies (false: the portable one)
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };
-enum class BwdKernel : int { kNone = 0, kSm80FourWarp = 1, kSm80EightWarp = 2 };
+enum class BwdKernel : int { kNone = 0, kSm80FourWarp = 1, kSm80EightWarp = 2, kSm90 = 3 };
 // How the 8-warp backward forms dQ: a separate dQ kernel (bitwise reproducible), fp32 atomics
-// from the dK/dV kernel, or bulk reductions of whole dQ tiles from it (sm_90).
+// from the dK/dV kernel, or bulk reductions of whole dQ tiles from it (sm_90).  The Hopper
+// backward adds dQ with fp32 atomics (kAtomic).
 enum class DqPath : int { kSeparate = 0, kAtomic = 1, kBulk = 2 };
 
 struct BuildInfo {
   bool cuda = false;      // CUDA kernels compiled in
-  bool sm90 = false;      // the Hopper forward compiled in
+  bool sm90 = false;      // the Hopper kernels compiled in
   std::string archs;      // TORCH_CUDA_ARCH_LIST of the build, e.g. "8.0;9.0a"
 };
 
@@ -140,6 +142,34 @@ inline bool broadcast_reaches_tma(const TensorDesc& t) {
   for (int i = 0; i < 3; ++i)
     if (t.size[i] > 1 && t.stride[i] == 0) return true;
   return false;
+}
+
+// Why neither Hopper kernel (forward or backward) serves a call on an sm_90 GPU; empty if
+// nothing stands in the way.
+inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const CallInfo& call,
+                                                const KernelOptions& options) {
+  std::vector<std::string> why;
+  if (!build.sm90)
+    why.push_back("this build has no Hopper kernels (they need 9.0a in TORCH_CUDA_ARCH_LIST "
+                  "and the CUTLASS headers at build time: pip install --no-deps "
+                  "nvidia-cutlass==4.2.0.0 and rebuild)");
+  if (options.force_portable) why.push_back("FLASH_ATTN_EXT_KERNEL=sm80");
+  if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel");
+  if (call.known) {
+    const int64_t seqlen_q = call.q.size[1], seqlen_k = call.k.size[1];
+    if (seqlen_q == 0 || seqlen_k == 0) why.push_back("an empty sequence");
+    if (seqlen_q > sm90::kMaxRows || seqlen_k > sm90::kMaxRows)
+      why.push_back("seqlen_q=" + std::to_string(seqlen_q) + ", seqlen_k=" +
+                    std::to_string(seqlen_k) + ": the Hopper kernel's row arithmetic is "
+                    "32-bit (at most " + std::to_string(sm90::kMaxRows) + ")");
+    const char* names[3] = {"q", "k", "v"};
+    const TensorDesc* tensors[3] = {&call.q, &call.k, &call.v};
+    for (int i = 0; i < 3; ++i)
+      if (broadcast_reaches_tma(*tensors[i]))
+        why.push_back(std::string(names[i]) +
+                      " has a broadcast (stride-0) dimension, which TMA cannot load");
+  }
+  return why;
 }
 
 }  // namespace detail
@@ -227,36 +257,18 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
 
   // 2. The forward: the Hopper kernel on sm_90 where it applies, else the portable one.
   c.fwd = FwdKernel::kSm80;
-  if (device.major == 9 && device.minor == 0) {
-    std::vector<std::string> why;
-    if (!build.sm90)
-      why.push_back("this build has no Hopper kernels (they need 9.0a in TORCH_CUDA_ARCH_LIST "
-                    "and the CUTLASS headers at build time: pip install --no-deps "
-                    "nvidia-cutlass==4.2.0.0 and rebuild)");
-    if (options.force_portable) why.push_back("FLASH_ATTN_EXT_KERNEL=sm80");
-    if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel");
-    if (call.known) {
-      const int64_t seqlen_q = call.q.size[1], seqlen_k = call.k.size[1];
-      if (seqlen_q == 0 || seqlen_k == 0) why.push_back("an empty sequence");
-      if (seqlen_q > sm90::kMaxRows || seqlen_k > sm90::kMaxRows)
-        why.push_back("seqlen_q=" + std::to_string(seqlen_q) + ", seqlen_k=" +
-                      std::to_string(seqlen_k) + ": the Hopper kernel's row arithmetic is "
-                      "32-bit (at most " + std::to_string(sm90::kMaxRows) + ")");
-      const char* names[3] = {"q", "k", "v"};
-      const TensorDesc* tensors[3] = {&call.q, &call.k, &call.v};
-      for (int i = 0; i < 3; ++i)
-        if (detail::broadcast_reaches_tma(*tensors[i]))
-          why.push_back(std::string(names[i]) +
-                        " has a broadcast (stride-0) dimension, which TMA cannot load");
-    }
-    if (why.empty()) {
+  const bool hopper = device.major == 9 && device.minor == 0;
+  const std::vector<std::string> hopper_why =
+      hopper ? detail::hopper_blockers(build, call, options) : std::vector<std::string>{};
+  if (hopper) {
+    if (hopper_why.empty()) {
       c.fwd = FwdKernel::kSm90;
       c.sm90_schedule = options.sm90_schedule != Sm90Schedule::kAuto ? options.sm90_schedule
                         : call.unequal_tiles ? Sm90Schedule::kDynamic
                                              : Sm90Schedule::kStatic;
     } else {
-      c.notes.push_back("forward on the portable sm80 kernel, not the Hopper one, because " +
-                        detail::join(why, "; "));
+      c.notes.push_back("forward and backward on the portable sm80 kernels, not the Hopper "
+                        "ones, because " + detail::join(hopper_why, "; "));
     }
   }
   if (c.fwd == FwdKernel::kSm90 && call.known) {
@@ -274,10 +286,29 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
                (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa" : "");
 
-  // 3. The backward: the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their
-  // shared memory fits the GPU, else the 4-warp ones; dQ by bulk reductions on sm_90 (its tile
-  // fits up to head dim 128, and the kernels must run as sm_90 machine code), atomics elsewhere,
-  // a separate kernel for bitwise-reproducible gradients.
+  // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
+  // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits
+  // the GPU, else the 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to
+  // head dim 128, and the kernels must run as sm_90 machine code), atomics elsewhere, a
+  // separate kernel for bitwise-reproducible gradients.
+  if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
+    std::vector<std::string> why;
+    if (d > 128)
+      why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward has "
+                    "head dims up to 128");
+    if (call.deterministic)
+      why.push_back("deterministic=True or torch.use_deterministic_algorithms(True): the "
+                    "Hopper backward's dQ accumulation is not ordered");
+    if (!options.sm90_bwd) why.push_back("kernel option sm90_bwd=False");
+    if (why.empty()) {
+      c.bwd = BwdKernel::kSm90;
+      c.dq = DqPath::kAtomic;
+      c.bwd_name = "sm90_bwd" + suffix;
+      return c;
+    }
+    c.notes.push_back("backward on the portable sm80 kernels, not the Hopper one, because " +
+                      detail::join(why, "; "));
+  }
   std::vector<std::string> why;
   if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on them");
   const int lean_need = lean_bwd_smem_bytes(static_cast<int>(d));

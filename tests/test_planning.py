@@ -170,10 +170,9 @@ def test_fallback_path_with_bias_is_correct():
 
 
 def test_plan_notes_are_printed():
-    p = planning.Plan("sm80_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True,
-                      notes=("forward on the portable sm80 kernel, not the Hopper one, because x",))
-    assert str(p) == ("sm80_fwd_hdim64_bf16 (backward: sm80_bwd_hdim64_bf16); note: forward on "
-                      "the portable sm80 kernel, not the Hopper one, because x")
+    note = "forward and backward on the portable sm80 kernels, not the Hopper ones, because x"
+    p = planning.Plan("sm80_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True, notes=(note,))
+    assert str(p) == f"sm80_fwd_hdim64_bf16 (backward: sm80_bwd_hdim64_bf16); note: {note}"
 
 
 def test_kernel_env_is_read_once_at_import():

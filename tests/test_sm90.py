@@ -1,5 +1,6 @@
-"""The Hopper forward (csrc/kernels/sm90: TMA + wgmma, warp-specialised): which calls it serves,
-and its answers against an fp32 reference next to the portable kernel's.
+"""The Hopper kernels (csrc/kernels/sm90: TMA + wgmma, warp-specialised), forward and backward:
+which calls they serve, and their answers against an fp32 reference next to the portable
+kernels'.
 
 The full CUDA grid (tests/test_cuda.py) runs on whichever forward the dispatcher picks, so on an
 H200 it exercises this kernel; FLASH_ATTN_EXT_KERNEL=sm80 runs the same grid on the portable one
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from flash_attn_ext import explain, flash_attn_func, ops, planning
-from reference import assert_error_rule, attention_ref
+from reference import assert_error_rule, attention_ref, cancellation_scale
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.build_info()["cuda"]
@@ -41,20 +42,23 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     q = rand(2, 100, 4, head_dim)
     p = planning.plan(q, q, q)
     assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
-    # No note: every padded head dim's plain backward runs the 8-warp kernels on sm_90 (head
-    # dim 256's need 214016 bytes of shared memory per block, which sm_90 allows).
-    assert p.notes == ()
-    assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
+    if padded <= 128:  # the Hopper backward
+        assert p.notes == ()
+        assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16"
+    else:  # the 8-warp portable backward (214016 bytes of shared memory: sm_90 has them)
+        assert len(p.notes) == 1 and "head dims up to 128" in p.notes[0]
+        assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
 
 
 def test_explain_names_the_deterministic_dq_path():
     q = rand(2, 100, 4, 64)
     assert explain(q, q, q, layout="blhd").notes == ()
     p = explain(q, q, q, layout="blhd", deterministic=True)
-    assert len(p.notes) == 1 and "separate dQ kernel" in p.notes[0]
+    assert p.backward_kernel == "sm80_bwd_hdim64_bf16" and len(p.notes) == 2
+    assert "not ordered" in p.notes[0] and "separate dQ kernel" in p.notes[1]
     torch.use_deterministic_algorithms(True)
     try:
-        assert "separate dQ kernel" in explain(q, q, q).notes[0]
+        assert "separate dQ kernel" in explain(q, q, q).notes[1]
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -94,6 +98,85 @@ def test_hopper_and_portable_forward_both_meet_the_error_rule(
         outs[choice] = out
     # Same inputs, two kernels, two summation orders: close, not bitwise equal.
     assert (outs["auto"].float() - outs["sm80"].float()).abs().max().item() < 0.05
+
+
+def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                         head_dim_v=None, causal=False, window=(-1, -1), bottom_right=True,
+                         transposed=False):
+    """Gradients of one call with the Hopper backward (the plan must name it) against an fp32
+    reference, by the backward's error rule (3x the same computation's error in ``dtype``)."""
+    head_dim_v = head_dim_v or head_dim
+
+    def make(seqlen, heads, d):
+        if transposed:
+            return rand(batch, heads, seqlen, d, dtype=dtype).transpose(1, 2)
+        return rand(batch, seqlen, heads, d, dtype=dtype)
+
+    q, k = make(seqlen_q, heads_q, head_dim), make(seqlen_k, heads_kv, head_dim)
+    v = make(seqlen_k, heads_kv, head_dim_v)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              align_bottom_right=bottom_right)
+    plan = planning.plan(q, k, v)  # (the mask does not change the backward's kernel)
+    assert plan.backward_kernel.startswith("sm90_bwd"), plan
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, leaves, dout)
+    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    true_out, _ = attention_ref(*leaves32, compute_dtype=torch.float32, **kw)
+    true_g = torch.autograd.grad(true_out, leaves32, dout.float())
+    low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    low_out, _ = attention_ref(*low_leaves, compute_dtype=dtype, **kw)
+    low_g = torch.autograd.grad(low_out, low_leaves, dout)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    for name, a, lo, t, c in zip(("dq", "dk", "dv"), ours, low_g, true_g, cancel):
+        leaf = leaves[("dq", "dk", "dv").index(name)]
+        assert a.shape == leaf.shape and a.stride() == leaf.stride()
+        assert_error_rule(a, lo, t.double(), 3.0, name, c, score_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (129, 129),
+                                               (1000, 1000), (2048, 1023)])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128])
+@pytest.mark.parametrize("causal,window,bottom_right", [
+    (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
+    (False, (100, 7), True)])
+def test_hopper_backward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, head_dim, causal,
+                                              window, bottom_right):
+    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
+                         window=window, bottom_right=bottom_right)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 1), (12, 4)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 128), (64, 128), (128, 40)])
+def test_hopper_backward_gqa_mqa_strides_and_value_dims(heads_q, heads_kv, head_dim, head_dim_v):
+    # dK / dV of a KV head summed over its group's query heads in one CTA; SDPA's (B, H, L, d)
+    # storage seen as (B, L, H, d); a value head dim unlike the query's.
+    hopper_backward_case(torch.bfloat16, 2, 577, 700, heads_q, heads_kv, head_dim, head_dim_v,
+                         causal=True, transposed=True)
+
+
+def test_hopper_backward_long_sequence():
+    hopper_backward_case(torch.bfloat16, 1, 4224, 4224, 4, 4, 128, causal=True)
+    hopper_backward_case(torch.bfloat16, 1, 4096, 4096, 2, 2, 64)
+
+
+def test_hopper_and_portable_backward_agree(kernel_opts):
+    # The same call on both backwards: two summation orders, close, not bitwise equal; the
+    # option switches within the process and the plan follows it.
+    q, k, v = (rand(2, 1000, 4, 128).requires_grad_() for _ in "qkv")
+    dout = rand(2, 1000, 4, 128)
+    grads = {}
+    for sm90_bwd in (True, False):
+        kernel_opts(sm90_bwd=sm90_bwd)
+        name = planning.plan(q, k, v).backward_kernel
+        assert name.startswith("sm90_bwd" if sm90_bwd else "sm80_bwd"), name
+        out = flash_attn_func(q, k, v, causal=True)
+        grads[sm90_bwd] = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(grads[True], grads[False]):
+        assert not a.isnan().any()
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
 
 
 def test_strided_and_broadcast_inputs():

@@ -20,6 +20,7 @@
 #include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
 #include "kernel_select.h"
 #ifdef FLASH_ATTN_EXT_SM90
+#include "kernels/sm90/flash_bwd_sm90_launch.h"
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
 #endif
 
@@ -146,6 +147,13 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
   if (head_dim <= 128) return sm90::run_flash_fwd_sm90<Element, 128>(p, stream);
   return sm90::run_flash_fwd_sm90<Element, 256>(p, stream);
 }
+template <typename Element>
+cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
+                         cudaStream_t stream) {
+  if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
+  if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
+  return cudaErrorInvalidValue;  // kernel_select.h sends larger head dims elsewhere
+}
 #endif
 
 template <typename Element>
@@ -256,6 +264,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   at::Tensor dq = new_output_like(q);
   at::Tensor dk = new_output_like(k);
   at::Tensor dv = new_output_like(v);
+  auto unpad = [](const at::Tensor& g, int64_t d) {
+    return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous();
+  };
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   at::Tensor dbias_full =
       want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k}, lse.options())
@@ -265,7 +276,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       dk.zero_();
       dv.zero_();
     } else {
-      at::Tensor delta = at::empty({a.batch, a.heads_q, a.seqlen_q}, lse.options());
       BwdParams p;
       fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
       fill_grad_params(p, dout, dq, dk, dv);
@@ -284,28 +294,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.philox_offset_ptr = p.philox_seed_ptr + 1;
       }
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-      // fp32 scratch of the 8-warp kernels' accumulated dQ (params.h: dq_accum), where the
-      // rule has them accumulate it (not deterministic); the backward zeroes it.
-      p.bwd_eight_warp = choice.bwd == BwdKernel::kSm80EightWarp;
-      at::Tensor dq_accum;
-      if (p.bwd_eight_warp && choice.dq != DqPath::kSeparate) {
-        dq_accum = at::empty(
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      const bool bf16 = q.scalar_type() == at::kBFloat16;
+      cudaError_t err;
+#ifdef FLASH_ATTN_EXT_SM90
+      if (choice.bwd == BwdKernel::kSm90) {
+        // fp32 scratch: dQ accumulated by atomics (params.h: dq_accum, the atomic layout), and
+        // the statistics (lse * log2(e), D) in whole query blocks.
+        at::Tensor dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());
+        at::Tensor stats = at::empty({sm90::bwd_sm90_stats_floats(a.batch, a.heads_q,
+                                                                  a.seqlen_q)},
+                                     lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
-        p.dq_bulk = choice.dq == DqPath::kBulk;
+        float* stats_ptr = stats.data_ptr<float>();
+        err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
+                   : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
+      } else
+#endif
+      {
+        // fp32 scratch of the 8-warp kernels' accumulated dQ (params.h: dq_accum), where the
+        // rule has them accumulate it (not deterministic); the backward zeroes it.
+        p.bwd_eight_warp = choice.bwd == BwdKernel::kSm80EightWarp;
+        at::Tensor dq_accum;
+        if (p.bwd_eight_warp && choice.dq != DqPath::kSeparate) {
+          dq_accum = at::empty(
+              {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
+              lse.options());
+          p.dq_accum = dq_accum.data_ptr<float>();
+          p.dq_bulk = choice.dq == DqPath::kBulk;
+        }
+        at::Tensor delta = at::empty({a.batch, a.heads_q, a.seqlen_q}, lse.options());
+        float* delta_ptr = delta.data_ptr<float>();
+        err = bf16 ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta_ptr, stream)
+                   : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
       }
-      cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-      float* delta_ptr = delta.data_ptr<float>();
-      cudaError_t err = q.scalar_type() == at::kBFloat16
-                            ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta_ptr, stream)
-                            : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
       C10_CUDA_CHECK(err);
     }
   }
-  auto unpad = [](const at::Tensor& g, int64_t d) {
-    return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous();
-  };
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v),
           reduce_dbias(dbias_full, attn_bias, want_dbias, q)};
 }

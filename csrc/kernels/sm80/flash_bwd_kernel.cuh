@@ -76,25 +76,29 @@ struct BwdTraits {
                     kBlockNQ % 16 == 0, "");
 };
 
-// D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, seqlen_q) contiguous; kTpr
-// threads per row (one 16-byte load of O and of dO per thread and step: rows are 16-byte aligned
-// and head_dim_v a multiple of 8, the glue's kernel_ready), 256 / kTpr rows per CTA.  Also zeroes
-// `zero_quads` float4 at `zero` (the atomic-dQ scratch, so that no memset pass precedes the
-// dK/dV kernel).  (A gradient g_i flowing into lse_i adds g_i * P_ij to dS_ij, i.e. subtracts it
-// from D.)
+// D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, pitch) contiguous (pitch >=
+// seqlen_q; rows past seqlen_q get 0); kTpr threads per row (one 16-byte load of O and of dO per
+// thread and step: rows are 16-byte aligned and head_dim_v a multiple of 8, the glue's
+// kernel_ready), 256 / kTpr rows per CTA.  With `lse_log2` (the Hopper backward's statistics),
+// also softmax_lse * log2(e) in the same layout (+inf past seqlen_q and for rows that see no
+// key, so that P = 0 there).  Also zeroes `zero_quads` float4 at `zero` (the atomic-dQ scratch,
+// so that no memset pass precedes the dK/dV kernel).  (A gradient g_i flowing into lse_i adds
+// g_i * P_ij to dS_ij, i.e. subtracts it from D.)
 template <typename Element, int kTpr>
 __global__ void __launch_bounds__(256)
-    flash_bwd_delta_kernel(const BwdParams p, float* delta, float4* zero, int64_t zero_quads) {
+    flash_bwd_delta_kernel(const BwdParams p, float* delta, float4* zero, int64_t zero_quads,
+                           int64_t pitch, float* lse_log2_out) {
   static_assert(kTpr >= 1 && kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "");
   const int tid = static_cast<int>(threadIdx.x);
   for (int64_t i = int64_t(blockIdx.x) * 256 + tid; i < zero_quads; i += int64_t(gridDim.x) * 256)
     zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   const int64_t row_id = int64_t(blockIdx.x) * (256 / kTpr) + tid / kTpr;
   const int t = tid % kTpr;
-  const bool valid = row_id < p.batch * p.heads_q * p.seqlen_q;
+  const bool valid = row_id < p.batch * p.heads_q * pitch;
+  const int64_t i = row_id % pitch, bh = row_id / pitch;
+  const bool in_seq = valid && i < p.seqlen_q;
   float sum = 0.f;
-  if (valid) {
-    const int64_t i = row_id % p.seqlen_q, bh = row_id / p.seqlen_q;
+  if (in_seq) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
     const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
                     i * p.out_row_stride + h * p.out_head_stride;
@@ -112,20 +116,28 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int s = kTpr / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
   if (valid && t == 0) {
-    const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);  // (B, H, L) like delta
-    delta[row_id] = dlse == nullptr ? sum : sum - dlse[row_id];
+    const int64_t row = bh * p.seqlen_q + i;  // in (batch, heads_q, seqlen_q) tensors
+    const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);
+    delta[row_id] = !in_seq ? 0.f : dlse == nullptr ? sum : sum - dlse[row];
+    if (lse_log2_out != nullptr)
+      lse_log2_out[row_id] =
+          in_seq ? lse_log2(static_cast<const float*>(p.softmax_lse)[row]) : INFINITY;
   }
 }
 
 // The delta launch for kernels of head dim kHeadDim (>= head_dim_v), zeroing zero_floats floats
-// at `zero` on the way (a multiple of 4, 16-byte aligned).
+// at `zero` on the way (a multiple of 4, 16-byte aligned); rows of `pitch` (seqlen_q unless
+// given) and lse_log2 as flash_bwd_delta_kernel says.
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int64_t zero_floats,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, int64_t pitch = -1,
+                             float* lse_log2_out = nullptr) {
   constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRowsPerCta = 256 / kTpr;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  if (pitch < 0) pitch = p.seqlen_q;
+  const int64_t rows = p.batch * p.heads_q * pitch;
   return launch(flash_bwd_delta_kernel<Element, kTpr>, (rows + kRowsPerCta - 1) / kRowsPerCta,
-                256, 0, stream, p, delta, reinterpret_cast<float4*>(zero), zero_floats / 4);
+                256, 0, stream, p, delta, reinterpret_cast<float4*>(zero), zero_floats / 4,
+                pitch, lse_log2_out);
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.

@@ -1,0 +1,107 @@
+// The Hopper backward's __global__ function (bwd_traits.h has the algorithm): the CTA's set-up,
+// then each warpgroup's role.
+//   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
+//     issues the TMA loads (bwd_producer.h).
+//   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h, at the end dK
+//     and dV stored from registers.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "kernels/sm90/bwd_mainloop.h"
+#include "kernels/sm90/bwd_producer.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    flash_bwd_sm90_kernel(CUTE_GRID_CONSTANT const Sm90BwdArgs<T> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kM = T::kBlockM, kN = T::kBlockN;
+  const BwdParams& p = args.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+
+  // Key block fastest: the CTAs running at once share a few heads' Q and dO (L2), and under a
+  // causal mask each head's longest blocks (the first keys) start first.
+  const int32_t n_block = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
+  const int32_t bhk = static_cast<int32_t>(blockIdx.x / args.num_n_blocks);
+  const int32_t b = bhk / static_cast<int32_t>(p.heads_kv);
+  const int32_t hk = bhk % static_cast<int32_t>(p.heads_kv);
+  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                        p.align_bottom_right);
+  const BwdSteps st = bwd_steps(args, vis, n_block);
+
+  const int warp_group = threadIdx.x / 128;
+  using Pipeline = typename T::Pipeline;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kStageBytes;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer
+                                     : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = 128 * T::kConsumers;
+  Pipeline pipe(smem.pipe, pipe_params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_kv, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
+
+  if (warp_group == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x == 0 && st.steps > 0)
+      run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, sQ, sdO, sK, sV);
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename T::SmemLayoutdS{});
+  BwdMainloop<T> mainloop(ctid, sQ, sdO, sK, sV, sQt, sdOt, sKt, sdS);
+  const int64_t n0 = static_cast<int64_t>(n_block) * kN;
+
+  if (st.steps > 0) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_kv, 0);
+    const float scale = static_cast<float>(p.softmax_scale);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const int64_t dq_rows = dq_accum_rows(p.seqlen_q);
+    const int64_t dq_row_stride = p.heads_q * T::kHeadDim;
+    typename Pipeline::PipelineState state;
+    int32_t h = hk * args.group, m = 0;
+    for (int32_t t = 0; t < st.steps; ++t) {
+      const int64_t m0 = static_cast<int64_t>(st.m_begin + m) * kM;
+      // Masked unless every key of the block is visible to every row of the step.
+      const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+      const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
+      const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
+      float* dq = p.dq_accum + ((static_cast<int64_t>(b) * dq_rows + m0) * p.heads_q + h) *
+                                   T::kHeadDim;
+      pipe.consumer_wait(state);
+      mainloop.step(smem, state.index(), t & 1, masked, rel, scale, scale_log2, dq,
+                    dq_row_stride);
+      pipe.consumer_release(state);
+      ++state;
+      if (++m == st.m_blocks) {
+        m = 0;
+        ++h;
+      }
+    }
+  }
+  mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,87 @@
+// The Hopper backward's host side: the statistics pass (D, lse * log2(e), the dQ buffer zeroed:
+// the portable backward's delta kernel with padded rows), TMA descriptors, one CTA per (key
+// block, batch, KV head) of flash_bwd_sm90_kernel (bwd_kernel.h), then the dQ buffer converted
+// to dq (the portable backward's conversion, its atomic layout).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/sm80/flash_bwd_kernel.cuh"
+#include "kernels/sm80/launch.h"
+#include "kernels/sm90/bwd_kernel.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/flash_bwd_sm90_launch.h"
+#include "kernels/sm90/pack_gqa.h"  // kMaxRows
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+template <typename T>
+cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t stream) {
+  using Element = typename T::Element;
+  using CudaElement =
+      std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
+  constexpr int kD = T::kHeadDim;
+  if (p.dq_accum == nullptr || p.seqlen_q > kMaxRows || p.seqlen_k > kMaxRows)
+    return cudaErrorInvalidValue;
+  const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
+  float* lse_log2 = stats;
+  float* delta = stats + p.batch * p.heads_q * pitch;
+  cudaError_t err = sm80::launch_bwd_delta<CudaElement, kD>(
+      p, delta, p.dq_accum, dq_accum_floats(p.batch, p.seqlen_q, p.heads_q, kD), stream, pitch,
+      lse_log2);
+  if (err != cudaSuccess) return err;
+
+  auto stride_of = [](int64_t size, int64_t stride) {
+    return size <= 1 ? int64_t{8} : stride;
+  };
+  auto gmem = [&](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch,
+                  int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       GmemShape(static_cast<int32_t>(rows), static_cast<int32_t>(dim),
+                                 static_cast<int32_t>(heads), static_cast<int32_t>(batch)),
+                       GmemStride(stride_of(rows, row_stride), _1{},
+                                  stride_of(heads, head_stride), stride_of(batch, batch_stride)));
+  };
+  using TileQ = Shape<Int<T::kBlockM>, Int<kD>>;
+  using TileK = Shape<Int<T::kBlockN>, Int<kD>>;
+  const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  Sm90BwdArgs<T> args{
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.q, p.seqlen_q, p.head_dim, p.heads_q, p.batch, p.q_row_stride,
+                         p.q_head_stride, p.q_batch_stride),
+                    take<0, 2>(typename T::SmemLayoutQ{}), TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.dout, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch, p.dout_row_stride,
+                         p.dout_head_stride, p.dout_batch_stride),
+                    take<0, 2>(typename T::SmemLayoutQ{}), TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.k, p.seqlen_k, p.head_dim, p.heads_kv, p.batch, p.k_row_stride,
+                         p.k_head_stride, p.k_batch_stride),
+                    typename T::SmemLayoutK{}, TileK{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(p.v, p.seqlen_k, p.head_dim_v, p.heads_kv, p.batch, p.v_row_stride,
+                         p.v_head_stride, p.v_batch_stride),
+                    typename T::SmemLayoutK{}, TileK{}, _1{}),
+      p,
+      lse_log2,
+      delta,
+      static_cast<int32_t>(pitch),
+      static_cast<int32_t>(num_n_blocks),
+      static_cast<int32_t>(p.heads_q / p.heads_kv)};
+  const int64_t ctas = num_n_blocks * p.batch * p.heads_kv;
+  if (ctas > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (ctas > 0) {
+    err = sm80::launch(flash_bwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
+    if (err != cudaSuccess) return err;
+  }
+  using Lean = sm80::LeanBwdTraits<CudaElement, kD>;
+  const int64_t num_m_blocks = (p.seqlen_q + sm80::kConvertRows - 1) / sm80::kConvertRows;
+  return sm80::launch(sm80::flash_bwd_convert_dq_kernel<Lean, sm80::DqMode::kAtomic>,
+                      num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
+}
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,235 @@
+// The Hopper backward's consumer step (bwd_traits.h has the algorithm): per (query head, query
+// block) of the CTA's key block, S^T and dP^T, the softmax gradient in registers, dV and dK
+// accumulated in registers, dS^T to shared memory and dQ = dS K added to the fp32 dQ buffer.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
+#include "mask.h"
+
+namespace flash_attn_ext::sm90 {
+
+// p[0] += a, p[1] += b in global memory, no return value (one vector RED).
+__device__ __forceinline__ void red_add_v2(float* ptr, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+}
+
+template <typename T>
+struct BwdMainloop {
+  using Element = typename T::Element;
+  using TiledMmaSdP = typename T::TiledMmaSdP;
+  using TiledMmadKV = typename T::TiledMmadKV;
+  using TiledMmadQ = typename T::TiledMmadQ;
+  static constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
+
+  using SmemQ = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                     typename T::SmemLayoutQ{}));
+  using SmemK = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                     typename T::SmemLayoutK{}));
+  using SmemQt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutQt{}));
+  using SmemKt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutKt{}));
+  using SmemdS = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutdS{}));
+  using ThrSdP = decltype(std::declval<TiledMmaSdP&>().get_thread_slice(0));
+  using ThrdKV = decltype(std::declval<TiledMmadKV&>().get_thread_slice(0));
+  using ThrdQ = decltype(std::declval<TiledMmadQ&>().get_thread_slice(0));
+  using FragK = decltype(std::declval<ThrSdP&>().partition_fragment_A(std::declval<SmemK&>()));
+  using FragQ = decltype(std::declval<ThrSdP&>().partition_fragment_B(std::declval<SmemQ&>()));
+  using FragQt = decltype(std::declval<ThrdKV&>().partition_fragment_B(std::declval<SmemQt&>()));
+  using FragdS = decltype(std::declval<ThrdQ&>().partition_fragment_A(std::declval<SmemdS&>()));
+  using FragKt = decltype(std::declval<ThrdQ&>().partition_fragment_B(std::declval<SmemKt&>()));
+  using AccS = decltype(partition_fragment_C(std::declval<TiledMmaSdP&>(),
+                                             Shape<Int<kN>, Int<kM>>{}));
+  using AccKV = decltype(partition_fragment_C(std::declval<TiledMmadKV&>(),
+                                              Shape<Int<kN>, Int<kD>>{}));
+  using AccdQ = decltype(partition_fragment_C(std::declval<TiledMmadQ&>(),
+                                              Shape<Int<kM>, Int<kD>>{}));
+  // P^T and dS^T in 16 bits: the A operands of dV and dK (see the forward's FragP).
+  using FragP =
+      decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kM / 16>>>{}));
+  using CoordS = decltype(std::declval<ThrSdP&>().partition_C(
+      make_identity_tensor(Shape<Int<kN>, Int<kM>>{})));
+  using CoordKV = decltype(std::declval<ThrdKV&>().partition_C(
+      make_identity_tensor(Shape<Int<kN>, Int<kD>>{})));
+  using CoorddQ = decltype(std::declval<ThrdQ&>().partition_C(
+      make_identity_tensor(Shape<Int<kM>, Int<kD>>{})));
+
+  static constexpr int kSVals = decltype(size(std::declval<AccS&>()))::value;
+  static_assert(kSVals == kM / 2, "unexpected wgmma accumulator layout");
+  static_assert(decltype(size(std::declval<FragP&>()))::value == kSVals, "");
+
+  TiledMmaSdP mma_sdp;
+  TiledMmadKV mma_dkv;
+  TiledMmadQ mma_dq;
+  FragK tSrK, tSrV;    // shared-memory descriptors
+  FragQ tSrQ, tSrdO;   // (MMA, MMA_N, MMA_K, stage)
+  FragQt tdKrQ, tdVrdO;
+  FragdS tdQrdS;       // (MMA, MMA_M, MMA_K, buffer)
+  FragKt tdQrK;
+  AccKV acc_dk, acc_dv;
+  CoordS tScS;    // (key, query) of every S^T accumulator element of this thread
+  CoordKV tdKcdK;  // (key, column) of dK / dV's
+  CoorddQ tdQcdQ;  // (query, column) of dQ's
+  SmemdS sdS;
+
+  // ctid: 0 .. 255 over the two consumer warpgroups.
+  __device__ __forceinline__ BwdMainloop(int ctid, SmemQ& sQ, SmemQ& sdO, SmemK& sK, SmemK& sV,
+                                         SmemQt& sQt, SmemQt& sdOt, SmemKt& sKt, SmemdS& sdS_)
+      : tSrK(mma_sdp.get_thread_slice(ctid).partition_fragment_A(sK)),
+        tSrV(mma_sdp.get_thread_slice(ctid).partition_fragment_A(sV)),
+        tSrQ(mma_sdp.get_thread_slice(ctid).partition_fragment_B(sQ)),
+        tSrdO(mma_sdp.get_thread_slice(ctid).partition_fragment_B(sdO)),
+        tdKrQ(mma_dkv.get_thread_slice(ctid).partition_fragment_B(sQt)),
+        tdVrdO(mma_dkv.get_thread_slice(ctid).partition_fragment_B(sdOt)),
+        tdQrdS(mma_dq.get_thread_slice(ctid).partition_fragment_A(sdS_)),
+        tdQrK(mma_dq.get_thread_slice(ctid).partition_fragment_B(sKt)),
+        acc_dk(partition_fragment_C(mma_dkv, Shape<Int<kN>, Int<kD>>{})),
+        acc_dv(partition_fragment_C(mma_dkv, Shape<Int<kN>, Int<kD>>{})),
+        tScS(mma_sdp.get_thread_slice(ctid).partition_C(
+            make_identity_tensor(Shape<Int<kN>, Int<kM>>{}))),
+        tdKcdK(mma_dkv.get_thread_slice(ctid).partition_C(
+            make_identity_tensor(Shape<Int<kN>, Int<kD>>{}))),
+        tdQcdQ(mma_dq.get_thread_slice(ctid).partition_C(
+            make_identity_tensor(Shape<Int<kM>, Int<kD>>{}))),
+        sdS(sdS_) {
+    clear(acc_dk);
+    clear(acc_dv);
+  }
+
+  template <typename MmaT, typename A, typename B, typename C>
+  __device__ __forceinline__ static void gemm_zero(MmaT& mma, const A& a, const B& b, C& c) {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+
+  // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage
+  // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
+  // visible (rel: the visible keys of each of the step's rows, relative to the key block).
+  // dq_rows: this step's rows of the fp32 dQ buffer (row stride dq_row_stride floats).
+  __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
+                                       int buf, bool masked, const VisibleKeys::Relative& rel,
+                                       float scale, float scale_log2, float* dq_rows,
+                                       int64_t dq_row_stride) {
+    AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    warpgroup_fence_operand(acc_s);
+    warpgroup_arrive();
+    gemm_zero(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc_dp);
+    warpgroup_arrive();
+    gemm_zero(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
+    warpgroup_commit_batch();
+
+    const float* lse_s = smem.lse_log2[stage];
+    const float* d_s = smem.delta[stage];
+    warpgroup_wait<1>();  // S^T
+    warpgroup_fence_operand(acc_s);
+    // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
+    CUTE_UNROLL
+    for (int i = 0; i < kSVals; ++i) {
+      const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+      float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
+      if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+      acc_s(i) = pr;
+    }
+    warpgroup_wait<0>();  // dP^T
+    warpgroup_fence_operand(acc_dp);
+    // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
+    // portable kernels: unscaled, fp16 dS would overflow 1 / scale times sooner), so dK and dQ
+    // need no scale afterwards.
+    FragP p16, ds16;
+    CUTE_UNROLL
+    for (int i = 0; i < kSVals; ++i) {
+      const int q = get<1>(tScS(i));
+      const float ds = acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale);
+      p16(i) = static_cast<Element>(acc_s(i));
+      ds16(i) = static_cast<Element>(ds);
+    }
+
+    // dV += P^T dO.
+    warpgroup_fence_operand(p16);
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_arrive();
+    mma_dkv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(p16); ++kb)
+      cute::gemm(mma_dkv, p16(_, _, kb), tdVrdO(_, _, kb, stage), acc_dv);
+    warpgroup_commit_batch();
+
+    // dS^T to shared memory as dS (query, key): pairs of adjacent queries, one word each.
+    CUTE_UNROLL
+    for (int i = 0; i < kSVals; i += 2) {
+      const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+      Element pair[2] = {ds16(i), ds16(i + 1)};
+      *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<uint32_t*>(pair);
+    }
+    cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
+
+    // Both warpgroups' dS written: dQ = dS K (this warpgroup's rows or head-dim half), issued
+    // before dK += dS^T Q, so that dQ's adds to global memory run under the dK GEMM.
+    cutlass::arch::NamedBarrier::sync(256, 0);
+    AccdQ acc_dq = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_arrive();
+    gemm_zero(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(ds16);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(ds16); ++kb)
+      cute::gemm(mma_dkv, ds16(_, _, kb), tdKrQ(_, _, kb, stage), acc_dk);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // dV and dQ
+    warpgroup_fence_operand(acc_dq);
+    // (Whole tiles: the dQ buffer has rows for every query block, zeros added past seqlen_q.)
+    constexpr int kQVals = decltype(size(acc_dq))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < kQVals; i += 2) {
+      const int q = get<0>(tdQcdQ(i)), c = get<1>(tdQcdQ(i));
+      red_add_v2(dq_rows + q * dq_row_stride + c, acc_dq(i), acc_dq(i + 1));
+    }
+    warpgroup_wait<0>();  // dK
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(p16);
+    warpgroup_fence_operand(ds16);
+  }
+
+  // dK and dV rows of keys n0 .. (cut at seqlen_k; columns cut at head_dim / head_dim_v) from
+  // the accumulators, one 32-bit word per pair of columns.
+  __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t n0, int32_t b,
+                                             int32_t hk) const {
+    auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+    constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const int key = get<0>(tdKcdK(i)), c = get<1>(tdKcdK(i));
+      const int64_t row = n0 + key;
+      if (row >= p.seqlen_k) continue;
+      if (c < p.head_dim) {
+        Element pair[2] = {static_cast<Element>(acc_dk(i)), static_cast<Element>(acc_dk(i + 1))};
+        *reinterpret_cast<uint32_t*>(dk + row * p.dk_row_stride + c) =
+            *reinterpret_cast<uint32_t*>(pair);
+      }
+      if (c < p.head_dim_v) {
+        Element pair[2] = {static_cast<Element>(acc_dv(i)), static_cast<Element>(acc_dv(i + 1))};
+        *reinterpret_cast<uint32_t*>(dv + row * p.dv_row_stride + c) =
+            *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+  }
+};
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,80 @@
+// The Hopper backward's loads: one thread of the producer warpgroup issues K and V of the CTA's
+// key block once (TMA, one transaction barrier), then per step (bwd_traits.h) the Q and dO tiles
+// (TMA) and the step's lse * log2(e) and D (bulk copies of 64 floats) into a kStages-deep ring
+// (CUTLASS's PipelineTmaAsync: a stage is "full" when all four landed, "empty" when both
+// consumer warpgroups are done with it).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sm90/bwd_traits.h"
+#include "mask.h"
+
+namespace flash_attn_ext::sm90 {
+
+template <typename T, typename SmemQ, typename SmemK>
+__device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
+                                                 typename T::SharedStorage& smem,
+                                                 typename T::Pipeline& pipe, const BwdSteps& st,
+                                                 int32_t n_block, int32_t b, int32_t hk,
+                                                 SmemQ& sQ, SmemQ& sdO, SmemK& sK, SmemK& sV) {
+  using Pipeline = typename T::Pipeline;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
+  const BwdParams& p = args.p;
+  const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
+  const GmemShape shape_do(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
+                           static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
+  const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
+                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
+  Tensor mdO = args.tma_do.get_tma_tensor(shape_do);
+  Tensor mK = args.tma_k.get_tma_tensor(shape_k);
+  Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+
+  // K and V of the key block, once.
+  {
+    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+    auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv,
+                                                                   2 * T::kTileBytesK);
+    copy(args.tma_k.with(smem.barrier_kv), tKg, tKs);
+    copy(args.tma_v.with(smem.barrier_kv), tVg, tVs);
+  }
+
+  auto state = cutlass::make_producer_start_state<Pipeline>();
+  int32_t h = hk * args.group, m = 0;  // step (query head, block index minus m_begin)
+  for (int32_t t = 0; t < st.steps; ++t) {
+    const int32_t m_block = st.m_begin + m;
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+    auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+    auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                      group_modes<0, 2>(gdO));
+    pipe.producer_acquire(state);  // expects the stage's kStageBytes
+    uint64_t* full = pipe.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(args.tma_q.with(*full), tQg(_, m_block), tQs(_, stage));
+    copy(args.tma_do.with(*full), tdOg(_, m_block), tdOs(_, stage));
+    const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * args.stats_pitch +
+                         static_cast<int64_t>(m_block) * kM;
+    SM90_BULK_COPY_G2S::copy(args.lse_log2 + stat, full, smem.lse_log2[stage], T::kStatBytes);
+    SM90_BULK_COPY_G2S::copy(args.delta + stat, full, smem.delta[stage], T::kStatBytes);
+    ++state;
+    if (++m == st.m_blocks) {
+      m = 0;
+      ++h;
+    }
+  }
+  // No copy may outlive the CTA: the consumers' waits on every stage cover that (each step's
+  // stage is waited for before the CTA ends).
+}
+
+}  // namespace flash_attn_ext::sm90

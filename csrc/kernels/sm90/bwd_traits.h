@@ -1,0 +1,159 @@
+// The Hopper backward's compile-time shape (Sm90BwdTraits: tiles, warpgroups, register budgets,
+// shared-memory layouts, TMA and wgmma types) and its run-time arguments (Sm90BwdArgs).
+//
+// One CTA per (block of kBlockN = 128 keys, batch, KV head): K and V of the block stay in shared
+// memory, Q and dO tiles of kBlockM = 64 query rows (with their log-sum-exps and D = rowsum(dO *
+// O)) stream through a ring, one step per (query head of the GQA group, query block).  Two
+// consumer warpgroups own 64 keys each and compute, per step, the transposed products
+// (FlashAttention-3's "swapped" S and dP, arXiv:2407.08608 section 3.3):
+//   S^T = K Q^T and dP^T = V dO^T          SS wgmma, M = 64 keys, N = 64 queries, K = head dim
+//   P^T = exp2(S^T scale log2e - lse log2e),  dS^T = P^T (dP^T - D) scale   (registers)
+//   dV += P^T dO and dK += dS^T Q          RS wgmma: P^T and dS^T stay in registers as the A
+//                                          operand (the accumulator layout of S^T is the A
+//                                          layout with K = queries); dO and Q read MN-major
+//   dQ = dS K                              SS wgmma over both warpgroups' dS^T (through shared
+//                                          memory), split over the head dim between them, added
+//                                          to an fp32 buffer (red.global.add.v2.f32)
+// dK and dV stay in registers across all steps and are stored once.
+#pragma once
+
+#include <type_traits>
+
+#include "kernels/sm90/fwd_traits.h"
+
+namespace flash_attn_ext::sm90 {
+
+template <typename CudaElement, int kHeadDim_>
+struct Sm90BwdTraits {
+  using Element = typename CuteType<CudaElement>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
+  static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
+  // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
+  // load; the S^T / dP^T accumulators, 2 x 64 floats, fit beside dK / dV's 2 x 32), 64 at 128
+  // (FlashAttention-3's tiles).
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+  static constexpr int kStages = 2;           // depth of the Q / dO / statistics ring
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  // setmaxnreg: producer + 2 consumers within 65536 / 384 = 168 per thread (see the forward's
+  // traits).  A consumer holds dK and dV (2 x kHeadDim / 2 floats), S^T and dP^T (2 x 32) and
+  // the dQ tile (kHeadDim / 4).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
+                    kThreads * (65536 / kThreads / 8 * 8), "");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the Hopper backward has head dims 64, 128");
+  static_assert(kBlockM == 64 || kBlockM == 128, "");
+
+  // S^T = K Q^T, dP^T = V dO^T: M = kBlockN keys (64 per warpgroup), N = kBlockM, K = head dim.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+  // dV += P^T dO, dK += dS^T Q: M = kBlockN keys, N = head dim, K = kBlockM; A from registers,
+  // B read MN-major (the head dim is dO's and Q's contiguous axis).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+  // dQ = dS K: M = kBlockM, N = head dim, K = kBlockN, split over the warpgroups by query rows
+  // where there are 128 of them, else by head-dim halves; dS read MN-major (the queries are its
+  // contiguous axis: see SmemLayoutdS), K MN-major.
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kConsumers;
+  using DqAtomShape = std::conditional_t<kDqSplitRows, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                         Shape<_64, Int<kHeadDim / kConsumers>, Int<kBlockN>>>;
+  using DqWarpgroups = std::conditional_t<kDqSplitRows, Layout<Shape<Int<kConsumers>, _1, _1>>,
+                                          Layout<Shape<_1, Int<kConsumers>, _1>>>;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      DqWarpgroups{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
+  // Q and dO as (head dim, query, stage), K as (head dim, key): the B operands read MN-major.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // dS (query, key, buffer), queries contiguous: a thread's dS^T accumulator holds pairs of
+  // adjacent queries, stored as one 32-bit word each.  Two buffers: a warpgroup writes step
+  // t + 1's dS while the other may still read step t's in its dQ GEMM (the barrier between the
+  // dS writes and the dQ GEMM of step t + 1 comes after both finished step t's dQ).
+  using SmemLayoutdS = decltype(tile_to_shape(
+      GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTileBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTileBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kStatBytes = kBlockM * sizeof(float);
+  // One stage: Q, dO, lse * log2(e) and D.
+  static constexpr uint32_t kStageBytes = 2 * kTileBytesQ + 2 * kStatBytes;
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float delta[kStages][kBlockM];
+    typename Pipeline::SharedStorage pipe;
+    alignas(8) uint64_t barrier_kv;  // K and V landed
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
+};
+
+template <typename T>
+struct Sm90BwdArgs {
+  typename T::TmaQ tma_q;
+  typename T::TmaQ tma_do;
+  typename T::TmaK tma_k;
+  typename T::TmaK tma_v;
+  BwdParams p;
+  // lse * log2(e) (+inf for rows that see no key and for the padding) and D = rowsum(dO * O) -
+  // dsoftmax_lse, fp32, (batch, heads_q, stats_pitch): rows padded to 128-row blocks, so
+  // that every step's 64 values are one aligned bulk copy.
+  const float* lse_log2;
+  const float* delta;
+  int32_t stats_pitch;
+  int32_t num_n_blocks;
+  int32_t group;  // heads_q / heads_kv
+};
+
+// The query blocks a key block's steps visit, and its steps: (query head of the group, block)
+// pairs, the head outermost.
+struct BwdSteps {
+  int32_t m_begin, m_blocks, steps;
+};
+template <typename T>
+__device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
+                                              int32_t n_block) {
+  const BwdParams& p = args.p;
+  const int64_t n0 = static_cast<int64_t>(n_block) * T::kBlockN;
+  const int64_t n1 = n0 + T::kBlockN < p.seqlen_k ? n0 + T::kBlockN : p.seqlen_k;
+  int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
+  row_lo = row_lo < 0 ? 0 : row_lo;
+  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  BwdSteps s;
+  s.m_begin = static_cast<int32_t>(row_lo / T::kBlockM);
+  s.m_blocks = row_hi > row_lo
+                   ? static_cast<int32_t>((row_hi + T::kBlockM - 1) / T::kBlockM - s.m_begin)
+                   : 0;
+  s.steps = s.m_blocks * args.group;
+  return s;
+}
+
+}  // namespace flash_attn_ext::sm90

@@ -1,0 +1,29 @@
+// The Hopper backward instantiations: one translation unit each (flash_bwd_sm90_hdim*_*.cu),
+// compiled where the Hopper forward is (FLASH_ATTN_EXT_SM90).  Head dims are padded up to 64 or
+// 128; kernel_select.h sends larger ones to the portable backward.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+// Rows per (batch, head) of the statistics scratch: seqlen_q rounded up to whole 128-row blocks
+// (the largest query block of a step).
+constexpr int64_t bwd_sm90_stats_pitch(int64_t seqlen_q) { return (seqlen_q + 127) / 128 * 128; }
+// Floats of the scratch the launcher takes (`stats`): lse * log2(e) and D.
+constexpr int64_t bwd_sm90_stats_floats(int64_t batch, int64_t heads_q, int64_t seqlen_q) {
+  return 2 * batch * heads_q * bwd_sm90_stats_pitch(seqlen_q);
+}
+
+// dq, dk, dv of plain attention (no softcap, bias or dropout) into BwdParams' gradients;
+// p.dq_accum: dq_accum_floats(...) of fp32 scratch (the atomic layout, params.h), `stats`:
+// bwd_sm90_stats_floats(...).  Defined in flash_bwd_sm90_hdim<kHeadDim>_<dtype>.cu for
+// Element = __half / __nv_bfloat16.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t stream);
+
+}  // namespace flash_attn_ext::sm90
