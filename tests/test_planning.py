@@ -44,13 +44,16 @@ def test_explain_layouts_and_errors():
 
 
 def test_deterministic_backward_note(monkeypatch):
-    # The CUDA 8-warp backward's dQ path: a note only where deterministic moves it to the
-    # separate dQ kernel; none where the 4-warp kernels serve the call (they have no other).
+    # deterministic on sm_90: the Hopper backward gives way to the 8-warp one (its dQ adds are
+    # unordered), whose dQ moves to the separate dQ kernel: a note for each; none where the
+    # 4-warp kernels serve the call (they have no other).
     _pretend_hopper(monkeypatch)
     q = _CudaLike((2, 100, 4, 64))
-    assert planning.plan(q, q, q).notes == ()
+    plain = planning.plan(q, q, q)
+    assert plain.notes == () and plain.backward_kernel == "sm90_bwd_hdim64_bf16"
     noted = planning.plan(q, q, q, deterministic=True)
-    assert len(noted.notes) == 1 and "separate dQ kernel" in noted.notes[0]
+    assert noted.backward_kernel == "sm80_bwd_hdim64_bf16" and len(noted.notes) == 2
+    assert "not ordered" in noted.notes[0] and "separate dQ kernel" in noted.notes[1]
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -332,7 +335,7 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     q1, q2k, k = _CudaLike((2, 1, 32, 64)), _CudaLike((2, 2048, 32, 64)), _CudaLike((2, 9, 4, 64))
     p = planning.plan(q1, k, k)
     assert p.kernel == "sm90_fwd_hdim64_bf16_packgqa" and p.fused
-    assert p.backward_kernel == "sm80_bwd_hdim64_bf16" and p.notes == ()
+    assert p.backward_kernel == "sm90_bwd_hdim64_bf16" and p.notes == ()
     assert planning.plan(q1, k, k) is p
     assert planning.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
@@ -350,15 +353,17 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
 @pytest.mark.parametrize("cap,smem,head_dim,general,text", [
     ((9, 0), 232448, 128, False, None),
     ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),
-    ((9, 0), 232448, 256, False, None),           # 209 KB: fits sm_90's 227 KB
+    ((9, 0), 232448, 256, False, "Hopper backward has head dims up to 128"),  # then the
+    # 8-warp kernels: 209 KB fits sm_90's 227 KB
     ((8, 0), 166912, 256, False, "214016 bytes of shared memory"),  # not sm_80's 163 KB
     ((8, 6), 101376, 64, False, None),            # 97 KB: the d=64 kernels fit
     ((8, 6), 101376, 128, False, "164864 bytes of shared memory"),
     ((8, 0), 166912, 128, False, None)])
 def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, general,
                                                  text):
-    # The 8-warp backward serves plain attention where the GPU's shared memory allows (head dim
-    # 256: sm_90, not sm_80); otherwise the plan says that the 4-warp kernels serve it, and why.
+    # The Hopper backward serves plain attention on sm_90 up to head dim 128; the 8-warp one where
+    # the GPU's shared memory allows (head dim 256: sm_90, not sm_80); otherwise the plan says
+    # that the 4-warp kernels serve it, and why.
     monkeypatch.setattr(planning, "_capability", lambda index: cap)
     monkeypatch.setattr(planning, "_smem_per_block", lambda index: smem)
     monkeypatch.setattr(planning.ops, "build_info",

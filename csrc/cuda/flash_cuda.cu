@@ -299,8 +299,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       cudaError_t err;
 #ifdef FLASH_ATTN_EXT_SM90
       if (choice.bwd == BwdKernel::kSm90) {
-        // fp32 scratch: dQ accumulated by atomics (params.h: dq_accum, the atomic layout), and
-        // the statistics (lse * log2(e), D) in whole query blocks.
+        // fp32 scratch: the accumulated dQ (kernels/sm90/bwd_dq.h lays it out; the size of
+        // params.h's dq_accum), and the statistics (lse * log2(e), D) in whole query blocks.
         at::Tensor dq_accum = at::empty(
             {a.batch, dq_accum_rows(a.seqlen_q), a.heads_q, dq_accum_cols(kernel_dim)},
             lse.options());

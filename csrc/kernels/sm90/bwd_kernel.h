@@ -2,8 +2,8 @@
 // then each warpgroup's role.
 //   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
 //     issues the TMA loads (bwd_producer.h).
-//   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h, at the end dK
-//     and dV stored from registers.
+//   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h (its dQ through
+//     bwd_dq.h), at the end dK and dV stored from registers.
 #pragma once
 
 #include <cstdint>
@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_kv, 0);
     const float scale = static_cast<float>(p.softmax_scale);
     const float scale_log2 = scale * 1.4426950408889634f;
-    const int64_t dq_rows = dq_accum_rows(p.seqlen_q);
-    const int64_t dq_row_stride = p.heads_q * T::kHeadDim;
+    const int me = ctid / 128, tid = ctid % 128;  // consumer warpgroup, its thread
+    float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
     int32_t h = hk * args.group, m = 0;
     for (int32_t t = 0; t < st.steps; ++t) {
@@ -87,11 +87,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      float* dq = p.dq_accum + ((static_cast<int64_t>(b) * dq_rows + m0) * p.heads_q + h) *
-                                   T::kHeadDim;
+      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
       pipe.consumer_wait(state);
-      mainloop.step(smem, state.index(), t & 1, masked, rel, scale, scale_log2, dq,
-                    dq_row_stride);
+      mainloop.step(smem, state.index(), t & 1, masked, rel, scale, scale_log2, dq_tile,
+                    dq_staging, me, tid);
       pipe.consumer_release(state);
       ++state;
       if (++m == st.m_blocks) {
@@ -99,6 +98,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         ++h;
       }
     }
+    BwdDq<T>::drain(tid);
   }
   mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,7 +1,7 @@
 // The Hopper backward's host side: the statistics pass (D, lse * log2(e), the dQ buffer zeroed:
 // the portable backward's delta kernel with padded rows), TMA descriptors, one CTA per (key
 // block, batch, KV head) of flash_bwd_sm90_kernel (bwd_kernel.h), then the dQ buffer converted
-// to dq (the portable backward's conversion, its atomic layout).
+// to dq (bwd_dq.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,7 @@
 
 #include "kernels/sm80/flash_bwd_kernel.cuh"
 #include "kernels/sm80/launch.h"
+#include "kernels/sm90/bwd_dq.h"
 #include "kernels/sm90/bwd_kernel.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/flash_bwd_sm90_launch.h"
@@ -78,10 +79,9 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
     err = sm80::launch(flash_bwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
     if (err != cudaSuccess) return err;
   }
-  using Lean = sm80::LeanBwdTraits<CudaElement, kD>;
-  const int64_t num_m_blocks = (p.seqlen_q + sm80::kConvertRows - 1) / sm80::kConvertRows;
-  return sm80::launch(sm80::flash_bwd_convert_dq_kernel<Lean, sm80::DqMode::kAtomic>,
-                      num_m_blocks * p.batch * p.heads_q, 256, 0, stream, p, num_m_blocks);
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  return sm80::launch(flash_bwd_sm90_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q,
+                      128 * T::kConsumers, 0, stream, p, static_cast<int32_t>(num_m_blocks));
 }
 
 }  // namespace flash_attn_ext::sm90

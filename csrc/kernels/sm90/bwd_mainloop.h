@@ -1,21 +1,18 @@
 // The Hopper backward's consumer step (bwd_traits.h has the algorithm): per (query head, query
 // block) of the CTA's key block, S^T and dP^T, the softmax gradient in registers, dV and dK
-// accumulated in registers, dS^T to shared memory and dQ = dS K added to the fp32 dQ buffer.
+// accumulated in registers, dS^T to shared memory and dQ = dS K added to the fp32 dQ buffer
+// (bwd_dq.h).
 #pragma once
 
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm90/bwd_dq.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
 #include "mask.h"
 
 namespace flash_attn_ext::sm90 {
-
-// p[0] += a, p[1] += b in global memory, no return value (one vector RED).
-__device__ __forceinline__ void red_add_v2(float* ptr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
-}
 
 template <typename T>
 struct BwdMainloop {
@@ -114,11 +111,12 @@ struct BwdMainloop {
   // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage
   // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
   // visible (rel: the visible keys of each of the step's rows, relative to the key block).
-  // dq_rows: this step's rows of the fp32 dQ buffer (row stride dq_row_stride floats).
+  // dq_tile: this step's tile of the fp32 dQ buffer, dq_staging this warpgroup's (me) part of
+  // the staging tile, tid its thread (bwd_dq.h).
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
-                                       float scale, float scale_log2, float* dq_rows,
-                                       int64_t dq_row_stride) {
+                                       float scale, float scale_log2, float* dq_tile,
+                                       float* dq_staging, int me, int tid) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     warpgroup_fence_operand(acc_s);
@@ -176,7 +174,7 @@ struct BwdMainloop {
     cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
 
     // Both warpgroups' dS written: dQ = dS K (this warpgroup's rows or head-dim half), issued
-    // before dK += dS^T Q, so that dQ's adds to global memory run under the dK GEMM.
+    // before dK += dS^T Q, so that dQ's staging and reduction run under the dK GEMM.
     cutlass::arch::NamedBarrier::sync(256, 0);
     AccdQ acc_dq = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
     warpgroup_fence_operand(acc_dq);
@@ -193,12 +191,7 @@ struct BwdMainloop {
     warpgroup_wait<1>();  // dV and dQ
     warpgroup_fence_operand(acc_dq);
     // (Whole tiles: the dQ buffer has rows for every query block, zeros added past seqlen_q.)
-    constexpr int kQVals = decltype(size(acc_dq))::value;
-    CUTE_UNROLL
-    for (int i = 0; i < kQVals; i += 2) {
-      const int q = get<0>(tdQcdQ(i)), c = get<1>(tdQcdQ(i));
-      red_add_v2(dq_rows + q * dq_row_stride + c, acc_dq(i), acc_dq(i + 1));
-    }
+    BwdDq<T>::add(acc_dq, dq_staging, dq_tile, me, tid);
     warpgroup_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);

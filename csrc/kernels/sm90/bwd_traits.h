@@ -12,8 +12,9 @@
 //                                          operand (the accumulator layout of S^T is the A
 //                                          layout with K = queries); dO and Q read MN-major
 //   dQ = dS K                              SS wgmma over both warpgroups' dS^T (through shared
-//                                          memory), split over the head dim between them, added
-//                                          to an fp32 buffer (red.global.add.v2.f32)
+//                                          memory), split over rows or head-dim halves between
+//                                          them, added to an fp32 buffer by bulk reductions
+//                                          (bwd_dq.h)
 // dK and dV stay in registers across all steps and are stored once.
 #pragma once
 
@@ -107,6 +108,7 @@ struct Sm90BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    array_aligned<float, kBlockM * kHeadDim, 128> dq;  // the step's dQ tile (bwd_dq.h)
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;

@@ -20,7 +20,7 @@ constexpr int64_t bwd_sm90_stats_floats(int64_t batch, int64_t heads_q, int64_t 
 }
 
 // dq, dk, dv of plain attention (no softcap, bias or dropout) into BwdParams' gradients;
-// p.dq_accum: dq_accum_floats(...) of fp32 scratch (the atomic layout, params.h), `stats`:
+// p.dq_accum: dq_accum_floats(...) of fp32 scratch (laid out as bwd_dq.h says), `stats`:
 // bwd_sm90_stats_floats(...).  Defined in flash_bwd_sm90_hdim<kHeadDim>_<dtype>.cu for
 // Element = __half / __nv_bfloat16.
 template <typename Element, int kHeadDim>
