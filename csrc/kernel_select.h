@@ -35,6 +35,7 @@ constexpr int64_t padded_head_dim(int64_t head_dim) {
 // flash_attn_ext.kernel_options; no environment variable is read per call).
 enum class PackGqa : int { kAuto = 0, kOn = 1, kOff = 2 };
 enum class Sm90Schedule : int { kAuto = 0, kDynamic = 1, kStatic = 2, kTile = 3 };
+enum class Sm90Bwd : int { kAuto = 0, kOn = 1, kOff = 2 };
 struct KernelOptions {
   bool force_portable = false;  // the portable sm80 kernels on every GPU
   PackGqa sm90_pack_gqa = PackGqa::kAuto;
@@ -46,7 +47,10 @@ struct KernelOptions {
   bool sm90_row_shift = true;      // causal: the partial query block first
   bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
   bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90
-  bool sm90_bwd = true;  // the Hopper backward where it applies (false: the portable one)
+  // The Hopper backward: kAuto where it measures faster than the portable one (padded head dim
+  // 128; at 64 it does not yet: docs/perf/sm90_backward.md), kOn wherever it applies (head
+  // dims up to 128), kOff never.
+  Sm90Bwd sm90_bwd = Sm90Bwd::kAuto;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };
@@ -299,7 +303,11 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (call.deterministic)
       why.push_back("deterministic=True or torch.use_deterministic_algorithms(True): the "
                     "Hopper backward's dQ accumulation is not ordered");
-    if (!options.sm90_bwd) why.push_back("kernel option sm90_bwd=False");
+    if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
+    if (options.sm90_bwd == Sm90Bwd::kAuto && d == 64)
+      why.push_back("head_dim=64 (padded): there the Hopper backward does not yet measure faster "
+                    "than the portable one (docs/perf/sm90_backward.md; kernel option "
+                    "sm90_bwd='on' selects it)");
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;

@@ -1,12 +1,14 @@
 """Small CUDA calls covering every kernel path, for compute-sanitizer (memcheck, racecheck,
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
-alignments, a window, GQA, a mask with a gradient, softcap and dropout.
+alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
+the Hopper backward at every head dim it has.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
 """
 
 import torch
 
+import flash_attn_ext
 from flash_attn_ext import ops
 
 
@@ -41,19 +43,31 @@ def main() -> None:
     deterministic = [False] * (len(cases) - 3) + [True] * 3
     cases += [(300, 257, 4, 2, 256, 256, True, (-1, -1), True, 0.0, False, 0.0)] * 2
     deterministic += [False, True]
-    for i, (L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p) in enumerate(cases):
-        q = torch.randn(2, L, H, D, device=dev, dtype=dt)
-        k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
-        v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
-        bias = torch.randn(2, 1, L, S, device=dev) if has_bias else None
-        out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
-                                bias, p)
-        grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
-                           window[0], window[1], br, softcap, None, bias, p, deterministic[i],
-                           has_bias)
-        torch.cuda.synchronize()
-        assert all(torch.isfinite(g).all() for g in grads if g.numel())
-    print(f"sanitize_cases: {len(cases)} cases ran")
+    # Then the plain, non-deterministic cases again with the Hopper backward wherever it applies
+    # (sm_90: head dims up to 128, including 64, where it is not the default).
+    plain = [i for i, c in enumerate(cases) if c[9] == 0.0 and not c[10] and c[11] == 0.0
+             and not deterministic[i]]
+    runs = [(i, {}) for i in range(len(cases))] + [(i, {"sm90_bwd": "on"}) for i in plain]
+    for i, options in runs:
+        with flash_attn_ext.kernel_options(**options):
+            run_case(cases[i], deterministic[i], dev, dt)
+    print(f"sanitize_cases: {len(runs)} cases ran")
+
+
+def run_case(case, deterministic, dev, dt):
+    """One forward and backward through the ops (the kernels the rule picks for them)."""
+    L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p = case
+    q = torch.randn(2, L, H, D, device=dev, dtype=dt)
+    k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
+    v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
+    bias = torch.randn(2, 1, L, S, device=dev) if has_bias else None
+    out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
+                            bias, p)
+    grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
+                       window[0], window[1], br, softcap, None, bias, p, deterministic,
+                       has_bias)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(g).all() for g in grads if g.numel())
 
 
 if __name__ == "__main__":

@@ -59,13 +59,18 @@ struct BwdDq {
 };
 
 // dq (Element, like q) from the buffer: one CTA of 128 * kConsumers threads per (tile, batch,
-// head); thread t reads the fragments consumer thread t wrote and stores each pair of columns.
+// head); thread t reads the fragments consumer thread t wrote (all loads first: one load in
+// flight at a time left the kernel waiting on L1TEX 93% of its cycles), puts each pair of
+// columns into a shared tile, and the CTA then writes whole 16-byte chunks of dq's rows (rows
+// of dq are 16-byte aligned and head_dim a multiple of 8: the glue's kernel_ready).
 template <typename T>
 __global__ void __launch_bounds__(128 * T::kConsumers)
     flash_bwd_sm90_convert_dq_kernel(const BwdParams p, int32_t num_m_blocks) {
   using Element = typename T::Element;
   using Dq = BwdDq<T>;
-  constexpr int kM = T::kBlockM, kD = T::kHeadDim;
+  constexpr int kM = T::kBlockM, kD = T::kHeadDim, kThreads = 128 * T::kConsumers;
+  constexpr int kPitch = kD + 8;  // elements per staged row (+16 bytes: fewer bank conflicts)
+  __shared__ __align__(16) Element tile[kM * kPitch];
   const int64_t m_block = blockIdx.x % num_m_blocks, bh = blockIdx.x / num_m_blocks;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int ctid = threadIdx.x, me = ctid / 128, tid = ctid % 128;
@@ -74,11 +79,6 @@ __global__ void __launch_bounds__(128 * T::kConsumers)
       make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
   constexpr int kVals = decltype(size(coord))::value;
   const float* src = p.dq_accum + Dq::tile_offset(p, b, h, m_block) + me * Dq::kPartFloats;
-  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-  const int64_t m0 = m_block * kM;
-  // All loads first: the stores could alias them as far as the compiler knows, and one load in
-  // flight at a time kept this kernel waiting on L1TEX 93% of its cycles (ncu: 151 us at head
-  // dim 128, L = 4k, where the portable conversion takes 52).
   float4 x[kVals / 4];
   CUTE_UNROLL
   for (int j = 0; j < kVals / 4; ++j)
@@ -89,11 +89,18 @@ __global__ void __launch_bounds__(128 * T::kConsumers)
     CUTE_UNROLL
     for (int e = 0; e < 4; e += 2) {
       const int q = get<0>(coord(4 * j + e)), c = get<1>(coord(4 * j + e));
-      if (m0 + q >= p.seqlen_q || c >= p.head_dim) continue;
       Element pair[2] = {static_cast<Element>(v[e]), static_cast<Element>(v[e + 1])};
-      *reinterpret_cast<uint32_t*>(dq + (m0 + q) * p.dq_row_stride + c) =
-          *reinterpret_cast<uint32_t*>(pair);
+      *reinterpret_cast<uint32_t*>(tile + q * kPitch + c) = *reinterpret_cast<uint32_t*>(pair);
     }
+  }
+  __syncthreads();
+  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  const int64_t m0 = m_block * kM;
+  for (int i = ctid; i < kM * kD / 8; i += kThreads) {
+    const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
+    if (m0 + r < p.seqlen_q && c < p.head_dim)
+      *reinterpret_cast<uint4*>(dq + (m0 + r) * p.dq_row_stride + c) =
+          *reinterpret_cast<const uint4*>(tile + r * kPitch + c);
   }
 }
 
