@@ -20,7 +20,7 @@ def info() -> int:
     print(f"  torch CUDA      {torch.version.cuda}")
     print(f"  CUDA kernels    {'yes, archs ' + b['cuda_archs'] if b['cuda'] else 'not built'}")
     if b["cuda"]:
-        print("  Hopper kernels  " + ("yes (sm90 forward)" if b.get("sm90") else
+        print("  Hopper kernels  " + ("yes (sm90 forward and backward)" if b.get("sm90") else
                                       "not built (need 9.0a in TORCH_CUDA_ARCH_LIST and the "
                                       "CUTLASS headers; see setup.py)"))
     print("  CPU kernels     yes")
