@@ -17,12 +17,10 @@ explain, patching, integrations.
 
 from __future__ import annotations
 
-import sys
-
 from . import ops
 from ._version import __version__
 from .explain import explain
-from .integrations import register_transformers
+from .integrations import register_transformers, register_when_imported
 from .interface import flash_attn_func
 from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
@@ -34,5 +32,5 @@ __all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "ex
            "last_plan", "ops", "patch", "unpatch", "is_patched", "register_transformers",
            "kernel_options", "set_kernel_options", "to_bshd"]
 
-if "transformers" in sys.modules:  # already imported: attn_implementation="flash_attn_ext" works
-    register_transformers()
+# attn_implementation="flash_attn_ext" in transformers, whichever of the two is imported first.
+register_when_imported()

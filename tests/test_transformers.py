@@ -177,3 +177,29 @@ def test_sdpa_named_registration_for_models_that_special_case_flash():
         pixel_values=pixels, image_sizes=sizes).last_hidden_state
         for impl in ("sdpa", "fae_sdpa")}
     assert (hidden["fae_sdpa"] - hidden["sdpa"]).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("first", ["flash_attn_ext", "transformers"])
+def test_registration_does_not_depend_on_import_order(first):
+    # A fresh interpreter: flash_attn_ext imported before transformers (isort's order) registers
+    # through an import hook on transformers.modeling_utils; after it, at once.
+    import subprocess
+    import sys
+    import textwrap
+
+    second = "transformers" if first == "flash_attn_ext" else "flash_attn_ext"
+    code = textwrap.dedent(f"""
+        import {first}
+        import {second}
+        import torch
+        cfg = transformers.LlamaConfig(vocab_size=31, hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1)
+        m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="flash_attn_ext")
+        m(torch.randint(0, 31, (1, 5)))
+        print(flash_attn_ext.last_plan().kernel)
+        """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().startswith("cpu_flash_fwd"), run.stdout

@@ -11,13 +11,18 @@ when there is padding), so neither the causal nor the padding mask is dropped.
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="flash_attn_ext")
 
-``import flash_attn_ext`` registers it by itself when transformers is already imported.  The
-same kernels are also registered as ``attn_implementation="fae_sdpa"`` (SDPA's conventions), for
-the few models that treat any "flash" name specially; see :func:`register_transformers`.
+``import flash_attn_ext`` registers it by itself, in either import order: at once if transformers'
+model code (``transformers.modeling_utils``, where the names are looked up) is already
+imported, else as soon as it is (:func:`register_when_imported`).  The same kernels are also
+registered as ``attn_implementation="fae_sdpa"`` (SDPA's conventions), for the few models that
+treat any "flash" name specially; see :func:`register_transformers`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -149,3 +154,58 @@ def register_transformers(name: str = NAME) -> None:
 
         lazy_import_flash_attention._flash_attn_ext_guard = True
         modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+_MODEL_CODE = "transformers.modeling_utils"  # where attn_implementation names are looked up
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """An import hook that registers our names right after ``transformers.modeling_utils`` has
+    executed, so that ``import flash_attn_ext`` before ``import transformers`` (isort's order)
+    works like the other order.  It finds the module with the other finders and only wraps its
+    loader; it removes itself once it has fired."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MODEL_CODE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _RegisteringLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader, hook):
+        self._loader, self._hook = loader, hook
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        if self._hook in sys.meta_path:
+            sys.meta_path.remove(self._hook)
+        try:
+            register_transformers()
+        except Exception as e:  # never break the user's import of transformers
+            warnings.warn(f"flash_attn_ext could not register with transformers ({e!r}); call "
+                          "flash_attn_ext.register_transformers() to see the error", stacklevel=2)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ... of the real loader
+        return getattr(self._loader, name)
+
+
+def register_when_imported() -> None:
+    """Registers with transformers now if its model code is imported, else as soon as it is.
+
+    Called by ``import flash_attn_ext``; installs at most one import hook (a
+    ``sys.meta_path`` finder that only wraps the loader of ``transformers.modeling_utils``).
+    """
+    if _MODEL_CODE in sys.modules:
+        register_transformers()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
