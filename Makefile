@@ -1,8 +1,8 @@
 # One entry point for the common jobs.  Each target does its own set-up and skips what is
 # already there, so they work on a fresh machine and offline where the dependencies exist.
 #
-#   make test     build the extension in place, compile-check the CUDA sources, run the tests
-#                 (what CI runs)
+#   make test     build the extension in place, compile-check the CUDA sources (incremental;
+#                 CUDA_CHECK=0 skips it), run the tests (what CI runs)
 #   make train    run the main job: examples/train_gpt.py (ours vs PyTorch's attention)
 #   make bench    CPU benchmark (benchmarks/bench_cpu.py)
 #   make info     python -m flash_attn_ext info
@@ -30,7 +30,8 @@ setup: $(STAMP)
 build: setup
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace
 
-# Compiles every CUDA source (no GPU needed; skipped without nvcc).
+# Compiles every CUDA source (no GPU needed; skipped without nvcc or with CUDA_CHECK=0); only
+# what changed since it last passed (scripts/check_cuda_compile.sh).
 cuda-check: setup
 	PY=$(PY) bash scripts/check_cuda_compile.sh
 

@@ -130,7 +130,17 @@ def make_extension():
     )
 
 
+def require_torch() -> None:
+    """Stops with one line that says what to do when torch is not importable (instead of a
+    ModuleNotFoundError traceback in pip's error box)."""
+    if importlib.util.find_spec("torch") is None:
+        sys.exit("flash_attn_ext: building needs PyTorch: install torch first "
+                 "(https://pytorch.org/get-started), then `pip install --no-build-isolation .` "
+                 "(the extension compiles against the torch that is installed)")
+
+
 def main():
+    require_torch()
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
