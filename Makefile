@@ -11,7 +11,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.deps-installed
+# What build/train/bench/info need (torch, tqdm, build tools), and what the tests add.
+RUN_STAMP := $(VENV)/.run-deps-installed
+DEV_STAMP := $(VENV)/.dev-deps-installed
 
 .PHONY: setup build cuda-check test train bench info clean
 
@@ -19,12 +21,16 @@ STAMP := $(VENV)/.deps-installed
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-$(STAMP): requirements-dev.txt | $(PY)
+$(RUN_STAMP): requirements-run.txt | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -r requirements-dev.txt
-	@touch $(STAMP)
+	$(PY) -m pip install -q -r requirements-run.txt
+	@touch $(RUN_STAMP)
 
-setup: $(STAMP)
+$(DEV_STAMP): requirements-dev.txt $(RUN_STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $(DEV_STAMP)
+
+setup: $(RUN_STAMP)
 
 # Incremental: ninja recompiles only what changed.
 build: setup
@@ -35,15 +41,16 @@ build: setup
 cuda-check: setup
 	PY=$(PY) bash scripts/check_cuda_compile.sh
 
-test: build cuda-check
+test: build cuda-check $(DEV_STAMP)
 	$(PY) -m pytest tests -q
 
 # Built in place, not installed: the scripts find the package through PYTHONPATH.
 train: build
 	PYTHONPATH=$(CURDIR) $(PY) examples/train_gpt.py $(ARGS)
 
+# (its JSON goes to build/, which git ignores; pass ARGS="--out ..." to keep it elsewhere)
 bench: build
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/bench_cpu.py $(ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/bench_cpu.py --out build/bench_cpu.json $(ARGS)
 
 info: build
 	PYTHONPATH=$(CURDIR) $(PY) -m flash_attn_ext info

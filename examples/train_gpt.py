@@ -457,9 +457,10 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
     window_seconds, window_steps = 0.0, 0  # our time since the last log line
     print(f"{'step':>6} {'loss ours':>11} {'loss ref':>11} {'max|diff|':>10} "
           f"{'ours tok/s':>11}  attention kernel (ours)")
-    # Off a terminal (CI logs, pipes) redraw rarely, so the log lines stay readable.
+    # A bar on a terminal only: in a log (CI, a pipe) tqdm.write would redraw it before every
+    # line; the log lines already say where training is.
     progress = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True,
-                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
+                    mininterval=0.1, disable=not sys.stderr.isatty())
     for step in progress:
         x, y = next(train_batches)  # the same batch for both models
         loss_ours, seconds_ours = train_step(fwd_ours, opt_ours, x, y, device)
