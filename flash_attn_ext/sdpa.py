@@ -41,7 +41,7 @@ def scaled_dot_product_attention(
             (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernels (CPU and
             CUDA) tile by tile; a float mask that requires grad gets one (that gradient
             needs an fp32 (N, H, L, S) buffer).
-            Rows the mask empties give 0 (PyTorch gives NaN there).
+            Rows the mask empties give 0 (as PyTorch 2.13 on the CPU).
         dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
             1.0 gives zeros; see :func:`flash_attn_ext.flash_attn_func` for the generator).
         is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
