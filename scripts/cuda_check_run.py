@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import os
 import re
@@ -29,7 +30,8 @@ CSRC = os.path.join(ROOT, "csrc")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
-def csrc_closure(path: str) -> list[str]:
+@functools.cache  # (the sm80 sources are compiled for two archs; headers are shared by all)
+def csrc_closure(path: str) -> tuple[str, ...]:
     """The file and every csrc/ header it reaches through #include "...", sorted."""
     seen, todo = set(), [os.path.abspath(path)]
     while todo:
@@ -44,9 +46,10 @@ def csrc_closure(path: str) -> list[str]:
                     if os.path.isfile(cand) and cand.startswith(CSRC + os.sep):
                         todo.append(cand)
                         break
-    return sorted(seen)
+    return tuple(sorted(seen))
 
 
+@functools.cache
 def file_digest(path: str) -> str:
     with open(path, "rb") as fh:
         return hashlib.sha256(fh.read()).hexdigest()
