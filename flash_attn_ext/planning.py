@@ -211,9 +211,9 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return unfused("none", (f"q.dtype={q_dtype} is not a floating dtype: no kernel or "
                                 "fallback takes it",))
     head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
-    if max(head_dim, head_dim_v) > MAX_HEAD_DIM:
+    if max(head_dim, head_dim_v) > MAX_HEAD_DIM or min(head_dim, head_dim_v) == 0:
         return unfused(FALLBACK, (f"head_dim={head_dim}, head_dim_v={head_dim_v}: the kernels "
-                                  f"take head dims up to {MAX_HEAD_DIM}",))
+                                  f"take head dims 1 to {MAX_HEAD_DIM}",))
     device = q.device.type
     if device == "cpu":
         return _cpu_plan(dtype)

@@ -56,15 +56,20 @@ def scaled_dot_product_attention(
 
     Raises:
         ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
-            H != H_kv without enable_gqa), and the errors of flash_attn_func, except that
-            E or Ev > 256 runs PyTorch's own function, reported as a fallback.
+            H != H_kv without enable_gqa), an attn_mask of fewer than 2 dimensions or of a
+            floating dtype other than float32 and query's (as PyTorch), and the errors of
+            flash_attn_func, except that E or Ev of 0 or above 256 runs PyTorch's own function
+            (which answers E = 0 with the mean of the visible values, Ev = 0 with an empty
+            tensor), reported as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     scale = check_scale(scale, "scale")
     dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM:
-        # Beyond the kernels' head dims: PyTorch's own function, reported as a fallback.
+    if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM or \
+            min(q.shape[-1], v.shape[-1]) == 0:
+        # Beyond the kernels' head dims (or an empty one, where PyTorch still answers): PyTorch's
+        # own function, reported as a fallback.
         policy.record(planning.plan(q, k, v), strict)
         return TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -124,6 +129,15 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
         raise ValueError(f"attn_mask must be on query's device {query.device}, got "
                          f"{attn_mask.device}")
     if key is not None:
+        if attn_mask.dim() < 2:
+            raise ValueError(f"attn_mask must have at least 2 dimensions (L, S), got shape "
+                             f"{tuple(attn_mask.shape)} (as "
+                             "torch.nn.functional.scaled_dot_product_attention)")
+        if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32,
+                                                                     query.dtype):
+            raise ValueError(f"attn_mask.dtype={attn_mask.dtype}: a float mask must be "
+                             f"float32 or query's dtype {query.dtype} (as "
+                             "torch.nn.functional.scaled_dot_product_attention)")
         full = tuple(query.shape[:-1]) + (key.shape[-2],)  # (N, H, L, S) or (N, L, S)
         # (m == 1 or m == f, not m in (1, f): under torch.compile with dynamic shapes, Dynamo
         # evaluates `int in (..., SymInt)` as False even where they are equal)

@@ -98,12 +98,53 @@ def test_head_dim_beyond_the_kernels_falls_back_visibly():
 
     policy.reset_fallback_counts()
     q = torch.randn(1, 2, 9, 288)
-    with pytest.warns(UserWarning, match="head dims up to 256"):
+    with pytest.warns(UserWarning, match="head dims 1 to 256"):
         out = scaled_dot_product_attention(q, q, q, is_causal=True)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
     assert not flash_attn_ext.explain(q, q, q).fused
-    with pytest.raises(policy.FallbackError, match="head dims up to 256"):
+    with pytest.raises(policy.FallbackError, match="head dims 1 to 256"):
         scaled_dot_product_attention(q, q, q, strict=True)
+
+
+@pytest.mark.parametrize("e,ev", [(0, 5), (8, 0), (0, 0)])
+def test_empty_head_dims_answer_as_pytorch(e, ev):
+    # PyTorch answers E = 0 (every score 0: the mean of the visible values) and Ev = 0 (an
+    # empty output); so does the drop-in (and under patch()), through PyTorch's function,
+    # reported as a fallback.
+    import flash_attn_ext
+    from flash_attn_ext import policy
+
+    q, k, v = torch.randn(2, 3, 7, e), torch.randn(2, 3, 9, e), torch.randn(2, 3, 9, ev)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.warns(UserWarning, match="head dims 1 to 256"):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == want.shape and torch.allclose(out, want)
+    with flash_attn_ext.patch():
+        assert torch.allclose(F.scaled_dot_product_attention(q, k, v, is_causal=True), want)
+    assert not flash_attn_ext.explain(q, k, v).fused
+    with pytest.raises(policy.FallbackError, match="head dims 1 to 256"):
+        scaled_dot_product_attention(q, k, v, strict=True)
+
+
+def test_mask_rank_and_dtype_are_checked_as_pytorch_checks_them():
+    q = torch.randn(1, 2, 3, 8)
+    k = torch.randn(1, 2, 4, 8)
+    for mask in (torch.ones(4, dtype=torch.bool), torch.zeros(4)):  # PyTorch: IndexError
+        with pytest.raises(ValueError, match=r"at least 2 dimensions \(L, S\), got shape \(4,\)"):
+            scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):  # PyTorch: RuntimeError
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, k, k, attn_mask=torch.zeros(3, 4, dtype=dtype))
+        with pytest.raises(ValueError, match=f"attn_mask.dtype={dtype}: a float mask must be "
+                                             "float32 or query's dtype torch.float32"):
+            scaled_dot_product_attention(q, k, k, attn_mask=torch.zeros(3, 4, dtype=dtype))
+    # Accepted, as by PyTorch: a float32 mask with bf16 queries, a mask in query's dtype.
+    qb, kb = q.bfloat16(), k.bfloat16()
+    for mask in (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.bfloat16)):
+        want = F.scaled_dot_product_attention(qb.float(), kb.float(), kb.float(),
+                                              attn_mask=mask.float())
+        got = scaled_dot_product_attention(qb, kb, kb, attn_mask=mask)
+        assert (got.float() - want).abs().max() < 2e-2
 
 
 def test_dropout_p_one_gives_zeros_like_torch():
