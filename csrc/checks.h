@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 #include "params.h"
 
@@ -35,6 +36,9 @@ at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarTyp
 // Checks that `t` has exactly `sizes`, and q's dtype and device.
 void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
                 const at::Tensor& q);
+
+// A dtype as Python writes it ("torch.float16", not c10's "Half"), for error messages.
+std::string dtype_name(at::ScalarType t);
 
 // The dtype of softmax_lse for inputs of this dtype: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);

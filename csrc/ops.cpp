@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -58,6 +59,26 @@ at::Tensor new_output_like(const at::Tensor& t) {
   return out;
 }
 
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: {
+      std::string name = c10::toString(t);  // e.g. ComplexFloat, Float8_e4m3fn
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
+  }
+}
+
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -78,14 +99,15 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                     "v must have 4 dimensions (batch, seqlen_k, num_heads_k, head_dim_v), got "
                     "v.dim()=", v.dim(), " with shape ", v.sizes());
   TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                    "q, k and v must have the same dtype, got q.dtype=", q.scalar_type(),
-                    ", k.dtype=", k.scalar_type(), ", v.dtype=", v.scalar_type());
+                    "q, k and v must have the same dtype, got q.dtype=", dtype_name(q.scalar_type()),
+                    ", k.dtype=", dtype_name(k.scalar_type()), ", v.dtype=",
+                    dtype_name(v.scalar_type()));
   TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
                     "q, k and v must be on the same device, got q.device=", q.device(),
                     ", k.device=", k.device(), ", v.device=", v.device());
   const bool dtype_ok =
       kernel_dtypes ? is_supported_dtype(q) : at::isFloatingType(q.scalar_type());
-  TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", q.scalar_type(), " is not supported on ",
+  TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", dtype_name(q.scalar_type()), " is not supported on ",
                     q.device().type(), ": CPU takes float32, float64, float16 and bfloat16; CUDA "
                     "takes float16 and bfloat16");
 
@@ -149,7 +171,7 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                       "seqlen_k), got attn_bias.dim()=", bias.dim());
     TORCH_CHECK_VALUE(at::isFloatingType(bias.scalar_type()),
                       "attn_bias must be a floating tensor (additive), got dtype ",
-                      bias.scalar_type());
+                      dtype_name(bias.scalar_type()));
     TORCH_CHECK_VALUE(bias.device() == q.device(), "attn_bias must be on ", q.device(), ", got ",
                       bias.device());
     const int64_t full[4] = {a.batch, a.heads_q, a.seqlen_q, a.seqlen_k};
@@ -226,11 +248,12 @@ void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tens
   check_like(dout, "dout", out_shape, q);
   check_like(softmax_lse, "softmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q);
   TORCH_CHECK_VALUE(out.scalar_type() == q.scalar_type() && dout.scalar_type() == q.scalar_type(),
-                    "out and dout must have q's dtype ", q.scalar_type(), ", got out.dtype=",
-                    out.scalar_type(), ", dout.dtype=", dout.scalar_type());
+                    "out and dout must have q's dtype ", dtype_name(q.scalar_type()),
+                    ", got out.dtype=", dtype_name(out.scalar_type()), ", dout.dtype=",
+                    dtype_name(dout.scalar_type()));
   TORCH_CHECK_VALUE(softmax_lse.scalar_type() == lse_dtype(q.scalar_type()),
-                    "softmax_lse must have dtype ", lse_dtype(q.scalar_type()), ", got ",
-                    softmax_lse.scalar_type());
+                    "softmax_lse must have dtype ", dtype_name(lse_dtype(q.scalar_type())),
+                    ", got ", dtype_name(softmax_lse.scalar_type()));
 }
 
 at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const AttnArgs& a,
@@ -238,8 +261,9 @@ at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const Att
   if (!dsoftmax_lse.has_value()) return at::Tensor();
   check_like(*dsoftmax_lse, "dsoftmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q);
   TORCH_CHECK_VALUE(dsoftmax_lse->scalar_type() == lse_dtype(q.scalar_type()),
-                    "dsoftmax_lse must have softmax_lse's dtype ", lse_dtype(q.scalar_type()),
-                    ", got ", dsoftmax_lse->scalar_type());
+                    "dsoftmax_lse must have softmax_lse's dtype ",
+                    dtype_name(lse_dtype(q.scalar_type())), ", got ",
+                    dtype_name(dsoftmax_lse->scalar_type()));
   at::Tensor t = dsoftmax_lse->contiguous();
   p.dsoftmax_lse = t.data_ptr();
   return t;
@@ -249,7 +273,7 @@ void check_rng_state(const at::Tensor& rng_state) {
   TORCH_CHECK_VALUE(rng_state.dim() == 1 && rng_state.size(0) == 2 &&
                         rng_state.scalar_type() == at::kLong,
                     "rng_state must be the forward's int64 tensor of 2 elements (seed, offset), "
-                    "got dtype ", rng_state.scalar_type(), " and shape ", rng_state.sizes());
+                    "got dtype ", dtype_name(rng_state.scalar_type()), " and shape ", rng_state.sizes());
 }
 
 void fill_dropout_params(FwdParams& p, double dropout_p) {

@@ -50,9 +50,11 @@ def test_heads_not_multiple():
 
 def test_dtype_and_device_mismatch():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"same dtype.*q.dtype=Float.*k.dtype=Double"):
+    # (dtypes named as Python writes them, not as c10 does: torch.float32, not Float)
+    with pytest.raises(ValueError,
+                       match=r"same dtype.*q.dtype=torch.float32.*k.dtype=torch.float64"):
         flash_attn_func(q, k.double(), v)
-    with pytest.raises(ValueError, match=r"q.dtype=Int is not supported"):
+    with pytest.raises(ValueError, match=r"q.dtype=torch.int32 is not supported"):
         flash_attn_func(q.int(), k.int(), v.int())
     with pytest.raises(ValueError, match=r"same device.*k.device=meta"):
         flash_attn_func(q, k.to("meta"), v)
@@ -91,7 +93,7 @@ def test_op_level_checks():
         ops.bwd_op(torch.randn(1, 4, 2, 7), *args)
     with pytest.raises(ValueError, match=r"softmax_lse must have shape \[1, 2, 4\]"):
         ops.bwd_op(torch.randn_like(out), q, k, v, out, lse[:, :1], rng)
-    with pytest.raises(ValueError, match=r"softmax_lse must have dtype Float"):
+    with pytest.raises(ValueError, match=r"softmax_lse must have dtype torch.float32"):
         ops.bwd_op(torch.randn_like(out), q, k, v, out, lse.double(), rng)
 
 
