@@ -29,7 +29,8 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // The attention bias as an accumulator-type (float32, float64 for float64 inputs) view
 // expanded to (batch, heads_q, seqlen_q, seqlen_k): broadcast dimensions get stride 0, so only
-// the bias's own elements exist in memory.  Fills the bias fields of `p`.
+// the bias's own elements exist in memory; the keys' stride is 1 or 0 (a copy where needed).
+// Fills the bias fields of `p`.
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p);
 

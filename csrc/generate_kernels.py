@@ -10,7 +10,11 @@ The files, under csrc/kernels/:
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper forward (run_flash_fwd_sm90)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_packgqa.cu   ... with packed GQA heads
                                                           (run_flash_fwd_sm90_packgqa)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_general.cu   ... with softcap and bias
+                                                          (run_flash_fwd_sm90_general)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap and bias
+                                                          (run_flash_bwd_sm90_general)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -69,27 +73,33 @@ namespace flash_attn_ext::sm90 {{
 
 template <>
 cudaError_t {entry}<{element}, {d}>(const FwdParams& p, cudaStream_t stream) {{
-  return launch_flash_fwd_sm90_hdim<{element}, {d}, /*kPackGQA=*/{pack}>(p, stream);
+  return launch_flash_fwd_sm90_hdim<{element}, {d}, /*kPackGQA=*/{pack}, \
+/*kGeneral=*/{general}>(p, stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
 """
 
 SM90_BWD = """\
-// Hopper backward instantiation: head dim {d}, {dtype}.
+// Hopper backward instantiation: head dim {d}, {dtype}{what}.
 #include "kernels/sm90/bwd_launch_template.h"
 
 namespace flash_attn_ext::sm90 {{
 
 template <>
-cudaError_t run_flash_bwd_sm90<{element}, {d}>(const BwdParams& p, float* stats, \
+cudaError_t {entry}<{element}, {d}>(const BwdParams& p, float* stats, \
 cudaStream_t stream) {{
-  return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}>>(p, stats, stream);
+  return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}, /*kGeneral=*/{general}>>(p, stats, \
+stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
 """
 SM90_BWD_HEAD_DIMS = (64, 128)
+# (file and entry-point suffix, what the file's comment adds)
+SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
+                     ("_general", ", softcap and bias"))
+SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap and bias"))
 
 
 def kernel_files():
@@ -100,16 +110,16 @@ def kernel_files():
             args = dict(d=d, dtype=dtype, element=element)
             files[f"sm80/flash_fwd_hdim{d}_{dtype}.cu"] = SM80_FWD.format(**args)
             files[f"sm80/flash_bwd_hdim{d}_{dtype}.cu"] = SM80_BWD.format(**args)
-            for pack in (False, True):
-                suffix = "_packgqa" if pack else ""
+            for suffix, what in SM90_FWD_VARIANTS:
                 files[f"sm90/flash_fwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_FWD.format(
-                    what=", GQA query heads packed into shared tiles" if pack else "",
-                    entry="run_flash_fwd_sm90_packgqa" if pack else "run_flash_fwd_sm90",
-                    pack="true" if pack else "false",
-                    **args,
-                )
+                    what=what, entry="run_flash_fwd_sm90" + suffix,
+                    pack=str(suffix == "_packgqa").lower(),
+                    general=str(suffix == "_general").lower(), **args)
             if d in SM90_BWD_HEAD_DIMS:
-                files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}.cu"] = SM90_BWD.format(**args)
+                for suffix, what in SM90_BWD_VARIANTS:
+                    files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(
+                        what=what, entry="run_flash_bwd_sm90" + suffix,
+                        general=str(suffix == "_general").lower(), **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 

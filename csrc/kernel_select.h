@@ -77,6 +77,14 @@ struct TensorDesc {
   int64_t stride[4] = {0, 0, 0, 0};
 };
 
+// CallInfo::score_mods, bit by bit (the Python planning passes the same int).
+enum ScoreMod : int {
+  kSoftcap = 1,   // softcap > 0
+  kBias = 2,      // an attn_mask / attn_bias (additive, fp32 in the kernels)
+  kDropout = 4,   // dropout_p > 0
+  kBiasGrad = 8,  // the bias needs a gradient (the backward writes dS out)
+};
+
 struct CallInfo {
   std::string dtype;  // "bf16", "fp16", "fp32", "fp64"
   bool has_scale = false;
@@ -87,7 +95,10 @@ struct CallInfo {
   // the kernels' families.  The op then applies the whole rule with the real sizes.
   bool known = true;
   TensorDesc q, k, v;
-  bool general = false;        // softcap, a bias or dropout
+  // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
+  // variant takes softcap and a bias; dropout, and a bias's gradient, run on the portable ones.
+  int score_mods = 0;
+  bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
 };
@@ -158,7 +169,7 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
                   "and the CUTLASS headers at build time: pip install --no-deps "
                   "nvidia-cutlass==4.2.0.0 and rebuild)");
   if (options.force_portable) why.push_back("FLASH_ATTN_EXT_KERNEL=sm80");
-  if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on the sm80 kernel");
+  if (call.score_mods & kDropout) why.push_back("dropout runs on the sm80 kernels");
   if (call.known) {
     const int64_t seqlen_q = call.q.size[1], seqlen_k = call.k.size[1];
     if (seqlen_q == 0 || seqlen_k == 0) why.push_back("an empty sequence");
@@ -278,7 +289,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   if (c.fwd == FwdKernel::kSm90 && call.known) {
     const int64_t seqlen_q = call.q.size[1], heads_q = call.q.size[2], heads_kv = call.k.size[2];
     bool pack = false;
-    if (heads_q != heads_kv) {
+    if (heads_q != heads_kv && !call.general()) {  // (the general variant does not pack)
       switch (options.sm90_pack_gqa) {
         case PackGqa::kAuto: pack = sm90::pack_gqa_pays(seqlen_q, heads_q, heads_kv, d); break;
         case PackGqa::kOn: pack = sm90::pack_gqa_possible(seqlen_q, heads_q, heads_kv); break;
@@ -288,7 +299,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (pack) c.fwd = FwdKernel::kSm90PackGqa;
   }
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
-               (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa" : "");
+               (c.fwd == FwdKernel::kSm90PackGqa                   ? "_packgqa"
+                : c.fwd == FwdKernel::kSm90 && call.general() ? "_general"
+                                                                   : "");
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
   // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits
@@ -303,6 +316,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (call.deterministic)
       why.push_back("deterministic=True or torch.use_deterministic_algorithms(True): the "
                     "Hopper backward's dQ accumulation is not ordered");
+    if (call.score_mods & kBiasGrad)
+      why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
+                    "backward");
     if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
     if (options.sm90_bwd == Sm90Bwd::kAuto && d == 64)
       why.push_back("head_dim=64 (padded): there the Hopper backward does not yet measure faster "
@@ -311,14 +327,14 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;
-      c.bwd_name = "sm90_bwd" + suffix;
+      c.bwd_name = "sm90_bwd" + suffix + (call.general() ? "_general" : "");
       return c;
     }
     c.notes.push_back("backward on the portable sm80 kernels, not the Hopper one, because " +
                       detail::join(why, "; "));
   }
   std::vector<std::string> why;
-  if (call.general) why.push_back("softcap, attn_mask/attn_bias and dropout run on them");
+  if (call.general()) why.push_back("softcap, attn_mask/attn_bias and dropout run on them");
   const int lean_need = lean_bwd_smem_bytes(static_cast<int>(d));
   if (device.smem_optin > 0 && device.smem_optin < lean_need)
     why.push_back("they need " + std::to_string(lean_need) +

@@ -75,7 +75,7 @@ pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tupl
                                     const std::string& dtype, std::optional<double> softmax_scale,
                                     int64_t head_dim, int64_t head_dim_v,
                                     const std::optional<std::vector<int64_t>>& layout,
-                                    bool general, bool unequal_tiles, bool deterministic) {
+                                    int score_mods, bool unequal_tiles, bool deterministic) {
   using namespace flash_attn_ext;
   BuildInfo b;
   b.cuda = build["cuda"].cast<bool>();
@@ -100,7 +100,7 @@ pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tupl
         tensors[t]->stride[i] = (*layout)[t * 8 + 4 + i];
       }
   }
-  call.general = general;
+  call.score_mods = score_mods;
   call.unequal_tiles = unequal_tiles;
   call.deterministic = deterministic;
   const KernelChoice c = select_cuda_kernels(b, d, call, kernel_options());
@@ -194,7 +194,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_cuda_kernels", &select_cuda_kernels, pybind11::arg("build"),
         pybind11::arg("device"), pybind11::arg("dtype"), pybind11::arg("softmax_scale"),
         pybind11::arg("head_dim"), pybind11::arg("head_dim_v"), pybind11::arg("layout"),
-        pybind11::arg("general"), pybind11::arg("unequal_tiles"), pybind11::arg("deterministic"),
+        pybind11::arg("score_mods"), pybind11::arg("unequal_tiles"), pybind11::arg("deterministic"),
         "The CUDA glue's kernel choice (csrc/kernel_select.h) for a described call: "
         "(fused, reasons, forward kernel, backward kernel, notes).");
   m.def("kernel_options", &get_kernel_options, "The process's kernel options (a dict).");

@@ -145,8 +145,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     """
     check_transforms(q, k, v, dropout_p=dropout_p)
     q, k, v = autocast(q, k, v)
-    p = planning.plan(q, k, v, softmax_scale,
-                      planning.is_general(softcap, dropout_p, attn_bias is not None),
+    p = planning.plan(q, k, v, softmax_scale, planning.score_mods(softcap, dropout_p, attn_bias),
                       unequal_tiles=causal or window_left >= 0 or window_right >= 0,
                       deterministic=deterministic)
     if not p.fused:

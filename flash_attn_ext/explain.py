@@ -7,7 +7,7 @@ import torch
 
 from . import ops
 from ._call import autocast_dtype, check_bool, check_flags, check_scale, check_softcap
-from .planning import Plan, is_general, plan
+from .planning import Plan, plan, score_mods
 from .sdpa import check_sdpa_flags, mask_to_bias, to_bshd
 
 __all__ = ["explain"]
@@ -76,7 +76,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     deterministic = call_kwargs.get("deterministic", False)
     check_bool(deterministic, "deterministic")
     wl, wr = window
-    p = plan(query, key, value, scale, is_general(softcap, dropout_p, attn_mask is not None),
+    p = plan(query, key, value, scale, score_mods(softcap, dropout_p, attn_mask),
              run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
     if p.kernel == "none":  # not a floating dtype: a call raises

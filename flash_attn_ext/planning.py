@@ -26,7 +26,7 @@ import torch
 
 from . import ops
 
-__all__ = ["Plan", "FALLBACK", "plan", "is_general", "kernel_options", "MAX_HEAD_DIM",
+__all__ = ["Plan", "FALLBACK", "plan", "score_mods", "kernel_options", "MAX_HEAD_DIM",
            "SM90_MAX_ROWS"]
 
 FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
@@ -143,15 +143,26 @@ def _smem_per_block(index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
-def is_general(softcap: float, dropout_p: float, has_bias: bool) -> bool:
-    """Whether a call needs the kernels' general variant (softcap, an attn_mask/attn_bias or
-    dropout), which the rule takes into account."""
-    return bool(softcap > 0 or dropout_p > 0 or has_bias)
+# What a call adds to plain attention, bit by bit as csrc/kernel_select.h's ScoreMod: the rule
+# sends each to the kernels that take it (the Hopper kernels' general variant: softcap and a
+# bias; the portable ones: everything).
+SOFTCAP, BIAS, DROPOUT, BIAS_GRAD = 1, 2, 4, 8
+
+
+def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tensor]) -> int:
+    """The ScoreMod bits of a call (0: plain attention); BIAS_GRAD where the bias requires
+    grad while autograd records."""
+    mods = (SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropout_p > 0 else 0)
+    if attn_bias is not None:
+        mods |= BIAS
+        if attn_bias.requires_grad and torch.is_grad_enabled():
+            mods |= BIAS_GRAD
+    return mods
 
 
 @functools.lru_cache(maxsize=4096)
 def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[float],
-               head_dim: int, head_dim_v: int, layout: Optional[tuple], general: bool,
+               head_dim: int, head_dim_v: int, layout: Optional[tuple], mods: int,
                unequal_tiles: bool, deterministic: bool, options: tuple) -> Plan:
     """The rule's answer as a Plan (cached: it depends on nothing but these values;
     ``options`` stands for the process's kernel options, which the rule reads)."""
@@ -159,7 +170,7 @@ def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[
     cuda, sm90, archs = build
     fused, reasons, forward, backward, notes = ops._C.select_cuda_kernels(
         {"cuda": cuda, "sm90": sm90, "cuda_archs": archs}, device, dtype, softmax_scale,
-        head_dim, head_dim_v, None if layout is None else list(layout), general,
+        head_dim, head_dim_v, None if layout is None else list(layout), mods,
         unequal_tiles, deterministic)
     if not fused:
         return unfused(FALLBACK, tuple(reasons))
@@ -195,12 +206,13 @@ def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         softmax_scale: Optional[float] = None, general: bool = False,
+         softmax_scale: Optional[float] = None, mods: int = 0,
          run_dtype: Optional[torch.dtype] = None, unequal_tiles: bool = False,
          deterministic: bool = False) -> Plan:
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
 
-    ``general``: the call has a softcap, an attn_mask/attn_bias or dropout; ``run_dtype``: the
+    ``mods``: what the call adds to plain attention (score_mods: softcap, an attn_mask/
+    attn_bias, dropout, the bias's gradient); ``run_dtype``: the
     dtype the call runs in when it differs from q's (torch.autocast); ``unequal_tiles``: a causal
     mask or a window (the Hopper forward's schedule); ``deterministic``: the call asks for
     bitwise-reproducible gradients (torch.use_deterministic_algorithms(True) counts too).
@@ -220,11 +232,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if device != "cuda":
         return unfused(FALLBACK, (f"device type {device!r} has no flash_attn_ext kernel",))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _plan_cuda(q, k, v, index, dtype, softmax_scale, general, unequal_tiles,
-                      deterministic)
+    return _plan_cuda(q, k, v, index, dtype, softmax_scale, mods, unequal_tiles, deterministic)
 
 
-def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_tiles,
+def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, mods, unequal_tiles,
                deterministic) -> Plan:
     """plan() of a call on CUDA device ``index`` (the path torch.compile traces for CUDA
     calls: tests/test_planning.py traces it on the CPU with the GPU's answers stood in)."""
@@ -239,7 +250,7 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, general, unequal_
     args = (build, gpu, dtype, softmax_scale, _pinned(q.shape[-1]), _pinned(v.shape[-1]),
             # (traced: no sizes, so that the graph neither guards on them nor recompiles for
             # each; the op applies the whole rule with the real sizes when it runs)
-            None if compiling else _layout(q, k, v), bool(general), bool(unequal_tiles),
+            None if compiling else _layout(q, k, v), int(mods), bool(unequal_tiles),
             bool(deterministic) or (not compiling and torch.are_deterministic_algorithms_enabled()),
             _options_key)
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)

@@ -104,6 +104,8 @@ def cancellation_scale(q, k, v, dout, **kw):
         scores = torch.einsum("blhd,bshd->bhls", qd, kk) * scale
         if kw.get("softcap", 0.0) > 0:
             scores = kw["softcap"] * torch.tanh(scores / kw["softcap"])
+        if kw.get("attn_bias") is not None:
+            scores = scores + kw["attn_bias"].detach().double()
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         visible = visible_mask(qd.shape[1], kd.shape[1], kw.get("causal", False),
                                kw.get("window_left", -1), kw.get("window_right", -1),
@@ -124,7 +126,7 @@ def cancellation_scale(q, k, v, dout, **kw):
         b, s, h, _ = cdk.shape
         cdk = cdk.reshape(b, s, h // group, group, cdk.shape[-1]).sum(3)
         cdv = cdv.reshape(b, s, h // group, group, cdv.shape[-1]).sum(3)
-        finite = scores.masked_fill(~visible, 0.0)
+        finite = scores.masked_fill(~visible | ~torch.isfinite(scores), 0.0)
         score_mag = finite.abs().max().item() if finite.numel() else 0.0
         return tuple(t.max().item() if t.numel() else 0.0 for t in (cdq, cdk, cdv)) + (score_mag,)
 

@@ -399,7 +399,8 @@ def _launched_kernels(fn):
 @pytest.mark.parametrize("case", [
     dict(head_dim=64), dict(head_dim=128, causal=True), dict(head_dim=256),
     dict(head_dim=40, seqlen_q=1, heads_q=32, heads_kv=4),     # decoding GQA: packed on sm_90
-    dict(head_dim=128, softcap=5.0),                           # general: portable, 4-warp bwd
+    dict(head_dim=128, softcap=5.0),                           # general: Hopper variants
+    dict(head_dim=64, softcap=5.0),                            # Hopper fwd, 4-warp bwd
     dict(head_dim=64, deterministic=True),                     # separate dQ kernel
     dict(head_dim=128, window_size=(64, 0), portable=True)],   # forced portable forward
     ids=str)
@@ -419,11 +420,14 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
     sm90 = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(sm90) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     assert any("flash_fwd_kernel" in n for n in names) == plan.kernel.startswith("sm80_fwd")
-    if sm90:
-        assert ("true>" in sm90[0]) == plan.kernel.endswith("_packgqa"), (plan, sm90)
-    hopper_bwd = any("flash_bwd_sm90_kernel" in n for n in names)
-    assert hopper_bwd == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    if hopper_bwd:
+    if sm90:  # (Sm90FwdTraits<..., kPackGQA, kGeneral>)
+        assert (", true, false>" in sm90[0]) == plan.kernel.endswith("_packgqa"), (plan, sm90)
+        assert (", false, true>" in sm90[0]) == plan.kernel.endswith("_general"), (plan, sm90)
+    hopper_bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
+    assert bool(hopper_bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
+    if hopper_bwd:  # (Sm90BwdTraits<..., kGeneral>)
+        assert (", true>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_general"), \
+            (plan, hopper_bwd)
         assert any("convert_dq" in n for n in names), names
         assert not any("flash_bwd_dkdv" in n or "flash_bwd_dq" in n for n in names), names
         return

@@ -60,7 +60,7 @@ def test_deterministic_backward_note(monkeypatch):
         assert planning.plan(q, q, q).notes == noted.notes
     finally:
         torch.use_deterministic_algorithms(old)
-    general = planning.plan(q, q, q, general=True, deterministic=True)
+    general = planning.plan(q, q, q, mods=planning.DROPOUT, deterministic=True)
     assert not any("separate dQ kernel" in n for n in general.notes)
     cpu = torch.randn(1, 5, 2, 8)
     assert explain(cpu, cpu, cpu, layout="blhd", deterministic=True).notes == ()
@@ -70,7 +70,7 @@ def test_deterministic_backward_note(monkeypatch):
 
 def test_call_path_plans_with_the_call_flags(monkeypatch):
     # The recorded plan is what explain() gives: the call path passes deterministic, the mask
-    # window and the general flag to the same plan().
+    # window and the score modifiers to the same plan().
     seen = []
     real = planning.plan
 
@@ -281,7 +281,7 @@ def _pretend_hopper(monkeypatch):
 
 def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     # What the CUDA plan depends on reaches the rule: the options, softcap/mask/dropout
-    # ("general"), the dtype, a stride-0 (broadcast) input, the scale.
+    # (score_mods), the dtype, a stride-0 (broadcast) input, the scale.
     _pretend_hopper(monkeypatch)
     q = _CudaLike((2, 100, 4, 128))
     first = planning.plan(q, q, q)
@@ -289,7 +289,16 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     with flash_attn_ext.kernel_options(force_portable=True):
         assert planning.plan(q, q, q).kernel == "sm80_fwd_hdim128_bf16"
     assert planning.plan(q, q, q) is first  # the same options again: the cached plan
-    assert planning.plan(q, q, q, general=True).kernel == "sm80_fwd_hdim128_bf16"
+    # Softcap and a bias: the Hopper kernels' general variant, backward too; dropout and a
+    # bias that needs a gradient: the portable kernels, saying why.
+    p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.BIAS)
+    assert p.kernel == "sm90_fwd_hdim128_bf16_general"
+    assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
+    p = planning.plan(q, q, q, mods=planning.BIAS | planning.BIAS_GRAD)
+    assert p.kernel == "sm90_fwd_hdim128_bf16_general"
+    assert p.backward_kernel == "sm80_bwd_hdim128_bf16" and "requires grad" in str(p)
+    p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.DROPOUT)
+    assert p.kernel == "sm80_fwd_hdim128_bf16" and "dropout runs on the sm80" in str(p)
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
@@ -340,7 +349,9 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, k, k) is p
     assert planning.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
-    assert planning.plan(q1, k, k, general=True).kernel == "sm80_fwd_hdim64_bf16"
+    # (the general variant does not pack: the bias tells the heads apart)
+    assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
+    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm80_fwd_hdim64_bf16"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
     # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason
@@ -351,18 +362,20 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
 
 
-@pytest.mark.parametrize("cap,smem,head_dim,general,text", [
-    ((9, 0), 232448, 128, False, None),
-    ((9, 0), 232448, 64, False, "does not yet measure faster"),
-    ((9, 0), 232448, 64, True, "softcap, attn_mask/attn_bias and dropout"),
-    ((9, 0), 232448, 256, False, "Hopper backward has head dims up to 128"),  # then the
+@pytest.mark.parametrize("cap,smem,head_dim,mods,text", [
+    ((9, 0), 232448, 128, 0, None),
+    ((9, 0), 232448, 128, planning.SOFTCAP | planning.BIAS, None),
+    ((9, 0), 232448, 128, planning.BIAS | planning.BIAS_GRAD, "requires grad"),
+    ((9, 0), 232448, 64, 0, "does not yet measure faster"),
+    ((9, 0), 232448, 64, planning.SOFTCAP, "does not yet measure faster"),
+    ((8, 0), 166912, 64, planning.SOFTCAP, "softcap, attn_mask/attn_bias and dropout"),
+    ((9, 0), 232448, 256, 0, "Hopper backward has head dims up to 128"),  # then the
     # 8-warp kernels: 209 KB fits sm_90's 227 KB
-    ((8, 0), 166912, 256, False, "214016 bytes of shared memory"),  # not sm_80's 163 KB
-    ((8, 6), 101376, 64, False, None),            # 97 KB: the d=64 kernels fit
-    ((8, 6), 101376, 128, False, "164864 bytes of shared memory"),
-    ((8, 0), 166912, 128, False, None)])
-def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, general,
-                                                 text):
+    ((8, 0), 166912, 256, 0, "214016 bytes of shared memory"),  # not sm_80's 163 KB
+    ((8, 6), 101376, 64, 0, None),            # 97 KB: the d=64 kernels fit
+    ((8, 6), 101376, 128, 0, "164864 bytes of shared memory"),
+    ((8, 0), 166912, 128, 0, None)])
+def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, mods, text):
     # The Hopper backward serves plain attention on sm_90 up to head dim 128; the 8-warp one where
     # the GPU's shared memory allows (head dim 256: sm_90, not sm_80); otherwise the plan says
     # that the 4-warp kernels serve it, and why.
@@ -371,12 +384,14 @@ def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_di
     monkeypatch.setattr(planning.ops, "build_info",
                         lambda: {"cuda": True, "cuda_archs": "8.0;8.6;9.0a", "sm90": True})
     q = _CudaLike((2, 100, 4, head_dim))
-    p = planning.plan(q, q, q, general=general)
+    p = planning.plan(q, q, q, mods=mods)
     backward_notes = [n for n in p.notes if n.startswith("backward")]
     if text is None:
         assert not backward_notes
     else:
-        assert len(backward_notes) == 1 and text in backward_notes[0] and text in str(p)
+        # (the first note says why not the fastest backward; a second, why the 4-warp kernels)
+        assert len(backward_notes) == 1 + (cap == (9, 0) and mods != 0), backward_notes
+        assert text in backward_notes[0] and text in str(p)
 
 
 @pytest.mark.parametrize("value,strict", [("on", True), ("Yes", True), ("off", False),

@@ -64,10 +64,11 @@ def test_explain_names_the_deterministic_dq_path():
         torch.use_deterministic_algorithms(False)
 
 
-def test_general_calls_and_the_portable_switch_name_the_portable_forward(kernel_opts):
+def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
     q = rand(2, 100, 4, 64)
-    p = explain(q, q, q, layout="blhd", softcap=5.0)
-    assert p.kernel == "sm80_fwd_hdim64_bf16" and "softcap" in p.notes[0]
+    assert explain(q, q, q, layout="blhd", softcap=5.0).kernel == "sm90_fwd_hdim64_bf16_general"
+    p = explain(q, q, q, layout="blhd", softcap=5.0, dropout_p=0.1)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "dropout" in p.notes[0]
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
     assert p.kernel == "sm80_fwd_hdim64_bf16" and "FLASH_ATTN_EXT_KERNEL=sm80" in str(p)
@@ -110,9 +111,10 @@ def hopper_bwd(kernel_opts):
 
 def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
                          head_dim_v=None, causal=False, window=(-1, -1), bottom_right=True,
-                         transposed=False):
+                         transposed=False, softcap=0.0, attn_bias=None):
     """Gradients of one call with the Hopper backward (the plan must name it) against an fp32
-    reference, by the backward's error rule (3x the same computation's error in ``dtype``)."""
+    reference, by the backward's error rule (3x the same computation's error in ``dtype``).
+    ``attn_bias``: an fp32 bias (no gradient) broadcastable to (batch, heads_q, L, S)."""
     head_dim_v = head_dim_v or head_dim
 
     def make(seqlen, heads, d):
@@ -123,11 +125,14 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     q, k = make(seqlen_q, heads_q, head_dim), make(seqlen_k, heads_kv, head_dim)
     v = make(seqlen_k, heads_kv, head_dim_v)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
-              align_bottom_right=bottom_right)
-    plan = planning.plan(q, k, v)  # (the mask does not change the backward's kernel)
+              align_bottom_right=bottom_right, softcap=softcap, attn_bias=attn_bias)
+    mods = planning.score_mods(softcap, 0.0, attn_bias)
+    plan = planning.plan(q, k, v, mods=mods)  # (the mask does not change the backward's kernel)
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
+    assert plan.backward_kernel.endswith("_general") == bool(mods), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right)
+    out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right, softcap, None,
+                        attn_bias)
     dout = torch.randn_like(out)
     ours = torch.autograd.grad(out, leaves, dout)
     leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
@@ -164,6 +169,96 @@ def test_hopper_backward_gqa_mqa_strides_and_value_dims(hopper_bwd, heads_q, hea
     # storage seen as (B, L, H, d); a value head dim unlike the query's.
     hopper_backward_case(torch.bfloat16, 2, 577, 700, heads_q, heads_kv, head_dim, head_dim_v,
                          causal=True, transposed=True)
+
+
+def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
+    """(softcap, attn_bias, causal, window) of a general-variant case: ``what`` names its
+    modifiers.  Biases are fp32: "bias" a dense (1, H, L, S) one (broadcast over the batch);
+    "padding" a transformers-style key-padding mask as 0 / -inf (B, 1, 1, S), the last batch
+    entry with no key at all (every row empty: zeros, LSE -inf, zero gradients); "causal_padding"
+    a (B, 1, L, S) causal + padding mask (rows the padding empties included)."""
+    softcap = 7.5 if "softcap" in what else 0.0
+    causal = "causal" in what and "padding" not in what
+    window = (37, 5) if "window" in what else (-1, -1)
+    bias = None
+    if "bias" in what:
+        bias = 2 * torch.randn(1, heads_q, seqlen_q, seqlen_k, device="cuda")
+    if "padding" in what:
+        lengths = torch.randint(1, seqlen_k + 1, (batch,), device="cuda")
+        lengths[-1] = 0
+        visible = torch.arange(seqlen_k, device="cuda") < lengths[:, None]  # (B, S)
+        visible = visible[:, None, None, :]
+        if what.startswith("causal"):
+            i = torch.arange(seqlen_q, device="cuda")[:, None]
+            j = torch.arange(seqlen_k, device="cuda")[None, :]
+            visible = visible & (j <= i + seqlen_k - seqlen_q)
+        bias = torch.zeros(visible.shape, device="cuda").masked_fill(~visible, float("-inf"))
+    return softcap, bias, causal, window
+
+
+SCORE_MODS = ["softcap", "bias", "padding", "causal_padding", "softcap_bias_causal",
+              "window_padding"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("what", SCORE_MODS)
+def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, head_dim, what):
+    # Softcap, an additive bias and masks as biases on the Hopper forward's general variant,
+    # with causal / window masks and GQA, against the fp32 reference.
+    q, k, v = rand(3, seqlen_q, 4, head_dim, dtype=dtype), \
+        rand(3, seqlen_k, 2, head_dim, dtype=dtype), rand(3, seqlen_k, 2, head_dim, dtype=dtype)
+    softcap, bias, causal, window = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
+    plan = planning.plan(q, k, v, mods=planning.score_mods(softcap, 0.0, bias))
+    assert plan.kernel == f"sm90_fwd_hdim{max(64, 1 << (head_dim - 1).bit_length())}_" \
+        f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}_general", plan
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
+              attn_bias=bias)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, softcap, None, bias)
+    check_forward(out, lse, low_out, true_out, true_lse, f"out ({what})")
+    if "padding" in what:  # the last batch entry sees no key
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        assert bool((lse[-1] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("what", SCORE_MODS)
+def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q, seqlen_k,
+                                                      head_dim, what):
+    softcap, bias, causal, window = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
+    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
+                         window=window, softcap=softcap, attn_bias=bias)
+
+
+def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():
+    # A bias whose keys are not unit-stride (a transposed view) is copied, one broadcast along
+    # the keys is read once per row; a bias that requires grad runs the portable backward
+    # (which writes dS out), with the same forward.
+    q, k, v = (rand(2, 200, 4, 128).requires_grad_() for _ in "qkv")
+    for bias in (torch.randn(2, 4, 200, 200, device="cuda").transpose(2, 3),
+                 torch.randn(2, 4, 200, 1, device="cuda").expand(2, 4, 200, 200)):
+        out, lse, _ = ops.fwd(q, k, v, None, True, -1, 0, True, 0.0, None, bias)
+        ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), causal=True,
+                                     attn_bias=bias, compute_dtype=torch.float32)
+        low, _ = attention_ref(q, k, v, causal=True, attn_bias=bias, compute_dtype=q.dtype)
+        check_forward(out.detach(), lse.detach(), low, ref, ref_lse, "out")
+    bias = torch.randn(1, 4, 200, 200, device="cuda", requires_grad=True)
+    p = planning.plan(q, k, v, mods=planning.score_mods(0.0, 0.0, bias))
+    assert p.kernel.endswith("_general") and p.backward_kernel.startswith("sm80_bwd"), p
+    out, _, _ = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, bias)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, bias))
+    b32 = bias.detach().requires_grad_()
+    q32 = q.detach().float().requires_grad_()
+    ref, _ = attention_ref(q32, k.float(), v.float(), attn_bias=b32, compute_dtype=torch.float32)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q32, b32))
+    for a, b in zip(grads, ref_grads):
+        assert (a.float() - b).abs().max().item() <= 3e-2 * b.abs().max().item()
 
 
 def test_hopper_backward_long_sequence(hopper_bwd):

@@ -112,7 +112,7 @@ TensorDesc describe(const at::Tensor& t) {
 // kernel_ready), or an error that gives the rule's reasons where no fused kernel serves it
 // (flash_attn_ext's Python layer sends such calls to its fallback and reports them).
 KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const AttnArgs& a, bool general, bool deterministic,
+                        const AttnArgs& a, int score_mods, bool deterministic,
                         const KernelOptions& options) {
   CallInfo call;
   call.dtype = q.scalar_type() == at::kBFloat16 ? "bf16"
@@ -126,7 +126,7 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
   call.q = describe(q);
   call.k = describe(k);
   call.v = describe(v);
-  call.general = general;
+  call.score_mods = score_mods;
   call.unequal_tiles = a.window_left >= 0 || a.window_right >= 0;
   call.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
   KernelChoice c = select_cuda_kernels(this_build(), current_device_info(), call, options);
@@ -135,9 +135,20 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return c;
 }
 
+// The ScoreMod bits (kernel_select.h) of a call.
+int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad) {
+  return (softcap > 0.0 ? kSoftcap : 0) | (bias ? kBias : 0) | (dropout_p > 0.0 ? kDropout : 0) |
+         (bias_grad ? kBiasGrad : 0);
+}
+
 #ifdef FLASH_ATTN_EXT_SM90
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (p.general()) {  // (kernel_select.h keeps dropout and GQA packing off it)
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_general<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_general<Element, 256>(p, stream);
+  }
   if (p.sm90_pack_gqa) {
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_packgqa<Element, 64>(p, stream);
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_packgqa<Element, 128>(p, stream);
@@ -150,6 +161,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 template <typename Element>
 cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
                          cudaStream_t stream) {
+  if (p.general()) {  // (softcap and bias: kernel_select.h keeps the rest off it)
+    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_general<Element, 64>(p, stats, stream);
+    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_general<Element, 128>(p, stats, stream);
+    return cudaErrorInvalidValue;
+  }
   if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
   if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
   return cudaErrorInvalidValue;  // kernel_select.h sends larger head dims elsewhere
@@ -179,9 +195,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const KernelOptions options = kernel_options();
-  const KernelChoice choice =
-      select_for(q_in, k_in, v_in, a, softcap > 0.0 || attn_bias.has_value() || dropout_p > 0.0,
-                 deterministic, options);
+  const KernelChoice choice = select_for(
+      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, false),
+      deterministic, options);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
   at::Tensor out_padded =
@@ -253,9 +269,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const KernelChoice choice =
-      select_for(q_in, k_in, v_in, a, softcap > 0.0 || attn_bias.has_value() || dropout_p > 0.0,
-                 deterministic, kernel_options());
+  const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
+  const KernelChoice choice = select_for(
+      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, want_dbias),
+      deterministic, kernel_options());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
   const at::Tensor lse = softmax_lse.contiguous();
@@ -267,7 +284,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   auto unpad = [](const at::Tensor& g, int64_t d) {
     return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous();
   };
-  const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   at::Tensor dbias_full =
       want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k}, lse.options())
                  : at::Tensor();

@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
       pipe.consumer_wait(state);
       mainloop.step(smem, state.index(), t & 1, masked, rel, scale, scale_log2, dq_tile,
-                    dq_staging, me, tid);
+                    dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
+                    static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0));
       pipe.consumer_release(state);
       ++state;
       if (++m == st.m_blocks) {

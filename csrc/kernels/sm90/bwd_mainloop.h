@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm80/score.h"
 #include "kernels/sm90/bwd_dq.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
@@ -112,11 +113,16 @@ struct BwdMainloop {
   // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
   // visible (rel: the visible keys of each of the step's rows, relative to the key block).
   // dq_tile: this step's tile of the fp32 dQ buffer, dq_staging this warpgroup's (me) part of
-  // the staging tile, tid its thread (bwd_dq.h).
+  // the staging tile, tid its thread (bwd_dq.h).  The general variant (T::kGeneral) recomputes
+  // the forward's scores with fn (sm80::ScoreFn: softcap, bias) at query rows m0 .. and keys
+  // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
+  // get P = 0 from their statistics or the mask).
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
-                                       float* dq_staging, int me, int tid) {
+                                       float* dq_staging, int me, int tid,
+                                       const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
+                                       int32_t rows_left, int32_t keys_left) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     warpgroup_fence_operand(acc_s);
@@ -130,28 +136,56 @@ struct BwdMainloop {
 
     const float* lse_s = smem.lse_log2[stage];
     const float* d_s = smem.delta[stage];
-    warpgroup_wait<1>();  // S^T
-    warpgroup_fence_operand(acc_s);
-    // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
-    CUTE_UNROLL
-    for (int i = 0; i < kSVals; ++i) {
-      const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
-      float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
-      if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
-      acc_s(i) = pr;
-    }
-    warpgroup_wait<0>();  // dP^T
-    warpgroup_fence_operand(acc_dp);
-    // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
-    // portable kernels: unscaled, fp16 dS would overflow 1 / scale times sooner), so dK and dQ
-    // need no scale afterwards.
     FragP p16, ds16;
-    CUTE_UNROLL
-    for (int i = 0; i < kSVals; ++i) {
-      const int q = get<1>(tScS(i));
-      const float ds = acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale);
-      p16(i) = static_cast<Element>(acc_s(i));
-      ds16(i) = static_cast<Element>(ds);
+    if constexpr (T::kGeneral) {
+      // Both GEMMs first: the score's derivative (softcap) is needed with dP^T, and keeping it
+      // per value until then would cost kSVals registers.  dS^T = P^T (dP^T - D) ds/dx, with
+      // softmax_scale inside ds/dx (ScoreFn::apply), rounded to 16 bits as below.
+      // The bias from global memory, this thread's first (key, query) at `bias`; its keys
+      // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
+      // stride + key offset.
+      const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
+      const float* bias = fn.bias == nullptr ? nullptr
+                          : fn.bias + (m0 + q0) * fn.bias_row_stride +
+                                (fn.bias_col_stride != 0 ? n0 + key0 : 0);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int i = 0; i < kSVals; ++i) {
+        const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+        float x = acc_s(i);
+        const float dscore = fn.transform(x);
+        if (bias != nullptr && q < rows_left && key < keys_left)
+          x += bias[(q - q0) * fn.bias_row_stride + (fn.bias_col_stride != 0 ? key - key0 : 0)];
+        float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[q]));
+        if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+        p16(i) = static_cast<Element>(pr);
+        ds16(i) = static_cast<Element>(pr * (acc_dp(i) - d_s[q]) * dscore);
+      }
+    } else {
+      warpgroup_wait<1>();  // S^T
+      warpgroup_fence_operand(acc_s);
+      // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
+      CUTE_UNROLL
+      for (int i = 0; i < kSVals; ++i) {
+        const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+        float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
+        if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+        acc_s(i) = pr;
+      }
+      warpgroup_wait<0>();  // dP^T
+      warpgroup_fence_operand(acc_dp);
+      // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
+      // portable kernels: unscaled, fp16 dS would overflow 1 / scale times sooner), so dK and
+      // dQ need no scale afterwards.
+      CUTE_UNROLL
+      for (int i = 0; i < kSVals; ++i) {
+        const int q = get<1>(tScS(i));
+        const float ds = acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale);
+        p16(i) = static_cast<Element>(acc_s(i));
+        ds16(i) = static_cast<Element>(ds);
+      }
     }
 
     // dV += P^T dO.

@@ -24,9 +24,12 @@
 
 namespace flash_attn_ext::sm90 {
 
-template <typename CudaElement, int kHeadDim_>
+template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
+  // Softcap and an additive bias on the scores (the forward's general variant; its own
+  // instantiation, so that plain attention carries none of its code).
+  static constexpr bool kGeneral = kGeneral_;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

@@ -15,8 +15,8 @@
 //   fwd_kernel.h          the __global__ function: set-up and role dispatch
 //   fwd_launch_template.h host side: TMA descriptors, schedule choice, launch
 //
-// Plain attention only: softcap, attn_bias and dropout go to the sm80 kernel (csrc/kernel_select.h
-// decides).
+// Plain attention, and a general variant with softcap and an additive bias (sm80::ScoreFn's rule,
+// applied in fwd_mainloop.h); dropout goes to the sm80 kernel (csrc/kernel_select.h decides).
 #pragma once
 
 #ifndef NDEBUG

@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = threadIdx.x - 128;  // 0 .. 128 * kConsumers - 1 over the consumer warpgroups
   FwdMainloop<T> mainloop(ctid, sQ, sK, sVt);
-  OnlineSoftmax<T> softmax(static_cast<float>(p.softmax_scale * 1.4426950408889634));
+  // The exp2 domain's factor: softmax_scale * log2(e) for plain scores, log2(e) for softcapped
+  // or biased ones, which modify_scores has scaled (sm80::ScoreFn).
+  OnlineSoftmax<T> softmax(sm80::ScoreFn(p, 0, 0).scale_log2);
   // This thread's two rows (row halves r and r + 8 of the accumulators), per tile.
   int32_t row_of[2];
   RowMask<T> mask(get<1>(mainloop.tScS(0)));
@@ -126,8 +128,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (!q_issued) issue_q_packed<T>(args, sQ, ctid, me, m0, b, h);
         finish_q_packed<T>(me);
       }
+      // The general variant's rows of the bias (past seqlen_q: the last row's, discarded).
+      const int32_t last_row = static_cast<int32_t>(p.seqlen_q) - 1;
+      const int32_t score_rows[2] = {min(row_of[0], last_row), min(row_of[1], last_row)};
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
-                                    n_end, qs, &smem.barrier_q_empty[qs]);
+                                    n_end, qs, &smem.barrier_q_empty[qs],
+                                    sm80::ScoreFn(p, b, h), score_rows);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -67,6 +67,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
+  // Dropout is not in these kernels; softcap and a bias only in the general variant.
+  if (p.dropout || (p.general() && !T::kGeneral)) return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;
@@ -151,13 +153,14 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return sm80::launch(flash_fwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
 }
 
-// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa].cu) launches: the traits of
-// head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA packing.
-template <typename CudaElement, int kHeadDim, bool kPackGQA>
+// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general].cu) launches: the
+// traits of head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA packing, plain or
+// general (softcap, bias).
+template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                                              fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim>(),
-                                             kPackGQA>>(p, stream);
+                                             kPackGQA, kGeneral>>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm80/score.h"
 #include "kernels/sm90/fwd_mask.h"
 #include "kernels/sm90/fwd_softmax.h"
 #include "kernels/sm90/fwd_tile_scheduler.h"
@@ -138,6 +139,42 @@ struct FwdMainloop {
     warpgroup_commit_batch();
   }
 
+  // The general variant (T::kGeneral): softcap and bias on S of the key tile whose first
+  // column of this thread is col0, by the rule every CUDA kernel applies (sm80::ScoreFn).
+  // rows: this thread's two rows clamped into [0, seqlen_q) (the values of rows past the end
+  // are never stored).  The bias comes straight from global memory (L2: the heads and query
+  // blocks of a broadcast mask share its lines), its keys unit-stride (a row pointer, so each
+  // value's offset is an immediate) or broadcast (one value per row; prepare_bias ensures one
+  // of the two); columns past seqlen_k read nothing (the mask hides them: such a tile is never
+  // interior).
+  __device__ __forceinline__ void modify_scores(const sm80::ScoreFn& fn, const int32_t (&rows)[2],
+                                                int32_t col0, int32_t seqlen_k) {
+    const int32_t limit = seqlen_k - col0;  // this thread's columns s_col(c) < limit exist
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (fn.bias == nullptr) {
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) fn.transform(tSrS(s_index(r, c)));
+      } else if (fn.bias_col_stride != 0) {
+        const float* row_bias = fn.bias + rows[r] * fn.bias_row_stride + col0;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          float& x = tSrS(s_index(r, c));
+          fn.transform(x);
+          x += s_col(c) < limit ? row_bias[s_col(c)] : 0.f;
+        }
+      } else {
+        const float b = fn.bias[rows[r] * fn.bias_row_stride];
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          float& x = tSrS(s_index(r, c));
+          fn.transform(x);
+          x += b;
+        }
+      }
+    }
+  }
+
   // A warpgroup whose 64 rows do not exist (warpgroup_idle) issues no GEMMs and no softmax; it
   // still waits for and releases every K/V stage and takes its pingpong turns, so the other
   // warpgroups' barriers count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192
@@ -172,15 +209,22 @@ struct FwdMainloop {
 
   // Key tiles [n_begin, n_end) of a tile (n_begin < n_end) into O, m and l; Q in buffer qs.
   // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
-  // K/V pipeline state after the tile's stages.
+  // K/V pipeline state after the tile's stages.  fn and score_rows: modify_scores's (read by
+  // the general variant only).
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
                                                PipelineState state,
                                                const PingpongRing<T::kConsumers>& ring,
                                                OnlineSoftmax<T>& softmax, const RowMask<T>& mask,
                                                int n_begin, int n_end, int qs,
-                                               uint64_t* q_empty) {
+                                               uint64_t* q_empty, const sm80::ScoreFn& fn,
+                                               const int32_t (&score_rows)[2]) {
     float alpha[2];
+    auto modify = [&](int n_block) {
+      if constexpr (T::kGeneral)
+        modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
+                      static_cast<int32_t>(args.p.seqlen_k));
+    };
     // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
     // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
     pipe_k.consumer_wait(state);
@@ -190,6 +234,7 @@ struct FwdMainloop {
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(state);
     if (n_begin + 1 == n_end) release_q(q_empty);
+    modify(n_begin);
     softmax.step(tSrS, mask, n_begin, alpha);
     convert_p();
     auto prev = state;
@@ -205,6 +250,7 @@ struct FwdMainloop {
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(state);
       if (n_block + 1 == n_end) release_q(q_empty);
+      modify(n_block);
       softmax.step(tSrS, mask, n_block, alpha);
       if constexpr (T::kWaitPvAfterSoftmax) {
         // ptxas hoists a wgmma wait to the start of its basic block.  Written plainly here,
