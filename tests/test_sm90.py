@@ -177,7 +177,7 @@ def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
     "padding" a transformers-style key-padding mask as 0 / -inf (B, 1, 1, S), the last batch
     entry with no key at all (every row empty: zeros, LSE -inf, zero gradients); "causal_padding"
     a (B, 1, L, S) causal + padding mask (rows the padding empties included)."""
-    softcap = 7.5 if "softcap" in what else 0.0
+    softcap = (50.0 if what == "softcap" else 7.5) if "softcap" in what else 0.0
     causal = "causal" in what and "padding" not in what
     window = (37, 5) if "window" in what else (-1, -1)
     bias = None

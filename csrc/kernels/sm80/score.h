@@ -14,15 +14,18 @@
 
 namespace flash_attn_ext::sm80 {
 
-// tanh(y) to an absolute error of a few fp32 ulps of 1, which is what the scores need
-// (softcap * tanh is added to other scores, so an absolute error is what moves P; the relative
-// error near 0 does not matter): (1 - e) / (1 + e) with e = exp(-2 |y|) in (0, 1], signed.  Two
-// MUFU operations and a few FMAs, fewer registers than tanhf (whose spills cost the Hopper
-// forward), and exact limits (|y| large: e = 0, t = +-1).
-__device__ __forceinline__ float tanh_abs_accurate(float y) {
-  constexpr float kMinus2Log2e = -2.8853900817779268f;  // -2 log2(e)
-  const float e = exp2f(fabsf(y) * kMinus2Log2e);
-  return copysignf(__fdividef(1.f - e, 1.f + e), y);
+// tanh(y) by the hardware's tanh.approx.f32 (one MUFU operation; PTX ISA: maximum relative
+// error 2^-10.99, so an absolute error below 2^-10 on softcap * tanh / softcap).  Measured on
+// the H200 (benchmarks/bench_score_mods.py, d = 128, L = 4k, softcap 30): the exact form
+// (1 - e) / (1 + e), e = exp(-2|y|), costs two MUFU operations beside the softmax's exp2 and
+// ran the Hopper forward at 0.40x of plain attention, MUFU-bound.  The error it adds to a
+// score, softcap * 2^-10.99, is below what rounding q.k / softcap and tanh to bf16 or fp16
+// (PyTorch's computation in the same low precision) adds, and the error-rule tests
+// (tests/test_sm90.py: softcap 7.5 and 50, bf16 and fp16) hold with it.
+__device__ __forceinline__ float tanh_approx(float y) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(y));
+  return t;
 }
 
 struct ScoreFn {
@@ -50,7 +53,7 @@ struct ScoreFn {
   __device__ __forceinline__ float transform(float& x) const {
     float dscore = scale;
     if (capped) {
-      const float t = tanh_abs_accurate(x * cap_inv_scale);
+      const float t = tanh_approx(x * cap_inv_scale);
       x = cap * t;
       dscore = scale * (1.f - t * t);
     } else if (bias != nullptr) {
