@@ -1,7 +1,8 @@
 """Small CUDA calls covering every kernel path, for compute-sanitizer (memcheck, racecheck,
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
-the Hopper backward at every head dim it has.
+the Hopper backward at every head dim it has; softcap and a bias on the Hopper kernels' general
+variant.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
 """
@@ -47,15 +48,24 @@ def main() -> None:
     # (sm_90: head dims up to 128, including 64, where it is not the default).
     plain = [i for i, c in enumerate(cases) if c[9] == 0.0 and not c[10] and c[11] == 0.0
              and not deterministic[i]]
-    runs = [(i, {}) for i in range(len(cases))] + [(i, {"sm90_bwd": "on"}) for i in plain]
-    for i, options in runs:
+    runs = [(i, {}, True) for i in range(len(cases))] + \
+        [(i, {"sm90_bwd": "on"}, True) for i in plain]
+    # The Hopper kernels' general variant (softcap, a bias without gradient), partial tiles,
+    # forward at head dims 64, 128, 256 and backward at 64 and 128.
+    cases += [(70, 300, 4, 2, 40, 40, True, (-1, -1), True, 5.0, True, 0.0),
+              (300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, True, 0.0),
+              (130, 70, 2, 2, 256, 256, False, (-1, -1), True, 30.0, True, 0.0)]
+    deterministic += [False] * 3
+    runs += [(i, {"sm90_bwd": "on"}, False) for i in range(len(cases) - 3, len(cases))]
+    for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
-            run_case(cases[i], deterministic[i], dev, dt)
+            run_case(cases[i], deterministic[i], dev, dt, bias_grad)
     print(f"sanitize_cases: {len(runs)} cases ran")
 
 
-def run_case(case, deterministic, dev, dt):
-    """One forward and backward through the ops (the kernels the rule picks for them)."""
+def run_case(case, deterministic, dev, dt, bias_grad=True):
+    """One forward and backward through the ops (the kernels the rule picks for them);
+    bias_grad: whether the backward computes the bias's gradient."""
     L, S, H, Hkv, D, Dv, causal, window, br, softcap, has_bias, p = case
     q = torch.randn(2, L, H, D, device=dev, dtype=dt)
     k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
@@ -65,7 +75,7 @@ def run_case(case, deterministic, dev, dt):
                             bias, p)
     grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
                        window[0], window[1], br, softcap, None, bias, p, deterministic,
-                       has_bias)
+                       has_bias and bias_grad)
     torch.cuda.synchronize()
     assert all(torch.isfinite(g).all() for g in grads if g.numel())
 
