@@ -9,7 +9,8 @@ Cases (bf16, B * L = 16384 tokens, H = 2048 / d heads, SDPA's (B, H, L, d) layou
   softcap         softcap = 30 (Gemma-2), ours and FlexAttention (score_mod) only
   dropout         dropout_p = 0.1 causal: ours and SDPA's FLASH backend
 Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kernels), ours_sm80
-(the portable kernels), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
+(the portable kernels), ours_no_blocks (masks: the Hopper kernels without the bias's block
+summary, reading it everywhere), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
 and FlexAttention compiled (block mask or score_mod for the same function).  A backend that
 refuses a call is recorded with its error.
 
@@ -92,7 +93,14 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
                     is_causal=spec["causal"] and "attn_mask" not in spec)
         return run
 
+    def ours_no_blocks(q, k, v, spec):  # the bias read everywhere: no block summary
+        with flash_attn_ext.kernel_options(**ours_no_blocks.options):
+            return ours(q, k, v, spec)
+    ours_no_blocks.options = dict(sm90_bias_blocks=False)
+
     impls: Dict[str, Callable] = {"ours": ours, "ours_sm80": ours_sm80}
+    if case in ("padding", "causal_padding"):
+        impls["ours_no_blocks"] = ours_no_blocks
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)

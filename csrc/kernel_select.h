@@ -47,6 +47,10 @@ struct KernelOptions {
   bool sm90_row_shift = true;      // causal: the partial query block first
   bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
   bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90
+  // The Hopper kernels' general variant with a bias: summarise it by blocks first
+  // (kernels/sm90/bias_blocks.h: skip masked tiles, no reads where it is 0); false reads it
+  // everywhere.
+  bool sm90_bias_blocks = true;
   // The Hopper backward: kAuto where it measures faster than the portable one (padded head dim
   // 128; at 64 it does not yet: docs/perf/sm90_backward.md), kOn wherever it applies (head
   // dims up to 128), kOff never.

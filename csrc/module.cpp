@@ -121,6 +121,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_row_shift"] = o.sm90_row_shift;
   d["sm90_direct_epilogue"] = o.sm90_direct_epilogue;
   d["bwd_atomic_dq"] = o.bwd_atomic_dq;
+  d["sm90_bias_blocks"] = o.sm90_bias_blocks;
   d["sm90_bwd"] = pack[static_cast<int>(o.sm90_bwd)];
   return d;
 }
@@ -170,6 +171,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_direct_epilogue);
     } else if (key == "bwd_atomic_dq") {
       flag(o.bwd_atomic_dq);
+    } else if (key == "sm90_bias_blocks") {
+      flag(o.sm90_bias_blocks);
     } else if (key == "sm90_bwd") {
       o.sm90_bwd = static_cast<Sm90Bwd>(word({"auto", "on", "off"}));
     } else {

@@ -32,6 +32,12 @@ struct FwdParams {
   // and softcap: scores = softcap(q k^T * scale) + bias.
   const void* attn_bias = nullptr;
   int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
+  // The Hopper kernels' summary of the bias by 64 x 64 blocks (kernels/sm90/bias_blocks.h: all 0,
+  // all -inf, or mixed), indexed (batch, head, row / 64, key / 64) with these strides (0 where
+  // the bias broadcasts); nullptr: none (every block read as mixed).
+  const uint8_t* bias_blocks = nullptr;
+  int64_t blocks_batch_stride = 0, blocks_head_stride = 0, blocks_row_stride = 0,
+          blocks_col_stride = 0;
 
   double softmax_scale = 1.0;  // double so float64 inputs keep full precision
   double softcap = 0.0;  // 0 = off; else scores become softcap * tanh(scores / softcap)

@@ -261,6 +261,50 @@ def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():
         assert (a.float() - b).abs().max().item() <= 3e-2 * b.abs().max().item()
 
 
+@pytest.mark.parametrize("what", ["padding", "causal_padding", "window_padding", "bias"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", [(1023, 1023, 128), (300, 700, 64),
+                                                        (129, 2000, 256), (2000, 129, 128)])
+def test_bias_block_summary_changes_no_result(hopper_bwd, kernel_opts, what, seqlen_q, seqlen_k,
+                                              head_dim):
+    # The block summary skips key tiles (forward) and steps (backward) that the bias masks for
+    # all their rows, and reads no bias where it is 0: the forward is bitwise the same as
+    # reading every value (a skipped tile adds exact zeros), the gradients equal up to the
+    # order of the dQ additions.
+    q, k, v = rand(3, seqlen_q, 4, head_dim), rand(3, seqlen_k, 2, head_dim), \
+        rand(3, seqlen_k, 2, head_dim)
+    softcap, bias, causal, window = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
+    results = {}
+    for blocks in (True, False):
+        kernel_opts(sm90_bias_blocks=blocks)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, softcap, None,
+                              bias)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out)) \
+            if head_dim <= 128 else ()
+        results[blocks] = (out.detach(), lse.detach(), grads)
+    (out1, lse1, g1), (out0, lse0, g0) = results[True], results[False]
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    for a, b in zip(g1, g0):
+        assert not a.isnan().any()
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * max(b.abs().max().item(), 1)
+    with pytest.raises(ValueError, match="sm90_bias_blocks must be a bool"):
+        kernel_opts(sm90_bias_blocks="yes")
+
+
+def test_nan_in_a_bias_block_reaches_the_rows_that_see_it():
+    # A NaN in a block that is otherwise 0 makes the block "mixed": read, so the NaN reaches
+    # exactly the rows that see it, forward and backward (never a silently finite answer).
+    q, k, v = (rand(2, 300, 4, 128).requires_grad_() for _ in "qkv")
+    bias = torch.zeros(1, 1, 300, 300, device="cuda")
+    bias[..., 100:, :] = float("-inf")  # whole masked blocks too
+    bias[..., 5, 7] = float("nan")
+    out, _, _ = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, bias)
+    nan_rows = out.isnan().any(-1).any(-1).any(0)  # (L,)
+    assert nan_rows.nonzero().flatten().tolist() == [5]
+    dq, = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.isnan().any()
+
+
 def test_hopper_backward_long_sequence(hopper_bwd):
     hopper_backward_case(torch.bfloat16, 1, 4224, 4224, 4, 4, 128, causal=True)
     hopper_backward_case(torch.bfloat16, 1, 4096, 4096, 2, 2, 64)

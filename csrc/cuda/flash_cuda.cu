@@ -20,6 +20,7 @@
 #include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
 #include "kernel_select.h"
 #ifdef FLASH_ATTN_EXT_SM90
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/flash_bwd_sm90_launch.h"
 #include "kernels/sm90/flash_fwd_sm90_launch.h"
 #endif
@@ -142,6 +143,16 @@ int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad) {
 }
 
 #ifdef FLASH_ATTN_EXT_SM90
+// The Hopper kernels' block summary of p's bias (kernels/sm90/bias_blocks.h), in a tensor the
+// caller keeps until its kernels are queued; an empty tensor without a bias (or with the kernel
+// option sm90_bias_blocks off).
+at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaStream_t stream) {
+  if (p.attn_bias == nullptr || !kernel_options().sm90_bias_blocks) return at::Tensor();
+  at::Tensor blocks = at::empty({sm90::bias_block_count(p)}, options.dtype(at::kByte));
+  C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream));
+  return blocks;
+}
+
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   if (p.general()) {  // (kernel_select.h keeps dropout and GQA packing off it)
@@ -233,6 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
       p.sm90_row_shift = options.sm90_row_shift;
       p.sm90_direct_epilogue = options.sm90_direct_epilogue;
       p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
+      const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
       err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                  : run_fwd_sm90<__half>(kernel_dim, p, stream);
     } else
@@ -325,6 +337,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                      lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
         float* stats_ptr = stats.data_ptr<float>();
+        const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
       } else

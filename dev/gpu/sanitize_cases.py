@@ -52,11 +52,17 @@ def main() -> None:
         [(i, {"sm90_bwd": "on"}, True) for i in plain]
     # The Hopper kernels' general variant (softcap, a bias without gradient), partial tiles,
     # forward at head dims 64, 128, 256 and backward at 64 and 128.
-    cases += [(70, 300, 4, 2, 40, 40, True, (-1, -1), True, 5.0, True, 0.0),
-              (300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, True, 0.0),
-              (130, 70, 2, 2, 256, 256, False, (-1, -1), True, 30.0, True, 0.0)]
-    deterministic += [False] * 3
-    runs += [(i, {"sm90_bwd": "on"}, False) for i in range(len(cases) - 3, len(cases))]
+    # "padding": a causal + key-padding mask as 0 / -inf, (2, 1, L, S): blocks the summary
+    # skips (bias_blocks.h), blocks read without the bias, mixed ones, one batch entry empty.
+    general = [(70, 300, 4, 2, 40, 40, True, (-1, -1), True, 5.0, True, 0.0),
+               (300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, True, 0.0),
+               (130, 70, 2, 2, 256, 256, False, (-1, -1), True, 30.0, True, 0.0),
+               (700, 700, 2, 1, 128, 128, False, (-1, -1), True, 0.0, "padding", 0.0),
+               (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.0)]
+    cases += general
+    deterministic += [False] * len(general)
+    runs += [(i, {"sm90_bwd": "on"}, False)
+             for i in range(len(cases) - len(general), len(cases))]
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
@@ -71,6 +77,10 @@ def run_case(case, deterministic, dev, dt, bias_grad=True):
     k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
     v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
     bias = torch.randn(2, 1, L, S, device=dev) if has_bias else None
+    if has_bias == "padding":
+        i, j = torch.arange(L, device=dev)[:, None], torch.arange(S, device=dev)[None, :]
+        visible = (j <= i + S - L) & (j < torch.tensor([S * 2 // 3, 0], device=dev)[:, None, None])
+        bias = torch.zeros(2, 1, L, S, device=dev).masked_fill(~visible[:, None], float("-inf"))
     out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
                             bias, p)
     grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,

@@ -10,6 +10,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_producer.h"
 #include "kernels/sm90/bwd_traits.h"
@@ -80,18 +81,35 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int me = ctid / 128, tid = ctid % 128;  // consumer warpgroup, its thread
     float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
-    int32_t h = hk * args.group, m = 0;
+    int32_t h = hk * args.group, m = 0, done = 0;  // (done: steps computed, not skipped)
     for (int32_t t = 0; t < st.steps; ++t) {
       const int64_t m0 = static_cast<int64_t>(st.m_begin + m) * kM;
+      if (T::kGeneral && bias_masks_tile<kM, kN>(p, b, h, m0, n0)) {  // (the producer skips it)
+        if (++m == st.m_blocks) {
+          m = 0;
+          ++h;
+        }
+        continue;
+      }
       // Masked unless every key of the block is visible to every row of the step.
       const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
       float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
+      // The bias's class on the step's rows and this warpgroup's 64 keys.
+      int cls = kBlockMasked;
+      if constexpr (T::kGeneral) {
+#pragma unroll
+        for (int r = 0; r < kM / kBiasBlock; ++r) {
+          const int c = bias_tile_class<kBiasBlock>(p, b, h, m0 + r * kBiasBlock, n0 + 64 * me);
+          cls = r == 0 || c == cls ? c : kBlockMixed;
+        }
+      }
       pipe.consumer_wait(state);
-      mainloop.step(smem, state.index(), t & 1, masked, rel, scale, scale_log2, dq_tile,
+      mainloop.step(smem, state.index(), done++ & 1, masked, rel, scale, scale_log2, dq_tile,
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
-                    static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0));
+                    static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
+                    cls);
       pipe.consumer_release(state);
       ++state;
       if (++m == st.m_blocks) {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/sm80/score.h"
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_dq.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
@@ -116,13 +117,14 @@ struct BwdMainloop {
   // the staging tile, tid its thread (bwd_dq.h).  The general variant (T::kGeneral) recomputes
   // the forward's scores with fn (sm80::ScoreFn: softcap, bias) at query rows m0 .. and keys
   // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
-  // get P = 0 from their statistics or the mask).
+  // get P = 0 from their statistics or the mask); cls: the bias's class on the step's rows and
+  // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0).
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
                                        float* dq_staging, int me, int tid,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
-                                       int32_t rows_left, int32_t keys_left) {
+                                       int32_t rows_left, int32_t keys_left, int cls) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     warpgroup_fence_operand(acc_s);
@@ -145,9 +147,10 @@ struct BwdMainloop {
       // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
       // stride + key offset.
       const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
-      const float* bias = fn.bias == nullptr ? nullptr
-                          : fn.bias + (m0 + q0) * fn.bias_row_stride +
-                                (fn.bias_col_stride != 0 ? n0 + key0 : 0);
+      const float* bias = fn.bias == nullptr || cls != kBlockMixed
+                              ? nullptr
+                              : fn.bias + (m0 + q0) * fn.bias_row_stride +
+                                    (fn.bias_col_stride != 0 ? n0 + key0 : 0);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
@@ -160,6 +163,7 @@ struct BwdMainloop {
           x += bias[(q - q0) * fn.bias_row_stride + (fn.bias_col_stride != 0 ? key - key0 : 0)];
         float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[q]));
         if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+        if (cls == kBlockMasked) pr = 0.f;
         p16(i) = static_cast<Element>(pr);
         ds16(i) = static_cast<Element>(pr * (acc_dp(i) - d_s[q]) * dscore);
       }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "mask.h"
 
@@ -52,6 +53,16 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
   int32_t h = hk * args.group, m = 0;  // step (query head, block index minus m_begin)
   for (int32_t t = 0; t < st.steps; ++t) {
     const int32_t m_block = st.m_begin + m;
+    // A step whose rows the bias masks for the whole key block adds nothing: skipped (the
+    // consumers skip the same).
+    if (T::kGeneral && bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
+                                               static_cast<int64_t>(n_block) * kN)) {
+      if (++m == st.m_blocks) {
+        m = 0;
+        ++h;
+      }
+      continue;
+    }
     Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),

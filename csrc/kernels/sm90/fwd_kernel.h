@@ -15,6 +15,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/fwd_epilogue.h"
 #include "kernels/sm90/fwd_mainloop.h"
 #include "kernels/sm90/fwd_mask.h"
@@ -120,9 +121,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     clear(mainloop.tOrO);
 
+    // The key tile after n_block that this tile computes: in the general variant the next one
+    // that the bias does not mask for all of the tile's rows (the producer skips the same).
+    auto next = [&](int n_block) {
+      ++n_block;
+      if constexpr (T::kGeneral)
+        while (n_block < n_end && bias_masks_tile<kM, T::kBlockN>(p, b, h, m0,
+                                                                   n_block * T::kBlockN))
+          ++n_block;
+      return n_block;
+    };
     if (n_begin < n_end && idle) {
       state = FwdMainloop<T>::idle_tile(pipe_k, pipe_v, state, ring, n_begin, n_end,
-                                        &smem.barrier_q_empty[qs]);
+                                        &smem.barrier_q_empty[qs], next);
     } else if (n_begin < n_end) {
       if constexpr (T::kPackGQA) {
         if (!q_issued) issue_q_packed<T>(args, sQ, ctid, me, m0, b, h);
@@ -131,9 +142,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // The general variant's rows of the bias (past seqlen_q: the last row's, discarded).
       const int32_t last_row = static_cast<int32_t>(p.seqlen_q) - 1;
       const int32_t score_rows[2] = {min(row_of[0], last_row), min(row_of[1], last_row)};
+      // The bias's class on this warpgroup's 64 rows, per key tile (bias_blocks.h).
+      auto cls = [&](int n_block) {
+        return bias_tile_class<T::kBlockN>(p, b, h, m0 + 64 * me, n_block * T::kBlockN);
+      };
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
                                     n_end, qs, &smem.barrier_q_empty[qs],
-                                    sm80::ScoreFn(p, b, h), score_rows);
+                                    sm80::ScoreFn(p, b, h), score_rows, next, cls);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

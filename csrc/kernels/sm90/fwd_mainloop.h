@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "kernels/sm80/score.h"
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/fwd_mask.h"
 #include "kernels/sm90/fwd_softmax.h"
 #include "kernels/sm90/fwd_tile_scheduler.h"
@@ -147,12 +148,19 @@ struct FwdMainloop {
   // value's offset is an immediate) or broadcast (one value per row; prepare_bias ensures one
   // of the two); columns past seqlen_k read nothing (the mask hides them: such a tile is never
   // interior).
+  // `cls`: the bias's class on this warpgroup's rows and the key tile (bias_blocks.h): all 0
+  // reads nothing, all -inf sets -inf without reading.
   __device__ __forceinline__ void modify_scores(const sm80::ScoreFn& fn, const int32_t (&rows)[2],
-                                                int32_t col0, int32_t seqlen_k) {
+                                                int32_t col0, int32_t seqlen_k, int cls) {
     const int32_t limit = seqlen_k - col0;  // this thread's columns s_col(c) < limit exist
+    if (cls == kBlockMasked) {
+#pragma unroll
+      for (int i = 0; i < kSVals; ++i) tSrS(i) = -INFINITY;
+      return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (fn.bias == nullptr) {
+      if (fn.bias == nullptr || cls == kBlockVisible) {
 #pragma unroll
         for (int c = 0; c < kSVals / 2; ++c) fn.transform(tSrS(s_index(r, c)));
       } else if (fn.bias_col_stride != 0) {
@@ -181,11 +189,14 @@ struct FwdMainloop {
   // rows: without this, the partial tile's two empty warpgroups cost the tensor cores a full
   // tile.)  The same waits, releases and turns as compute_tile, without the math.  Returns
   // the K/V pipeline state after the tile's stages.
+  // (next: the key tile after n_block that the tile computes, see compute_tile.)
+  template <typename Next>
   __device__ __forceinline__ static PipelineState idle_tile(
       Pipeline& pipe_k, Pipeline& pipe_v, PipelineState state,
-      const PingpongRing<T::kConsumers>& ring, int n_begin, int n_end, uint64_t* q_empty) {
+      const PingpongRing<T::kConsumers>& ring, int n_begin, int n_end, uint64_t* q_empty,
+      const Next& next) {
     auto prev = state;
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+    for (int n_block = n_begin; n_block < n_end; n_block = next(n_block)) {
       pipe_k.consumer_wait(state);
       if (n_block > n_begin) {
         pipe_v.consumer_wait(prev);
@@ -209,8 +220,11 @@ struct FwdMainloop {
 
   // Key tiles [n_begin, n_end) of a tile (n_begin < n_end) into O, m and l; Q in buffer qs.
   // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
-  // K/V pipeline state after the tile's stages.  fn and score_rows: modify_scores's (read by
-  // the general variant only).
+  // K/V pipeline state after the tile's stages.  next(n_block): the key tile after n_block
+  // that the tile computes (n_block + 1, or in the general variant the next one the bias does
+  // not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and cls(n_block),
+  // the bias's class on this warpgroup's rows: modify_scores's (the general variant's).
+  template <typename Next, typename Class>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
                                                PipelineState state,
@@ -218,12 +232,13 @@ struct FwdMainloop {
                                                OnlineSoftmax<T>& softmax, const RowMask<T>& mask,
                                                int n_begin, int n_end, int qs,
                                                uint64_t* q_empty, const sm80::ScoreFn& fn,
-                                               const int32_t (&score_rows)[2]) {
+                                               const int32_t (&score_rows)[2], const Next& next,
+                                               const Class& cls) {
     float alpha[2];
     auto modify = [&](int n_block) {
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
-                      static_cast<int32_t>(args.p.seqlen_k));
+                      static_cast<int32_t>(args.p.seqlen_k), cls(n_block));
     };
     // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
     // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
@@ -239,7 +254,7 @@ struct FwdMainloop {
     convert_p();
     auto prev = state;
     ++state;
-    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+    for (int n_block = next(n_begin); n_block < n_end; n_block = next(n_block)) {
       pipe_k.consumer_wait(state);
       pipe_v.consumer_wait(prev);
       ring.turn_begin();

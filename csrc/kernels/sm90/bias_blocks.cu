@@ -1,0 +1,77 @@
+// The bias summary of bias_blocks.h: one CTA per block, every thread testing its values, the
+// class by two CTA-wide votes.
+#include "kernels/sm90/bias_blocks.h"
+
+#include <cmath>
+
+namespace flash_attn_ext::sm90 {
+
+namespace {
+
+// The bias's own extent along a dimension: 1 where it broadcasts (stride 0).
+__host__ __device__ int64_t own(int64_t size, int64_t stride) { return stride == 0 ? 1 : size; }
+int64_t blocks_of(int64_t n) { return (n + kBiasBlock - 1) / kBiasBlock; }
+
+__global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, uint8_t* blocks,
+                                                             int64_t row_blocks,
+                                                             int64_t key_blocks) {
+  // blockIdx: x the key block, y the row block, z (batch, head) of the bias's own extent.
+  const int64_t heads = own(p.heads_q, p.bias_head_stride);
+  const int64_t bh = blockIdx.z, b = bh / heads, h = bh % heads;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBiasBlock;
+  // Rows and keys of the block that exist (one where the bias broadcasts along them: all its
+  // rows or keys are that one).
+  const int64_t rows = p.bias_row_stride == 0                  ? 1
+                       : p.seqlen_q - row0 < kBiasBlock ? p.seqlen_q - row0
+                                                          : kBiasBlock;
+  const int64_t keys = p.bias_col_stride == 0                  ? 1
+                       : p.seqlen_k - key0 < kBiasBlock ? p.seqlen_k - key0
+                                                          : kBiasBlock;
+  const float* bias = static_cast<const float*>(p.attn_bias) + b * p.bias_batch_stride +
+                      h * p.bias_head_stride + row0 * p.bias_row_stride +
+                      key0 * p.bias_col_stride;
+  bool zero = true, masked = true;
+  for (int64_t e = threadIdx.x; e < rows * keys; e += blockDim.x) {
+    const float x = bias[(e / keys) * p.bias_row_stride + (e % keys) * p.bias_col_stride];
+    zero &= x == 0.f;
+    masked &= x == -INFINITY;
+  }
+  zero = __syncthreads_and(zero);
+  masked = __syncthreads_and(masked);
+  if (threadIdx.x == 0)
+    blocks[(bh * row_blocks + blockIdx.y) * key_blocks + blockIdx.x] =
+        masked ? kBlockMasked : zero ? kBlockVisible : kBlockMixed;
+}
+
+}  // namespace
+
+int64_t bias_block_count(const FwdParams& p) {
+  return own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) *
+         blocks_of(own(p.seqlen_q, p.bias_row_stride)) *
+         blocks_of(own(p.seqlen_k, p.bias_col_stride));
+}
+
+cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream) {
+  const int64_t batch = own(p.batch, p.bias_batch_stride);
+  const int64_t heads = own(p.heads_q, p.bias_head_stride);
+  const int64_t row_blocks = blocks_of(own(p.seqlen_q, p.bias_row_stride));
+  const int64_t key_blocks = blocks_of(own(p.seqlen_k, p.bias_col_stride));
+  if (batch * heads * row_blocks * key_blocks == 0) return cudaSuccess;
+  // Past the grid's limits: no summary (p.bias_blocks stays nullptr: every block is read).
+  if (key_blocks > 0x7fffffff || row_blocks > 65535 || batch * heads > 65535) return cudaSuccess;
+  summarize_bias_kernel<<<dim3(static_cast<unsigned>(key_blocks),
+                               static_cast<unsigned>(row_blocks),
+                               static_cast<unsigned>(batch * heads)),
+                          256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  p.bias_blocks = blocks;
+  p.blocks_col_stride = p.bias_col_stride == 0 ? 0 : 1;
+  p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : key_blocks;
+  p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : row_blocks * key_blocks;
+  p.blocks_batch_stride = p.bias_batch_stride == 0 ? 0 : heads * row_blocks * key_blocks;
+  return cudaSuccess;
+}
+
+}  // namespace flash_attn_ext::sm90

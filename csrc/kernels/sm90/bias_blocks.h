@@ -1,0 +1,66 @@
+// A summary of an attention bias by blocks of 64 rows x 64 keys (FwdParams::bias_blocks), so
+// that the Hopper kernels' general variant skips what a mask's structure makes unnecessary:
+// key tiles that a bias masks for every row of a tile are neither loaded nor computed, and
+// tiles where the bias is 0 throughout run without reading it (FlexAttention's block mask does
+// the same for its mask functions).  One pass over the bias per call (bias_blocks.cu), before
+// the kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash_attn_ext::sm90 {
+
+// A block's class: every value 0, every value -inf, or anything else (NaN included).
+enum BiasBlock : uint8_t { kBlockVisible = 0, kBlockMasked = 1, kBlockMixed = 2 };
+constexpr int kBiasBlock = 64;  // rows and keys per block
+
+// Blocks of the summary of p's bias (prepare_bias's expanded view: stride 0 where it
+// broadcasts): one per (batch, head, row block, key block) of the bias's own extent (1 where it
+// broadcasts).
+int64_t bias_block_count(const FwdParams& p);
+// Summarises p's bias into `blocks` (bias_block_count(p) bytes) and points p.bias_blocks and its
+// strides at it; the kernel runs on `stream`.  A bias past the grid's limits (over 4M rows or
+// 65535 (batch, head) pairs of its own) gets no summary: p.bias_blocks stays nullptr.
+cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream);
+
+#if defined(__CUDACC__)
+// The class of rows [row0, row0 + 64) (row0 a multiple of 64) of head h in batch b against keys
+// [n0, n0 + kKeys) (n0 a multiple of 64): kBlockMixed without a summary; kBlockMasked where
+// no row or no key of it exists (they are never stored, and no key past seqlen_k is visible).
+template <int kKeys>
+__device__ __forceinline__ int bias_tile_class(const FwdParams& p, int32_t b, int32_t h,
+                                               int64_t row0, int64_t n0) {
+  static_assert(kKeys % kBiasBlock == 0, "");
+  if (p.bias_blocks == nullptr) return kBlockMixed;
+  if (row0 < 0 || row0 >= p.seqlen_q) return kBlockMasked;
+  const uint8_t* row = p.bias_blocks + b * p.blocks_batch_stride + h * p.blocks_head_stride +
+                       row0 / kBiasBlock * p.blocks_row_stride;
+  int cls = kBlockMasked;
+#pragma unroll
+  for (int j = 0; j < kKeys / kBiasBlock; ++j) {
+    const int64_t k0 = n0 + j * kBiasBlock;
+    const int c = k0 < p.seqlen_k ? row[k0 / kBiasBlock * p.blocks_col_stride] : kBlockMasked;
+    cls = j == 0 || c == cls ? c : kBlockMixed;
+  }
+  return cls;
+}
+
+// Whether the bias masks key tile [n0, n0 + kKeys) for every row of [m0, m0 + kRows) (m0 a
+// multiple of 64): such a tile adds nothing (P = 0) and is skipped by producer and consumers
+// alike (both ask this, so they walk the same tiles).
+template <int kRows, int kKeys>
+__device__ __forceinline__ bool bias_masks_tile(const FwdParams& p, int32_t b, int32_t h,
+                                                int64_t m0, int64_t n0) {
+  if (p.bias_blocks == nullptr) return false;
+#pragma unroll
+  for (int r = 0; r < kRows / kBiasBlock; ++r)
+    if (bias_tile_class<kKeys>(p, b, h, m0 + r * kBiasBlock, n0) != kBlockMasked) return false;
+  return true;
+}
+#endif
+
+}  // namespace flash_attn_ext::sm90
