@@ -22,10 +22,11 @@ constexpr int fwd_stages() {
 
 // Consumer warpgroups of 64 query rows: three at head dim 64 (FlashAttention-3's 192-row tiles;
 // there the exp2s of a tile take about as long as its two GEMMs), two above (the O accumulator
-// needs the registers).
-template <int kHeadDim>
+// needs the registers), and two for the general variant at 64 too: with three (160 registers
+// per consumer thread) its score code spilled 1,616 bytes.
+template <int kHeadDim, bool kGeneral = false>
 constexpr int fwd_consumers() {
-  return kHeadDim <= 64 ? 3 : 2;
+  return kHeadDim <= 64 && !kGeneral ? 3 : 2;
 }
 
 // Defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>.cu for Element = __half / __nv_bfloat16.

@@ -159,7 +159,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
-                                             fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim>(),
+                                             fwd_stages<kHeadDim>(),
+                                             fwd_consumers<kHeadDim, kGeneral>(),
                                              kPackGQA, kGeneral>>(p, stream);
 }
 
