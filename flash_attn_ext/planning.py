@@ -228,7 +228,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   f"take head dims 1 to {MAX_HEAD_DIM}",))
     device = q.device.type
     if device == "cpu":
-        return _cpu_plan(dtype)
+        return _CPU_PLANS[dtype]
     if device != "cuda":
         return unfused(FALLBACK, (f"device type {device!r} has no flash_attn_ext kernel",))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -256,9 +256,10 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, mods, unequal_til
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
 
 
-@functools.cache
-def _cpu_plan(dtype: str) -> Plan:
-    return Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
+# The CPU kernels' plan per dtype, built once (a plain dict, not functools.cache: Dynamo warns
+# about every cache wrapper it traces through and ignores it anyway).
+_CPU_PLANS = {dtype: Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
+              for dtype in _DTYPE_NAMES.values()}
 
 
 _read_kernel_env()
