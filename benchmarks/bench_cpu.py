@@ -382,12 +382,27 @@ def git_commit() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Process-level stderr (file descriptor 2) to /dev/null: the profiler's C++ library
+    (Kineto) writes a line per start and stop there, which no logging setting silences."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profiled_ops(attn: Attn, pass_: str, causal: bool) -> list[str]:
     """Names of the attention-related ops that a small call of ``attn`` runs."""
     inputs = make_inputs(128, pass_ == "fwd+bwd", seed=7)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         run_step(attn, pass_, inputs, causal)
     keys = ("attention", "flash", "sdpa", "softmax", "bmm")
     return sorted({e.name for e in prof.events() if any(k in e.name.lower() for k in keys)})
