@@ -103,6 +103,25 @@ def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def backward_reading(fwd: Callable[[], object], fwd_bwd: Callable[[], object],
+                     flops_fwd: float) -> dict:
+    """The backward's time as (fwd+bwd) - fwd, so that no implementation has to support
+    retain_graph, with a forward reading taken right before, so that a drift of the GPU's clock
+    since earlier readings does not land in the backward; FLOPs 2.5x the forward's."""
+    fwd_ms = median_ms(fwd)
+    total_ms = median_ms(fwd_bwd)
+    bwd_ms = max(total_ms - fwd_ms, 1e-6)
+    return dict(bwd_ms=bwd_ms, bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
+                fwdbwd_tflops=3.5 * flops_fwd / total_ms / 1e9)
+
+
+def options_of(fn: Callable) -> contextlib.AbstractContextManager:
+    """The kernel options an implementation runs under (its ``options`` attribute), so that its
+    backward runs under them too; a null context for one without."""
+    options = getattr(fn, "options", None)
+    return flash_attn_ext.kernel_options(**options) if options else contextlib.nullcontext()
+
+
 def implementations(flex: bool) -> Dict[str, Callable]:
     """name -> f(q, k, v, causal) on (B, H, L, d) tensors."""
 
@@ -200,21 +219,12 @@ def bench_point(impls, d: int, seqlen: int, causal: bool, flex_dims=(),
             row.update(fwd_graph_ms=ms, fwd_graph_tflops=flops_fwd / ms / 1e9,
                        fwd_graph_tflops_rounds=[flops_fwd / t / 1e9 for t in graph[name]])
         try:
-            # Backward = (fwd+bwd) - fwd, so no implementation has to support retain_graph;
-            # with a forward reading taken right before, so that a drift of the GPU's clock
-            # since the rounds above does not land in the backward.
-            def fwd_bwd(fn=fn):
+            def fwd_bwd(fn=fn):  # (backward_reading says how the backward is timed)
                 q.grad = k.grad = v.grad = None
-                options = getattr(fn, "options", None)
-                with (flash_attn_ext.kernel_options(**options) if options
-                      else contextlib.nullcontext()):
+                with options_of(fn):
                     fn(q, k, v, causal).backward(dout)
 
-            fwd_now = median_ms(lambda fn=fn: fn(q, k, v, causal))
-            fwd_bwd_ms = median_ms(fwd_bwd)
-            bwd_ms = max(fwd_bwd_ms - fwd_now, 1e-6)
-            row.update(bwd_ms=bwd_ms, bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
-                       fwdbwd_tflops=3.5 * flops_fwd / fwd_bwd_ms / 1e9)
+            row.update(backward_reading(lambda fn=fn: fn(q, k, v, causal), fwd_bwd, flops_fwd))
         except Exception as e:
             row.update(bwd_error=_error(e))
         torch.cuda.empty_cache()

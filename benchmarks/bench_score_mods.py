@@ -25,7 +25,6 @@ Usage: python benchmarks/bench_score_mods.py [--dims 128] [--seqlens 2048 4096]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -35,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from bench_attention import HIDDEN, TOKENS, median_ms
+from bench_attention import HIDDEN, TOKENS, _error, backward_reading, median_ms, options_of
 from timing import rotated
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -157,7 +156,7 @@ def bench_case(case: str, d: int, seqlen: int, flex: bool, rounds: int) -> List[
                 with torch.no_grad():
                     times[name].append(median_ms(lambda fn=impls[name]: fn(q, k, v, spec)))
             except Exception as e:  # a backend that refuses the call is recorded
-                rows[name]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows[name]["error"] = _error(e)
     for name, fn in impls.items():
         row = rows[name]
         if "error" in row:
@@ -167,18 +166,12 @@ def bench_case(case: str, d: int, seqlen: int, flex: bool, rounds: int) -> List[
 
         def fwd_bwd(fn=fn):
             q.grad = k.grad = v.grad = None
-            options = getattr(fn, "options", None)
-            with (flash_attn_ext.kernel_options(**options) if options
-                  else contextlib.nullcontext()):
+            with options_of(fn):
                 fn(q, k, v, spec).backward(dout)
         try:
-            fwd_now = median_ms(lambda fn=fn: fn(q, k, v, spec))
-            total = median_ms(fwd_bwd)
-            bwd_ms = max(total - fwd_now, 1e-6)
-            row.update(bwd_ms=bwd_ms, bwd_tflops=2.5 * flops_fwd / bwd_ms / 1e9,
-                       fwdbwd_tflops=3.5 * flops_fwd / total / 1e9)
+            row.update(backward_reading(lambda fn=fn: fn(q, k, v, spec), fwd_bwd, flops_fwd))
         except Exception as e:
-            row["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row["bwd_error"] = _error(e)
     torch.cuda.empty_cache()
     return list(rows.values())
 
