@@ -2,7 +2,8 @@
 
 What is measured
 ----------------
-fp32, B=2, H=8, head dim d=64, L = S in 512, 1024, 2048, 4096 (``--quick``: 512, 1024;
+fp32 (``--dtype bfloat16 / float16`` for the others), B=2, H=8, head dim d=64, L = S in 512, 1024,
+2048, 4096 (``--quick``: 512, 1024;
 ``--seqlens`` overrides), causal and not, two passes:
 
 * ``fwd``:     inference forward (inputs do not require grad, under ``torch.no_grad()``).
@@ -86,7 +87,8 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, HEADS, HEAD_DIM = 2, 8, 64
-DTYPE = torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE = torch.float32  # (set from --dtype in main)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096)
 QUICK_SEQLENS = (512, 1024)
 PASSES = ("fwd", "fwd+bwd")
@@ -281,7 +283,9 @@ def bench_config(attns: dict[str, Attn], seqlen: int, causal: bool, pass_: str,
     if pass_ == "fwd+bwd":
         n_outputs += 1  # the forward output is alive during backward
     outputs_mib = n_outputs * BATCH * HEADS * seqlen * HEAD_DIM * DTYPE.itemsize / MIB
-    row: dict[str, Any] = {"L": seqlen, "S": seqlen, "causal": causal, "pass": pass_,
+    row: dict[str, Any] = {"dtype": str(DTYPE).replace("torch.", ""),
+                           "threads": torch.get_num_threads(),
+                           "L": seqlen, "S": seqlen, "causal": causal, "pass": pass_,
                            "reps": rep, "flops": flops, "outputs_mib": outputs_mib,
                            "max_abs_diff": max_abs_diff}
     for impl in IMPLS:
@@ -329,7 +333,8 @@ def memory_worker(args: argparse.Namespace) -> int:
 def measure_memory(seqlen: int, args: argparse.Namespace) -> dict[tuple[str, str, bool], Any]:
     """Runs :func:`memory_worker` for one L in a fresh interpreter; {(impl, pass, causal): MiB}."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--mem-worker", "--seqlens",
-           str(seqlen), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+           str(seqlen), "--warmup", str(args.warmup), "--seed", str(args.seed),
+           "--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ)
@@ -463,7 +468,8 @@ def metadata(fa: ModuleType, attns: dict[str, Attn], args: argparse.Namespace) -
 # Reporting.
 # ---------------------------------------------------------------------------------------------
 
-HEADER = (f"{'L':>5} {'causal':>6} {'pass':>7} {'ours ms':>10} {'torch ms':>10} {'ratio':>6} "
+HEADER = (f"{'dtype':>8} {'thr':>3} {'L':>5} {'causal':>6} {'pass':>7} {'ours ms':>10} "
+          f"{'torch ms':>10} {'ratio':>6} "
           f"{'ours GF/s':>9} {'torch GF/s':>10} {'peak MiB ours/torch':>20}")
 
 
@@ -474,7 +480,8 @@ def fmt_row(r: dict[str, Any]) -> str:
     flag = "  <0.8x" if r["ratio"] < 0.8 else ""
     if r.get("contended"):
         flag += "  [contended]"
-    return (f"{r['L']:>5} {r['causal']!s:>6} {r['pass']:>7} {r['ours_ms']:>10.2f} "
+    return (f"{r['dtype']:>8} {r['threads']:>3} {r['L']:>5} {r['causal']!s:>6} {r['pass']:>7} "
+            f"{r['ours_ms']:>10.2f} "
             f"{r['torch_ms']:>10.2f} {r['ratio']:>6.2f} {r['ours_gflops']:>9.1f} "
             f"{r['torch_gflops']:>10.1f} {peak:>20}{flag}")
 
@@ -518,6 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of q, k, v and the gradient (both implementations)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each config, wait up to this long for the CPUs to be idle")
     args = p.parse_args(argv)
@@ -529,7 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DTYPE
     args = parse_args(argv)
+    DTYPE = DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mem_worker:
@@ -541,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {meta['cpu_model']}, {meta['cpu_count']} cores, torch {meta['torch_version']}, "
           f"{meta['torch_num_threads']} threads ({meta['aten_parallel_backend']}), "
           f"{meta['cpu_capability']}, commit {meta['git_commit']}")
-    print(f"# fp32 B={BATCH} H={HEADS} d={HEAD_DIM}, (B, H, L, d) inputs for both; ratio = "
+    print(f"# {args.dtype} B={BATCH} H={HEADS} d={HEAD_DIM}, (B, H, L, d) inputs for both; ratio = "
           "torch ms / ours ms (>1: ours faster)")
     print(f"# torch SDPA backend on CPU: {b['torch_sdp_choice']}; ops "
           f"{b['torch_ops']['fwd'] + b['torch_ops']['fwd+bwd']}")
