@@ -7,6 +7,11 @@
 // Function multi-versioning: GCC emits one copy per target and an ifunc resolver that picks the
 // best at load time, so a binary built on any x86-64 machine vectorises on the machine it runs on.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+// GCC if-converts exp_nonpositive's float selects (and so vectorises the loops that call it)
+// only when it may assume that comparisons do not trap; without this the AVX2 clone's exp loops
+// stayed scalar (perf: 48% of an fp32 forward there, 23% in sgemm).  Results are unchanged:
+// nothing here relies on floating-point exceptions, and NaN and infinities keep their meaning.
+#pragma GCC optimize("no-trapping-math")
 #define FAE_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #define FAE_INLINE __attribute__((always_inline)) inline
 #else
