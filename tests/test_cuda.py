@@ -438,3 +438,44 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
         separate = any("flash_bwd_dq_lean_kernel" in n for n in names)
         assert separate == any("separate dQ kernel" in n for n in plan.notes), (plan, names)
         assert any("convert_dq" in n for n in names) == (not separate)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min])
+def test_huge_finite_mask_values_mask_like_minus_inf(kernel_opts, kernel, dtype, fill):
+    # An additive mask of huge finite values (transformers' finfo(dtype).min style) with left
+    # padding: every row's first key tiles are masked, so the running max starts there.  Its
+    # exponent must be exactly 0 (not 2^18 from rounding at -1e9, not NaN from m * log2(e)
+    # overflowing): the answer equals the -inf mask's, forward and backward; a row of nothing
+    # but such values gives a finite answer (finfo.min: zeros, as a row of -inf).
+    kernel_opts(force_portable=kernel == "sm80", sm90_bwd="on")
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in "qkv")
+    bias = torch.zeros(2, 1, 300, 300, device="cuda")
+    bias[0, ..., :200] = fill
+    bias[1, :, 5, :] = fill  # one row with no key left
+    out, lse, _ = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, bias)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    as_inf = bias.masked_fill(bias == fill, float("-inf"))
+    keep = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    keep[1, 5] = False  # (compared apart)
+    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_ref(*leaves32, attn_bias=as_inf, compute_dtype=torch.float32)
+    ref_grads = torch.autograd.grad(ref, leaves32, dout.float())
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    low_out, _ = attention_ref(*low, attn_bias=as_inf, compute_dtype=dtype)
+    low_grads = torch.autograd.grad(low_out, low, dout)
+    assert_error_rule(out[keep], low_out[keep], ref[keep].double(), 2.0, "out")
+    if fill < -1e30:
+        assert torch.equal(out[1, 5], torch.zeros_like(out[1, 5]))
+        assert bool((lse[1, :, 5] == float("-inf")).all())
+    # dk, dv sum over rows: the row with no key contributes nothing only where it is masked as
+    # -inf (finfo.min); at -1e9 it is a valid (if meaningless) row, so only dq is compared there.
+    names = ("dq", "dk", "dv") if fill < -1e30 else ("dq",)
+    for name, a, lo, t in zip(names, grads, low_grads, ref_grads):
+        if name == "dq":
+            a, lo, t = a[keep], lo[keep], t[keep]
+        assert_error_rule(a, lo, t.double(), 3.0, name, 1e-2)

@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         const int64_t row = m0 + col < p.seqlen_q ? m0 + col : p.seqlen_q - 1;
         const float dscore =
             kGeneral ? fn.apply(x, row, key < p.seqlen_k ? key : p.seqlen_k - 1) : fn.scale;
-        float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
+        float pr = kGeneral ? fn.prob(x, lse_s[col]) : exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
         if (need_mask && (key < vis.begin(m0 + col) || key >= vis.end(m0 + col))) pr = 0.f;
         float dp = dpt[0][j][e];
         st[0][j][e] = pr;
@@ -339,7 +339,8 @@ struct DqStep {
           const int64_t col = col0 + j * 8 + e;
           const float dscore =
               kGeneral ? fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1) : fn.scale;
-          float pr = exp2f(fmaf(x, fn.scale_log2, -lse_row[0][r]));
+          float pr = kGeneral ? fn.prob(x, lse_row[0][r])
+                              : exp2f(fmaf(x, fn.scale_log2, -lse_row[0][r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
           float dpv = dp[0][j][2 * r + e];
           if (kGeneral && drop.enabled)

@@ -3,9 +3,14 @@
 //   s = x * scale                                   (plain)
 //   s = softcap * tanh(x * scale / softcap)         (softcap > 0)
 //   s += bias[b, h, i, j]                           (attn_bias, fp32, any broadcast strides)
-// and their exp2-domain factor: P = exp2(s' * scale_log2 - lse * log2(e)), where s' is x itself
-// for plain scores (scale_log2 = scale * log2 e, saving a multiply) and s otherwise
-// (scale_log2 = log2 e).
+// and their exp2-domain form: P = exp2(s' * scale_log2 - lse * log2(e)), where s' is x itself
+// for plain scores (scale_log2 = scale * log2 e, saving a multiply) and s * log2(e) otherwise
+// (scale_log2 = 1).  Softcapped or biased scores go to log2 units before the softmax, not in
+// it: a mask of huge finite values (-1e9, finfo(float32).min) then gives a running max m whose
+// own exponent is exactly 0 (s' - m, two values rounded alike, is exact where they are close),
+// where s * log2 e - m * log2 e rounded apart (2^18 at -1e9: inf in fp16 P) or overflowed
+// (m * log2 e = -inf below -2.36e38: NaN).  A score below -2.36e38 becomes -inf: a row of
+// nothing else counts as masked (zeros, LSE -inf), as with -inf.
 #pragma once
 
 #include <cstdint>
@@ -43,13 +48,14 @@ struct ScoreFn {
                                           b * p.bias_batch_stride + h * p.bias_head_stride),
         bias_row_stride(p.bias_row_stride),
         bias_col_stride(p.bias_col_stride) {
-    constexpr float kLog2e = 1.4426950408889634f;
-    scale_log2 = (capped || bias != nullptr) ? kLog2e : scale * kLog2e;
+    scale_log2 = (capped || bias != nullptr) ? 1.f : scale * kLog2e;
     cap_inv_scale = capped ? scale / cap : 0.f;
   }
+  static constexpr float kLog2e = 1.4426950408889634f;
 
-  // Turns x into the exponent's units (see above) but for the bias, which the caller adds
-  // (as apply does, or from its own reads: the Hopper kernels); returns ds/dx.
+  // The first half of apply: x becomes the score s in natural units, but for the bias, which
+  // the caller then adds (as apply does, or from its own reads: the Hopper kernels) before
+  // to_log2; returns ds/dx.
   __device__ __forceinline__ float transform(float& x) const {
     float dscore = scale;
     if (capped) {
@@ -61,12 +67,25 @@ struct ScoreFn {
     }
     return dscore;
   }
+  // The second half: a softcapped or biased score to log2 units (plain ones stay x).
+  __device__ __forceinline__ void to_log2(float& x) const {
+    if (capped || bias != nullptr) x *= kLog2e;
+  }
   // Turns x into the exponent's units (see above) for query row i and key j, which must be in
   // range when there is a bias; returns ds/dx.
   __device__ __forceinline__ float apply(float& x, int64_t i, int64_t j) const {
     const float dscore = transform(x);
     if (bias != nullptr) x += bias[i * bias_row_stride + j * bias_col_stride];
+    to_log2(x);
     return dscore;
+  }
+  // The backward's P = exp2(s' * scale_log2 - lse_log2), its exponent capped at 0: exact
+  // arithmetic gives at most 0 (P <= 1); a row whose LSE is huge (a mask of finite values
+  // like -1e9 over all of it) rounds lse_log2 and s' apart, which could exceed it.  NaN stays
+  // NaN (a comparison, not fminf, which would drop it).
+  __device__ __forceinline__ float prob(float x, float lse_log2) const {
+    const float e = fmaf(x, scale_log2, -lse_log2);
+    return exp2f(e > 0.f ? 0.f : e);
   }
 };
 

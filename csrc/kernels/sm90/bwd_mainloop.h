@@ -161,7 +161,8 @@ struct BwdMainloop {
         const float dscore = fn.transform(x);
         if (bias != nullptr && q < rows_left && key < keys_left)
           x += bias[(q - q0) * fn.bias_row_stride + (fn.bias_col_stride != 0 ? key - key0 : 0)];
-        float pr = exp2f(fmaf(x, fn.scale_log2, -lse_s[q]));
+        fn.to_log2(x);
+        float pr = fn.prob(x, lse_s[q]);
         if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
         if (cls == kBlockMasked) pr = 0.f;
         p16(i) = static_cast<Element>(pr);

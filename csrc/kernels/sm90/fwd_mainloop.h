@@ -162,7 +162,11 @@ struct FwdMainloop {
     for (int r = 0; r < 2; ++r) {
       if (fn.bias == nullptr || cls == kBlockVisible) {
 #pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) fn.transform(tSrS(s_index(r, c)));
+        for (int c = 0; c < kSVals / 2; ++c) {
+          float& x = tSrS(s_index(r, c));
+          fn.transform(x);
+          fn.to_log2(x);
+        }
       } else if (fn.bias_col_stride != 0) {
         const float* row_bias = fn.bias + rows[r] * fn.bias_row_stride + col0;
 #pragma unroll
@@ -170,6 +174,7 @@ struct FwdMainloop {
           float& x = tSrS(s_index(r, c));
           fn.transform(x);
           x += s_col(c) < limit ? row_bias[s_col(c)] : 0.f;
+          fn.to_log2(x);
         }
       } else {
         const float b = fn.bias[rows[r] * fn.bias_row_stride];
@@ -178,6 +183,7 @@ struct FwdMainloop {
           float& x = tSrS(s_index(r, c));
           fn.transform(x);
           x += b;
+          fn.to_log2(x);
         }
       }
     }
