@@ -188,8 +188,10 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p) {
   at::Tensor b = bias.to(acc_dtype);
-  // Keys unit-stride or broadcast (stride 0), which the Hopper kernels' bias reads assume.
-  if (b.dim() > 0 && b.size(-1) > 1 && b.stride(-1) != 1) b = b.contiguous();
+  // Keys unit-stride or broadcast (stride 0), which the Hopper kernels' bias reads assume: a
+  // copy only for other strides (a broadcast key dimension stays one: copying it would
+  // materialise every broadcast dimension, e.g. a (B, 1, L, 1) mask as B * H * L * S floats).
+  if (b.dim() > 0 && b.size(-1) > 1 && b.stride(-1) != 1 && b.stride(-1) != 0) b = b.contiguous();
   b = b.expand({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k});
   p.attn_bias = b.data_ptr();
   p.bias_batch_stride = b.stride(0);

@@ -238,7 +238,7 @@ def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_
 
 def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():
     # A bias whose keys are not unit-stride (a transposed view) is copied, one broadcast along
-    # the keys is read once per row; a bias that requires grad runs the portable backward
+    # the keys is read once per row (not copied: the kernels' stride-0 path); a bias that requires grad runs the portable backward
     # (which writes dS out), with the same forward.
     q, k, v = (rand(2, 200, 4, 128).requires_grad_() for _ in "qkv")
     for bias in (torch.randn(2, 4, 200, 200, device="cuda").transpose(2, 3),
