@@ -7,6 +7,8 @@ Cases (bf16, B * L = 16384 tokens, H = 2048 / d heads, SDPA's (B, H, L, d) layou
                   quarter of keys padded (as transformers passes right-padded batches)
   causal_padding  the same as one (B, 1, L, S) boolean causal + padding mask
   softcap         softcap = 30 (Gemma-2), ours and FlexAttention (score_mod) only
+  alibi           ALiBi, causal (BLOOM, MPT): ours with alibi_slopes, FlexAttention with a
+                  score_mod, SDPA with ALiBi and the causal mask as one (1, H, L, S) bf16 bias
   dropout         dropout_p = 0.1 causal: ours and SDPA's FLASH backend
 Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kernels), ours_sm80
 (the portable kernels), ours_no_blocks (masks: the Hopper kernels without the bias's block
@@ -40,12 +42,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext
 
-CASES = ("plain", "padding", "causal_padding", "softcap", "dropout")
+CASES = ("plain", "padding", "causal_padding", "softcap", "alibi", "dropout")
 SOFTCAP = 30.0
 DROPOUT = 0.1
 
 
-def make_case(case: str, batch: int, seqlen: int) -> dict:
+def make_case(case: str, batch: int, seqlen: int, d: int) -> dict:
     """The call's keyword arguments beyond q, k, v (SDPA's names; softcap as ours takes it)
     plus what the FlexAttention run needs."""
     if case in ("padding", "causal_padding"):
@@ -60,6 +62,14 @@ def make_case(case: str, batch: int, seqlen: int) -> dict:
         return dict(attn_mask=mask, lengths=lengths, causal=case == "causal_padding")
     if case == "softcap":
         return dict(softcap=SOFTCAP, causal=False)
+    if case == "alibi":
+        heads = HIDDEN // d
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
+                              device="cuda")
+        i = torch.arange(seqlen, device="cuda")
+        dist = (i[:, None] - i[None, :]).float()
+        bias = (-slopes[:, None, None] * dist.abs()).masked_fill(dist < 0, float("-inf"))
+        return dict(alibi_slopes=slopes, sdpa_mask=bias[None].to(torch.bfloat16), causal=True)
     if case == "dropout":
         return dict(dropout_p=DROPOUT, causal=True)
     return dict(causal=False)
@@ -69,10 +79,12 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
     """name -> f(q, k, v, spec) for the implementations that take `case`."""
 
     def ours(q, k, v, spec):
-        if "softcap" in spec:  # (not an SDPA argument: flash_attn_func on (B, L, H, d) views)
+        if "softcap" in spec or "alibi_slopes" in spec:  # (not SDPA arguments: flash_attn_func
+            # on (B, L, H, d) views)
             return flash_attn_ext.flash_attn_func(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=spec["causal"],
-                softcap=spec["softcap"]).transpose(1, 2)
+                softcap=spec.get("softcap", 0.0),
+                alibi_slopes=spec.get("alibi_slopes")).transpose(1, 2)
         return flash_attn_ext.scaled_dot_product_attention(
             q, k, v, attn_mask=spec.get("attn_mask"), dropout_p=spec.get("dropout_p", 0.0),
             is_causal=spec["causal"] and "attn_mask" not in spec)
@@ -86,10 +98,10 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
     def sdpa(backend):
         def run(q, k, v, spec):
             with sdpa_kernel(backend):
+                mask = spec.get("attn_mask", spec.get("sdpa_mask"))
                 return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=spec.get("attn_mask"),
-                    dropout_p=spec.get("dropout_p", 0.0),
-                    is_causal=spec["causal"] and "attn_mask" not in spec)
+                    q, k, v, attn_mask=mask, dropout_p=spec.get("dropout_p", 0.0),
+                    is_causal=spec["causal"] and mask is None)
         return run
 
     def ours_no_blocks(q, k, v, spec):  # the bias read everywhere: no block summary
@@ -125,6 +137,11 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
             if "softcap" in spec:
                 def score_mod(score, b, h, qi, ki):
                     return SOFTCAP * torch.tanh(score / SOFTCAP)
+            if "alibi_slopes" in spec:
+                slopes = spec["alibi_slopes"]
+
+                def score_mod(score, b, h, qi, ki):
+                    return score - slopes[h] * (qi - ki).abs()
             return compiled(q, k, v, block_mask=cache[key], score_mod=score_mod)
         impls["flex"] = flex_run
     return impls
@@ -135,12 +152,13 @@ def bench_case(case: str, d: int, seqlen: int, flex: bool, rounds: int) -> List[
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
-    spec = make_case(case, batch, seqlen)
+    spec = make_case(case, batch, seqlen, d)
     flops_fwd = 4 * batch * heads * seqlen * seqlen * d / (2 if spec["causal"] else 1)
     impls = implementations(case, flex)
-    if "softcap" in spec:
+    if "softcap" in spec or "alibi_slopes" in spec:
         sample = flash_attn_ext.explain(*(t.transpose(1, 2) for t in (q, k, v)), layout="blhd",
-                                        softcap=spec["softcap"], causal=spec["causal"])
+                                        softcap=spec.get("softcap", 0.0), causal=spec["causal"],
+                                        alibi_slopes=spec.get("alibi_slopes"))
     else:
         sample = flash_attn_ext.explain(q, k, v, attn_mask=spec.get("attn_mask"),
                                         dropout_p=spec.get("dropout_p", 0.0),

@@ -143,6 +143,11 @@ Tensor3 fwd_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                      int64_t window_right, bool align_bottom_right, double softcap,
                      const OptTensor& alibi_slopes, const OptTensor& attn_bias, double dropout_p,
                      bool deterministic) {
+  // A silently missing gradient would be a wrong answer: refuse slopes that want one.
+  TORCH_CHECK_VALUE(!(alibi_slopes.has_value() && alibi_slopes->requires_grad() &&
+                      at::GradMode::is_enabled()),
+                    "alibi_slopes requires grad, but flash_attn_ext computes no gradient for the "
+                    "slopes (as FlashAttention-2); pass alibi_slopes.detach()");
   const variable_list r =
       FwdFunction::apply(q, k, v, softmax_scale, causal, window_left, window_right,
                          align_bottom_right, softcap, alibi_slopes, attn_bias, dropout_p,

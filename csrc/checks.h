@@ -34,6 +34,12 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p);
 
+// alibi_slopes (checked by check_attn_args: (heads_q,) or (batch, heads_q)) as a contiguous
+// accumulator-type tensor, pointed to by p.alibi_slopes with p.alibi_batch_stride (0 for one
+// slope per head); an undefined tensor without slopes.  It must outlive the kernels.
+at::Tensor prepare_alibi(const std::optional<at::Tensor>& alibi_slopes, at::ScalarType acc_dtype,
+                         FwdParams& p);
+
 // Checks that `t` has exactly `sizes`, and q's dtype and device.
 void check_like(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
                 const at::Tensor& q);

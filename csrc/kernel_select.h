@@ -87,6 +87,7 @@ enum ScoreMod : int {
   kBias = 2,      // an attn_mask / attn_bias (additive, fp32 in the kernels)
   kDropout = 4,   // dropout_p > 0
   kBiasGrad = 8,  // the bias needs a gradient (the backward writes dS out)
+  kAlibi = 16,    // alibi_slopes
 };
 
 struct CallInfo {
@@ -100,7 +101,8 @@ struct CallInfo {
   bool known = true;
   TensorDesc q, k, v;
   // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
-  // variant takes softcap and a bias; dropout, and a bias's gradient, run on the portable ones.
+  // variant takes softcap, a bias and ALiBi; dropout, and a bias's gradient, run on the
+  // portable ones.
   int score_mods = 0;
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
@@ -324,7 +326,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");
     if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
-    // (Calls with softcap or a bias would otherwise take the 4-warp portable kernels, measured
+    // (Calls with softcap, a bias or ALiBi would otherwise take the 4-warp portable kernels, measured
     // 0.12-0.19x cuDNN at d = 64 with a mask: docs/perf/sm90_score_mods.md.)
     if (options.sm90_bwd == Sm90Bwd::kAuto && d == 64 && !call.general())
       why.push_back("head_dim=64 (padded): there the Hopper backward does not yet measure faster "
@@ -340,7 +342,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                       detail::join(why, "; "));
   }
   std::vector<std::string> why;
-  if (call.general()) why.push_back("softcap, attn_mask/attn_bias and dropout run on them");
+  if (call.general())
+    why.push_back("softcap, attn_mask/attn_bias, alibi_slopes and dropout run on them");
   const int lean_need = lean_bwd_smem_bytes(static_cast<int>(d));
   if (device.smem_optin > 0 && device.smem_optin < lean_need)
     why.push_back("they need " + std::to_string(lean_need) +

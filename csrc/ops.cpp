@@ -162,8 +162,20 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                     "softcap must be finite and >= 0 (0 = off), got ", softcap);
   TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
                     "dropout_p must be in [0, 1), got ", dropout_p);
-  TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
-                              "alibi_slopes is not implemented yet in flash_attn_ext");
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    TORCH_CHECK_VALUE(at::isFloatingType(slopes.scalar_type()),
+                      "alibi_slopes must be a floating tensor (float32 as FlashAttention-2 takes "
+                      "it), got dtype ", dtype_name(slopes.scalar_type()));
+    TORCH_CHECK_VALUE(slopes.device() == q.device(), "alibi_slopes must be on ", q.device(),
+                      ", got ", slopes.device());
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == a.heads_q;
+    const bool per_batch_head =
+        slopes.dim() == 2 && slopes.size(0) == a.batch && slopes.size(1) == a.heads_q;
+    TORCH_CHECK_VALUE(per_head || per_batch_head, "alibi_slopes must have shape (num_heads,) = (",
+                      a.heads_q, ",) or (batch, num_heads) = (", a.batch, ", ", a.heads_q,
+                      "), got ", slopes.sizes());
+  }
   if (attn_bias.has_value()) {
     const at::Tensor& bias = *attn_bias;
     TORCH_CHECK_VALUE(bias.dim() <= 4,
@@ -183,6 +195,15 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   }
   return a;
+}
+
+at::Tensor prepare_alibi(const std::optional<at::Tensor>& alibi_slopes, at::ScalarType acc_dtype,
+                         FwdParams& p) {
+  if (!alibi_slopes.has_value()) return at::Tensor();
+  const at::Tensor slopes = alibi_slopes->to(acc_dtype).contiguous();
+  p.alibi_slopes = slopes.data_ptr();
+  p.alibi_batch_stride = slopes.dim() == 2 ? slopes.size(1) : 0;
+  return slopes;
 }
 
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,

@@ -39,6 +39,13 @@ struct FwdParams {
   int64_t blocks_batch_stride = 0, blocks_head_stride = 0, blocks_row_stride = 0,
           blocks_col_stride = 0;
 
+  // ALiBi (Press et al. 2022, arXiv:2108.12409; FlashAttention-2's definition): scores +=
+  // -slope(b, h) * |i + off - j|, off as the mask's below (seqlen_k - seqlen_q bottom-right),
+  // added after the softcap like the bias.  Slopes in the accumulator type at
+  // alibi_slopes[b * alibi_batch_stride + h] (stride 0 for one slope per head); nullptr: none.
+  const void* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
   double softmax_scale = 1.0;  // double so float64 inputs keep full precision
   double softcap = 0.0;  // 0 = off; else scores become softcap * tanh(scores / softcap)
 
@@ -77,8 +84,11 @@ struct FwdParams {
   // KernelOptions::sm90_direct_epilogue)
   bool sm90_direct_epilogue = false;
 
-  // Softcap, a bias or dropout: the CUDA kernels' general variant (their plain one otherwise).
-  bool general() const { return softcap > 0.0 || attn_bias != nullptr || dropout; }
+  // Softcap, a bias, ALiBi or dropout: the CUDA kernels' general variant (their plain one
+  // otherwise).
+  bool general() const {
+    return softcap > 0.0 || attn_bias != nullptr || alibi_slopes != nullptr || dropout;
+  }
 };
 
 // Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the

@@ -107,6 +107,27 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
+    """ValueError unless ``alibi_slopes`` is None or a floating tensor of shape (num_heads,)
+    or (batch, num_heads) on q's device that needs no gradient (none is computed for it, as in
+    FlashAttention-2: a silently missing gradient would be a wrong answer).  The op checks the
+    same (csrc/ops.cpp); this check also serves the unfused path."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        raise ValueError(f"alibi_slopes must be a floating tensor (float32 as FlashAttention-2 "
+                         f"takes it) or None, got {alibi_slopes!r}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
+    batch, heads = (q.shape[0], q.shape[2]) if q.dim() == 4 else (None, None)
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or (batch, "
+                         f"num_heads) = ({batch}, {heads}), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes requires grad, but flash_attn_ext computes no gradient "
+                         "for the slopes (as FlashAttention-2); pass alibi_slopes.detach()")
+
+
 def check_bool(value, name: str) -> bool:
     """ValueError unless ``value`` is a bool (so that e.g. the string "no" is not taken as True)."""
     if not isinstance(value, bool):
@@ -138,14 +159,17 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
         causal: bool, window_left: int, window_right: int, align_bottom_right: bool,
         softcap: float, dropout_p: float, deterministic: bool,
         strict: Optional[bool],
-        attn_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        attn_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse).
 
-    ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None.
+    ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None;
+    ``alibi_slopes``: (H,) or (B, H) (checked by check_alibi), or None.
     """
     check_transforms(q, k, v, dropout_p=dropout_p)
     q, k, v = autocast(q, k, v)
-    p = planning.plan(q, k, v, softmax_scale, planning.score_mods(softcap, dropout_p, attn_bias),
+    p = planning.plan(q, k, v, softmax_scale,
+                      planning.score_mods(softcap, dropout_p, attn_bias, alibi_slopes),
                       unequal_tiles=causal or window_left >= 0 or window_right >= 0,
                       deterministic=deterministic)
     if not p.fused:
@@ -159,9 +183,9 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     policy.record(p, strict, needs_grad)
     if p.fused:
         out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
-                                      align_bottom_right, softcap, None, attn_bias, dropout_p,
-                                      deterministic)
+                                      align_bottom_right, softcap, alibi_slopes, attn_bias,
+                                      dropout_p, deterministic)
         return out, softmax_lse
     return unfused.fallback_attention(q, k, v, softmax_scale, window_left,
                                       0 if causal else window_right, align_bottom_right, softcap,
-                                      attn_bias, dropout_p)
+                                      attn_bias, dropout_p, alibi_slopes)

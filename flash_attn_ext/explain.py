@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from ._call import autocast_dtype, check_bool, check_flags, check_scale, check_softcap
+from ._call import autocast_dtype, check_alibi, check_bool, check_flags, check_scale, check_softcap
 from .planning import Plan, plan, score_mods
 from .sdpa import check_sdpa_flags, mask_to_bias, to_bshd
 
@@ -35,8 +35,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             default, as there: a call with H_kv < H without it raises ``ValueError``, and so
             does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
-            explained as written; softcap, dropout_p and attn_mask pick the portable forward
-            on sm_90 GPUs (``Plan.notes`` says so), and ``deterministic=True`` (or
+            explained as written; softcap, attn_mask and alibi_slopes pick the Hopper
+            kernels' general variant on sm_90 GPUs, dropout_p the portable kernels
+            (``Plan.notes`` says so), and ``deterministic=True`` (or
             torch.use_deterministic_algorithms(True)) adds a note where it moves the CUDA
             backward's dQ to its slower, bitwise-reproducible kernel.
 
@@ -75,8 +76,10 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))
     deterministic = call_kwargs.get("deterministic", False)
     check_bool(deterministic, "deterministic")
+    alibi_slopes = call_kwargs.get("alibi_slopes")
+    check_alibi(alibi_slopes, query)
     wl, wr = window
-    p = plan(query, key, value, scale, score_mods(softcap, dropout_p, attn_mask),
+    p = plan(query, key, value, scale, score_mods(softcap, dropout_p, attn_mask, alibi_slopes),
              run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
     if p.kernel == "none":  # not a floating dtype: a call raises

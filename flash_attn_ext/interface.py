@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._call import check_bool, check_flags, check_scale, check_softcap, run
+from ._call import check_alibi, check_bool, check_flags, check_scale, check_softcap, run
 
 __all__ = ["flash_attn_func"]
 
@@ -55,7 +55,12 @@ def flash_attn_func(
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit.
             With causal=True, right is 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
-        alibi_slopes: not supported yet; must be None.
+        alibi_slopes: ALiBi (Press et al. 2022, arXiv:2108.12409) as FlashAttention-2 defines
+            it: (num_heads,) or (batch, num_heads) slopes (float32; other floating dtypes are
+            converted) add -slope * |i + seqlen_k - seqlen_q - j| to the scores of query i
+            and key j, after softcap.  softmax_lse includes it (FlashAttention-2's causal
+            kernels add only slope * j, which softmax cancels but softmax_lse does not).  No
+            gradient flows to the slopes: slopes that require grad raise ValueError.
         deterministic: with True (or under torch.use_deterministic_algorithms(True)) gradients
             are bitwise reproducible run to run.  With False, plain attention (no softcap, mask
             or dropout) on CUDA's 8-warp backward kernels (every head dim on sm_90; up to 128
@@ -81,9 +86,10 @@ def flash_attn_func(
     Raises:
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
             num_heads not a multiple of num_heads_k, dtype/device mismatch or unsupported dtype,
-            window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1).
-        NotImplementedError: alibi_slopes given (not implemented yet);
-            forward-mode AD (torch.func.jvp) and torch.func gradient transforms.
+            window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1),
+            alibi_slopes of another shape or device, not floating, or requiring grad.
+        NotImplementedError: forward-mode AD (torch.func.jvp) and torch.func gradient
+            transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -95,14 +101,13 @@ def flash_attn_func(
     check_bool(deterministic, "deterministic")
     check_bool(return_softmax_lse, "return_softmax_lse")
     check_bool(return_attn_probs, "return_attn_probs")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not implemented yet in flash_attn_ext; pass "
-                                  "alibi_slopes=None")
+    check_alibi(alibi_slopes, q)
     out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
                            window_left=int(window_size[0]), window_right=int(window_size[1]),
                            align_bottom_right=True, softcap=softcap,
                            dropout_p=float(dropout_p),
-                           deterministic=deterministic, strict=strict)
+                           deterministic=deterministic, strict=strict,
+                           alibi_slopes=alibi_slopes)
     if return_attn_probs:
         return out, softmax_lse, None
     return (out, softmax_lse) if return_softmax_lse else out

@@ -144,15 +144,17 @@ def _smem_per_block(index: int) -> int:
 
 
 # What a call adds to plain attention, bit by bit as csrc/kernel_select.h's ScoreMod: the rule
-# sends each to the kernels that take it (the Hopper kernels' general variant: softcap and a
-# bias; the portable ones: everything).
-SOFTCAP, BIAS, DROPOUT, BIAS_GRAD = 1, 2, 4, 8
+# sends each to the kernels that take it (the Hopper kernels' general variant: softcap, a bias
+# and ALiBi; the portable ones: everything).
+SOFTCAP, BIAS, DROPOUT, BIAS_GRAD, ALIBI = 1, 2, 4, 8, 16
 
 
-def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tensor]) -> int:
+def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tensor],
+               alibi_slopes: Optional[torch.Tensor] = None) -> int:
     """The ScoreMod bits of a call (0: plain attention); BIAS_GRAD where the bias requires
     grad while autograd records."""
-    mods = (SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropout_p > 0 else 0)
+    mods = ((SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropout_p > 0 else 0)
+            | (ALIBI if alibi_slopes is not None else 0))
     if attn_bias is not None:
         mods |= BIAS
         if attn_bias.requires_grad and torch.is_grad_enabled():

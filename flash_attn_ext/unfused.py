@@ -33,12 +33,27 @@ def visible_keys(rows: range, seqlen_q: int, seqlen_k: int, window_left: int, wi
     return visible
 
 
+def alibi_bias(alibi_slopes: torch.Tensor, seqlen_q: int, seqlen_k: int,
+               align_bottom_right: bool, dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi as an additive bias: -slope * |i + offset - j|, (B or 1, H, seqlen_q, seqlen_k)
+    in ``dtype`` for slopes of shape (H,) or (B, H) (FlashAttention-2's definition; the offset
+    as visible_keys': seqlen_k - seqlen_q bottom-right aligned, else 0)."""
+    offset = seqlen_k - seqlen_q if align_bottom_right else 0
+    device = alibi_slopes.device
+    i = torch.arange(seqlen_q, device=device, dtype=dtype)[:, None] + offset
+    j = torch.arange(seqlen_k, device=device, dtype=dtype)[None, :]
+    slopes = alibi_slopes.to(dtype)
+    slopes = slopes[None] if slopes.dim() == 1 else slopes
+    return -slopes[:, :, None, None] * (i - j).abs()
+
+
 def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right,
-                       softcap, attn_bias=None, dropout_p=0.0):
+                       softcap, attn_bias=None, dropout_p=0.0, alibi_slopes=None):
     """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
 
     Used only where no fused kernel exists (see flash_attn_ext.planning); follows the same
-    semantics (diagonal offset, window, GQA, fully masked rows give out = 0 and lse = -inf).
+    semantics (diagonal offset, window, GQA, ALiBi, fully masked rows give out = 0 and
+    lse = -inf).
     """
     if softcap > 0:
         raise NotImplementedError("softcap is not supported on the fallback path "
@@ -57,6 +72,8 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
         scores = scores.masked_fill(~visible, float("-inf"))
     if attn_bias is not None:
         scores = scores + attn_bias.to(acc)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, align_bottom_right, acc)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     if dropout_p > 0:

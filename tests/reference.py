@@ -28,14 +28,27 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, w
     return visible
 
 
+def alibi_ref(alibi_slopes, seqlen_q: int, seqlen_k: int, align_bottom_right: bool, dtype):
+    """ALiBi as FlashAttention-2 defines it, as a (B or 1, H, L, S) bias in ``dtype``: score
+    (i, j) of head h gets -slope[(b,) h] * |i + S - L - j| (bottom-right; top-left: |i - j|)."""
+    slopes = alibi_slopes.detach().to(dtype)
+    if slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0)
+    offset = seqlen_k - seqlen_q if align_bottom_right else 0
+    i = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    dist = (i + offset - j).abs().to(dtype)  # (integers: exact)
+    return -slopes[:, :, None, None] * dist
+
+
 def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=False,
                   window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
-                  attn_bias=None, compute_dtype=torch.float64, return_probs=False,
-                  dropout_keep=None, dropout_p=0.0):
+                  attn_bias=None, alibi_slopes=None, compute_dtype=torch.float64,
+                  return_probs=False, dropout_keep=None, dropout_p=0.0):
     """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable
     (and the probabilities (B, H, L, S) with ``return_probs``).  ``dropout_keep``: the (B, H, L,
     S) bool mask of kept weights (kept ones scaled by 1 / (1 - dropout_p)) applied to P before
-    P V, as the kernels do."""
+    P V, as the kernels do.  ``alibi_slopes``: (H,) or (B, H), see alibi_ref."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -49,6 +62,9 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
                            align_bottom_right, q.device)
     if attn_bias is not None:
         scores = scores + attn_bias.to(compute_dtype)
+    if alibi_slopes is not None:
+        scores = scores + alibi_ref(alibi_slopes, seqlen_q, seqlen_k, align_bottom_right,
+                                    compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # Rows that see no key: out = 0 and no gradient (docs/design.md section 2).  Their scores are
@@ -106,6 +122,9 @@ def cancellation_scale(q, k, v, dout, **kw):
             scores = kw["softcap"] * torch.tanh(scores / kw["softcap"])
         if kw.get("attn_bias") is not None:
             scores = scores + kw["attn_bias"].detach().double()
+        if kw.get("alibi_slopes") is not None:
+            scores = scores + alibi_ref(kw["alibi_slopes"], qd.shape[1], kd.shape[1],
+                                        kw.get("align_bottom_right", True), torch.float64)
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         visible = visible_mask(qd.shape[1], kd.shape[1], kw.get("causal", False),
                                kw.get("window_left", -1), kw.get("window_right", -1),

@@ -25,7 +25,9 @@ MASKS = [(False, -1, -1, True), (True, -1, -1, True), (True, -1, -1, False),
 
 
 def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v, mask,
-          grads=True, transposed=False):
+          grads=True, transposed=False, alibi=False):
+    """One call against the fp32 reference under the error rule; ``alibi``: with (batch,
+    heads) ALiBi slopes."""
     causal, wl, wr, br = mask
     dev = "cuda"
 
@@ -38,8 +40,10 @@ def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_
         make(seqlen_k, heads_kv, head_dim_v)
     for t in (q, k, v):
         t.requires_grad_(grads)
-    kw = dict(causal=causal, window_left=wl, window_right=wr, align_bottom_right=br)
-    out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br)
+    slopes = torch.rand(batch, heads, device=dev) * 0.5 if alibi else None
+    kw = dict(causal=causal, window_left=wl, window_right=wr, align_bottom_right=br,
+              alibi_slopes=slopes)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br, 0.0, slopes)
     leaves32 = [t.detach().float().requires_grad_(grads) for t in (q, k, v)]
     true_out, true_lse = attention_ref(*leaves32, compute_dtype=torch.float32, **kw)
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
@@ -75,6 +79,18 @@ def test_forward_matches_reference(dtype, head_dim, seqlens, mask):
 def test_gqa_mqa_and_strided(dtype, heads, heads_kv, mask):
     check(dtype, 2, 300, 517, heads, heads_kv, 64, 64, mask, transposed=True)
     check(dtype, 2, 97, 64, heads, heads_kv, 72, 40, mask)  # Ev != E, padded head dims
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (1023, 1023)], ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_alibi_matches_reference(kernel_opts, kernel, dtype, head_dim, seqlens, mask):
+    # ALiBi on the default kernels (sm_90: the Hopper forward's and backward's general
+    # variants; the 4-warp portable backward at head dim 256) and on the portable ones.
+    kernel_opts(force_portable=kernel == "sm80")
+    check(dtype, 2, *seqlens, 4, 2, head_dim, head_dim, mask, alibi=True)
 
 
 def test_many_batch_heads():
@@ -309,6 +325,12 @@ def test_float32_falls_back_visibly_and_correctly():
     assert (out - ref).abs().max().item() < 1e-4
     with pytest.raises(policy.FallbackError, match="float32"):
         flash_attn_func(q, q, q, strict=True)
+    slopes = torch.rand(2, device="cuda")  # ALiBi on the unfused path too
+    with pytest.warns(UserWarning, match="float32"):
+        out = flash_attn_func(q, q, q, causal=True, alibi_slopes=slopes)
+    ref, _ = attention_ref(q, q, q, causal=True, alibi_slopes=slopes,
+                           compute_dtype=torch.float32)
+    assert (out - ref).abs().max().item() < 1e-4
 
 
 def test_non_positive_scale_falls_back_visibly_and_correctly():

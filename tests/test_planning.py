@@ -368,7 +368,8 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     ((9, 0), 232448, 128, planning.BIAS | planning.BIAS_GRAD, "requires grad"),
     ((9, 0), 232448, 64, 0, "does not yet measure faster"),
     ((9, 0), 232448, 64, planning.SOFTCAP, None),  # the Hopper backward's general variant
-    ((8, 0), 166912, 64, planning.SOFTCAP, "softcap, attn_mask/attn_bias and dropout"),
+    ((9, 0), 232448, 128, planning.ALIBI, None),
+    ((8, 0), 166912, 64, planning.SOFTCAP, "alibi_slopes and dropout"),
     ((9, 0), 232448, 256, 0, "Hopper backward has head dims up to 128"),  # then the
     # 8-warp kernels: 209 KB fits sm_90's 227 KB
     ((8, 0), 166912, 256, 0, "214016 bytes of shared memory"),  # not sm_80's 163 KB

@@ -111,10 +111,11 @@ def hopper_bwd(kernel_opts):
 
 def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
                          head_dim_v=None, causal=False, window=(-1, -1), bottom_right=True,
-                         transposed=False, softcap=0.0, attn_bias=None):
+                         transposed=False, softcap=0.0, attn_bias=None, alibi_slopes=None):
     """Gradients of one call with the Hopper backward (the plan must name it) against an fp32
     reference, by the backward's error rule (3x the same computation's error in ``dtype``).
-    ``attn_bias``: an fp32 bias (no gradient) broadcastable to (batch, heads_q, L, S)."""
+    ``attn_bias``: an fp32 bias (no gradient) broadcastable to (batch, heads_q, L, S);
+    ``alibi_slopes``: (heads_q,) or (batch, heads_q)."""
     head_dim_v = head_dim_v or head_dim
 
     def make(seqlen, heads, d):
@@ -125,14 +126,15 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     q, k = make(seqlen_q, heads_q, head_dim), make(seqlen_k, heads_kv, head_dim)
     v = make(seqlen_k, heads_kv, head_dim_v)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
-              align_bottom_right=bottom_right, softcap=softcap, attn_bias=attn_bias)
-    mods = planning.score_mods(softcap, 0.0, attn_bias)
+              align_bottom_right=bottom_right, softcap=softcap, attn_bias=attn_bias,
+              alibi_slopes=alibi_slopes)
+    mods = planning.score_mods(softcap, 0.0, attn_bias, alibi_slopes)
     plan = planning.plan(q, k, v, mods=mods)  # (the mask does not change the backward's kernel)
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
     assert plan.backward_kernel.endswith("_general") == bool(mods), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right, softcap, None,
-                        attn_bias)
+    out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right, softcap,
+                        alibi_slopes, attn_bias)
     dout = torch.randn_like(out)
     ours = torch.autograd.grad(out, leaves, dout)
     leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
@@ -172,11 +174,12 @@ def test_hopper_backward_gqa_mqa_strides_and_value_dims(hopper_bwd, heads_q, hea
 
 
 def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
-    """(softcap, attn_bias, causal, window) of a general-variant case: ``what`` names its
-    modifiers.  Biases are fp32: "bias" a dense (1, H, L, S) one (broadcast over the batch);
-    "padding" a transformers-style key-padding mask as 0 / -inf (B, 1, 1, S), the last batch
-    entry with no key at all (every row empty: zeros, LSE -inf, zero gradients); "causal_padding"
-    a (B, 1, L, S) causal + padding mask (rows the padding empties included)."""
+    """(softcap, attn_bias, causal, window, alibi_slopes) of a general-variant case: ``what``
+    names its modifiers.  Biases are fp32: "bias" a dense (1, H, L, S) one (broadcast over the
+    batch); "padding" a transformers-style key-padding mask as 0 / -inf (B, 1, 1, S), the last
+    batch entry with no key at all (every row empty: zeros, LSE -inf, zero gradients);
+    "causal_padding" a (B, 1, L, S) causal + padding mask (rows the padding empties included).
+    "alibi": ALiBi slopes, (B, H) random ones with "causal", else the paper's (H,) ones."""
     softcap = (50.0 if what == "softcap" else 7.5) if "softcap" in what else 0.0
     causal = "causal" in what and "padding" not in what
     window = (37, 5) if "window" in what else (-1, -1)
@@ -193,11 +196,16 @@ def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
             j = torch.arange(seqlen_k, device="cuda")[None, :]
             visible = visible & (j <= i + seqlen_k - seqlen_q)
         bias = torch.zeros(visible.shape, device="cuda").masked_fill(~visible, float("-inf"))
-    return softcap, bias, causal, window
+    slopes = None
+    if "alibi" in what:
+        slopes = torch.rand(batch, heads_q, device="cuda") if causal else \
+            torch.tensor([2.0 ** (-8.0 * (h + 1) / heads_q) for h in range(heads_q)],
+                         device="cuda")
+    return softcap, bias, causal, window, slopes
 
 
 SCORE_MODS = ["softcap", "bias", "padding", "causal_padding", "softcap_bias_causal",
-              "window_padding"]
+              "window_padding", "alibi_causal", "softcap_alibi_window_padding"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -209,16 +217,17 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
     # with causal / window masks and GQA, against the fp32 reference.
     q, k, v = rand(3, seqlen_q, 4, head_dim, dtype=dtype), \
         rand(3, seqlen_k, 2, head_dim, dtype=dtype), rand(3, seqlen_k, 2, head_dim, dtype=dtype)
-    softcap, bias, causal, window = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
-    plan = planning.plan(q, k, v, mods=planning.score_mods(softcap, 0.0, bias))
+    softcap, bias, causal, window, slopes = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
+    plan = planning.plan(q, k, v, mods=planning.score_mods(softcap, 0.0, bias, slopes))
     assert plan.kernel == f"sm90_fwd_hdim{max(64, 1 << (head_dim - 1).bit_length())}_" \
         f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}_general", plan
     kw = dict(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
-              attn_bias=bias)
+              attn_bias=bias, alibi_slopes=slopes)
     true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
                                        compute_dtype=torch.float32, **kw)
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
-    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, softcap, None, bias)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, softcap, slopes,
+                          bias)
     check_forward(out, lse, low_out, true_out, true_lse, f"out ({what})")
     if "padding" in what:  # the last batch entry sees no key
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -231,15 +240,15 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 @pytest.mark.parametrize("what", SCORE_MODS)
 def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q, seqlen_k,
                                                       head_dim, what):
-    softcap, bias, causal, window = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
+    softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
-                         window=window, softcap=softcap, attn_bias=bias)
+                         window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)
 
 
 def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():
     # A bias whose keys are not unit-stride (a transposed view) is copied, one broadcast along
-    # the keys is read once per row (not copied: the kernels' stride-0 path); a bias that requires grad runs the portable backward
-    # (which writes dS out), with the same forward.
+    # the keys is read once per row (not copied: the kernels' stride-0 path); a bias that
+    # requires grad runs the portable backward (which writes dS out), with the same forward.
     q, k, v = (rand(2, 200, 4, 128).requires_grad_() for _ in "qkv")
     for bias in (torch.randn(2, 4, 200, 200, device="cuda").transpose(2, 3),
                  torch.randn(2, 4, 200, 1, device="cuda").expand(2, 4, 200, 200)):
@@ -272,7 +281,7 @@ def test_bias_block_summary_changes_no_result(hopper_bwd, kernel_opts, what, seq
     # order of the dQ additions.
     q, k, v = rand(3, seqlen_q, 4, head_dim), rand(3, seqlen_k, 2, head_dim), \
         rand(3, seqlen_k, 2, head_dim)
-    softcap, bias, causal, window = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
+    softcap, bias, causal, window, _ = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
     results = {}
     for blocks in (True, False):
         kernel_opts(sm90_bias_blocks=blocks)

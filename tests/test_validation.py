@@ -75,8 +75,8 @@ def test_window_scale_softcap_dropout():
         flash_attn_func(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got 1.5"):
         flash_attn_func(q, k, v, dropout_p=1.5)
-    with pytest.raises(NotImplementedError, match=r"alibi_slopes"):
-        flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\)"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(q.shape[2] + 1))
 
 
 def test_op_level_checks():

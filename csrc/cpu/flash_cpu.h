@@ -39,6 +39,15 @@ inline void add_bias(T* S, int64_t rows, int64_t cols, int64_t ld, const T* bias
     for (int64_t c = 0; c < cols; ++c) S[r * ld + c] += bias[r * row_stride + c * col_stride];
 }
 
+// ALiBi: S -= slope * |dist0 + r - c| for a (rows x cols) tile, dist0 = i0 + offset - j0 (the
+// distance i + offset - j at the tile's first element; params.h).
+template <typename T>
+inline void add_alibi(T* S, int64_t rows, int64_t cols, int64_t ld, T slope, int64_t dist0) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      S[r * ld + c] -= slope * static_cast<T>(std::abs(dist0 + r - c));
+}
+
 // Sets S to -inf where key j0 + c is not visible to query i0 + r (see mask.h).
 template <typename T>
 inline void apply_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const VisibleKeys& vis,
@@ -54,7 +63,7 @@ inline void apply_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const Visib
 
 // The scores of the tile (query rows [i0, i0 + mq) of head h, keys [j0, j0 + nk)) into S with
 // leading dimension kBlockK, computed one way for the forward and the backward's recomputation:
-// S = softcap(scale * Q K^T) + bias, -inf where masked.  `dtanh`: see apply_softcap.
+// S = softcap(scale * Q K^T) + bias + ALiBi, -inf where masked.  `dtanh`: see apply_softcap.
 template <typename T>
 inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int64_t nk,
                        const FwdParams& p, const VisibleKeys& vis, int64_t b, int64_t h,
@@ -65,6 +74,11 @@ inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int
     const T* bias = static_cast<const T*>(p.attn_bias) + b * p.bias_batch_stride +
                     h * p.bias_head_stride + i0 * p.bias_row_stride + j0 * p.bias_col_stride;
     add_bias(S, mq, nk, kBlockK, bias, p.bias_row_stride, p.bias_col_stride);
+  }
+  if (p.alibi_slopes != nullptr) {
+    const T slope = static_cast<const T*>(p.alibi_slopes)[b * p.alibi_batch_stride + h];
+    const int64_t offset = p.align_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+    add_alibi(S, mq, nk, kBlockK, slope, i0 + offset - j0);
   }
   apply_mask(S, mq, nk, kBlockK, vis, i0, j0);
 }

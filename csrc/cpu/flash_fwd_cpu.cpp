@@ -139,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();
+  const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
                                   [&] { flash_fwd_cpu<scalar_t>(p); });
   return {out, lse, rng_state};

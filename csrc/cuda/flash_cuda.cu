@@ -137,9 +137,9 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 // The ScoreMod bits (kernel_select.h) of a call.
-int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad) {
+int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad, bool alibi) {
   return (softcap > 0.0 ? kSoftcap : 0) | (bias ? kBias : 0) | (dropout_p > 0.0 ? kDropout : 0) |
-         (bias_grad ? kBiasGrad : 0);
+         (bias_grad ? kBiasGrad : 0) | (alibi ? kAlibi : 0);
 }
 
 #ifdef FLASH_ATTN_EXT_SM90
@@ -207,7 +207,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const KernelOptions options = kernel_options();
   const KernelChoice choice = select_for(
-      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, false),
+      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, false,
+                                  alibi_slopes.has_value()),
       deterministic, options);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
@@ -224,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
     const at::Tensor bias_view =
         attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+    const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
     fill_dropout_params(p, dropout_p);
     if (p.dropout) take_philox_state(p, a.seqlen_k);
     p.rng_state = rng_state.data_ptr<int64_t>();
@@ -283,7 +285,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   const KernelChoice choice = select_for(
-      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, want_dbias),
+      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, want_dbias,
+                                  alibi_slopes.has_value()),
       deterministic, kernel_options());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
@@ -311,6 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       p.head_dim_v = v.size(3);
       const at::Tensor bias_view =
           attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+      const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
       const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
       fill_dropout_params(p, dropout_p);

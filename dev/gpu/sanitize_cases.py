@@ -1,8 +1,8 @@
 """Small CUDA calls covering every kernel path, for compute-sanitizer (memcheck, racecheck,
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
-the Hopper backward at every head dim it has; softcap and a bias on the Hopper kernels' general
-variant.
+the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
+general variant.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
 """
@@ -21,6 +21,7 @@ def main() -> None:
         (70, 65, 4, 2, 128, 128, False, (-1, -1), True, 0.0, True, 0.0),
         (33, 70, 2, 2, 256, 200, True, (-1, -1), False, 5.0, False, 0.2),
         (65, 65, 2, 1, 64, 64, False, (8, 3), True, 0.0, False, 0.1),
+        (65, 70, 2, 1, 72, 72, True, (-1, -1), True, 0.0, "alibi", 0.1),  # (portable kernels)
         # Plain attention: the Hopper forward on sm_90 (several K/V tiles, partial last ones).
         (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
@@ -58,7 +59,10 @@ def main() -> None:
                (300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, True, 0.0),
                (130, 70, 2, 2, 256, 256, False, (-1, -1), True, 30.0, True, 0.0),
                (700, 700, 2, 1, 128, 128, False, (-1, -1), True, 0.0, "padding", 0.0),
-               (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.0)]
+               (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.0),
+               # ALiBi ((2, H) slopes), alone with causal and with softcap and a window.
+               (300, 129, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "alibi", 0.0),
+               (130, 200, 4, 2, 64, 64, False, (30, 4), False, 5.0, "alibi", 0.0)]
     cases += general
     deterministic += [False] * len(general)
     runs += [(i, {"sm90_bwd": "on"}, False)
@@ -76,16 +80,17 @@ def run_case(case, deterministic, dev, dt, bias_grad=True):
     q = torch.randn(2, L, H, D, device=dev, dtype=dt)
     k = torch.randn(2, S, Hkv, D, device=dev, dtype=dt)
     v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
-    bias = torch.randn(2, 1, L, S, device=dev) if has_bias else None
+    bias = torch.randn(2, 1, L, S, device=dev) if has_bias is True else None
+    slopes = torch.rand(2, H, device=dev) if has_bias == "alibi" else None
     if has_bias == "padding":
         i, j = torch.arange(L, device=dev)[:, None], torch.arange(S, device=dev)[None, :]
         visible = (j <= i + S - L) & (j < torch.tensor([S * 2 // 3, 0], device=dev)[:, None, None])
         bias = torch.zeros(2, 1, L, S, device=dev).masked_fill(~visible[:, None], float("-inf"))
-    out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, None,
+    out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, slopes,
                             bias, p)
     grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
-                       window[0], window[1], br, softcap, None, bias, p, deterministic,
-                       has_bias and bias_grad)
+                       window[0], window[1], br, softcap, slopes, bias, p, deterministic,
+                       bias is not None and bias_grad)
     torch.cuda.synchronize()
     assert all(torch.isfinite(g).all() for g in grads if g.numel())
 

@@ -83,8 +83,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     p.rng_state[1] = kGeneral ? static_cast<int64_t>(drop.offset) : 0;
   }
   const float scale_log2 = fn.scale_log2;
-  // Softcap and bias go through ScoreFn::apply; plain scores need nothing before the exp2.
-  const bool transform = kGeneral && (fn.capped || fn.bias != nullptr);
+  // Softcap, bias and ALiBi go through ScoreFn::apply; plain scores need nothing before the
+  // exp2.
+  const bool transform = kGeneral && fn.modified();
 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {

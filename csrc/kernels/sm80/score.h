@@ -3,6 +3,7 @@
 //   s = x * scale                                   (plain)
 //   s = softcap * tanh(x * scale / softcap)         (softcap > 0)
 //   s += bias[b, h, i, j]                           (attn_bias, fp32, any broadcast strides)
+//   s -= slope[b, h] * |i + off - j|                (ALiBi; off as the mask's, params.h)
 // and their exp2-domain form: P = exp2(s' * scale_log2 - lse * log2(e)), where s' is x itself
 // for plain scores (scale_log2 = scale * log2 e, saving a multiply) and s * log2(e) otherwise
 // (scale_log2 = 1).  Softcapped or biased scores go to log2 units before the softmax, not in
@@ -36,6 +37,9 @@ __device__ __forceinline__ float tanh_approx(float y) {
 struct ScoreFn {
   float scale, scale_log2, cap, cap_inv_scale;
   bool capped;
+  bool alibi;         // ALiBi: s -= alibi_slope * |i + alibi_offset - j|
+  float alibi_slope;  // this (b, h)'s slope, 0 without ALiBi
+  int64_t alibi_offset;
   const float* bias;  // at (b, h, 0, 0); nullptr without a bias
   int64_t bias_row_stride, bias_col_stride;
 
@@ -43,15 +47,31 @@ struct ScoreFn {
       : scale(static_cast<float>(p.softmax_scale)),
         cap(static_cast<float>(p.softcap)),
         capped(p.softcap > 0.0),
+        alibi(p.alibi_slopes != nullptr),
+        alibi_slope(p.alibi_slopes == nullptr
+                        ? 0.f
+                        : static_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h]),
+        alibi_offset(p.align_bottom_right ? p.seqlen_k - p.seqlen_q : 0),
         bias(p.attn_bias == nullptr ? nullptr
                                     : static_cast<const float*>(p.attn_bias) +
                                           b * p.bias_batch_stride + h * p.bias_head_stride),
         bias_row_stride(p.bias_row_stride),
         bias_col_stride(p.bias_col_stride) {
-    scale_log2 = (capped || bias != nullptr) ? 1.f : scale * kLog2e;
+    scale_log2 = modified() ? 1.f : scale * kLog2e;
     cap_inv_scale = capped ? scale / cap : 0.f;
   }
   static constexpr float kLog2e = 1.4426950408889634f;
+
+  // Whether scores are more than x * scale (softcap, a bias or ALiBi): they then go through
+  // transform and to_log2 (or apply) before the softmax.
+  __device__ __forceinline__ bool modified() const { return capped || alibi || bias != nullptr; }
+
+  // ALiBi's term for a (query row - key) distance `dist` = i + alibi_offset - j, given as a
+  // float (exact up to 2^24, longer than any sequence a kernel takes), added to x: one FMA with
+  // the |.| as its operand modifier.  The caller checks `alibi` (its loops hoist the test).
+  __device__ __forceinline__ void add_alibi(float& x, float dist) const {
+    x = fmaf(-alibi_slope, fabsf(dist), x);
+  }
 
   // The first half of apply: x becomes the score s in natural units, but for the bias, which
   // the caller then adds (as apply does, or from its own reads: the Hopper kernels) before
@@ -62,20 +82,21 @@ struct ScoreFn {
       const float t = tanh_approx(x * cap_inv_scale);
       x = cap * t;
       dscore = scale * (1.f - t * t);
-    } else if (bias != nullptr) {
+    } else if (alibi || bias != nullptr) {
       x *= scale;
     }
     return dscore;
   }
-  // The second half: a softcapped or biased score to log2 units (plain ones stay x).
+  // The second half: a modified score to log2 units (plain ones stay x).
   __device__ __forceinline__ void to_log2(float& x) const {
-    if (capped || bias != nullptr) x *= kLog2e;
+    if (modified()) x *= kLog2e;
   }
   // Turns x into the exponent's units (see above) for query row i and key j, which must be in
   // range when there is a bias; returns ds/dx.
   __device__ __forceinline__ float apply(float& x, int64_t i, int64_t j) const {
     const float dscore = transform(x);
     if (bias != nullptr) x += bias[i * bias_row_stride + j * bias_col_stride];
+    if (alibi) add_alibi(x, static_cast<float>(i + alibi_offset - j));
     to_log2(x);
     return dscore;
   }

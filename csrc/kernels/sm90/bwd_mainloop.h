@@ -115,7 +115,7 @@ struct BwdMainloop {
   // visible (rel: the visible keys of each of the step's rows, relative to the key block).
   // dq_tile: this step's tile of the fp32 dQ buffer, dq_staging this warpgroup's (me) part of
   // the staging tile, tid its thread (bwd_dq.h).  The general variant (T::kGeneral) recomputes
-  // the forward's scores with fn (sm80::ScoreFn: softcap, bias) at query rows m0 .. and keys
+  // the forward's scores with fn (sm80::ScoreFn: softcap, bias, ALiBi) at query rows m0 .. and keys
   // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
   // get P = 0 from their statistics or the mask); cls: the bias's class on the step's rows and
   // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0).
@@ -147,6 +147,8 @@ struct BwdMainloop {
       // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
       // stride + key offset.
       const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
+      // ALiBi's distance i + off - j at (q, key) is dist0 + q - key.
+      const float dist0 = static_cast<float>(m0 + fn.alibi_offset - n0);
       const float* bias = fn.bias == nullptr || cls != kBlockMixed
                               ? nullptr
                               : fn.bias + (m0 + q0) * fn.bias_row_stride +
@@ -161,6 +163,7 @@ struct BwdMainloop {
         const float dscore = fn.transform(x);
         if (bias != nullptr && q < rows_left && key < keys_left)
           x += bias[(q - q0) * fn.bias_row_stride + (fn.bias_col_stride != 0 ? key - key0 : 0)];
+        if (fn.alibi) fn.add_alibi(x, dist0 + static_cast<float>(q - key));
         fn.to_log2(x);
         float pr = fn.prob(x, lse_s[q]);
         if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;

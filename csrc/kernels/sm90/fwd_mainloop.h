@@ -140,8 +140,9 @@ struct FwdMainloop {
     warpgroup_commit_batch();
   }
 
-  // The general variant (T::kGeneral): softcap and bias on S of the key tile whose first
-  // column of this thread is col0, by the rule every CUDA kernel applies (sm80::ScoreFn).
+  // The general variant (T::kGeneral): softcap, bias and ALiBi on S of the key tile whose
+  // first column of this thread is col0, by the rule every CUDA kernel applies
+  // (sm80::ScoreFn).
   // rows: this thread's two rows clamped into [0, seqlen_q) (the values of rows past the end
   // are never stored).  The bias comes straight from global memory (L2: the heads and query
   // blocks of a broadcast mask share its lines), its keys unit-stride (a row pointer, so each
@@ -160,11 +161,14 @@ struct FwdMainloop {
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      // ALiBi's distance i + off - j at this row's column col0 (column c's: dist0 - s_col(c)).
+      const float dist0 = static_cast<float>(rows[r] + fn.alibi_offset - col0);
       if (fn.bias == nullptr || cls == kBlockVisible) {
 #pragma unroll
         for (int c = 0; c < kSVals / 2; ++c) {
           float& x = tSrS(s_index(r, c));
           fn.transform(x);
+          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
           fn.to_log2(x);
         }
       } else if (fn.bias_col_stride != 0) {
@@ -174,6 +178,7 @@ struct FwdMainloop {
           float& x = tSrS(s_index(r, c));
           fn.transform(x);
           x += s_col(c) < limit ? row_bias[s_col(c)] : 0.f;
+          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
           fn.to_log2(x);
         }
       } else {
@@ -183,6 +188,7 @@ struct FwdMainloop {
           float& x = tSrS(s_index(r, c));
           fn.transform(x);
           x += b;
+          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
           fn.to_log2(x);
         }
       }
