@@ -326,8 +326,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");
     if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
-    // (Calls with softcap, a bias or ALiBi would otherwise take the 4-warp portable kernels, measured
-    // 0.12-0.19x cuDNN at d = 64 with a mask: docs/perf/sm90_score_mods.md.)
+    // (Calls with softcap, a bias or ALiBi would otherwise take the 4-warp portable kernels,
+    // measured 0.12-0.19x cuDNN at d = 64 with a mask: docs/perf/sm90_score_mods.md.)
     if (options.sm90_bwd == Sm90Bwd::kAuto && d == 64 && !call.general())
       why.push_back("head_dim=64 (padded): there the Hopper backward does not yet measure faster "
                     "than the portable one (docs/perf/sm90_backward.md; kernel option "

@@ -326,6 +326,7 @@ def test_float32_falls_back_visibly_and_correctly():
     with pytest.raises(policy.FallbackError, match="float32"):
         flash_attn_func(q, q, q, strict=True)
     slopes = torch.rand(2, device="cuda")  # ALiBi on the unfused path too
+    policy.reset_fallback_counts()  # (a reason warns once)
     with pytest.warns(UserWarning, match="float32"):
         out = flash_attn_func(q, q, q, causal=True, alibi_slopes=slopes)
     ref, _ = attention_ref(q, q, q, causal=True, alibi_slopes=slopes,

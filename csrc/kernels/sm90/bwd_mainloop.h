@@ -147,8 +147,10 @@ struct BwdMainloop {
       // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
       // stride + key offset.
       const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
-      // ALiBi's distance i + off - j at (q, key) is dist0 + q - key.
-      const float dist0 = static_cast<float>(m0 + fn.alibi_offset - n0);
+      // ALiBi's distance i + off - j at this thread's first (key, query); at value i it is
+      // dist00 + ((q - q0) - (key - key0)), a compile-time offset: one FADD with an immediate
+      // (converting q - key per value would take an I2F, a quarter-rate op like the exp2).
+      const float dist00 = static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0);
       const float* bias = fn.bias == nullptr || cls != kBlockMixed
                               ? nullptr
                               : fn.bias + (m0 + q0) * fn.bias_row_stride +
@@ -156,21 +158,31 @@ struct BwdMainloop {
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
-      CUTE_UNROLL
-      for (int i = 0; i < kSVals; ++i) {
-        const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
-        float x = acc_s(i);
-        const float dscore = fn.transform(x);
-        if (bias != nullptr && q < rows_left && key < keys_left)
-          x += bias[(q - q0) * fn.bias_row_stride + (fn.bias_col_stride != 0 ? key - key0 : 0)];
-        if (fn.alibi) fn.add_alibi(x, dist0 + static_cast<float>(q - key));
-        fn.to_log2(x);
-        float pr = fn.prob(x, lse_s[q]);
-        if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
-        if (cls == kBlockMasked) pr = 0.f;
-        p16(i) = static_cast<Element>(pr);
-        ds16(i) = static_cast<Element>(pr * (acc_dp(i) - d_s[q]) * dscore);
-      }
+      // Two copies of the loop, with and without ALiBi, so that calls without it issue none of
+      // its instructions (a per-value test leaves them predicated in the loop).
+      auto scores = [&](auto with_alibi) {
+        CUTE_UNROLL
+        for (int i = 0; i < kSVals; ++i) {
+          const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+          float x = acc_s(i);
+          const float dscore = fn.transform(x);
+          if (bias != nullptr && q < rows_left && key < keys_left)
+            x += bias[(q - q0) * fn.bias_row_stride +
+                      (fn.bias_col_stride != 0 ? key - key0 : 0)];
+          if constexpr (decltype(with_alibi)::value)
+            fn.add_alibi(x, dist00 + static_cast<float>((q - q0) - (key - key0)));
+          fn.to_log2(x);
+          float pr = fn.prob(x, lse_s[q]);
+          if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+          if (cls == kBlockMasked) pr = 0.f;
+          p16(i) = static_cast<Element>(pr);
+          ds16(i) = static_cast<Element>(pr * (acc_dp(i) - d_s[q]) * dscore);
+        }
+      };
+      if (fn.alibi)
+        scores(cute::true_type{});
+      else
+        scores(cute::false_type{});
     } else {
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);

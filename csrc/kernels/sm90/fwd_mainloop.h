@@ -159,40 +159,48 @@ struct FwdMainloop {
       for (int i = 0; i < kSVals; ++i) tSrS(i) = -INFINITY;
       return;
     }
+    // Two copies, with and without ALiBi, so that calls without it issue none of its
+    // instructions (a per-value test leaves them predicated in the loops).
+    auto modify = [&](auto with_alibi) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // ALiBi's distance i + off - j at this row's column col0 (column c's: dist0 - s_col(c)).
-      const float dist0 = static_cast<float>(rows[r] + fn.alibi_offset - col0);
-      if (fn.bias == nullptr || cls == kBlockVisible) {
+      for (int r = 0; r < 2; ++r) {
+        // ALiBi's distance i + off - j at this row's column col0 (column c's: dist0 - s_col(c)).
+        const float dist0 = static_cast<float>(rows[r] + fn.alibi_offset - col0);
+        if (fn.bias == nullptr || cls == kBlockVisible) {
 #pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) {
-          float& x = tSrS(s_index(r, c));
-          fn.transform(x);
-          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
-          fn.to_log2(x);
-        }
-      } else if (fn.bias_col_stride != 0) {
-        const float* row_bias = fn.bias + rows[r] * fn.bias_row_stride + col0;
+          for (int c = 0; c < kSVals / 2; ++c) {
+            float& x = tSrS(s_index(r, c));
+            fn.transform(x);
+            if constexpr (decltype(with_alibi)::value) fn.add_alibi(x, dist0 - s_col(c));
+            fn.to_log2(x);
+          }
+        } else if (fn.bias_col_stride != 0) {
+          const float* row_bias = fn.bias + rows[r] * fn.bias_row_stride + col0;
 #pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) {
-          float& x = tSrS(s_index(r, c));
-          fn.transform(x);
-          x += s_col(c) < limit ? row_bias[s_col(c)] : 0.f;
-          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
-          fn.to_log2(x);
-        }
-      } else {
-        const float b = fn.bias[rows[r] * fn.bias_row_stride];
+          for (int c = 0; c < kSVals / 2; ++c) {
+            float& x = tSrS(s_index(r, c));
+            fn.transform(x);
+            x += s_col(c) < limit ? row_bias[s_col(c)] : 0.f;
+            if constexpr (decltype(with_alibi)::value) fn.add_alibi(x, dist0 - s_col(c));
+            fn.to_log2(x);
+          }
+        } else {
+          const float b = fn.bias[rows[r] * fn.bias_row_stride];
 #pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) {
-          float& x = tSrS(s_index(r, c));
-          fn.transform(x);
-          x += b;
-          if (fn.alibi) fn.add_alibi(x, dist0 - s_col(c));
-          fn.to_log2(x);
+          for (int c = 0; c < kSVals / 2; ++c) {
+            float& x = tSrS(s_index(r, c));
+            fn.transform(x);
+            x += b;
+            if constexpr (decltype(with_alibi)::value) fn.add_alibi(x, dist0 - s_col(c));
+            fn.to_log2(x);
+          }
         }
       }
-    }
+    };
+    if (fn.alibi)
+      modify(cute::true_type{});
+    else
+      modify(cute::false_type{});
   }
 
   // A warpgroup whose 64 rows do not exist (warpgroup_idle) issues no GEMMs and no softmax; it
