@@ -3,6 +3,7 @@ that take the same call, in one process.
 
 Cases (bf16, B * L = 16384 tokens, H = 2048 / d heads, SDPA's (B, H, L, d) layout):
   plain           no modifier (our own yardstick for the others)
+  causal          a causal mask only (the yardstick for the causal cases: alibi, dropout)
   padding         a boolean (B, 1, 1, S) key-padding mask, half the batch with its last
                   quarter of keys padded (as transformers passes right-padded batches)
   causal_padding  the same as one (B, 1, L, S) boolean causal + padding mask
@@ -42,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext
 
-CASES = ("plain", "padding", "causal_padding", "softcap", "alibi", "dropout")
+CASES = ("plain", "causal", "padding", "causal_padding", "softcap", "alibi", "dropout")
 SOFTCAP = 30.0
 DROPOUT = 0.1
 
@@ -72,7 +73,7 @@ def make_case(case: str, batch: int, seqlen: int, d: int) -> dict:
         return dict(alibi_slopes=slopes, sdpa_mask=bias[None].to(torch.bfloat16), causal=True)
     if case == "dropout":
         return dict(dropout_p=DROPOUT, causal=True)
-    return dict(causal=False)
+    return dict(causal=case == "causal")
 
 
 def implementations(case: str, flex: bool) -> Dict[str, Callable]:
@@ -115,7 +116,7 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
-    if case in ("plain", "dropout"):
+    if case in ("plain", "causal", "dropout"):
         impls["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
     if flex and case != "dropout":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
