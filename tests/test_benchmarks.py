@@ -111,3 +111,25 @@ def test_main_refuses_zero_rounds(cpu_bench, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--fwd-rounds", "0"])
     with pytest.raises(SystemExit):
         ba.main()
+
+
+def test_bench_training_runs_on_the_cpu(tmp_path, monkeypatch):
+    # The training-step benchmark's bookkeeping with its --tiny model: both implementations,
+    # both paddings, finite losses, the JSON it writes (in strict mode: ours fused throughout).
+    pytest.importorskip("transformers")
+    import bench_training
+    # (main turns strict mode on for the process: restored after the test)
+    monkeypatch.setattr(flash_attn_ext.policy, "_strict_override",
+                        flash_attn_ext.policy._strict_override)
+    monkeypatch.setattr(sys, "argv", ["bench_training.py", "--tiny", "--seqlens", "64",
+                                      "--tokens", "128", "--steps", "1", "--warmup", "0",
+                                      "--out-dir", str(tmp_path)])
+    assert bench_training.main() == 0
+    (path,) = tmp_path.glob("training_*.json")
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    assert [(r["impl"], r["padding"]) for r in rows] == [
+        ("flash_attn_ext", "none"), ("sdpa", "none"), ("flash_attn_ext", "right"),
+        ("sdpa", "right")]
+    assert all(r["step_ms"] > 0 and torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[0]["vs_sdpa"] > 0 and rows[2]["vs_sdpa"] > 0
