@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_attn_ext import flash_attn_func, ops
-from reference import assert_error_rule, attention_ref, cancellation_scale
+from reference import assert_error_rule, attention_ref, cancellation_scale, max_err, slack
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -217,3 +217,40 @@ def test_mqa_backward_split_over_key_tiles(dtype):
     for a, b in zip(grads, grads_1):
         scale = max(1.0, b.abs().max().item())
         assert (a.double() - b.double()).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softmax_scale", [1e-6, 1.0, 100.0, 1000.0, 1e6])
+def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
+    # Scores of ~5e9 (|q|, |k| up to 900, d = 64, scale 1000) are far inside float32: nothing
+    # but the inputs and outputs may be in half precision, so the answer must be finite and
+    # under the error rule, forward and backward, at tiny and huge scales alike (issue 29:
+    # the CUDA kernels gave inf/NaN at scale 100 in fp16).
+    torch.manual_seed(0)
+    q, k = ((torch.rand(2, 77, 4, 64) * -900).to(dtype).requires_grad_() for _ in "qk")
+    v = torch.rand(2, 77, 4, 64).to(dtype).requires_grad_()
+    out, lse, _ = ops.fwd(q, k, v, softmax_scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    kw = dict(softmax_scale=softmax_scale)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    true_out, true_lse = attention_ref(*leaves, **kw)
+    true_grads = torch.autograd.grad(true_out, leaves, dout.double())
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_error_rule(out, low_out, true_out, 2.0, "out")
+    # Where PyTorch's own low-precision computation overflows, the rule above bounds nothing:
+    # then out (weights of v in [0, 1]) must still be within its dtype's rounding of the truth,
+    # and each gradient within a few of its dtype's ulps of the largest true one.
+    eps = torch.finfo(dtype).eps
+    assert max_err(out, true_out) <= 2 * eps + slack(true_out, dtype)
+    rel = (lse.double() - true_lse).abs().max().item() / max(1.0, true_lse.abs().max().item())
+    assert rel <= (1e-12 if dtype == torch.float64 else 1e-6)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads,
+                                        cancel):
+        assert torch.isfinite(ours).all(), name
+        assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
+        bound = 8 * eps * (true.abs().max().item() + c) + slack(true, dtype)
+        assert max_err(ours, true) <= bound, (name, max_err(ours, true), bound)
