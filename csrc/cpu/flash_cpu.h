@@ -77,8 +77,7 @@ inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int
   }
   if (p.alibi_slopes != nullptr) {
     const T slope = static_cast<const T*>(p.alibi_slopes)[b * p.alibi_batch_stride + h];
-    const int64_t offset = p.align_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-    add_alibi(S, mq, nk, kBlockK, slope, i0 + offset - j0);
+    add_alibi(S, mq, nk, kBlockK, slope, i0 + vis.offset - j0);  // (the mask's alignment)
   }
   apply_mask(S, mq, nk, kBlockK, vis, i0, j0);
 }
