@@ -115,11 +115,15 @@ def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        got = (f"dtype {alibi_slopes.dtype}" if isinstance(alibi_slopes, torch.Tensor)
+               else type(alibi_slopes).__name__)
         raise ValueError(f"alibi_slopes must be a floating tensor (float32 as FlashAttention-2 "
-                         f"takes it) or None, got {alibi_slopes!r}")
+                         f"takes it) or None, got {got}")
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
-    batch, heads = (q.shape[0], q.shape[2]) if q.dim() == 4 else (None, None)
+    if q.dim() != 4:
+        return  # (the op's own check names q's rank)
+    batch, heads = q.shape[0], q.shape[2]
     if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or (batch, "
                          f"num_heads) = ({batch}, {heads}), got {tuple(alibi_slopes.shape)}")

@@ -48,6 +48,16 @@ def _check_fake_args(q, k, v, attn_bias=None, **others):
     for name, t in (("attn_bias", attn_bias),) + tuple(others.items()):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device} (the device of q)")
+    slopes = others.get("alibi_slopes")
+    if slopes is not None and q.dim() == 4:  # (csrc/ops.cpp's rule, for traced calls)
+        if not slopes.is_floating_point():
+            raise ValueError(f"alibi_slopes must be a floating tensor (float32 as "
+                             f"FlashAttention-2 takes it), got dtype {slopes.dtype}")
+        batch, heads = q.shape[0], q.shape[2]
+        if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or "
+                             f"(batch, num_heads) = ({batch}, {heads}), got "
+                             f"{list(slopes.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, num_heads, head_dim), "

@@ -214,7 +214,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
 
     ``mods``: what the call adds to plain attention (score_mods: softcap, an attn_mask/
-    attn_bias, dropout, the bias's gradient); ``run_dtype``: the
+    attn_bias, dropout, the bias's gradient, ALiBi); ``run_dtype``: the
     dtype the call runs in when it differs from q's (torch.autocast); ``unequal_tiles``: a causal
     mask or a window (the Hopper forward's schedule); ``deterministic``: the call asks for
     bitwise-reproducible gradients (torch.use_deterministic_algorithms(True) counts too).

@@ -102,8 +102,8 @@ def test_alibi_far_keys_vanish_without_nan():
     (torch.ones(3), r"alibi_slopes must have shape \(num_heads,\) = \(4,\)"),
     (torch.ones(2, 4, 1), r"alibi_slopes must have shape"),
     (torch.ones(3, 4), r"\(batch, num_heads\) = \(2, 4\)"),
-    (torch.ones(4, dtype=torch.int32), "alibi_slopes must be a floating tensor"),
-    ([0.5] * 4, "alibi_slopes must be a floating tensor"),
+    (torch.ones(4, dtype=torch.int32), "a floating tensor .* got dtype torch.int32"),
+    ([0.5] * 4, "alibi_slopes must be a floating tensor .* got list"),
     (torch.ones(4, device="meta"), "alibi_slopes must be on cpu"),
     (torch.ones(4, requires_grad=True), "computes no gradient for the slopes"),
 ])
@@ -123,6 +123,24 @@ def test_the_op_checks_alibi_slopes(slopes, match):
     # The op's own checks (csrc/ops.cpp, and its autograd for slopes that want a gradient),
     # for code that calls torch.ops.flash_attn_ext.fwd directly.
     q = torch.randn(2, 5, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        ops.fwd(q, q, q, alibi_slopes=slopes)
+
+
+def test_a_wrong_q_rank_is_reported_as_such_with_slopes():
+    q = torch.randn(5, 4, 8)
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        flash_attn_func(q, q, q, alibi_slopes=torch.ones(4))
+
+
+@pytest.mark.parametrize("slopes,match", [
+    (torch.ones(3, device="meta"), r"alibi_slopes must have shape .* got \[3\]"),
+    (torch.ones(4, dtype=torch.int64, device="meta"), "got dtype torch.int64"),
+])
+def test_the_fake_kernel_checks_alibi_slopes(slopes, match):
+    # Traced calls (FakeTensor, torch.compile) never reach the C++ checks: the fake kernel
+    # makes the same ones.
+    q = torch.randn(2, 5, 4, 8, device="meta")
     with pytest.raises(ValueError, match=match):
         ops.fwd(q, q, q, alibi_slopes=slopes)
 

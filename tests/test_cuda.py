@@ -25,9 +25,9 @@ MASKS = [(False, -1, -1, True), (True, -1, -1, True), (True, -1, -1, False),
 
 
 def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v, mask,
-          grads=True, transposed=False, alibi=False):
-    """One call against the fp32 reference under the error rule; ``alibi``: with (batch,
-    heads) ALiBi slopes."""
+          grads=True, transposed=False, alibi=None, softcap=0.0):
+    """One call against the fp32 reference under the error rule; ``alibi``: None, or ALiBi
+    slopes per head ("head": (heads,)) or per batch and head ("batch_head": (batch, heads))."""
     causal, wl, wr, br = mask
     dev = "cuda"
 
@@ -40,10 +40,11 @@ def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_
         make(seqlen_k, heads_kv, head_dim_v)
     for t in (q, k, v):
         t.requires_grad_(grads)
-    slopes = torch.rand(batch, heads, device=dev) * 0.5 if alibi else None
+    slopes = None if alibi is None else \
+        torch.rand(*((batch,) if alibi == "batch_head" else ()), heads, device=dev) * 0.5
     kw = dict(causal=causal, window_left=wl, window_right=wr, align_bottom_right=br,
-              alibi_slopes=slopes)
-    out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br, 0.0, slopes)
+              alibi_slopes=slopes, softcap=softcap)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, wl, wr, br, softcap, slopes)
     leaves32 = [t.detach().float().requires_grad_(grads) for t in (q, k, v)]
     true_out, true_lse = attention_ref(*leaves32, compute_dtype=torch.float32, **kw)
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
@@ -90,7 +91,9 @@ def test_alibi_matches_reference(kernel_opts, kernel, dtype, head_dim, seqlens, 
     # ALiBi on the default kernels (sm_90: the Hopper forward's and backward's general
     # variants; the 4-warp portable backward at head dim 256) and on the portable ones.
     kernel_opts(force_portable=kernel == "sm80")
-    check(dtype, 2, *seqlens, 4, 2, head_dim, head_dim, mask, alibi=True)
+    check(dtype, 2, *seqlens, 4, 2, head_dim, head_dim, mask, alibi="batch_head")
+    if seqlens == (113, 17):  # one slope per head (stride 0 over the batch), with softcap
+        check(dtype, 2, *seqlens, 4, 2, head_dim, head_dim, mask, alibi="head", softcap=5.0)
 
 
 def test_many_batch_heads():

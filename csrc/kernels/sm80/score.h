@@ -67,8 +67,8 @@ struct ScoreFn {
   __device__ __forceinline__ bool modified() const { return capped || alibi || bias != nullptr; }
 
   // ALiBi's term for a (query row - key) distance `dist` = i + alibi_offset - j, given as a
-  // float (exact up to 2^24, longer than any sequence a kernel takes), added to x: one FMA with
-  // the |.| as its operand modifier.  The caller checks `alibi` (its loops hoist the test).
+  // float (exact up to 2^24; beyond, rounded to float32 like the product that uses it), added
+  // to x: one FMA with the |.| as its operand modifier.  The caller checks `alibi`.
   __device__ __forceinline__ void add_alibi(float& x, float dist) const {
     x = fmaf(-alibi_slope, fabsf(dist), x);
   }
