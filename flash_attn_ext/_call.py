@@ -108,26 +108,11 @@ def check_softcap(softcap) -> float:
 
 
 def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
-    """ValueError unless ``alibi_slopes`` is None or a floating tensor of shape (num_heads,)
-    or (batch, num_heads) on q's device that needs no gradient (none is computed for it, as in
-    FlashAttention-2: a silently missing gradient would be a wrong answer).  The op checks the
-    same (csrc/ops.cpp); this check also serves the unfused path."""
-    if alibi_slopes is None:
-        return
-    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
-        got = (f"dtype {alibi_slopes.dtype}" if isinstance(alibi_slopes, torch.Tensor)
-               else type(alibi_slopes).__name__)
-        raise ValueError(f"alibi_slopes must be a floating tensor (float32 as FlashAttention-2 "
-                         f"takes it) or None, got {got}")
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
-    if q.dim() != 4:
-        return  # (the op's own check names q's rank)
-    batch, heads = q.shape[0], q.shape[2]
-    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
-        raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or (batch, "
-                         f"num_heads) = ({batch}, {heads}), got {tuple(alibi_slopes.shape)}")
-    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+    """ops.check_alibi_slopes (the op's rule: shape (num_heads,) or (batch, num_heads), floating,
+    q's device; ValueError), and no gradient wanted: none is computed for the slopes, as in
+    FlashAttention-2, and a silently missing gradient would be a wrong answer."""
+    ops.check_alibi_slopes(alibi_slopes, q)
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes requires grad, but flash_attn_ext computes no gradient "
                          "for the slopes (as FlashAttention-2); pass alibi_slopes.detach()")
 

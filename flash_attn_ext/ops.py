@@ -40,6 +40,27 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def check_alibi_slopes(alibi_slopes, q) -> None:
+    """csrc/ops.cpp's rule for alibi_slopes, for the paths that do not reach it (fake kernels,
+    the unfused path): None or a floating tensor on q's device of shape (num_heads,) or (batch,
+    num_heads); ValueError otherwise.  A q of the wrong rank is left to q's own check."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        got = (f"dtype {alibi_slopes.dtype}" if isinstance(alibi_slopes, torch.Tensor)
+               else type(alibi_slopes).__name__)
+        raise ValueError(f"alibi_slopes must be a floating tensor (float32 as FlashAttention-2 "
+                         f"takes it) or None, got {got}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
+    if q.dim() != 4:
+        return
+    batch, heads = q.shape[0], q.shape[2]
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or (batch, "
+                         f"num_heads) = ({batch}, {heads}), got {list(alibi_slopes.shape)}")
+
+
 def _check_fake_args(q, k, v, attn_bias=None, **others):
     """The checks of csrc/ops.cpp that fake kernels can make (they serve torch.compile tracing
     and mixed meta/real calls, which never reach the C++ checks).  ``others``: the op's other
@@ -48,16 +69,7 @@ def _check_fake_args(q, k, v, attn_bias=None, **others):
     for name, t in (("attn_bias", attn_bias),) + tuple(others.items()):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device} (the device of q)")
-    slopes = others.get("alibi_slopes")
-    if slopes is not None and q.dim() == 4:  # (csrc/ops.cpp's rule, for traced calls)
-        if not slopes.is_floating_point():
-            raise ValueError(f"alibi_slopes must be a floating tensor (float32 as "
-                             f"FlashAttention-2 takes it), got dtype {slopes.dtype}")
-        batch, heads = q.shape[0], q.shape[2]
-        if tuple(slopes.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({heads},) or "
-                             f"(batch, num_heads) = ({batch}, {heads}), got "
-                             f"{list(slopes.shape)}")
+    check_alibi_slopes(others.get("alibi_slopes"), q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, num_heads, head_dim), "
