@@ -29,7 +29,7 @@ from . import ops
 __all__ = ["Plan", "FALLBACK", "plan", "score_mods", "kernel_options", "MAX_HEAD_DIM",
            "SM90_MAX_ROWS"]
 
-FALLBACK = "fallback:torch.nn.functional.scaled_dot_product_attention"
+FALLBACK = "fallback:flash_attn_ext.unfused (unfused float32/float64 math)"
 MAX_HEAD_DIM = ops._C.max_head_dim  # the largest head dim the kernels instantiate
 SM90_MAX_ROWS = ops._C.sm90_max_rows  # the Hopper kernel's 32-bit row bound (pack_gqa.h)
 

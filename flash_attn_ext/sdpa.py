@@ -6,9 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import planning, policy
+from . import planning, policy, unfused
 from ._call import as_number, autocast_dtype, check_flags, check_scale, run
-from .unfused import TORCH_SDPA
 
 
 def scaled_dot_product_attention(
@@ -58,9 +57,9 @@ def scaled_dot_product_attention(
         ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
             H != H_kv without enable_gqa), an attn_mask of fewer than 2 dimensions or of a
             floating dtype other than float32 and query's (as PyTorch), and the errors of
-            flash_attn_func, except that E or Ev of 0 or above 256 runs PyTorch's own function
-            (which answers E = 0 with the mean of the visible values, Ev = 0 with an empty
-            tensor), reported as a fallback.
+            flash_attn_func, except that E or Ev of 0 or above 256 runs the unfused float32
+            math of :mod:`flash_attn_ext.unfused` (answering E = 0 with the mean of the visible
+            values and Ev = 0 with an empty tensor, as PyTorch), reported as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
     scale = check_scale(scale, "scale")
@@ -68,13 +67,17 @@ def scaled_dot_product_attention(
     q, k, v = to_bshd(query, key, value, enable_gqa)
     if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM or \
             min(q.shape[-1], v.shape[-1]) == 0:
-        # Beyond the kernels' head dims (or an empty one, where PyTorch still answers): PyTorch's
-        # own function, reported as a fallback.
+        # Beyond the kernels' head dims (or an empty one, where PyTorch still answers): the
+        # unfused math, reported as a fallback.  Not PyTorch's function: for float32 with a mask
+        # its memory-efficient kernel answers rows of finfo.min with garbage.
         policy.record(planning.plan(q, k, v), strict)
-        return TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out = run_sdpa(q, k, v, query, key, attn_mask, 0.0 if drop_all else dropout_p, is_causal,
-                   scale, 0.0, strict).transpose(1, 2)
+        bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
+        out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
+                                            0.0, bias, 0.0 if drop_all else dropout_p)
+    else:
+        out = run_sdpa(q, k, v, query, key, attn_mask, 0.0 if drop_all else dropout_p, is_causal,
+                       scale, 0.0, strict)
+    out = out.transpose(1, 2)
     if drop_all:
         out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out

@@ -1,6 +1,6 @@
 """The correct but unfused attention that serves calls no fused kernel takes (reported by
 flash_attn_ext.policy), and PyTorch's own ``scaled_dot_product_attention`` as imported before
-any patching."""
+any patching (kept for patch()/unpatch(); no call runs on it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .planning import FALLBACK
 
 __all__ = ["TORCH_SDPA", "visible_keys", "fallback_attention"]
 
@@ -52,20 +51,34 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
     """Correct but unfused attention on q/k/v in (B, L, H, D) layout; returns (out, lse).
 
     Used only where no fused kernel exists (see flash_attn_ext.planning); follows the same
-    semantics (diagonal offset, window, GQA, ALiBi, fully masked rows give out = 0 and
-    lse = -inf).
+    semantics (diagonal offset, window, GQA, softcap, ALiBi, fully masked rows give out = 0 and
+    lse = -inf) in float32 (float64 for float64 inputs), backward by PyTorch's autograd.  The
+    probabilities are ``softmax`` (exp(s - max) / sum), not exp(s - lse): a row of huge finite
+    scores (a mask of ``finfo(float32).min``) has an lse that cannot hold log(S) beside it, and
+    exp(s - lse) would be 1 for every key there instead of 1/S.  Head dim 0 (PyTorch's answer:
+    every score 0) needs no scale.
     """
-    if softcap > 0:
-        raise NotImplementedError("softcap is not supported on the fallback path "
-                                  f"({FALLBACK})")
+    args = (q, k, v, softmax_scale, window_left, window_right, align_bottom_right, softcap,
+            attn_bias, dropout_p, alibi_slopes)
+    if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):  # (the products stay in `acc`)
+            return _attention(*args)
+    return _attention(*args)
+
+
+def _attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_right, softcap,
+               attn_bias, dropout_p, alibi_slopes):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // max(k.shape[2], 1)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     if group > 1:
         kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * scale
+    scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * softmax_scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     if window_left >= 0 or window_right >= 0:
         visible = visible_keys(range(seqlen_q), seqlen_q, seqlen_k, window_left, window_right,
                                align_bottom_right, q.device)
@@ -75,7 +88,9 @@ def fallback_attention(q, k, v, softmax_scale, window_left, window_right, align_
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, align_bottom_right, acc)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    # A row that sees no key (every score -inf; NaN is not -inf and stays NaN): zeros.
+    empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
     out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)

@@ -1,6 +1,7 @@
 """CUDA kernels against an fp32 reference (skipped without a GPU or without a CUDA build)."""
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -335,6 +336,24 @@ def test_float32_falls_back_visibly_and_correctly():
     ref, _ = attention_ref(q, q, q, causal=True, alibi_slopes=slopes,
                            compute_dtype=torch.float32)
     assert (out - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [64, 288])
+def test_float32_fallback_rows_of_finfo_min_are_the_uniform_average(head_dim):
+    # Issue 29 item 3: float32 on CUDA runs the unfused math (not PyTorch's function, whose
+    # memory-efficient kernel answers such rows with garbage); a row masked by finfo.min
+    # everywhere is the mean of v, as every exact float32 computation gives.
+    q, k, v = (torch.randn(2, 4, n, head_dim, device="cuda") for n in (9, 13, 13))
+    mask = torch.zeros(2, 1, 9, 13, device="cuda")
+    mask[:, :, 3] = torch.finfo(torch.float32).min
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fallback's warning)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref, _ = attention_ref(q.transpose(1, 2).double(), k.transpose(1, 2).double(),
+                           v.transpose(1, 2).double(), attn_bias=mask.double())
+    assert (out.transpose(1, 2).double() - ref).abs().max().item() < 1e-4
+    assert (out[:, :, 3].double() - v.double().mean(2)).abs().max().item() < 1e-4
+    assert "flash_attn_ext.unfused" in str(flash_attn_ext.explain(q, k, v, attn_mask=mask))
 
 
 def test_non_positive_scale_falls_back_visibly_and_correctly():

@@ -172,6 +172,39 @@ def test_fallback_path_with_bias_is_correct():
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+def test_fallback_rows_of_finfo_min_are_the_uniform_average():
+    # A row whose mask is finfo(float32).min everywhere: every score equals finfo.min (the
+    # scores are absorbed), so the exact answer is the mean of v over the keys.  exp(s - lse)
+    # gave S times that (lse = finfo.min + log S rounds to finfo.min); softmax does not.
+    q, k, v = torch.randn(2, 5, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 6)
+    bias = torch.zeros(2, 1, 5, 7)
+    bias[:, :, 2] = torch.finfo(torch.float32).min
+    out, _ = unfused.fallback_attention(q, k, v, None, -1, -1, True, 0.0, bias)
+    ref, _ = attention_ref(q, k, v, attn_bias=bias)
+    mean = v.double().mean(1).repeat_interleave(2, 1)  # (B, H, Dv): the uniform average
+    assert (out[:, 2].double() - mean).abs().max() < 1e-5
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("softcap", [0.7, 30.0])
+def test_fallback_path_with_softcap_is_correct(softcap):
+    q, k, v = torch.randn(1, 9, 2, 8) * 3, torch.randn(1, 11, 2, 8), torch.randn(1, 11, 2, 8)
+    out, lse = unfused.fallback_attention(q, k, v, 0.5, -1, 0, True, softcap)
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.5, causal=True, softcap=softcap)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+def test_fallback_propagates_nan_and_zeroes_rows_without_keys():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    out, lse = unfused.fallback_attention(q, k, v, None, -1, 0, True, 0.0)  # L > S: rows 0, 1
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    assert torch.isneginf(lse[0, 0, :2]).all() and torch.isfinite(out).all()
+    q[0, 3, 0, 0] = float("nan")
+    out, _ = unfused.fallback_attention(q, k, v, None, -1, -1, True, 0.0)
+    assert torch.isnan(out[0, 3]).all() and torch.isfinite(out[0, :3]).all()
+
+
 def test_plan_notes_are_printed():
     note = "forward and backward on the portable sm80 kernels, not the Hopper ones, because x"
     p = planning.Plan("sm80_fwd_hdim64_bf16", "sm80_bwd_hdim64_bf16", True, notes=(note,))

@@ -1,6 +1,7 @@
 """The SDPA drop-in against PyTorch's own scaled_dot_product_attention."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import flash_attn_ext
 from flash_attn_ext import scaled_dot_product_attention, sdpa
 from reference import assert_error_rule
 
@@ -104,6 +106,23 @@ def test_head_dim_beyond_the_kernels_falls_back_visibly():
     assert not flash_attn_ext.explain(q, q, q).fused
     with pytest.raises(policy.FallbackError, match="head dims 1 to 256"):
         scaled_dot_product_attention(q, q, q, strict=True)
+
+
+def test_head_dims_beyond_the_kernels_run_the_unfused_math_with_masks():
+    # Head dim 288 with a float mask whose row 2 is finfo.min everywhere (the mean of v there)
+    # and a boolean mask: the unfused math, equal to PyTorch's CPU function.
+    q, k, v = torch.randn(1, 2, 5, 288), torch.randn(1, 2, 7, 288), torch.randn(1, 2, 7, 288)
+    mask = torch.randn(1, 2, 5, 7)
+    mask[:, :, 2] = torch.finfo(torch.float32).min
+    for m in (mask, mask > 0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = scaled_dot_product_attention(q, k, v, attn_mask=m)
+        assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                              atol=1e-5)
+        if m.dtype == torch.float32:
+            assert torch.allclose(out[:, :, 2], v.mean(2), atol=1e-5)
+    assert "flash_attn_ext.unfused" in str(flash_attn_ext.explain(q, k, v, attn_mask=mask))
 
 
 @pytest.mark.parametrize("e,ev", [(0, 5), (8, 0), (0, 0)])
