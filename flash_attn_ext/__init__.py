@@ -7,6 +7,8 @@ Public API:
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
     patch / unpatch                 route torch.nn.functional.scaled_dot_product_attention to ours
     register_transformers           attn_implementation="flash_attn_ext" in Hugging Face models
+    (torch.nn.attention)            activate_flash_attention_impl("flash_attn_ext"): PyTorch's
+                                    flash attention ops on our kernels (integrations.torch_flash)
     kernel_options                  the kernel variants a process uses (tests, comparisons)
 
 Ops: torch.ops.flash_attn_ext.fwd / bwd (see flash_attn_ext.ops).  Modules, by layer:
@@ -20,7 +22,7 @@ from __future__ import annotations
 from . import ops
 from ._version import __version__
 from .explain import explain
-from .integrations import register_transformers, register_when_imported
+from .integrations import register_flash_impl, register_transformers, register_when_imported
 from .interface import flash_attn_func
 from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
@@ -34,3 +36,6 @@ __all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "ex
 
 # attn_implementation="flash_attn_ext" in transformers, whichever of the two is imported first.
 register_when_imported()
+# The provider "flash_attn_ext" of torch.nn.attention.activate_flash_attention_impl (registered
+# only: activation is the user's choice).
+register_flash_impl()

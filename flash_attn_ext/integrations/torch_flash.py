@@ -1,0 +1,218 @@
+"""flash_attn_ext as PyTorch's flash attention implementation.
+
+PyTorch (2.11 and later) lets a library take over the CUDA kernels of its flash attention ops:
+``torch.nn.attention.register_flash_attention_impl(name, register_fn=...)`` names a provider,
+``activate_flash_attention_impl(name)`` calls its ``register_fn``, which registers kernels for
+``aten._flash_attention_forward`` / ``_backward``, ``aten._flash_attention_forward_no_dropout_
+inplace`` and ``aten._scaled_dot_product_flash_attention`` / ``_backward`` under the CUDA
+dispatch key, and ``restore_flash_attention_impl()`` removes them.  Every call PyTorch sends to
+those ops then runs on our kernels: ``F.scaled_dot_product_attention`` where SDPA picks its
+FLASH backend, and code that calls the ops itself (``torch.nn.attention.varlen``, context
+parallelism's ring attention).
+
+``import flash_attn_ext`` registers the provider ``"flash_attn_ext"`` (registration only);
+activation is the user's explicit choice, as PyTorch asks of providers::
+
+    torch.nn.attention.activate_flash_attention_impl("flash_attn_ext")
+
+Contracts kept (the ops' schemas, ``torch/_C/_VariableFunctions``; their meta kernels stay
+PyTorch's, so ``torch.compile`` sees the same shapes): ``_flash_attention_*`` take
+(B, L, H, D) tensors, ``_scaled_dot_product_flash_attention*`` (B, H, L, D) (returned as a
+transposed view of a (B, L, H, D) buffer, as PyTorch's kernel does); ``is_causal`` is top-left
+aligned (query i sees keys j <= i: SDPA's rule; PyTorch only sends square causal calls to
+flash), windows as FlashAttention's; ``logsumexp`` (B, H, L) float32; GQA with fewer key/value
+heads.  Dropout uses our kernels' Philox mask (docs/reference.md): the (seed, offset) pair
+travels from the forward to the backward in PyTorch's own rng outputs (``rng_state``, uint64
+(2,), or ``philox_seed`` / ``philox_offset`` where the op's schema has those), so the backward
+regenerates the forward's mask.
+
+A call we do not serve raises ``RuntimeError`` naming what is unsupported, as PyTorch's own
+FA3/FA4 providers do: variable-length batches (``cum_seq_q``/``cum_seq_k``, ``seqused_k``),
+paged KV (``block_table``), ALiBi (the backward ops carry no slopes, so a backward would
+silently drop them), ``return_debug_mask``, and whatever the kernel rule refuses
+(``flash_attn_ext.explain`` says why).  Each call is recorded as any other
+(``flash_attn_ext.last_plan()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch.library import Library
+
+from .. import ops, planning, policy
+
+__all__ = ["NAME", "register_flash_impl", "register_kernels"]
+
+NAME = "flash_attn_ext"
+
+def register_flash_impl() -> bool:
+    """Registers the provider ``"flash_attn_ext"`` with ``torch.nn.attention``'s flash
+    attention registry (done by ``import flash_attn_ext``); False where this torch has no
+    registry (before 2.11).  Activation stays explicit."""
+    attention = torch.nn.attention
+    if not hasattr(attention, "register_flash_attention_impl"):
+        return False
+    attention.register_flash_attention_impl(NAME, register_fn=_activate)
+    return True
+
+
+@dataclasses.dataclass
+class _Handle:
+    """What activation keeps alive: the library of kernel registrations (removed with it)."""
+    library: Optional[Library]
+
+    def remove(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+        self.library = None
+
+
+def _activate() -> _Handle:
+    return _Handle(register_kernels("CUDA"))
+
+
+def register_kernels(dispatch_key: str) -> Library:
+    """Registers our kernels for the aten flash attention ops under ``dispatch_key``; returns
+    the Library (its ``_destroy()`` removes them).  Activation uses "CUDA"; the tests also
+    register them for "CPU" (where PyTorch has no kernels for these ops) to run PyTorch's own
+    autograd formulas through them."""
+    lib = Library("aten", "IMPL", dispatch_key)
+    # The ops PyTorch's own FA3/FA4 providers take over.
+    impls = {"_flash_attention_forward": _flash_forward,
+             "_flash_attention_forward_no_dropout_inplace": _flash_forward_inplace,
+             "_flash_attention_backward": _flash_backward,
+             "_scaled_dot_product_flash_attention": _sdpa_forward,
+             "_scaled_dot_product_flash_attention_backward": _sdpa_backward}
+    for name, impl in impls.items():
+        lib.impl(name, impl, dispatch_key)
+    return lib
+
+
+# ---------------------------------------------------------------------------------------------
+# The rng outputs: ours is int64 (seed, offset); PyTorch's schemas name them rng_state (uint64
+# (2,)) and unused (uint64 ()), or philox_seed and philox_offset (uint64 () each).
+
+def _split_rng(op) -> bool:
+    names = [r.name for r in op.default._schema.returns]
+    return "philox_seed" in names
+
+
+def _rng_outputs(rng: torch.Tensor, split: bool):
+    bits = rng.view(torch.uint64)
+    if split:
+        return bits[0], bits[1]
+    return bits, torch.zeros((), dtype=torch.uint64, device=rng.device)
+
+
+def _rng_input(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    if first.dim() == 1 and first.numel() == 2:
+        return first.view(torch.int64)
+    return torch.cat([first.reshape(1).view(torch.int64), second.reshape(1).view(torch.int64)])
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _refuse(op: str, **unsupported) -> None:
+    given = [name for name, value in unsupported.items()
+             if value is not None and value is not False]
+    if given:
+        raise RuntimeError(
+            f"flash_attn_ext as PyTorch's flash attention ({op}): {', '.join(given)} not "
+            "supported (restore_flash_attention_impl() returns to PyTorch's own kernel)")
+
+
+def _window(size) -> int:
+    return -1 if size is None else int(size)
+
+
+def _deterministic() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_left,
+             window_right):
+    """Our forward on (B, L, H, D) q/k/v with the aten ops' conventions; (out, lse, rng)."""
+    wl, wr = _window(window_left), _window(window_right)
+    p = planning.plan(q, k, v, scale, planning.score_mods(0.0, dropout_p, None),
+                      unequal_tiles=is_causal or wl >= 0 or wr >= 0,
+                      deterministic=_deterministic())
+    if not p.fused:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): no kernel "
+                           f"serves this call: {'; '.join(p.reasons)}")
+    policy.record(p, None)
+    return ops.fwd_op(q, k, v, scale, is_causal, wl, wr, False, 0.0, None, None,
+                      float(dropout_p), _deterministic())
+
+
+def _backward(dout, q, k, v, out, logsumexp, dropout_p, is_causal, rng, scale, window_left,
+              window_right):
+    dq, dk, dv, _ = ops.bwd_op(dout, q, k, v, out, logsumexp, rng, scale, is_causal,
+                               _window(window_left), _window(window_right), False, 0.0, None,
+                               None, float(dropout_p), _deterministic(), False, None)
+    return dq, dk, dv
+
+
+def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                   is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                   window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+                   num_splits=None):
+    _refuse("_flash_attention_forward", cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
+            seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
+            return_debug_mask=return_debug_mask)
+    del max_q, max_k, num_splits  # (dense: the sizes are the tensors'; num_splits a hint)
+    out, lse, rng = _forward("_flash_attention_forward", query, key, value, dropout_p,
+                             is_causal, scale, window_size_left, window_size_right)
+    debug = query.new_empty((0,))
+    return (out, lse, *_rng_outputs(rng, _split_rng(torch.ops.aten._flash_attention_forward)),
+            debug)
+
+
+def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+                           dropout_p, is_causal, return_debug_mask, *, scale=None,
+                           window_size_left=None, window_size_right=None, seqused_k=None,
+                           alibi_slopes=None, block_table=None, num_splits=None):
+    _refuse("_flash_attention_forward_no_dropout_inplace", cum_seq_q=cum_seq_q,
+            cum_seq_k=cum_seq_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+            block_table=block_table, return_debug_mask=return_debug_mask,
+            dropout_p=dropout_p != 0.0)
+    del max_q, max_k, num_splits
+    result, lse, _ = _forward("_flash_attention_forward_no_dropout_inplace", query, key, value,
+                              0.0, is_causal, scale, window_size_left, window_size_right)
+    out.copy_(result)  # (our kernels allocate their output; one copy)
+    return lse
+
+
+def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                    max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                    window_size_left=None, window_size_right=None):
+    _refuse("_flash_attention_backward",
+            cum_seq_q=cum_seq_q is not None and cum_seq_q.numel() > 0,
+            cum_seq_k=cum_seq_k is not None and cum_seq_k.numel() > 0)
+    del max_q, max_k
+    return _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                     _rng_input(rng_state, unused), scale, window_size_left, window_size_right)
+
+
+def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                  *, scale=None):
+    _refuse("_scaled_dot_product_flash_attention", return_debug_mask=return_debug_mask)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out, lse, rng = _forward("_scaled_dot_product_flash_attention", q, k, v, dropout_p,
+                             is_causal, scale, None, None)
+    first, second = _rng_outputs(
+        rng, _split_rng(torch.ops.aten._scaled_dot_product_flash_attention))
+    return (out.transpose(1, 2), lse, None, None, query.size(2), key.size(2), first, second,
+            query.new_empty((0,)))
+
+
+def _sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                   max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    del cum_seq_q, cum_seq_k, max_q, max_k  # (undefined / the sizes, for dense calls)
+    grads = _backward(*(t.transpose(1, 2) for t in (grad_out, query, key, value, out)),
+                      logsumexp, dropout_p, is_causal, _rng_input(philox_seed, philox_offset),
+                      scale, None, None)
+    return tuple(g.transpose(1, 2) for g in grads)
+

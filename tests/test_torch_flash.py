@@ -1,0 +1,211 @@
+"""flash_attn_ext as PyTorch's flash attention implementation (flash_attn_ext.integrations.
+torch_flash): the aten flash ops' contracts, forward and through PyTorch's own autograd
+formulas, on the CPU (our kernels registered for the CPU key, where PyTorch has none for these
+ops) and, with a GPU, SDPA's FLASH backend routed to our kernels by activate_flash_attention_impl.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn import attention
+
+import flash_attn_ext
+from flash_attn_ext import ops
+from flash_attn_ext.integrations import torch_flash
+from reference import assert_error_rule, attention_ref
+
+aten = torch.ops.aten
+needs_registry = pytest.mark.skipif(not hasattr(attention, "activate_flash_attention_impl"),
+                                    reason="this torch has no flash attention registry")
+
+
+@pytest.fixture
+def cpu_kernels():
+    """Our kernels for the aten flash ops under the CPU key, for one test."""
+    lib = torch_flash.register_kernels("CPU")
+    yield
+    lib._destroy()
+
+
+def _leaves(shapes, dtype=torch.float64):
+    return [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)),
+                                           (False, (3, 1))])
+@pytest.mark.parametrize("seqlens", [(17, 17), (9, 23)])
+def test_flash_attention_forward_and_backward_match_the_reference(cpu_kernels, causal, window,
+                                                                    seqlens):
+    # (B, L, H, D) with GQA; is_causal top-left (query i sees keys j <= i), as SDPA's.
+    L, S = seqlens
+    q, k, v = _leaves([(2, L, 4, 24), (2, S, 2, 24), (2, S, 2, 40)])
+    out, lse, rng, unused, debug = aten._flash_attention_forward(
+        q, k, v, None, None, L, S, 0.0, causal, False, scale=0.3,
+        window_size_left=window[0], window_size_right=window[1])
+    assert out.shape == (2, L, 4, 40) and lse.shape == (2, 4, L) and debug.numel() == 0
+    assert rng.dtype == torch.uint64 and rng.shape in ((2,), ())
+    wl = -1 if window[0] is None else window[0]
+    wr = -1 if window[1] is None else window[1]
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.3, causal=causal, window_left=wl,
+                                 window_right=wr, align_bottom_right=False)
+    assert (out - ref).abs().max().item() < 1e-12
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-12
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)  # PyTorch's formula: the backward op
+    true = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, t in zip(grads, true):
+        assert (g - t).abs().max().item() < 1e-11
+
+
+def test_sdpa_flash_ops_take_bhld_and_return_a_transposed_view(cpu_kernels):
+    q, k, v = _leaves([(2, 4, 13, 16), (2, 4, 13, 16), (2, 4, 13, 16)])
+    out, lse, cum_q, cum_k, max_q, max_k, first, second, debug = \
+        aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+    assert (max_q, max_k) == (13, 13) and lse.shape == (2, 4, 13)
+    assert out.shape == (2, 4, 13, 16) and out.transpose(1, 2).is_contiguous()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (out - ref).abs().max().item() < 1e-12
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, t in zip(grads, torch.autograd.grad(ref, (q, k, v), dout)):
+        assert (g - t).abs().max().item() < 1e-11
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_dropout_state_travels_from_forward_to_backward(cpu_kernels, sdpa):
+    # The same seed gives flash_attn_func's mask; the backward regenerates it from the rng
+    # outputs PyTorch hands back (gradients equal to flash_attn_func's).
+    q, k, v = _leaves([(1, 33, 2, 16)] * 3, torch.float32)
+    dout = torch.randn(1, 33, 2, 16)
+    torch.manual_seed(7)
+    want = flash_attn_ext.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.manual_seed(7)
+    if sdpa:
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        out = aten._scaled_dot_product_flash_attention(qs, ks, vs, 0.3, True)[0].transpose(1, 2)
+    else:
+        out = aten._flash_attention_forward(q, k, v, None, None, 33, 33, 0.3, True, False)[0]
+    assert torch.equal(out, want)
+    assert not torch.allclose(out, flash_attn_ext.flash_attn_func(q, k, v, causal=True))
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), dout), want_grads):
+        assert torch.equal(g, w)
+
+
+def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
+    q, k, v = (torch.randn(2, 11, 2, 8) for _ in "qkv")
+    out = torch.full((2, 11, 2, 8), float("nan"))
+    lse = aten._flash_attention_forward_no_dropout_inplace(out, q, k, v, None, None, 11, 11,
+                                                           0.0, False, False)
+    want, want_lse, _ = ops.fwd(q, k, v, None, False, -1, -1, False)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("case", ["cum_seq_q", "alibi_slopes", "block_table", "debug",
+                                  "inplace_dropout"])
+def test_calls_we_do_not_serve_raise_naming_what(cpu_kernels, case):
+    q = torch.randn(1, 8, 2, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=case.replace("debug", "return_debug_mask")
+                       .replace("inplace_", "")):
+        if case == "cum_seq_q":
+            aten._flash_attention_forward(q[0], q[0], q[0], cu, cu, 8, 8, 0.0, False, False)
+        elif case == "alibi_slopes":
+            aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, False,
+                                          alibi_slopes=torch.ones(2))
+        elif case == "block_table":
+            aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, False,
+                                          block_table=torch.zeros(1, 1, dtype=torch.int32))
+        elif case == "debug":
+            aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, True)
+        else:
+            aten._flash_attention_forward_no_dropout_inplace(torch.empty_like(q), q, q, q, None,
+                                                             None, 8, 8, 0.1, False, False)
+
+
+def test_a_call_no_kernel_serves_raises_with_the_rule_s_reason(cpu_kernels):
+    q = torch.randn(1, 8, 2, 300)  # head dim beyond the kernels'
+    with pytest.raises(RuntimeError, match="head dims 1 to 256"):
+        aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, False)
+
+
+@needs_registry
+def test_registered_on_import_activated_only_on_request():
+    assert torch_flash.NAME in attention.list_flash_attention_impls()
+    assert attention.current_flash_attention_impl() != torch_flash.NAME
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        assert attention.current_flash_attention_impl() == torch_flash.NAME
+    finally:
+        attention.restore_flash_attention_impl()
+    assert attention.current_flash_attention_impl() is None
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sdpa_flash_backend_runs_on_our_kernels(dtype):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in "qkv")
+    dout = torch.randn_like(q)
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        flash_attn_ext.policy._last_plan = None
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        plan = flash_attn_ext.last_plan()
+        assert plan is not None and plan.kernel.startswith("sm"), plan
+        with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            flash_attn_ext.policy._last_plan = None
+            F.scaled_dot_product_attention(q, k, v)  # no_grad: the no-dropout in-place op
+        assert flash_attn_ext.last_plan() is not None
+    finally:
+        attention.restore_flash_attention_impl()
+    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    true = F.scaled_dot_product_attention(*leaves32, is_causal=True)
+    low = F.scaled_dot_product_attention(*(t.detach().requires_grad_() for t in (q, k, v)),
+                                         is_causal=True)
+    assert_error_rule(out, low, true.double(), 2.0, "out")
+    true_g = torch.autograd.grad(true, leaves32, dout.float())
+    for name, g, t in zip("qkv", grads, true_g):
+        assert (g.float() - t).abs().max().item() < 0.05 * t.abs().max().item() + 0.02, name
+    flash_attn_ext.policy._last_plan = None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert flash_attn_ext.last_plan() is None  # restored: PyTorch's own kernel again
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+def test_sdpa_flash_backend_on_our_kernels_compiles():
+    # Inductor calls the aten op at run time (our kernels) and checks its outputs' sizes and
+    # strides against PyTorch's meta kernel, which stays in place.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+
+    def f(q, k, v):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        out = torch.compile(f, fullgraph=True)(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        flash_attn_ext.policy._last_plan = None
+        want = f(q, k, v)
+        assert flash_attn_ext.last_plan() is not None  # (eager: ours too)
+        want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    finally:
+        attention.restore_flash_attention_impl()
+    assert torch.equal(out, want)
+    for g, w in zip(grads, want_grads):  # (dQ by atomics: equal up to summation order)
+        assert (g.float() - w.float()).abs().max().item() <= 1e-2 * w.float().abs().max().item()
