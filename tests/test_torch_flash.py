@@ -59,12 +59,18 @@ def test_flash_attention_forward_and_backward_match_the_reference(cpu_kernels, c
         assert (g - t).abs().max().item() < 1e-11
 
 
-def test_sdpa_flash_ops_take_bhld_and_return_a_transposed_view(cpu_kernels):
-    q, k, v = _leaves([(2, 4, 13, 16), (2, 4, 13, 16), (2, 4, 13, 16)])
+@pytest.mark.parametrize("blhd_buffer", [False, True])
+def test_sdpa_flash_ops_take_bhld_and_lay_out_as_pytorch(cpu_kernels, blhd_buffer):
+    # (B, H, L, D) tensors, contiguous or views of a (B, L, H, D) buffer; the output's strides
+    # are those of PyTorch's meta kernel (which torch.compile plans with): like the query's.
+    shape = (2, 13, 4, 16) if blhd_buffer else (2, 4, 13, 16)
+    q, k, v = (t.transpose(1, 2) if blhd_buffer else t for t in _leaves([shape] * 3))
     out, lse, cum_q, cum_k, max_q, max_k, first, second, debug = \
         aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+    meta = aten._scaled_dot_product_flash_attention(*(t.to("meta") for t in (q, k, v)), 0.0,
+                                                    True)
     assert (max_q, max_k) == (13, 13) and lse.shape == (2, 4, 13)
-    assert out.shape == (2, 4, 13, 16) and out.transpose(1, 2).is_contiguous()
+    assert out.shape == (2, 4, 13, 16) and out.stride() == meta[0].stride()
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (out - ref).abs().max().item() < 1e-12
     dout = torch.randn_like(out)
@@ -94,6 +100,12 @@ def test_dropout_state_travels_from_forward_to_backward(cpu_kernels, sdpa):
         assert torch.equal(g, w)
 
 
+needs_inplace = pytest.mark.skipif(
+    not hasattr(aten, "_flash_attention_forward_no_dropout_inplace"),
+    reason="this torch has no _flash_attention_forward_no_dropout_inplace")
+
+
+@needs_inplace
 def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
     q, k, v = (torch.randn(2, 11, 2, 8) for _ in "qkv")
     out = torch.full((2, 11, 2, 8), float("nan"))
@@ -104,7 +116,7 @@ def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
 
 
 @pytest.mark.parametrize("case", ["cum_seq_q", "alibi_slopes", "block_table", "debug",
-                                  "inplace_dropout"])
+                                  pytest.param("inplace_dropout", marks=needs_inplace)])
 def test_calls_we_do_not_serve_raise_naming_what(cpu_kernels, case):
     q = torch.randn(1, 8, 2, 16)
     cu = torch.tensor([0, 8], dtype=torch.int32)

@@ -17,8 +17,9 @@ activation is the user's explicit choice, as PyTorch asks of providers::
 
 Contracts kept (the ops' schemas, ``torch/_C/_VariableFunctions``; their meta kernels stay
 PyTorch's, so ``torch.compile`` sees the same shapes): ``_flash_attention_*`` take
-(B, L, H, D) tensors, ``_scaled_dot_product_flash_attention*`` (B, H, L, D) (returned as a
-transposed view of a (B, L, H, D) buffer, as PyTorch's kernel does); ``is_causal`` is top-left
+(B, L, H, D) tensors, ``_scaled_dot_product_flash_attention*`` (B, H, L, D), outputs laid out
+as the op's meta kernel says (they differ between torch versions; a copy where our kernels'
+layout differs, see _as_meta_lays_out); ``is_causal`` is top-left
 aligned (query i sees keys j <= i: SDPA's rule; PyTorch only sends square causal calls to
 flash), windows as FlashAttention's; ``logsumexp`` (B, H, L) float32; GQA with fewer key/value
 heads.  Dropout uses our kernels' Philox mask (docs/reference.md): the (seed, offset) pair
@@ -37,6 +38,7 @@ silently drop them), ``return_debug_mask``, and whatever the kernel rule refuses
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -87,7 +89,8 @@ def register_kernels(dispatch_key: str) -> Library:
              "_scaled_dot_product_flash_attention": _sdpa_forward,
              "_scaled_dot_product_flash_attention_backward": _sdpa_backward}
     for name, impl in impls.items():
-        lib.impl(name, impl, dispatch_key)
+        if hasattr(torch.ops.aten, name):  # (torch 2.11 has no no_dropout_inplace op)
+            lib.impl(name, impl, dispatch_key)
     return lib
 
 
@@ -96,7 +99,7 @@ def register_kernels(dispatch_key: str) -> Library:
 # (2,)) and unused (uint64 ()), or philox_seed and philox_offset (uint64 () each).
 
 def _split_rng(op) -> bool:
-    names = [r.name for r in op.default._schema.returns]
+    names = [r.name for r in op._schema.returns]
     return "philox_seed" in names
 
 
@@ -111,6 +114,44 @@ def _rng_input(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     if first.dim() == 1 and first.numel() == 2:
         return first.view(torch.int64)
     return torch.cat([first.reshape(1).view(torch.int64), second.reshape(1).view(torch.int64)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Output layouts as PyTorch's meta kernel for the op gives them (they differ between torch
+# versions: 2.13's SDPA flash output is a (B, L, H, D) buffer seen as (B, H, L, D), 2.11's a
+# contiguous (B, H, L, D) tensor).  torch.compile plans with the meta kernel's strides and
+# inductor checks them, so a tensor our kernels laid out otherwise is copied into them.
+
+def _key(value):
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype)
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_strides(op, args: tuple, kwargs: tuple) -> tuple:
+    def meta(value):
+        if isinstance(value, tuple) and value and value[0] == "T":
+            return torch.empty_strided(value[1], value[2], dtype=value[3], device="meta")
+        return value
+    results = op(*map(meta, args), **{k: meta(v) for k, v in kwargs})
+    return tuple((tuple(r.shape), r.stride()) if isinstance(r, torch.Tensor) else None
+                 for r in results)
+
+
+def _as_meta_lays_out(op, args, kwargs, results) -> tuple:
+    """``results`` with each tensor in the strides PyTorch's meta kernel gives (a copy only
+    where ours differ)."""
+    layouts = _meta_strides(op, tuple(map(_key, args)),
+                            tuple((k, _key(v)) for k, v in sorted(kwargs.items())))
+    fixed = []
+    for r, layout in zip(results, layouts):
+        # (Only where the meta kernel's shape is ours: some take Ev = E, which ours need not.)
+        if isinstance(r, torch.Tensor) and layout is not None and layout[0] == tuple(r.shape) \
+                and r.numel() > 1 and r.stride() != layout[1]:
+            r = torch.empty_strided(r.shape, layout[1], dtype=r.dtype, device=r.device).copy_(r)
+        fixed.append(r)
+    return tuple(fixed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +203,15 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
     _refuse("_flash_attention_forward", cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
             seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
             return_debug_mask=return_debug_mask)
-    del max_q, max_k, num_splits  # (dense: the sizes are the tensors'; num_splits a hint)
+    del num_splits  # (a hint)
     out, lse, rng = _forward("_flash_attention_forward", query, key, value, dropout_p,
                              is_causal, scale, window_size_left, window_size_right)
-    debug = query.new_empty((0,))
-    return (out, lse, *_rng_outputs(rng, _split_rng(torch.ops.aten._flash_attention_forward)),
-            debug)
+    op = torch.ops.aten._flash_attention_forward.default
+    results = (out, lse, *_rng_outputs(rng, _split_rng(op)), query.new_empty((0,)))
+    return _as_meta_lays_out(op, (query, key, value, None, None, max_q, max_k, dropout_p,
+                                  is_causal, return_debug_mask),
+                             {"scale": scale, "window_size_left": window_size_left,
+                              "window_size_right": window_size_right}, results)
 
 
 def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
@@ -191,9 +235,14 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     _refuse("_flash_attention_backward",
             cum_seq_q=cum_seq_q is not None and cum_seq_q.numel() > 0,
             cum_seq_k=cum_seq_k is not None and cum_seq_k.numel() > 0)
-    del max_q, max_k
-    return _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
-                     _rng_input(rng_state, unused), scale, window_size_left, window_size_right)
+    grads = _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                      _rng_input(rng_state, unused), scale, window_size_left, window_size_right)
+    return _as_meta_lays_out(
+        torch.ops.aten._flash_attention_backward.default,
+        (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+         dropout_p, is_causal, rng_state, unused),
+        {"scale": scale, "window_size_left": window_size_left,
+         "window_size_right": window_size_right}, grads)
 
 
 def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
@@ -202,17 +251,22 @@ def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out, lse, rng = _forward("_scaled_dot_product_flash_attention", q, k, v, dropout_p,
                              is_causal, scale, None, None)
-    first, second = _rng_outputs(
-        rng, _split_rng(torch.ops.aten._scaled_dot_product_flash_attention))
-    return (out.transpose(1, 2), lse, None, None, query.size(2), key.size(2), first, second,
-            query.new_empty((0,)))
+    op = torch.ops.aten._scaled_dot_product_flash_attention.default
+    first, second = _rng_outputs(rng, _split_rng(op))
+    results = (out.transpose(1, 2), lse, None, None, query.size(2), key.size(2), first, second,
+               query.new_empty((0,)))
+    return _as_meta_lays_out(op, (query, key, value, dropout_p, is_causal, return_debug_mask),
+                             {"scale": scale}, results)
 
 
 def _sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                    max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-    del cum_seq_q, cum_seq_k, max_q, max_k  # (undefined / the sizes, for dense calls)
     grads = _backward(*(t.transpose(1, 2) for t in (grad_out, query, key, value, out)),
                       logsumexp, dropout_p, is_causal, _rng_input(philox_seed, philox_offset),
                       scale, None, None)
-    return tuple(g.transpose(1, 2) for g in grads)
+    return _as_meta_lays_out(
+        torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+        (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+         dropout_p, is_causal, philox_seed, philox_offset), {"scale": scale},
+        tuple(g.transpose(1, 2) for g in grads))
 
