@@ -2,6 +2,7 @@
 
 Public API:
     flash_attn_func                 (batch, seqlen, num_heads, head_dim) layout, FlashAttention's
+    flash_attn_varlen_func          packed sequences (total, num_heads, head_dim), cu_seqlens (CPU)
     scaled_dot_product_attention    drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                         which kernel serves a call, and why a fused one does not
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
@@ -28,8 +29,10 @@ from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
 from .policy import FallbackError, fallback_counts, last_plan, reset_fallback_counts, set_strict
 from .sdpa import scaled_dot_product_attention, to_bshd
+from .varlen import flash_attn_varlen_func
 
-__all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention", "explain",
+__all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
+           "scaled_dot_product_attention", "explain",
            "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
            "last_plan", "ops", "patch", "unpatch", "is_patched", "register_transformers",
            "kernel_options", "set_kernel_options", "to_bshd"]

@@ -27,6 +27,7 @@
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
 #include "cpu/tile_gemm.h"
+#include "cpu/varlen_cpu.h"
 #include "mask.h"
 
 namespace flash_attn_ext::cpu {
@@ -39,17 +40,25 @@ inline void store_tile(S* dst, int64_t ld, const T* src, int64_t rows, int64_t c
     for (int64_t c = 0; c < cols; ++c) dst[r * ld + c] = static_cast<S>(src[r * cols + c]);
 }
 
+// With dropout, the forward's (seed, offset) from rng_state into p.
+void read_seed(BwdParams& p, const at::Tensor& rng_state) {
+  if (!p.dropout) return;
+  check_rng_state(rng_state);
+  const at::Tensor rng = rng_state.cpu();
+  p.philox_seed = static_cast<uint64_t>(rng[0].item<int64_t>());
+  p.philox_offset = static_cast<uint64_t>(rng[1].item<int64_t>());
+}
+
 template <typename scalar_t>
-void flash_bwd_cpu(const BwdParams& p) {
+void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
   const int64_t BQ = kBlockQ, BK = kBlockK;
+  // L: the longest sequence's queries (the per-task buffers' rows); Lb: this sequence's.
   const int64_t D = p.head_dim, Dv = p.head_dim_v, L = p.seqlen_q;
   const int64_t group = p.heads_q / p.heads_kv;
   const acc_t scale = p.softmax_scale;
   const acc_t drop_scale = p.dropout ? acc_t(1) / (acc_t(1) - acc_t(p.dropout_p)) : acc_t(1);
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -92,29 +101,34 @@ void flash_bwd_cpu(const BwdParams& p) {
       const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
       acc_t* dq_acc = chunks > 1 ? dq_partial.data() + (chunk * pairs + pair) * group * L * D
                                  : dq_own.data();
+      const int64_t Lb = seqs.len_q(p, b), q_first = seqs.first_q(b), k_first = seqs.first_k(b);
+      const VisibleKeys vis = seqs.visible(p, b);
       const int64_t key_lo = chunk * tiles_per_chunk * BK;
-      const int64_t key_hi = std::min(p.seqlen_k, (chunk + 1) * tiles_per_chunk * BK);
+      const int64_t key_hi = std::min(seqs.len_k(p, b), (chunk + 1) * tiles_per_chunk * BK);
       auto q_ptr = [&](int64_t h, int64_t i) {
-        return q + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
+        return q + b * p.q_batch_stride + h * p.q_head_stride + (q_first + i) * p.q_row_stride;
       };
       auto do_ptr = [&](int64_t h, int64_t i) {
-        return dout + b * p.dout_batch_stride + h * p.dout_head_stride + i * p.dout_row_stride;
+        return dout + b * p.dout_batch_stride + h * p.dout_head_stride +
+               (q_first + i) * p.dout_row_stride;
       };
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
-        for (int64_t i = 0; i < L; ++i) {
-          const scalar_t* o =
-              out + b * p.out_batch_stride + h * p.out_head_stride + i * p.out_row_stride;
+        for (int64_t i = 0; i < Lb; ++i) {
+          const scalar_t* o = out + b * p.out_batch_stride + h * p.out_head_stride +
+                              (q_first + i) * p.out_row_stride;
           const scalar_t* d_o = do_ptr(h, i);
           acc_t acc = 0;
           for (int64_t c = 0; c < Dv; ++c)
             acc += static_cast<acc_t>(d_o[c]) * static_cast<acc_t>(o[c]);
-          delta[g * L + i] = dlse == nullptr ? acc : acc - dlse[(b * p.heads_q + h) * L + i];
+          delta[g * L + i] = dlse == nullptr ? acc : acc - dlse[seqs.lse_index(p, b, h, i)];
         }
       }
       std::fill(dq_acc, dq_acc + group * L * D, acc_t(0));
-      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride;
-      const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride;
+      const scalar_t* k_head =
+          k + b * p.k_batch_stride + hk * p.k_head_stride + k_first * p.k_row_stride;
+      const scalar_t* v_head =
+          v + b * p.v_batch_stride + hk * p.v_head_stride + k_first * p.v_row_stride;
 
       for (int64_t j0 = key_lo; j0 < key_hi; j0 += BK) {
         const int64_t nk = std::min(BK, key_hi - j0);
@@ -127,8 +141,8 @@ void flash_bwd_cpu(const BwdParams& p) {
 
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = hk * group + g;
-          for (int64_t i0 = 0; i0 < L; i0 += BQ) {
-            const int64_t mq = std::min(BQ, L - i0);
+          for (int64_t i0 = 0; i0 < Lb; i0 += BQ) {
+            const int64_t mq = std::min(BQ, Lb - i0);
             // Skip query tiles that see none of keys [j0, j0 + nk).
             if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
             const Mat<acc_t> qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
@@ -138,13 +152,13 @@ void flash_bwd_cpu(const BwdParams& p) {
             acc_t* dP = dp_buf.data();
             score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0,
                        p.softcap > 0.0 ? dtanh.data() : nullptr);
-            probs_from_lse_rows(S, mq, nk, BK, lse + (b * p.heads_q + h) * L + i0);
+            probs_from_lse_rows(S, mq, nk, BK, lse + seqs.lse_index(p, b, h, i0));
             if (p.dropout) {
               // The forward's mask: dV = (P Z / (1 - p))^T dO and dP = Z / (1 - p) * dO V^T.
               for (int64_t r = 0; r < mq; ++r) {
                 uint8_t* kr = keep.data() + r * BK;
                 dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
-                             (b * p.heads_q + h) * L + i0 + r, j0, nk, kr);
+                             seqs.dropout_row(p, b, h, i0 + r), j0, nk, kr);
                 for (int64_t c = 0; c < nk; ++c)
                   pz_buf[r * BK + c] = kr[c] ? S[r * BK + c] * drop_scale : acc_t(0);
               }
@@ -172,16 +186,19 @@ void flash_bwd_cpu(const BwdParams& p) {
                  1.0);
           }
         }
-        store_tile(dk + b * p.dk_batch_stride + hk * p.dk_head_stride + j0 * p.dk_row_stride,
+        store_tile(dk + b * p.dk_batch_stride + hk * p.dk_head_stride +
+                       (k_first + j0) * p.dk_row_stride,
                    p.dk_row_stride, dk_acc.data(), nk, D);
-        store_tile(dv + b * p.dv_batch_stride + hk * p.dv_head_stride + j0 * p.dv_row_stride,
+        store_tile(dv + b * p.dv_batch_stride + hk * p.dv_head_stride +
+                       (k_first + j0) * p.dv_row_stride,
                    p.dv_row_stride, dv_acc.data(), nk, Dv);
       }
       if (chunks == 1) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = hk * group + g;
-          store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride,
-                     dq_acc + g * L * D, L, D);
+          store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride +
+                         q_first * p.dq_row_stride,
+                     p.dq_row_stride, dq_acc + g * L * D, Lb, D);
         }
       }
     }
@@ -198,8 +215,9 @@ void flash_bwd_cpu(const BwdParams& p) {
         for (int64_t x = 0; x < L * D; ++x) sum[x] += part[x];
       }
       const int64_t b = pair / p.heads_kv, h = (pair % p.heads_kv) * group + g;
-      store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride, p.dq_row_stride, sum.data(),
-                 L, D);
+      store_tile(dq + b * p.dq_batch_stride + h * p.dq_head_stride +
+                     seqs.first_q(b) * p.dq_row_stride,
+                 p.dq_row_stride, sum.data(), seqs.len_q(p, b), D);
     }
   });
 }
@@ -240,12 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   fill_grad_params(p, dout, dq, dk, dv);
   p.deterministic = deterministic;  // the CPU backward is always deterministic
   fill_dropout_params(p, dropout_p);
-  if (p.dropout) {  // the forward's (seed, offset)
-    check_rng_state(rng_state);
-    const at::Tensor rng = rng_state.cpu();
-    p.philox_seed = static_cast<uint64_t>(rng[0].item<int64_t>());
-    p.philox_offset = static_cast<uint64_t>(rng[1].item<int64_t>());
-  }
+  read_seed(p, rng_state);
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();
@@ -253,8 +266,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
   const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
-                                  [&] { flash_bwd_cpu<scalar_t>(p); });
+                                  [&] { flash_bwd_cpu<scalar_t>(p, Seqs{}); });
   return {dq, dk, dv, make_dbias()};
+}
+
+// Packed sequences (the bwd_varlen op): the same kernel over varlen_cpu.h's geometry; rows
+// outside every sequence get zero gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
+  const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p);
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v;
+  const AttnArgs& a = c.a;
+  const Packed& pk = c.pk;
+  TORCH_CHECK_VALUE(dout_in.sizes() == out_in.sizes() &&
+                        out_in.sizes() == at::IntArrayRef({a.seqlen_q, a.heads_q, a.head_dim_v}),
+                    "dout and out must have shape (total_q, num_heads, head_dim_v) = (",
+                    a.seqlen_q, ", ", a.heads_q, ", ", a.head_dim_v, "), got ", dout_in.sizes(),
+                    " and ", out_in.sizes());
+  TORCH_CHECK_VALUE(softmax_lse.sizes() == at::IntArrayRef({a.heads_q, a.seqlen_q}) &&
+                        softmax_lse.scalar_type() == lse_dtype(q.scalar_type()),
+                    "softmax_lse must be the forward's (num_heads, total_q) = (", a.heads_q, ", ",
+                    a.seqlen_q, ") ", dtype_name(lse_dtype(q.scalar_type())), " tensor, got ",
+                    dtype_name(softmax_lse.scalar_type()), " ", softmax_lse.sizes());
+  const at::Tensor out = last_dim_contiguous(out_in).unsqueeze(0),
+                   dout = last_dim_contiguous(dout_in).unsqueeze(0),
+                   lse = softmax_lse.contiguous();
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  if (pk.batch == 0 || a.heads_q == 0) return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
+
+  BwdParams p;
+  fill_fwd_params(p, a, q, k, v, out, lse, softcap, true);
+  fill_grad_params(p, dout, dq, dk, dv);
+  make_packed(p, pk, max_seqlen_q, max_seqlen_k);
+  p.dout_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+  fill_dropout_params(p, dropout_p);
+  read_seed(p, rng_state);
+  const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
+                                  [&] { flash_bwd_cpu<scalar_t>(p, pk.seqs); });
+  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 
 }  // namespace
@@ -263,4 +321,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("bwd", &flash_attn_ext::cpu::bwd_cpu);
+  m.impl("bwd_varlen", &flash_attn_ext::cpu::bwd_varlen_cpu);
 }

@@ -11,6 +11,41 @@
 
 namespace flash_attn_ext::cpu {
 
+// Where sequence b's rows lie.  Dense (cu_q == nullptr): batch b of (B, L, H, D) tensors, every
+// sequence p.seqlen_q / p.seqlen_k long, placed by the batch strides.  Packed (varlen,
+// FlashAttention-2's cu_seqlens): sequence b is rows cu_q[b] .. cu_q[b + 1] (keys: cu_k) of
+// (total, H, D) tensors whose batch strides are 0; p.seqlen_q / p.seqlen_k are then the
+// longest sequences' lengths and p.batch the number of sequences.  The LSE is (B, H, L) dense,
+// (H, total_q) packed (FlashAttention-2's); a dropout row id is start(b) * H + h * len_q(b) + i,
+// start(b) = b * L dense, which is the dense rule (b * H + h) * L + i, so equal-length packed
+// sequences drop what the dense batch drops.
+struct Seqs {
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int64_t total_q = 0;  // rows of the packed q: the packed LSE's row length
+
+  int64_t first_q(int64_t b) const { return cu_q == nullptr ? 0 : cu_q[b]; }
+  int64_t first_k(int64_t b) const { return cu_k == nullptr ? 0 : cu_k[b]; }
+  int64_t len_q(const FwdParams& p, int64_t b) const {
+    return cu_q == nullptr ? p.seqlen_q : cu_q[b + 1] - cu_q[b];
+  }
+  int64_t len_k(const FwdParams& p, int64_t b) const {
+    return cu_k == nullptr ? p.seqlen_k : cu_k[b + 1] - cu_k[b];
+  }
+  // Index of (sequence b, head h, row i)'s LSE; rows i .. of one (b, h) are consecutive.
+  int64_t lse_index(const FwdParams& p, int64_t b, int64_t h, int64_t i) const {
+    return cu_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q + i : h * total_q + cu_q[b] + i;
+  }
+  uint64_t dropout_row(const FwdParams& p, int64_t b, int64_t h, int64_t i) const {
+    const int64_t start = cu_q == nullptr ? b * p.seqlen_q : cu_q[b];
+    return static_cast<uint64_t>(start * p.heads_q + h * len_q(p, b) + i);
+  }
+  VisibleKeys visible(const FwdParams& p, int64_t b) const {
+    return VisibleKeys(len_q(p, b), len_k(p, b), p.window_left, p.window_right,
+                       p.align_bottom_right);
+  }
+};
+
 // Query rows per task and key rows per tile.  A (kBlockQ x kBlockK) float32 score tile is 128 KiB:
 // it stays in L2 while the key tile is large enough for BLAS to run near peak.
 constexpr int64_t kBlockQ = 128;

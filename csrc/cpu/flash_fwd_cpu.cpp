@@ -22,6 +22,7 @@
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
 #include "cpu/tile_gemm.h"
+#include "cpu/varlen_cpu.h"
 #include "mask.h"
 
 namespace flash_attn_ext::cpu {
@@ -29,7 +30,7 @@ namespace flash_attn_ext::cpu {
 namespace {
 
 template <typename scalar_t>
-void flash_fwd_cpu(const FwdParams& p) {
+void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   using acc_t = at::opmath_type<scalar_t>;
   // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first.
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
@@ -38,8 +39,6 @@ void flash_fwd_cpu(const FwdParams& p) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const int64_t q_tiles = (p.seqlen_q + BQ - 1) / BQ;
   const int64_t group = p.heads_q / p.heads_kv;
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -57,10 +56,16 @@ void flash_fwd_cpu(const FwdParams& p) {
       const int64_t h = (task / q_tiles) % p.heads_q;
       const int64_t b = task / (q_tiles * p.heads_q);
       const int64_t hk = h / group;  // GQA: query head h reads key/value head h / group
-      const int64_t i0 = tile * BQ, mq = std::min(BQ, p.seqlen_q - i0);
-      const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
-      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride;
-      const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride;
+      const int64_t len_q = seqs.len_q(p, b), i0 = tile * BQ;
+      if (i0 >= len_q) continue;  // (packed: a sequence shorter than the longest)
+      const int64_t mq = std::min(BQ, len_q - i0);
+      const VisibleKeys vis = seqs.visible(p, b);
+      const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride +
+                               (seqs.first_q(b) + i0) * p.q_row_stride;
+      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride +
+                               seqs.first_k(b) * p.k_row_stride;
+      const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride +
+                               seqs.first_k(b) * p.v_row_stride;
 
       std::fill(m.begin(), m.end(), -kInf);
       std::fill(l.begin(), l.end(), acc_t(0));
@@ -80,7 +85,7 @@ void flash_fwd_cpu(const FwdParams& p) {
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
             dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
-                         (b * p.heads_q + h) * p.seqlen_q + i0 + r, j0, nk, keep.data());
+                         seqs.dropout_row(p, b, h, i0 + r), j0, nk, keep.data());
             for (int64_t c = 0; c < nk; ++c)
               if (!keep[c]) S[r * BK + c] = acc_t(0);
           }
@@ -95,17 +100,30 @@ void flash_fwd_cpu(const FwdParams& p) {
 
       for (int64_t r = 0; r < mq; ++r) {
         const int64_t i = i0 + r;
-        scalar_t* o = out + b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
+        scalar_t* o = out + b * p.out_batch_stride + (seqs.first_q(b) + i) * p.out_row_stride +
+                      h * p.out_head_stride;
         const acc_t* acc = o_acc.data() + r * Dv;
         // No visible key: out = 0, lse = -inf.  (l = 0 too: a NaN score leaves m = -inf, as
         // the max skips it, but makes l NaN, and NaN must come out, not an empty row.)
         const bool empty = m[r] == -kInf && l[r] == acc_t(0);
         const acc_t inv_l = empty ? acc_t(0) : out_scale / l[r];
         for (int64_t c = 0; c < Dv; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_l);
-        lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -kInf : m[r] + std::log(l[r]);
+        lse[seqs.lse_index(p, b, h, i)] = empty ? -kInf : m[r] + std::log(l[r]);
       }
     }
   });
+}
+
+// With dropout, a fresh seed from PyTorch's CPU generator (torch.manual_seed reproduces it),
+// into p and rng_state[0].
+void draw_seed(FwdParams& p, at::Tensor& rng_state) {
+  if (!p.dropout) return;
+  at::CPUGeneratorImpl* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+      std::nullopt, at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  p.philox_seed = gen->random64();
+  p.philox_offset = 0;
+  rng_state.data_ptr<int64_t>()[0] = static_cast<int64_t>(p.philox_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
@@ -128,27 +146,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
   FwdParams p;
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, align_bottom_right);
   fill_dropout_params(p, dropout_p);
-  if (p.dropout) {  // a fresh seed from PyTorch's CPU generator: torch.manual_seed reproduces it
-    at::CPUGeneratorImpl* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
-        std::nullopt, at::detail::getDefaultCPUGenerator());
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    p.philox_seed = gen->random64();
-    p.philox_offset = 0;
-    rng_state.data_ptr<int64_t>()[0] = static_cast<int64_t>(p.philox_seed);
-  }
+  draw_seed(p, rng_state);
   const at::Tensor bias_view = attn_bias.has_value()
                                    ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
                                    : at::Tensor();
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
-                                  [&] { flash_fwd_cpu<scalar_t>(p); });
+                                  [&] { flash_fwd_cpu<scalar_t>(p, Seqs{}); });
   return {out, lse, rng_state};
+}
+
+// Packed sequences (the fwd_varlen op, csrc/ops.cpp): the same kernel over varlen_cpu.h's
+// geometry.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    double dropout_p) {
+  const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p);
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v;
+  const AttnArgs& a = c.a;
+  const Packed& pk = c.pk;
+  // Rows outside every sequence: out 0, lse -inf.
+  at::Tensor out = at::zeros({1, a.seqlen_q, a.heads_q, a.head_dim_v}, q.options());
+  at::Tensor lse = at::full({a.heads_q, a.seqlen_q}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(lse_dtype(q.scalar_type())));
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+  if (pk.batch == 0 || a.heads_q == 0) return {out.squeeze(0), lse, rng_state};
+
+  FwdParams p;
+  fill_fwd_params(p, a, q, k, v, out, lse, softcap, true);
+  make_packed(p, pk, max_seqlen_q, max_seqlen_k);
+  fill_dropout_params(p, dropout_p);
+  draw_seed(p, rng_state);
+  const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
+                                  [&] { flash_fwd_cpu<scalar_t>(p, pk.seqs); });
+  return {out.squeeze(0), lse, rng_state};
 }
 
 }  // namespace
 
 }  // namespace flash_attn_ext::cpu
 
+// The packed-sequence ops are defined next to their only kernels (CPU, so far); the dense ops'
+// schemas are in csrc/ops.cpp.
+TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
+  // Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k (total_k, H_kv, D),
+  // v (total_k, H_kv, Dv); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (keys:
+  // cu_seqlens_k), int32; max_seqlen_q/k at least the longest.  Causal bottom-right per
+  // sequence.  Returns (out (total_q, H, Dv), softmax_lse (H, total_q), rng_state); rows outside
+  // every sequence get out = 0, lse = -inf and zero gradients.  CPU kernels only, so far.
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "float dropout_p=0.0) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "float dropout_p=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("fwd", &flash_attn_ext::cpu::fwd_cpu);
+  m.impl("fwd_varlen", &flash_attn_ext::cpu::fwd_varlen_cpu);
 }

@@ -1,0 +1,127 @@
+"""Packed sequences: FlashAttention-2's ``flash_attn_varlen_func`` on the
+``torch.ops.flash_attn_ext.fwd_varlen`` / ``bwd_varlen`` ops.
+
+A batch of sequences of different lengths, concatenated without padding: q (total_q, H, D),
+k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is rows ``cu_seqlens_q[b] ..
+cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of k and v (int32
+offsets). Each sequence attends only to its own keys, with FlashAttention-2's semantics (causal
+and windows bottom-right aligned per sequence). The kernels are the dense ones, reading each
+sequence in place by its offsets (csrc/cpu/varlen_cpu.h); the CPU kernels only, so far: a
+CUDA call raises ``NotImplementedError`` (issue 26).
+
+This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
+``bwd_varlen`` op, recomputation from out and softmax_lse).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+
+__all__ = ["flash_attn_varlen_func"]
+
+fwd_varlen_op = torch.ops.flash_attn_ext.fwd_varlen.default
+bwd_varlen_op = torch.ops.flash_attn_ext.bwd_varlen.default
+
+
+@torch.library.register_fake("flash_attn_ext::fwd_varlen")
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+    total_q, heads, _ = q.shape
+    out = q.new_empty((total_q, heads, v.shape[-1]))
+    softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))
+    return out, softmax_lse, q.new_empty((2,), dtype=torch.int64)
+
+
+@torch.library.register_fake("flash_attn_ext::bwd_varlen")
+def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, rng_state, softmax_scale=None, causal=False, window_left=-1,
+                     window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+_FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap, alibi_slopes, dropout_p) = inputs
+    out, softmax_lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state,
+                          alibi_slopes)
+    ctx.sizes = (max_seqlen_q, max_seqlen_k)
+    ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
+                                  dropout_p)))
+    ctx.mark_non_differentiable(softmax_lse, rng_state)
+
+
+def _backward(ctx, dout, dsoftmax_lse, drng_state):
+    del dsoftmax_lse, drng_state  # (not differentiable: see _setup_context)
+    q, k, v, out, softmax_lse, cu_q, cu_k, rng_state, alibi_slopes = ctx.saved_tensors
+    f = ctx.flags
+    dq, dk, dv = bwd_varlen_op(dout, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.sizes,
+                               rng_state, f["softmax_scale"], f["causal"], f["window_left"],
+                               f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"])
+    return dq, dk, dv, *([None] * 11)
+
+
+torch.library.register_autograd("flash_attn_ext::fwd_varlen", _backward,
+                                setup_context=_setup_context)
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[torch.Tensor] = None):
+    """Attention over packed sequences, FlashAttention-2's ``flash_attn_varlen_func``.
+
+    Args:
+        q: (total_q, num_heads, head_dim); k: (total_k, num_heads_k, head_dim); v: (total_k,
+            num_heads_k, head_dim_v). float32, float64, float16 or bfloat16 (CPU). num_heads
+            a multiple of num_heads_k (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets on q's device, non-decreasing
+            from >= 0; sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (keys:
+            cu_seqlens_k). Zero-length sequences are allowed; rows past the last offset are
+            left alone (out 0, zero gradients).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence's length.
+        dropout_p, softmax_scale (default 1 / sqrt(head_dim)), causal, window_size, softcap,
+            alibi_slopes ((num_heads,) or (batch, num_heads) float): as
+            :func:`flash_attn_ext.flash_attn_func`, per sequence; causal and windows aligned
+            bottom-right within each sequence (query i of a sequence of L queries and S keys
+            sees key j <= i + S - L).
+        deterministic: accepted for FlashAttention-2 compatibility (the CPU backward is
+            deterministic).
+        return_attn_probs: also return softmax_lse (num_heads, total_q) and, as
+            FlashAttention-2 does for testing only, None for the probabilities.
+        block_table: paged KV (not supported yet: NotImplementedError).
+
+    Returns:
+        out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
+
+    Raises:
+        NotImplementedError: CUDA tensors (the CUDA kernels do not take packed sequences yet),
+            block_table.
+        ValueError: bad shapes, dtypes, offsets (naming the argument and the rule).
+    """
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            f"flash_attn_varlen_func: packed sequences run on the CPU kernels only so far, got "
+            f"q on {q.device} (pad the batch and use flash_attn_func, or a mask)")
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
+                                  "supported yet")
+    del deterministic
+    window_left, window_right = (int(w) for w in window_size)
+    out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                        int(max_seqlen_k), softmax_scale, bool(causal),
+                                        window_left, window_right, float(softcap), alibi_slopes,
+                                        float(dropout_p))
+    return (out, softmax_lse, None) if return_attn_probs else out

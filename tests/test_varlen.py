@@ -1,0 +1,163 @@
+"""Packed sequences (flash_attn_varlen_func, the fwd_varlen / bwd_varlen ops) on the CPU: each
+sequence against a float64 reference of its own attention, forward and backward; the dense
+kernels' answer for equal lengths (dropout included); the checks; torch.compile."""
+
+import pytest
+import torch
+
+import flash_attn_ext
+from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
+from reference import assert_error_rule, attention_ref
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _packed(lens_q, lens_k, heads, heads_kv, d, dv, dtype, tail=(0, 0)):
+    """Packed q/k/v (requiring grad) with `tail` extra rows past the last sequence."""
+    cq, ck = _offsets(lens_q), _offsets(lens_k)
+    q = torch.randn(int(cq[-1]) + tail[0], heads, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(int(ck[-1]) + tail[1], heads_kv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(int(ck[-1]) + tail[1], heads_kv, dv, dtype=dtype, requires_grad=True)
+    return q, k, v, cq, ck
+
+
+def _per_sequence(q, k, v, cq, ck, dout, **kw):
+    """The reference: each sequence on its own (float64), outputs and gradients scattered back
+    into packed tensors (rows outside every sequence: 0)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    slopes = kw.pop("alibi_slopes", None)
+    for b in range(len(cq) - 1):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rq.stop == rq.start:
+            continue
+        s = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+        o, seq_lse = attention_ref(leaves[0][rq][None], leaves[1][rk][None],
+                                   leaves[2][rk][None],
+                                   alibi_slopes=s, **kw)
+        out[rq], lse[:, rq] = o[0], seq_lse[0]
+    grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True)
+    return out, lse, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+
+CASES = [dict(), dict(causal=True), dict(window_size=(3, 2)), dict(causal=True, softcap=5.0),
+         dict(alibi="head"), dict(alibi="batch_head", causal=True)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_each_sequence_is_its_own_attention_float64(case):
+    # Sequences of lengths 5, 0, 17, 1 queries / 7, 3, 17, 9 keys (zero-length, L > S, L < S),
+    # GQA, Ev != E, rows past the last offset.
+    case = dict(case)
+    lens_q, lens_k = [5, 0, 17, 1], [7, 3, 17, 9]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, 16, 8, torch.float64, tail=(2, 3))
+    alibi = case.pop("alibi", None)
+    slopes = None if alibi is None else \
+        torch.rand(*((4,) if alibi == "batch_head" else ()), 4, dtype=torch.float64)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
+                                         alibi_slopes=slopes, return_attn_probs=True, **case)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wl, wr = case.pop("window_size", (-1, -1))
+    ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, window_left=wl,
+                                            window_right=wr, alibi_slopes=slopes, **case)
+    assert (out - ref).abs().max().item() < 1e-12
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-11
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # the tail: left alone
+    assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_under_the_error_rule(dtype):
+    lens = [33, 130, 1]
+    q, k, v, cq, ck = _packed(lens, lens, 2, 2, 40, 40, dtype)
+    out = flash_attn_varlen_func(q, k, v, cq, ck, 130, 130, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, _, ref_grads = _per_sequence(q, k, v, cq, ck, dout, causal=True)
+    for b in range(len(lens)):
+        rows = slice(int(cq[b]), int(cq[b + 1]))
+        low, _ = attention_ref(q.detach()[rows][None], k.detach()[rows][None],
+                               v.detach()[rows][None], causal=True, compute_dtype=dtype)
+        assert_error_rule(out[rows][None], low, ref[rows][None], 2.0, "out")
+    assert all(torch.isfinite(g).all() for g in grads)
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max().item() <= 0.05 * r.abs().max().item() + 0.02
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_equal_lengths_are_the_dense_batch_dropout_included(dropout_p):
+    # The packed dropout row id start * H + h * L + i is the dense (b * H + h) * L + i, so the
+    # same seed drops the same elements; the same kernel gives the same bits.
+    q, k, v = (torch.randn(3, 37, 4, 16, requires_grad=True) for _ in "qkv")
+    dout = torch.randn(3, 37, 4, 16)
+    torch.manual_seed(5)
+    dense = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+    dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
+    cu = _offsets([37, 37, 37])
+    torch.manual_seed(5)
+    packed = flash_attn_varlen_func(*(t.reshape(3 * 37, 4, 16) for t in (q, k, v)), cu, cu, 37,
+                                    37, dropout_p=dropout_p, causal=True)
+    assert torch.equal(packed.reshape(3, 37, 4, 16), dense)
+    grads = torch.autograd.grad(packed, (q, k, v), dout.reshape(3 * 37, 4, 16))
+    for g, w in zip(grads, dense_grads):
+        assert torch.equal(g, w)
+
+
+def test_compiles_fullgraph_forward_and_backward():
+    q, k, v, cq, ck = _packed([9, 20], [12, 20], 2, 1, 16, 16, torch.float32)
+    f = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")
+    out = f(q, k, v, cq, ck, 20, 20, causal=True)
+    want = flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, causal=True)
+    assert torch.equal(out, want)
+    for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                    torch.autograd.grad(want.sum(), (q, k, v))):
+        assert torch.equal(g, w)
+
+
+def test_opcheck():
+    q, k, v, cq, ck = _packed([9, 20], [12, 20], 2, 1, 16, 8, torch.float32)
+    torch.library.opcheck(flash_attn_ext.varlen.fwd_varlen_op,
+                          (q, k, v, cq, ck, 20, 20, None, True, -1, -1, 0.0, None, 0.0))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("int64", "1-D int32 tensor"), ("decreasing", "non-decreasing"), ("past_end", "exceeds"),
+    ("short_max", "shorter than the longest"), ("lengths", "same length"),
+    ("rank", "3 dimensions"), ("alibi", "alibi_slopes must have shape")])
+def test_bad_packing_is_a_clear_error(case, match):
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=6, max_seqlen_k=6)
+    slopes = None
+    if case == "int64":
+        args["cu_seqlens_q"] = cq.long()
+    elif case == "decreasing":
+        args["cu_seqlens_q"] = torch.tensor([0, 7, 6], dtype=torch.int32)
+    elif case == "past_end":
+        args["cu_seqlens_k"] = torch.tensor([0, 4, 11], dtype=torch.int32)
+    elif case == "short_max":
+        args["max_seqlen_q"] = 5
+    elif case == "lengths":
+        args["cu_seqlens_k"] = torch.tensor([0, 10], dtype=torch.int32)
+    elif case == "rank":
+        q = q[None]
+    else:
+        slopes = torch.ones(3, 2)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(q, k, v, alibi_slopes=slopes, **args)
+
+
+def test_what_is_not_served_yet_says_so():
+    q, k, v, cq, ck = _packed([4], [4], 2, 2, 8, 8, torch.float32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 4, 4, block_table=torch.zeros(1, 1))
+    meta = [t.detach().to("meta") for t in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="CPU kernels only"):
+        flash_attn_varlen_func(*meta, cq, ck, 4, 4)
