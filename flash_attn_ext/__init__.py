@@ -29,9 +29,14 @@ from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
 from .policy import FallbackError, fallback_counts, last_plan, reset_fallback_counts, set_strict
 from .sdpa import scaled_dot_product_attention, to_bshd
-from .varlen import flash_attn_varlen_func
+from .varlen import (
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 
 __all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
            "scaled_dot_product_attention", "explain",
            "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
            "last_plan", "ops", "patch", "unpatch", "is_patched", "register_transformers",

@@ -21,7 +21,8 @@ import torch
 
 from . import ops
 
-__all__ = ["flash_attn_varlen_func"]
+__all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func"]
 
 fwd_varlen_op = torch.ops.flash_attn_ext.fwd_varlen.default
 bwd_varlen_op = torch.ops.flash_attn_ext.bwd_varlen.default
@@ -30,7 +31,7 @@ bwd_varlen_op = torch.ops.flash_attn_ext.bwd_varlen.default
 @torch.library.register_fake("flash_attn_ext::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=False, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))
@@ -40,7 +41,8 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @torch.library.register_fake("flash_attn_ext::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, softmax_scale=None, causal=False, window_left=-1,
-                     window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+                     window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     seqused_k=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -49,10 +51,10 @@ _FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, alibi_slopes, dropout_p) = inputs
+     window_left, window_right, softcap, alibi_slopes, dropout_p, seqused_k) = inputs
     out, softmax_lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                          alibi_slopes)
+                          alibi_slopes, seqused_k)
     ctx.sizes = (max_seqlen_q, max_seqlen_k)
     ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
                                   dropout_p)))
@@ -61,12 +63,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dsoftmax_lse, drng_state):
     del dsoftmax_lse, drng_state  # (not differentiable: see _setup_context)
-    q, k, v, out, softmax_lse, cu_q, cu_k, rng_state, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, softmax_lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = \
+        ctx.saved_tensors
     f = ctx.flags
     dq, dk, dv = bwd_varlen_op(dout, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.sizes,
                                rng_state, f["softmax_scale"], f["causal"], f["window_left"],
-                               f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"])
-    return dq, dk, dv, *([None] * 11)
+                               f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"],
+                               seqused_k)
+    return dq, dk, dv, *([None] * 12)
 
 
 torch.library.register_autograd("flash_attn_ext::fwd_varlen", _backward,
@@ -80,7 +84,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           block_table: Optional[torch.Tensor] = None):
+                           block_table: Optional[torch.Tensor] = None,
+                           seqused_k: Optional[torch.Tensor] = None):
     """Attention over packed sequences, FlashAttention-2's ``flash_attn_varlen_func``.
 
     Args:
@@ -102,6 +107,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_attn_probs: also return softmax_lse (num_heads, total_q) and, as
             FlashAttention-2 does for testing only, None for the probabilities.
         block_table: paged KV (not supported yet: NotImplementedError).
+        seqused_k: (batch,) int32, optional: sequence b uses only its first seqused_k[b] keys
+            (causal alignment over those), as FlashAttention's; the others get zero gradients.
 
     Returns:
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
@@ -123,5 +130,46 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                         int(max_seqlen_k), softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,
-                                        float(dropout_p))
+                                        float(dropout_p), seqused_k)
     return (out, softmax_lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0,
+                                     alibi_slopes: Optional[torch.Tensor] = None,
+                                     deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """FlashAttention-2's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, num_heads,
+    head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
+    (total, 3, num_heads, head_dim) gradient); the same offsets for queries and keys. Otherwise
+    :func:`flash_attn_varlen_func` (arguments, returns, errors)."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, num_heads, head_dim), got "
+                         f"{tuple(qkv.shape)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Tuple[int, int] = (-1, -1),
+                                    softcap: float = 0.0,
+                                    alibi_slopes: Optional[torch.Tensor] = None,
+                                    deterministic: bool = False,
+                                    return_attn_probs: bool = False):
+    """FlashAttention-2's ``flash_attn_varlen_kvpacked_func``: ``kv`` (total_k, 2,
+    num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_varlen_func`."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, num_heads_k, head_dim), got "
+                         f"{tuple(kv.shape)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -161,3 +161,49 @@ def test_what_is_not_served_yet_says_so():
     meta = [t.detach().to("meta") for t in (q, k, v)]
     with pytest.raises(NotImplementedError, match="CPU kernels only"):
         flash_attn_varlen_func(*meta, cq, ck, 4, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_uses_the_first_keys_of_each_sequence(causal):
+    # Sequence b sees only its first seqused_k[b] keys (causal aligned over those); the unused
+    # keys get zero gradients.
+    lens_q, lens_k, used = [6, 9, 3], [10, 9, 12], [4, 9, 0]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 2, 1, 16, 16, torch.float64)
+    seqused_k = torch.tensor(used, dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cq, ck, 9, 12, causal=causal, seqused_k=seqused_k)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # The reference: the same call with each sequence's keys cut to the used ones.
+    keep = torch.cat([torch.arange(int(ck[b]), int(ck[b]) + used[b]) for b in range(3)])
+    k_cut, v_cut = k.detach()[keep].requires_grad_(), v.detach()[keep].requires_grad_()
+    q_ref = q.detach().requires_grad_()
+    ref, _, ref_grads = _per_sequence(q_ref, k_cut, v_cut, cq, _offsets(used), dout,
+                                      causal=causal)
+    assert (out - ref).abs().max().item() < 1e-12
+    assert (grads[0] - ref_grads[0]).abs().max().item() < 1e-11
+    for g, r in zip(grads[1:], ref_grads[1:]):
+        assert (g[keep] - r).abs().max().item() < 1e-11
+        unused = torch.ones(g.shape[0], dtype=torch.bool)
+        unused[keep] = False
+        assert torch.equal(g[unused], torch.zeros_like(g[unused]))
+    with pytest.raises(ValueError, match=r"seqused_k\[0\]=11 must be in \[0, 10\]"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 9, 12,
+                               seqused_k=torch.tensor([11, 0, 0], dtype=torch.int32))
+
+
+def test_packed_variants_read_in_place_and_match():
+    from flash_attn_ext import flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
+
+    cu = _offsets([7, 12])
+    qkv = torch.randn(19, 3, 2, 16, requires_grad=True)
+    out = flash_attn_varlen_qkvpacked_func(qkv, cu, 12, causal=True)
+    q, k, v = (qkv[:, i].detach().clone().requires_grad_() for i in range(3))
+    want = flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True)
+    assert torch.equal(out, want)
+    (grad,) = torch.autograd.grad(out.sum(), qkv)
+    for i, g in enumerate(torch.autograd.grad(want.sum(), (q, k, v))):
+        assert torch.equal(grad[:, i], g)
+    kv = torch.stack([k.detach(), v.detach()], 1)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 12, 12, causal=True), want)
+    with pytest.raises(ValueError, match="qkv must have shape"):
+        flash_attn_varlen_qkvpacked_func(qkv[:, :2], cu, 12)

@@ -22,6 +22,7 @@ namespace flash_attn_ext::cpu {
 struct Seqs {
   const int32_t* cu_q = nullptr;
   const int32_t* cu_k = nullptr;
+  const int32_t* used_k = nullptr;  // packed, optional: keys used per sequence (seqused_k)
   int64_t total_q = 0;  // rows of the packed q: the packed LSE's row length
 
   int64_t first_q(int64_t b) const { return cu_q == nullptr ? 0 : cu_q[b]; }
@@ -30,6 +31,7 @@ struct Seqs {
     return cu_q == nullptr ? p.seqlen_q : cu_q[b + 1] - cu_q[b];
   }
   int64_t len_k(const FwdParams& p, int64_t b) const {
+    if (used_k != nullptr) return used_k[b];
     return cu_k == nullptr ? p.seqlen_k : cu_k[b + 1] - cu_k[b];
   }
   // Index of (sequence b, head h, row i)'s LSE; rows i .. of one (b, h) are consecutive.

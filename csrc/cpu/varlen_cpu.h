@@ -12,9 +12,9 @@
 
 namespace flash_attn_ext::cpu {
 
-// A packed call's sequences; cu_q / cu_k own the int32 offsets Seqs points into.
+// A packed call's sequences; cu_q / cu_k / used_k own the int32 values Seqs points into.
 struct Packed {
-  at::Tensor cu_q, cu_k;
+  at::Tensor cu_q, cu_k, used_k;
   Seqs seqs;
   int64_t batch = 0;  // number of sequences
 };
@@ -35,7 +35,8 @@ inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at:
 // longest sequence); the geometry for q of total_q rows.
 inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                           int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                           int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           const std::optional<at::Tensor>& seqused_k) {
   Packed pk;
   const at::Tensor* cus[2] = {&cu_seqlens_q, &cu_seqlens_k};
   const char* names[2] = {"cu_seqlens_q", "cu_seqlens_k"};
@@ -73,6 +74,23 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
   }
   pk.seqs.cu_q = offsets[0];
   pk.seqs.cu_k = offsets[1];
+  if (seqused_k.has_value()) {
+    const at::Tensor& used = *seqused_k;
+    TORCH_CHECK_VALUE(used.scalar_type() == at::kInt && used.dim() == 1 &&
+                          used.size(0) == pk.batch,
+                      "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
+                      " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
+                      used.sizes());
+    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
+                      ", got ", used.device());
+    pk.used_k = used.contiguous();
+    const int32_t* n = pk.used_k.data_ptr<int32_t>();
+    for (int64_t b = 0; b < pk.batch; ++b)
+      TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= offsets[1][b + 1] - offsets[1][b], "seqused_k[", b,
+                        "]=", n[b], " must be in [0, ", offsets[1][b + 1] - offsets[1][b],
+                        "] (sequence ", b, "'s keys)");
+    pk.seqs.used_k = n;
+  }
   pk.seqs.total_q = q.size(0);
   return pk;
 }
@@ -106,7 +124,8 @@ inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_
                                     int64_t max_seqlen_k, std::optional<double> softmax_scale,
                                     bool causal, int64_t window_left, int64_t window_right,
                                     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                    double dropout_p) {
+                                    double dropout_p,
+                                    const std::optional<at::Tensor>& seqused_k) {
   check_packed_qkv(q_in, k_in, v_in);
   PackedCall c;
   c.q = last_dim_contiguous(q_in).unsqueeze(0);
@@ -115,7 +134,8 @@ inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_
   c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
                         std::nullopt, std::nullopt, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
-  c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k);
   check_packed_alibi(alibi_slopes, c.q, c.k, c.v, c.pk.batch);
   return c;
 }
