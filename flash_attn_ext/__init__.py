@@ -3,6 +3,7 @@
 Public API:
     flash_attn_func                 (batch, seqlen, num_heads, head_dim) layout, FlashAttention's
     flash_attn_varlen_func          packed sequences (total, num_heads, head_dim), cu_seqlens (CPU)
+    flash_attn_with_kvcache         inference against a KV cache, appended in place (CPU)
     scaled_dot_product_attention    drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                         which kernel serves a call, and why a fused one does not
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)
@@ -25,6 +26,7 @@ from ._version import __version__
 from .explain import explain
 from .integrations import register_flash_impl, register_transformers, register_when_imported
 from .interface import flash_attn_func
+from .kvcache import flash_attn_with_kvcache
 from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
 from .policy import FallbackError, fallback_counts, last_plan, reset_fallback_counts, set_strict
@@ -37,6 +39,7 @@ from .varlen import (
 
 __all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_with_kvcache",
            "scaled_dot_product_attention", "explain",
            "FallbackError", "Plan", "set_strict", "fallback_counts", "reset_fallback_counts",
            "last_plan", "ops", "patch", "unpatch", "is_patched", "register_transformers",

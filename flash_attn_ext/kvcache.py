@@ -1,0 +1,157 @@
+"""Inference with a KV cache: FlashAttention-2's ``flash_attn_with_kvcache``.
+
+New keys/values are appended into the cache in place, q and the new keys optionally get a rotary
+embedding, and q attends to each batch entry's cached keys. The attention is the packed-sequence
+kernel (flash_attn_ext.varlen) reading the cache in place: sequence b is batch entry b's cache
+rows ``cache_leftpad[b] .. cache_seqlens[b] + seqlen_new``, given by cu_seqlens_k and
+seqused_k, so nothing of size (batch, seqlen_cache) is copied (but for ``cache_batch_idx``,
+which gathers the entries it names). CPU kernels only, so far: a CUDA call raises
+``NotImplementedError`` (issue 26).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .varlen import fwd_varlen_op
+
+__all__ = ["flash_attn_with_kvcache"]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """x (B, L, H, D) with its first 2 * cos.shape[1] channels rotated by the angles of rows
+    ``positions`` (B, L) of cos/sin (seqlen_ro, rotary_dim / 2): pairs (2i, 2i + 1) when
+    interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX), as FlashAttention's
+    apply_rotary_emb."""
+    half = cos.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos[positions][:, :, None].to(acc)  # (B, L, 1, half)
+    s = sin[positions][:, :, None].to(acc)
+    rot = x[..., :2 * half].to(acc)
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _int32(value, batch: int, device, name: str) -> torch.Tensor:
+    t = torch.as_tensor(value, device=device)
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() > 1 or \
+            (t.dim() == 1 and t.numel() != batch):
+        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
+                         f"{t.dtype} of shape {tuple(t.shape)}")
+    return t.to(torch.int32).expand(batch).contiguous()
+
+
+def flash_attn_with_kvcache(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+        rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+        cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+        cache_batch_idx: Optional[torch.Tensor] = None,
+        cache_leftpad: Optional[torch.Tensor] = None,
+        block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+        causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
+        num_splits: int = 0, return_softmax_lse: bool = False):
+    """Attention of q against a KV cache, appending k/v first: FlashAttention-2's
+    ``flash_attn_with_kvcache`` (inference: no gradients).
+
+    Args:
+        q: (batch, seqlen_q, num_heads, head_dim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, num_heads_k, head_dim / head_dim_v),
+            updated in place where k/v are given.
+        k, v: (batch, seqlen_new, num_heads_k, head_dim / head_dim_v) or None: written into the
+            cache at rows cache_seqlens[b] .. + seqlen_new (which must fit in seqlen_cache).
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None: q and the new k get the
+            rotary embedding on their first rotary_dim channels at positions cache_seqlens[b] +
+            i (causal or windowed calls; else every query at cache_seqlens[b]), as
+            FlashAttention-2. rotary_interleaved: pairs (2i, 2i + 1) (GPT-J) or halves
+            (GPT-NeoX).
+        cache_seqlens: int or (batch,) int32: each entry's cached length before the append
+            (default: seqlen_cache, a full cache).
+        cache_batch_idx: (batch,) integer or None: the cache entry of each batch element
+            (gathered: a copy of those entries; new k/v are written to them in place).
+        cache_leftpad: (batch,) int32 or None: entry b's keys start at that row.
+        softmax_scale, causal (bottom-right over the used keys), window_size, softcap,
+            alibi_slopes: as :func:`flash_attn_ext.flash_attn_func`.
+        num_splits: a CUDA scheduling hint (ignored on the CPU); block_table: paged KV, not
+            supported yet.
+        return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
+
+    Returns:
+        out (batch, seqlen_q, num_heads, head_dim_v), or (out, softmax_lse).
+
+    Raises:
+        NotImplementedError: CUDA tensors (the CUDA kernels do not take it yet), block_table.
+        ValueError: shapes, a cache too short for the append, bad lengths.
+    """
+    del num_splits
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            f"flash_attn_with_kvcache runs on the CPU kernels only so far, got q on {q.device}")
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: block_table (paged KV) is not "
+                                  "supported yet")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("q, k_cache and v_cache must have 4 dimensions (batch, seqlen, heads, "
+                         f"head_dim), got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_cache = k_cache.shape[1]
+    device = q.device
+    seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
+                     "cache_seqlens")
+    leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,
+                     "cache_leftpad")
+    new = 0 if k is None else k.shape[1]
+    if bool(((seqlens < 0) | (seqlens + new > seqlen_cache)).any()):
+        raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
+                         f"{seqlen_cache}], got cache_seqlens={seqlens.tolist()} and "
+                         f"seqlen_new={new}")
+    if bool(((leftpad < 0) | (leftpad > seqlens + new)).any()):
+        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens + seqlen_new], got "
+                         f"{leftpad.tolist()}")
+    entries = torch.arange(batch, device=device) if cache_batch_idx is None else \
+        torch.as_tensor(cache_batch_idx, device=device).long()
+    rotary = rotary_cos is not None
+    positions = seqlens.long()[:, None] + torch.arange(max(seqlen_q, new), device=device)
+    with torch.no_grad():
+        if k is not None:
+            if rotary:
+                k = _rotate(k, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
+            for b in range(batch):  # (in place, each entry at its own length)
+                start = int(seqlens[b])
+                k_cache[entries[b], start:start + new] = k[b]
+                v_cache[entries[b], start:start + new] = v[b]
+        if rotary:
+            local = causal or window_size[0] >= 0 or window_size[1] >= 0
+            q_pos = positions[:, :seqlen_q] if local else \
+                seqlens.long()[:, None].expand(batch, seqlen_q)
+            q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+    # The cache as packed sequences: entry b's keys are rows b * seqlen_cache + leftpad[b] ..
+    # of the (batch * seqlen_cache) rows, of which seqlens[b] + new - leftpad[b] are used.
+    kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
+    vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
+    rows = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_cache
+    cu_k = torch.cat([rows[:-1] + leftpad, rows[-1:]])
+    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q
+    longest_k = seqlen_cache + (int(leftpad.max()) if batch > 0 else 0)  # (cu_k's widest gap)
+    out, lse, _ = fwd_varlen_op(
+        q.reshape(batch * seqlen_q, heads, q.shape[-1]),
+        kc.reshape(batch * seqlen_cache, *kc.shape[2:]),
+        vc.reshape(batch * seqlen_cache, *vc.shape[2:]), cu_q, cu_k, seqlen_q, longest_k,
+        softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+        alibi_slopes, 0.0, seqlens + new - leftpad)
+    out = out.reshape(batch, seqlen_q, heads, out.shape[-1])
+    if not return_softmax_lse:
+        return out
+    return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1)

@@ -1,0 +1,88 @@
+"""flash_attn_with_kvcache on the CPU: the in-place append, rotary embeddings, per-entry lengths,
+left padding and batch indices, against a float64 reference of each entry's attention."""
+
+import pytest
+import torch
+
+from flash_attn_ext import flash_attn_with_kvcache
+from reference import attention_ref
+
+
+def _rotary_ref(x, cos, sin, positions, interleaved):
+    """The rotary embedding written out per channel pair (FlashAttention's definition)."""
+    out = x.clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            c, s = cos[positions[b][i]], sin[positions[b][i]]
+            for j in range(half):
+                a, bb = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+                x1, x2 = x[b, i, :, a], x[b, i, :, bb]
+                out[b, i, :, a] = x1 * c[j] - x2 * s[j]
+                out[b, i, :, bb] = x1 * s[j] + x2 * c[j]
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+@pytest.mark.parametrize("layout", ["plain", "leftpad", "batch_idx"])
+def test_append_then_attend_matches_each_entry(causal, rotary, layout):
+    torch.manual_seed(0)
+    batch, seqlen_q, new, cache_len, heads, heads_k, d = 3, 2, 2, 24, 4, 2, 16
+    f64 = torch.float64
+    q = torch.randn(batch, seqlen_q, heads, d, dtype=f64)
+    k, v = (torch.randn(batch, new, heads_k, d, dtype=f64) for _ in "kv")
+    k_cache, v_cache = (torch.randn(batch + 1, cache_len, heads_k, d, dtype=f64) for _ in "kv")
+    seqlens = torch.tensor([5, 0, 17], dtype=torch.int32)
+    leftpad = torch.tensor([2, 0, 7], dtype=torch.int32) if layout == "leftpad" else None
+    idx = torch.tensor([2, 0, 3]) if layout == "batch_idx" else None
+    cos = sin = None
+    if rotary is not None:
+        angles = torch.rand(cache_len, 4, dtype=f64) * 6
+        cos, sin = angles.cos(), angles.sin()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    entries = idx if idx is not None else torch.arange(batch)
+    positions = seqlens.long()[:, None] + torch.arange(new)
+    k_rot = k if cos is None else _rotary_ref(k, cos, sin, positions, rotary == "interleaved")
+    for b in range(batch):
+        want_k[entries[b], seqlens[b]:seqlens[b] + new] = k_rot[b]
+        want_v[entries[b], seqlens[b]:seqlens[b] + new] = v[b]
+    q_rot = q if cos is None else _rotary_ref(
+        q, cos, sin, positions if causal else seqlens.long()[:, None].expand(batch, seqlen_q),
+        rotary == "interleaved")
+
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cache_batch_idx=idx, cache_leftpad=leftpad, causal=causal,
+        rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # appended in place
+    assert lse.shape == (batch, heads, seqlen_q)
+    for b in range(batch):
+        lo = 0 if leftpad is None else int(leftpad[b])
+        hi = int(seqlens[b]) + new
+        ref, ref_lse = attention_ref(q_rot[b:b + 1], want_k[entries[b]][None, lo:hi],
+                                     want_v[entries[b]][None, lo:hi], causal=causal)
+        assert (out[b] - ref[0]).abs().max().item() < 1e-12
+        assert (lse[b] - ref_lse[0]).abs().max().item() < 1e-12
+
+
+def test_without_new_keys_a_full_cache_by_default():
+    q = torch.randn(2, 1, 2, 8)
+    k_cache, v_cache = torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache)
+    ref, _ = attention_ref(q, k_cache, v_cache)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_errors_name_the_rule():
+    q = torch.randn(1, 1, 2, 8)
+    k_cache, v_cache = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
+    new = torch.randn(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new must be in"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
+    with pytest.raises(NotImplementedError, match="CPU kernels only"):
+        flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
