@@ -5,8 +5,8 @@ embedding, and q attends to each batch entry's cached keys. The attention is the
 kernel (flash_attn_ext.varlen) reading the cache in place: sequence b is batch entry b's cache
 rows ``cache_leftpad[b] .. cache_seqlens[b] + seqlen_new``, given by cu_seqlens_k and
 seqused_k, so nothing of size (batch, seqlen_cache) is copied (but for ``cache_batch_idx``,
-which gathers the entries it names). CPU kernels only, so far: a CUDA call raises
-``NotImplementedError`` (issue 26).
+which gathers the entries it names, and a paged cache, whose pages are gathered). CPU kernels
+only, so far: a CUDA call raises ``NotImplementedError`` (issue 26).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, num_heads, head_dim).
         k_cache, v_cache: (batch_cache, seqlen_cache, num_heads_k, head_dim / head_dim_v),
-            updated in place where k/v are given.
+            or with block_table (num_blocks, page_size, num_heads_k, ...): updated in place
+            where k/v are given.
         k, v: (batch, seqlen_new, num_heads_k, head_dim / head_dim_v) or None: written into the
             cache at rows cache_seqlens[b] .. + seqlen_new (which must fit in seqlen_cache).
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None: q and the new k get the
@@ -81,24 +82,23 @@ def flash_attn_with_kvcache(
         cache_leftpad: (batch,) int32 or None: entry b's keys start at that row.
         softmax_scale, causal (bottom-right over the used keys), window_size, softcap,
             alibi_slopes: as :func:`flash_attn_ext.flash_attn_func`.
-        num_splits: a CUDA scheduling hint (ignored on the CPU); block_table: paged KV, not
-            supported yet.
+        block_table: (batch, max_num_blocks) int32 or None: paged KV, entry b's cache is pages
+            block_table[b, 0], block_table[b, 1], ... of k_cache/v_cache (any page size;
+            gathered into a copy on the CPU).
+        num_splits: a CUDA scheduling hint (ignored on the CPU).
         return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
 
     Returns:
         out (batch, seqlen_q, num_heads, head_dim_v), or (out, softmax_lse).
 
     Raises:
-        NotImplementedError: CUDA tensors (the CUDA kernels do not take it yet), block_table.
+        NotImplementedError: CUDA tensors (the CUDA kernels do not take it yet).
         ValueError: shapes, a cache too short for the append, bad lengths.
     """
     del num_splits
     if q.device.type != "cpu":
         raise NotImplementedError(
             f"flash_attn_with_kvcache runs on the CPU kernels only so far, got q on {q.device}")
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: block_table (paged KV) is not "
-                                  "supported yet")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q, k_cache and v_cache must have 4 dimensions (batch, seqlen, heads, "
                          f"head_dim), got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
@@ -106,8 +106,21 @@ def flash_attn_with_kvcache(
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     batch, seqlen_q, heads, _ = q.shape
-    seqlen_cache = k_cache.shape[1]
     device = q.device
+    page = k_cache.shape[1]  # (paged: the page size; else the cache's length)
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with block_table (paged KV)")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+                block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be a (batch, max_num_blocks) = ({batch}, ...) "
+                             f"int32 tensor, got {block_table.dtype} of shape "
+                             f"{tuple(block_table.shape)}")
+        if block_table.numel() and not bool(((block_table >= 0) &
+                                             (block_table < k_cache.shape[0])).all()):
+            raise ValueError(f"block_table entries must be page indices in [0, "
+                             f"{k_cache.shape[0]}) (k_cache.shape[0])")
+    seqlen_cache = page * (block_table.shape[1] if block_table is not None else 1)
     seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
                      "cache_seqlens")
     leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,
@@ -128,10 +141,14 @@ def flash_attn_with_kvcache(
         if k is not None:
             if rotary:
                 k = _rotate(k, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
-            for b in range(batch):  # (in place, each entry at its own length)
-                start = int(seqlens[b])
-                k_cache[entries[b], start:start + new] = k[b]
-                v_cache[entries[b], start:start + new] = v[b]
+            # In place, each entry at its own length: (cache entry or page, row) per token.
+            pos = positions[:, :new]
+            if block_table is not None:
+                where = (block_table.long().gather(1, pos // page), pos % page)
+            else:
+                where = (entries[:, None].expand(batch, new), pos)
+            k_cache[where] = k.to(k_cache.dtype)
+            v_cache[where] = v.to(v_cache.dtype)
         if rotary:
             local = causal or window_size[0] >= 0 or window_size[1] >= 0
             q_pos = positions[:, :seqlen_q] if local else \
@@ -139,8 +156,11 @@ def flash_attn_with_kvcache(
             q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
     # The cache as packed sequences: entry b's keys are rows b * seqlen_cache + leftpad[b] ..
     # of the (batch * seqlen_cache) rows, of which seqlens[b] + new - leftpad[b] are used.
-    kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
-    vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
+    if block_table is not None:  # (the pages gathered into each entry's cache: a copy)
+        kc, vc = (c[block_table.long()].flatten(1, 2) for c in (k_cache, v_cache))
+    else:
+        kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
+        vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
     rows = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_cache
     cu_k = torch.cat([rows[:-1] + leftpad, rows[-1:]])
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q

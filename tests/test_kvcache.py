@@ -82,7 +82,32 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3)
     with pytest.raises(ValueError, match="k and v must be given together"):
         flash_attn_with_kvcache(q, k_cache, v_cache, new)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="block_table must be"):
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
     with pytest.raises(NotImplementedError, match="CPU kernels only"):
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
+
+
+@pytest.mark.parametrize("page", [1, 16, 48])
+def test_paged_cache_equals_the_contiguous_one(page):
+    # The same caches, once contiguous and once as shuffled pages of `page` rows (any size):
+    # the same output, and the appended rows land in the right pages.
+    torch.manual_seed(1)
+    batch, blocks, heads_k, d = 2, 96 // page, 2, 8
+    k_cache, v_cache = (torch.randn(batch, blocks * page, heads_k, d) for _ in "kv")
+    perm = torch.randperm(batch * blocks)
+    table = perm.reshape(batch, blocks).to(torch.int32)
+    k_pages, v_pages = (torch.empty(batch * blocks, page, heads_k, d) for _ in "kv")
+    k_pages[perm] = k_cache.reshape(batch * blocks, page, heads_k, d)
+    v_pages[perm] = v_cache.reshape(batch * blocks, page, heads_k, d)
+    q = torch.randn(batch, 3, 4, d)
+    k, v = (torch.randn(batch, 3, heads_k, d) for _ in "kv")
+    seqlens = torch.tensor([40, 93], dtype=torch.int32)
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, causal=True,
+                                  block_table=table)
+    assert torch.equal(out, want)
+    assert torch.equal(k_pages[perm].reshape(k_cache.shape), k_cache)  # appended in place
+    assert torch.equal(v_pages[perm].reshape(v_cache.shape), v_cache)
+    with pytest.raises(ValueError, match="page indices"):
+        flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table + 1000)
