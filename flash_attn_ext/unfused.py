@@ -1,6 +1,7 @@
 """The correct but unfused attention that serves calls no fused kernel takes (reported by
 flash_attn_ext.policy), and PyTorch's own ``scaled_dot_product_attention`` as imported before
-any patching (kept for patch()/unpatch(); no call runs on it)."""
+any patching (where patch() sends the calls the drop-in cannot take, and what unpatch()
+restores)."""
 
 from __future__ import annotations
 
