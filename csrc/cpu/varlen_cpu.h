@@ -96,18 +96,16 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
 }
 
 // alibi_slopes of a packed call: (num_heads,) or (batch, num_heads), batch the number of
-// sequences; the dense checks (dtype, device, heads) on one row of it, with the packed
-// (1, total, H, D) views q, k, v.
-inline void check_packed_alibi(const std::optional<at::Tensor>& alibi_slopes,
-                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               int64_t batch) {
-  if (!alibi_slopes.has_value()) return;
+// sequences.  Returns what the dense checks (check_attn_args: dtype, device, heads) are given
+// for them on the packed (1, total, H, D) views: one row.
+inline std::optional<at::Tensor> packed_alibi_row(const std::optional<at::Tensor>& alibi_slopes,
+                                                  int64_t batch) {
+  if (!alibi_slopes.has_value()) return std::nullopt;
   const at::Tensor& slopes = *alibi_slopes;
   TORCH_CHECK_VALUE(slopes.dim() == 1 || (slopes.dim() == 2 && slopes.size(0) == batch),
                     "alibi_slopes must have shape (num_heads,) or (batch, num_heads) with batch = "
                     "len(cu_seqlens_q) - 1 = ", batch, ", got ", slopes.sizes());
-  const at::Tensor row = slopes.dim() == 2 && batch > 0 ? slopes[0] : slopes.reshape({-1});
-  check_attn_args(q, k, v, std::nullopt, false, -1, -1, 0.0, row, std::nullopt, 0.0);
+  return slopes.dim() == 2 && batch > 0 ? slopes[0] : slopes.reshape({-1});
 }
 
 // A packed call's inputs as the kernels take them: q, k, v as (1, total, H, D) views (last
@@ -131,12 +129,11 @@ inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_
   c.q = last_dim_contiguous(q_in).unsqueeze(0);
   c.k = last_dim_contiguous(k_in).unsqueeze(0);
   c.v = last_dim_contiguous(v_in).unsqueeze(0);
-  c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
-                        std::nullopt, std::nullopt, dropout_p);
   TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
   c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k);
-  check_packed_alibi(alibi_slopes, c.q, c.k, c.v, c.pk.batch);
+  c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
+                        packed_alibi_row(alibi_slopes, c.pk.batch), std::nullopt, dropout_p);
   return c;
 }
 
