@@ -36,18 +36,19 @@ def _leaves(shapes, dtype=torch.float64):
 @pytest.mark.parametrize("seqlens", [(17, 17), (9, 23)])
 def test_flash_attention_forward_and_backward_match_the_reference(cpu_kernels, causal, window,
                                                                     seqlens):
-    # (B, L, H, D) with GQA; is_causal top-left (query i sees keys j <= i), as SDPA's.
+    # (B, L, H, D) with GQA; is_causal and windows bottom-right (query i sees keys
+    # j <= i + S - L), as PyTorch's own flash kernel (FlashAttention-2).
     L, S = seqlens
-    q, k, v = _leaves([(2, L, 4, 24), (2, S, 2, 24), (2, S, 2, 40)])
+    q, k, v = _leaves([(2, L, 4, 24), (2, S, 2, 24), (2, S, 2, 24)])
     out, lse, rng, unused, debug = aten._flash_attention_forward(
         q, k, v, None, None, L, S, 0.0, causal, False, scale=0.3,
         window_size_left=window[0], window_size_right=window[1])
-    assert out.shape == (2, L, 4, 40) and lse.shape == (2, 4, L) and debug.numel() == 0
+    assert out.shape == (2, L, 4, 24) and lse.shape == (2, 4, L) and debug.numel() == 0
     assert rng.dtype == torch.uint64 and rng.shape in ((2,), ())
     wl = -1 if window[0] is None else window[0]
     wr = -1 if window[1] is None else window[1]
     ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.3, causal=causal, window_left=wl,
-                                 window_right=wr, align_bottom_right=False)
+                                 window_right=wr, align_bottom_right=True)
     assert (out - ref).abs().max().item() < 1e-12
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -111,8 +112,12 @@ def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
     out = torch.full((2, 11, 2, 8), float("nan"))
     lse = aten._flash_attention_forward_no_dropout_inplace(out, q, k, v, None, None, 11, 11,
                                                            0.0, False, False)
-    want, want_lse, _ = ops.fwd(q, k, v, None, False, -1, -1, False)
+    want, want_lse, _ = ops.fwd(q, k, v, None, False, -1, -1, True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    with pytest.raises(RuntimeError, match="out must be"):  # (not broadcast into)
+        aten._flash_attention_forward_no_dropout_inplace(torch.empty(3, 11, 2, 8), q[:1], k[:1],
+                                                         v[:1], None, None, 11, 11, 0.0, False,
+                                                         False)
 
 
 @pytest.mark.parametrize("case", ["cum_seq_q", "alibi_slopes", "block_table", "debug",
@@ -147,12 +152,39 @@ def test_a_call_no_kernel_serves_raises_with_the_rule_s_reason(cpu_kernels):
 def test_registered_on_import_activated_only_on_request():
     assert torch_flash.NAME in attention.list_flash_attention_impls()
     assert attention.current_flash_attention_impl() != torch_flash.NAME
+    if not ops.build_info()["cuda"]:
+        # Nothing to serve the calls SDPA would send: activation refuses, changing nothing.
+        with pytest.raises(RuntimeError, match="no CUDA kernels"):
+            attention.activate_flash_attention_impl(torch_flash.NAME)
+        assert attention.current_flash_attention_impl() is None
+        return
     attention.activate_flash_attention_impl(torch_flash.NAME)
     try:
         assert attention.current_flash_attention_impl() == torch_flash.NAME
     finally:
         attention.restore_flash_attention_impl()
     assert attention.current_flash_attention_impl() is None
+
+
+def test_single_query_causal_sees_every_key(cpu_kernels):
+    # Decoding (L = 1) with is_causal: bottom-right, the query sees all S keys (PyTorch's
+    # kernel turns causal off for L = 1).
+    q, k, v = torch.randn(1, 1, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    out = aten._flash_attention_forward(q, k, v, None, None, 1, 8, 0.0, True, False)[0]
+    assert torch.allclose(out, aten._flash_attention_forward(q, k, v, None, None, 1, 8, 0.0,
+                                                             False, False)[0])
+
+
+def test_value_head_dim_unlike_the_query_s_is_refused(cpu_kernels):
+    q, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 32)
+    with pytest.raises(RuntimeError, match="value head dim 32 != query head dim 16"):
+        aten._flash_attention_forward(q, q, v, None, None, 8, 8, 0.0, False, False)
+
+
+def test_no_keys_give_logsumexp_plus_inf_as_pytorch(cpu_kernels):
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 0, 2, 8)
+    out, lse = aten._flash_attention_forward(q, k, k, None, None, 3, 0, 0.0, False, False)[:2]
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
 
 
 @needs_registry

@@ -19,13 +19,15 @@ Contracts kept (the ops' schemas, ``torch/_C/_VariableFunctions``; their meta ke
 PyTorch's, so ``torch.compile`` sees the same shapes): ``_flash_attention_*`` take
 (B, L, H, D) tensors, ``_scaled_dot_product_flash_attention*`` (B, H, L, D), outputs laid out
 as the op's meta kernel says (they differ between torch versions; a copy where our kernels'
-layout differs, see _as_meta_lays_out); ``is_causal`` is top-left
-aligned (query i sees keys j <= i: SDPA's rule; PyTorch only sends square causal calls to
-flash), windows as FlashAttention's; ``logsumexp`` (B, H, L) float32; GQA with fewer key/value
-heads.  Dropout uses our kernels' Philox mask (docs/reference.md): the (seed, offset) pair
-travels from the forward to the backward in PyTorch's own rng outputs (``rng_state``, uint64
-(2,), or ``philox_seed`` / ``philox_offset`` where the op's schema has those), so the backward
-regenerates the forward's mask.
+layout differs, see _as_meta_lays_out); ``is_causal`` and windows bottom-right aligned as in
+PyTorch's own flash kernel (FlashAttention-2: query i of L sees key j <= i + S - L; SDPA sends
+only square causal calls to flash, where the alignments agree); one head dim for q, k and v
+(the meta kernels give the output the query's); ``logsumexp`` (B, H, L) float32, +inf for
+rows of a call without keys, as PyTorch's; GQA with fewer key/value heads.  Dropout uses our
+kernels' Philox mask (docs/reference.md): the (seed, offset) pair travels from the forward to
+the backward in PyTorch's own rng outputs (``rng_state``, uint64 (2,), or ``philox_seed`` /
+``philox_offset`` where the op's schema has those), so the backward regenerates the forward's
+mask.
 
 A call we do not serve raises ``RuntimeError`` naming what is unsupported, as PyTorch's own
 FA3/FA4 providers do: variable-length batches (``cum_seq_q``/``cum_seq_k``, ``seqused_k``),
@@ -73,6 +75,20 @@ class _Handle:
 
 
 def _activate() -> _Handle:
+    """Registers the CUDA kernels, after checking that this build and every visible GPU can
+    serve plain calls: once SDPA has chosen FLASH it cannot fall back, so activating where our
+    rule refuses would turn working calls into errors."""
+    build = ops.build_info()
+    if not build["cuda"]:
+        raise RuntimeError("activate_flash_attention_impl('flash_attn_ext'): this build of "
+                           "flash_attn_ext has no CUDA kernels")
+    for index in range(torch.cuda.device_count()):
+        q = torch.empty(1, 128, 1, 128, device=f"cuda:{index}", dtype=torch.bfloat16)
+        p = planning.plan(q, q, q)
+        if not p.fused:
+            raise RuntimeError(f"activate_flash_attention_impl('flash_attn_ext'): GPU {index} "
+                               f"({torch.cuda.get_device_name(index)}) is not served: "
+                               f"{'; '.join(p.reasons)}")
     return _Handle(register_kernels("CUDA"))
 
 
@@ -184,14 +200,21 @@ def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_
         raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): no kernel "
                            f"serves this call: {'; '.join(p.reasons)}")
     policy.record(p, None)
-    return ops.fwd_op(q, k, v, scale, is_causal, wl, wr, False, 0.0, None, None,
-                      float(dropout_p), _deterministic())
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): value head "
+                           f"dim {v.shape[-1]} != query head dim {q.shape[-1]} not supported "
+                           "(the op's meta kernel gives the output the query's head dim)")
+    out, lse, rng = ops.fwd_op(q, k, v, scale, is_causal, wl, wr, True, 0.0, None, None,
+                               float(dropout_p), _deterministic())
+    if k.shape[1] == 0:
+        lse = lse.fill_(float("inf"))  # (no keys: PyTorch's kernel's +inf, not our -inf)
+    return out, lse, rng
 
 
 def _backward(dout, q, k, v, out, logsumexp, dropout_p, is_causal, rng, scale, window_left,
               window_right):
     dq, dk, dv, _ = ops.bwd_op(dout, q, k, v, out, logsumexp, rng, scale, is_causal,
-                               _window(window_left), _window(window_right), False, 0.0, None,
+                               _window(window_left), _window(window_right), True, 0.0, None,
                                None, float(dropout_p), _deterministic(), False, None)
     return dq, dk, dv
 
@@ -225,6 +248,11 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
     del max_q, max_k, num_splits
     result, lse, _ = _forward("_flash_attention_forward_no_dropout_inplace", query, key, value,
                               0.0, is_causal, scale, window_size_left, window_size_right)
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention "
+                           f"(_flash_attention_forward_no_dropout_inplace): out must be "
+                           f"{tuple(result.shape)} {result.dtype} on {result.device}, got "
+                           f"{tuple(out.shape)} {out.dtype} on {out.device}")
     out.copy_(result)  # (our kernels allocate their output; one copy)
     return lse
 
