@@ -166,6 +166,35 @@ def test_packed_sequences_do_not_attend_across():
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
 
 
+@pytest.mark.parametrize("route", ["varlen", "mask"])
+def test_packed_sequences_packed_differently_are_causal_within_each(route):
+    # q lengths [0, 1, 0, 1] against k lengths [0, 3, 0, 5] (decoding against packed
+    # caches): causal is bottom-right within each sequence, so the last query sees all 5 of
+    # its keys (one top-left triangle over the packed matrix gave it none: zeros).  "varlen":
+    # attention_forward on the CPU (the packed kernels); "mask": the mask other devices get.
+    from flash_attn_ext.integrations.transformers import (
+        _packed_sequence_mask,
+        attention_forward,
+    )
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 8, 8, dtype=torch.float64) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 0, 3, 3, 8])
+    kw = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+    if route == "varlen":
+        out, _ = attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, **kw)
+    else:
+        mask = _packed_sequence_mask(q, k, kw, causal=True)
+        out = flash_attn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          enable_gqa=True).transpose(1, 2)
+    kr, vr = (t.repeat_interleave(2, 1) for t in (k, v))
+    ref = torch.cat([F.scaled_dot_product_attention(q[:, :, 0:1], kr[:, :, 0:3], vr[:, :, 0:3]),
+                     F.scaled_dot_product_attention(q[:, :, 1:2], kr[:, :, 3:8], vr[:, :, 3:8])],
+                    dim=2).transpose(1, 2)
+    assert (out - ref).abs().max().item() < 1e-12
+
+
 def test_sdpa_named_registration_for_models_that_special_case_flash():
     # Pixtral's vision tower drops its block mask for any "flash" name; "fae_sdpa" keeps it.
     cfg = transformers.PixtralVisionConfig(hidden_size=64, intermediate_size=128,

@@ -52,8 +52,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             soft-capping, in the kernels), ``position_bias`` (T5-style additive bias, folded
             into the mask as transformers' SDPA path does), ``cu_seq_lens_q/k`` (sequences
             packed into one row, which models hand FlashAttention-named implementations
-            instead of a mask: turned into a block-diagonal mask so that no token attends
-            across sequences).  Packing described only by ``position_ids`` is not read (that
+            instead of a mask: on the CPU the packed-sequence kernels, elsewhere a
+            block-diagonal mask, causal bottom-right within each sequence, so that no token
+            attends across sequences).  Packing described only by ``position_ids`` is not read (that
             would cost a device sync per call); decoders built on transformers' mask
             functions already turn it into a mask.  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
@@ -75,12 +76,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("flash_attn_ext does not implement attention sinks (s_aux, "
                                   "e.g. GPT-OSS); use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is None:
-        packed = _packed_sequence_mask(query, key, kwargs)
-        if packed is not None:
-            if is_causal and query.shape[2] > 1:
-                packed = packed & torch.ones_like(packed).tril()
-            attention_mask = packed
+    if attention_mask is None and _packed(kwargs):
+        causal = bool(is_causal and query.shape[2] > 1)
+        if query.device.type == "cpu" and query.shape[0] == 1 and \
+                kwargs.get("position_bias") is None:
+            return _varlen_forward(query, key, value, kwargs, dropout, scaling, causal), None
+        attention_mask = _packed_sequence_mask(query, key, kwargs, causal)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
@@ -94,17 +95,46 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out, None
 
 
-def _packed_sequence_mask(query, key, kwargs) -> Optional[torch.Tensor]:
-    """(L, S) bool mask, True within one packed sequence, from ``cu_seq_lens_q/k``; None when
-    the call does not pass them."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None:
-        return None
-    rows = torch.arange(query.shape[2], device=query.device)
-    cols = torch.arange(key.shape[2], device=query.device)
-    seg_q = torch.searchsorted(cu_q[1:].to(query.device, torch.int64), rows, right=True)
-    seg_k = torch.searchsorted(cu_k[1:].to(query.device, torch.int64), cols, right=True)
-    return seg_q[:, None] == seg_k[None, :]
+def _packed(kwargs) -> bool:
+    return kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+
+
+def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
+    """(L, S) bool mask from ``cu_seq_lens_q/k``: True where query and key are in the same
+    packed sequence and, with ``causal``, the key is visible bottom-right within it (key
+    position <= query position + its keys - its queries, FlashAttention's varlen rule; one
+    top-left triangle over the whole packed matrix is wrong when q and k are packed
+    differently)."""
+    dev = query.device
+    cu_q = kwargs["cu_seq_lens_q"].to(dev, torch.int64)
+    cu_k = kwargs["cu_seq_lens_k"].to(dev, torch.int64)
+    rows = torch.arange(query.shape[2], device=dev)
+    cols = torch.arange(key.shape[2], device=dev)
+    seg_q = torch.searchsorted(cu_q[1:], rows, right=True)
+    seg_k = torch.searchsorted(cu_k[1:], cols, right=True)
+    mask = seg_q[:, None] == seg_k[None, :]
+    if causal:
+        last = len(cu_q) - 1  # (rows and keys past the last offset: their own segment)
+        sq, sk = seg_q.clamp(max=last - 1), seg_k.clamp(max=last - 1)
+        pos_q, pos_k = rows - cu_q[sq], cols - cu_k[sk]
+        offset = (cu_k[sq + 1] - cu_k[sq]) - (cu_q[sq + 1] - cu_q[sq])
+        mask &= pos_k[None, :] <= (pos_q + offset)[:, None]
+    return mask
+
+
+def _varlen_forward(query, key, value, kwargs, dropout, scaling, causal) -> torch.Tensor:
+    """One packed row (batch 1) on the CPU as packed sequences (flash_attn_varlen_func): each
+    sequence attends to its own keys, causal bottom-right within it; (1, L, H, Ev)."""
+    from ..varlen import flash_attn_varlen_func
+
+    cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int32)
+    cu_k = kwargs["cu_seq_lens_k"].to(query.device, torch.int32)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, E)
+    out = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0,
+        int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0, dropout_p=float(dropout),
+        softmax_scale=scaling, causal=causal, softcap=float(kwargs.get("softcap") or 0.0))
+    return out[None]
 
 
 _registered_flash_names: set = set()
