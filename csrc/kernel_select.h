@@ -101,8 +101,8 @@ struct CallInfo {
   bool known = true;
   TensorDesc q, k, v;
   // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
-  // variant takes softcap, a bias and ALiBi; dropout, and a bias's gradient, run on the
-  // portable ones.
+  // variant takes softcap, a bias, ALiBi and dropout; a bias's gradient runs on the portable
+  // backward.
   int score_mods = 0;
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
@@ -175,7 +175,6 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
                   "and the CUTLASS headers at build time: pip install --no-deps "
                   "nvidia-cutlass==4.2.0.0 and rebuild)");
   if (options.force_portable) why.push_back("FLASH_ATTN_EXT_KERNEL=sm80");
-  if (call.score_mods & kDropout) why.push_back("dropout runs on the sm80 kernels");
   if (call.known) {
     const int64_t seqlen_q = call.q.size[1], seqlen_k = call.k.size[1];
     if (seqlen_q == 0 || seqlen_k == 0) why.push_back("an empty sequence");

@@ -59,11 +59,21 @@ at::Tensor dropout_mask(int64_t seed, int64_t offset, int64_t batch, int64_t hea
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, at::kBool);
   auto* keep = reinterpret_cast<uint8_t*>(mask.data_ptr<bool>());
   const uint32_t threshold = flash_attn_ext::dropout_threshold(dropout_p);
-  for (int64_t row = 0; row < batch * heads * seqlen_q; ++row)
-    flash_attn_ext::cpu::dropout_keep(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                                      threshold, static_cast<uint64_t>(row), 0, seqlen_k,
-                                      keep + row * seqlen_k);
+  for (int64_t bh = 0; bh < batch * heads; ++bh)
+    for (int64_t i = 0; i < seqlen_q; ++i)
+      flash_attn_ext::cpu::dropout_keep(
+          static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), threshold,
+          static_cast<uint64_t>(bh * seqlen_q + flash_attn_ext::dropout_cell_row(i)), i, 0,
+          seqlen_k, keep + (bh * seqlen_q + i) * seqlen_k);
   return mask;
+}
+
+// The scale of the elements dropout keeps (dropout.h): 1 / P(kept), where P(kept) is
+// 1 - dropout_p rounded to a multiple of 1/256; 0 when nothing is kept.
+double dropout_scale(double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ",
+                    dropout_p);
+  return flash_attn_ext::dropout_scale(dropout_p);
 }
 
 // kernel_select.h's rule for a CUDA call described by Python values (flash_attn_ext/planning.py
@@ -208,4 +218,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("dropout_mask", &dropout_mask,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "
         "(batch, heads, seqlen_q, seqlen_k) bool.");
+  m.def("dropout_scale", &dropout_scale,
+        "The kernels' scale of kept dropout elements: 1 / P(kept), P(kept) = 1 - dropout_p "
+        "rounded to a multiple of 1/256 (0 when nothing is kept).");
 }

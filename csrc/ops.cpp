@@ -303,10 +303,10 @@ void check_rng_state(const at::Tensor& rng_state) {
 }
 
 void fill_dropout_params(FwdParams& p, double dropout_p) {
-  p.dropout = dropout_p > 0.0;
+  p.dropout = dropout_active(dropout_p);  // a dropout_p that rounds to 0 drops nothing
   p.dropout_p = dropout_p;
   p.dropout_threshold = p.dropout ? dropout_threshold(dropout_p) : 0u;
-  p.dropout_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
+  p.dropout_scale = p.dropout ? static_cast<float>(dropout_scale(dropout_p)) : 1.f;
 }
 
 at::Tensor reduce_dbias(const at::Tensor& dbias_full, const std::optional<at::Tensor>& attn_bias,

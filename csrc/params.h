@@ -55,8 +55,9 @@ struct FwdParams {
   int64_t window_left = -1, window_right = -1;
   bool align_bottom_right = true;
 
-  // Dropout on P (dropout.h): element (b, h, i, j) is kept iff its Philox word is below
-  // dropout_threshold; kept values are scaled by dropout_scale = 1 / (1 - dropout_p).
+  // Dropout on P (dropout.h): element (b, h, i, j) is kept iff its Philox byte is below
+  // dropout_threshold (in [0, 256]); kept values are scaled by dropout_scale = 256 / threshold.
+  // dropout is false where dropout_p rounds to 0 (dropout_active).
   // The (seed, offset) pair comes from philox_seed/philox_offset, or, where the pointers are set
   // (CUDA: under graph capture, and in the backward, which reads the forward's rng_state), from
   // *philox_seed_ptr and *philox_offset_ptr + philox_offset_intragraph, read on the device.

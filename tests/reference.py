@@ -47,8 +47,9 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
                   return_probs=False, dropout_keep=None, dropout_p=0.0):
     """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable
     (and the probabilities (B, H, L, S) with ``return_probs``).  ``dropout_keep``: the (B, H, L,
-    S) bool mask of kept weights (kept ones scaled by 1 / (1 - dropout_p)) applied to P before
-    P V, as the kernels do.  ``alibi_slopes``: (H,) or (B, H), see alibi_ref."""
+    S) bool mask of kept weights applied to P before P V, as the kernels do, the kept ones scaled
+    by the kernels' 1 / P(kept) (``_C.dropout_scale(dropout_p)``: 1 - dropout_p rounded to a
+    multiple of 1/256, csrc/dropout.h).  ``alibi_slopes``: (H,) or (B, H), see alibi_ref."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -73,7 +74,8 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     weights = probs
     if dropout_keep is not None:
-        weights = probs * dropout_keep.to(probs.device) / (1.0 - dropout_p)
+        from flash_attn_ext import _C
+        weights = probs * dropout_keep.to(probs.device) * _C.dropout_scale(dropout_p)
     out = torch.einsum("bhls,bshd->blhd", weights, vc)
     return (out, lse, probs) if return_probs else (out, lse)
 

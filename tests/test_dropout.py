@@ -17,11 +17,15 @@ from reference import assert_error_rule
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+# (device, kernels): on CUDA the default rule (the Hopper kernels' general variant on sm_90)
+# and the portable kernels, which must drop the same elements.
+DEVICE_KERNELS = [("cpu", "auto")] + ([("cuda", "auto"), ("cuda", "sm80")] if HAS_CUDA else [])
 LOW = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 def reference(q, k, v, keep, dropout_p, causal, dtype):
-    """softmax(q k^T scale + causal mask) * keep / (1 - p) @ v in ``dtype``, (B, L, H, D)."""
+    """softmax(q k^T scale + causal mask) * keep * scale @ v in ``dtype``, (B, L, H, D), scale
+    the kernels' 1 / P(kept) (csrc/dropout.h)."""
     qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     group = qh.shape[1] // kh.shape[1]
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
@@ -31,7 +35,7 @@ def reference(q, k, v, keep, dropout_p, causal, dtype):
         visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
         s = s.masked_fill(~visible, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    p = p * keep.to(q.device) / (1 - dropout_p)
+    p = p * keep.to(q.device) * _C.dropout_scale(dropout_p)
     return (p @ vh).transpose(1, 2)
 
 
@@ -40,11 +44,15 @@ def run_ours(q, k, v, dropout_p, causal):
     return out, rng
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16), (1, 130, 200, 2, 1, 64)], ids=str)
-def test_forward_and_grads_equal_reference_with_the_same_mask(device, causal, shape):
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16), (1, 130, 200, 2, 1, 64),
+                                   (1, 113, 300, 2, 2, 128), (1, 17, 150, 2, 1, 256)], ids=str)
+def test_forward_and_grads_equal_reference_with_the_same_mask(device, kernel, causal, shape,
+                                                               kernel_opts):
     B, L, S, H, HKV, D = shape
+    if device == "cuda":
+        kernel_opts(force_portable=kernel == "sm80")
     dtype, p_drop = LOW[device], 0.3
     q = torch.randn(B, L, H, D, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(B, S, HKV, D, device=device, dtype=dtype, requires_grad=True)
@@ -70,22 +78,68 @@ def test_forward_and_grads_equal_reference_with_the_same_mask(device, causal, sh
 @pytest.mark.parametrize("device", DEVICES)
 def test_kept_fraction_scaling_and_reproducibility(device):
     p_drop, B, H, L, S = 0.2, 2, 3, 64, 301
-    # With v = 1 and uniform scores, out = (kept count / S) / (1 - p) per row: its mean is 1.
+    # With v = 1 and uniform scores, out = (kept count / S) / P(kept) per row: its mean is 1.
+    # P(kept) = 1 - p rounded to a multiple of 1/256 (0.80078125 here; csrc/dropout.h).
     q = torch.zeros(B, L, H, 8, device=device, dtype=LOW[device])
     v = torch.ones(B, S, H, 8, device=device, dtype=LOW[device])
     torch.manual_seed(7)
     out = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
     rows = out[..., 0].float()
     n = B * H * L * S
-    kept = rows.sum().item() * (1 - p_drop) * S
-    sigma = math.sqrt(n * p_drop * (1 - p_drop))
-    assert abs(kept - n * (1 - p_drop)) < 5 * sigma + 0.01 * n * (device == "cuda")
+    keep_p = 1.0 / _C.dropout_scale(p_drop)
+    assert keep_p == round((1 - p_drop) * 256) / 256
+    kept = rows.sum().item() * keep_p * S
+    sigma = math.sqrt(n * keep_p * (1 - keep_p))
+    assert abs(kept - n * keep_p) < 5 * sigma + 0.01 * n * (device == "cuda")
     assert abs(rows.mean().item() - 1.0) < 0.02
     torch.manual_seed(7)
     again = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
     assert torch.equal(out, again)
     different = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
     assert not torch.equal(out, different)
+
+
+def _philox4x32_10(counter, key):
+    """Philox4x32-10 (Salmon et al., SC 2011) on 4 counter and 2 key words, as curand's."""
+    m0, m1, w0, w1, mask = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+    c, k = list(counter), list(key)
+    for _ in range(10):
+        p0, p1 = m0 * c[0], m1 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & mask, (p0 >> 32) ^ c[3] ^ k[1], p0 & mask]
+        k = [(k[0] + w0) & mask, (k[1] + w1) & mask]
+    return c
+
+
+def test_host_mask_follows_the_documented_rule():
+    # csrc/dropout.h, written out independently: element (b, h, i, j) is byte dj of word di of
+    # the Philox call for counter (offset + cell_col(j), row id of i's cell), key seed.
+    seed, offset, B, H, L, S, p_drop = 0x1234_5678_9ABC, 77, 2, 3, 37, 45, 0.3
+    keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    threshold = round((1 - p_drop) * 256)
+    assert _C.dropout_scale(p_drop) == 256 / threshold
+    g = torch.Generator().manual_seed(0)
+    for b, h, i, j in zip(*(torch.randint(0, n, (300,), generator=g).tolist()
+                            for n in (B, H, L, S))):
+        row_id = (b * H + h) * L + (i & ~9)
+        block = offset + 4 * (j // 16) + (j % 8) // 2
+        words = _philox4x32_10([block & 0xFFFFFFFF, block >> 32, row_id & 0xFFFFFFFF,
+                                row_id >> 32], [seed & 0xFFFFFFFF, seed >> 32])
+        di, dj = (i & 1) | ((i >> 2) & 2), (j & 1) | ((j >> 2) & 2)
+        byte = (words[di] >> (8 * dj)) & 0xFF
+        assert bool(keep[b, h, i, j]) == (byte < threshold), (b, h, i, j)
+
+
+def test_dropout_p_rounding_edges():
+    # P(kept) is 1 - dropout_p rounded to a multiple of 1/256: a dropout_p below 1/512 keeps
+    # everything unscaled (and draws nothing), one above 1 - 1/512 drops everything.
+    assert _C.dropout_scale(0.0) == 1.0 and _C.dropout_scale(0.001) == 1.0
+    assert _C.dropout_scale(0.5) == 2.0 and _C.dropout_scale(0.999) == 0.0
+    q = torch.randn(1, 20, 2, 8)
+    torch.manual_seed(0)
+    out, _, rng = ops.fwd(q, q, q, None, False, -1, -1, True, 0.0, None, None, 0.001)
+    assert torch.equal(out, ops.fwd(q, q, q)[0]) and rng.tolist() == [0, 0]
+    out = ops.fwd(q, q, q, None, False, -1, -1, True, 0.0, None, None, 0.999)[0]
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_host_mask_statistics():

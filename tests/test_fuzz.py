@@ -114,7 +114,8 @@ def test_fuzz_against_reference(c):
     # Forward slack for scores' rounding: an fp32 score of size |s| is off by ~eps32 |s|, which
     # moves P (and out) relatively by that much; a different summation order than PyTorch's
     # can cost it where PyTorch got lucky (large scale, few visible keys).
-    *cancel, score_scale = (x / (1.0 - p) for x in cancellation_scale(q, k, v, dout, **attn_kw))
+    *cancel, score_scale = (x * _C.dropout_scale(p)
+                            for x in cancellation_scale(q, k, v, dout, **attn_kw))
     if bias is not None:
         true_out, true_lse = attention_ref(*(t.detach().double() for t in (q, k, v)),
                                            attn_bias=bias, **kw)
@@ -134,6 +135,6 @@ def test_fuzz_against_reference(c):
         return
     true_grads = torch.autograd.grad(true_out, true_leaves, dout.double())
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
-    # (cancel, score_scale: above; dropout scales the cancelling terms by up to 1 / (1 - p).)
+    # (cancel, score_scale: above; dropout scales the cancelling terms by up to 1 / P(kept).)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)

@@ -322,8 +322,8 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     with flash_attn_ext.kernel_options(force_portable=True):
         assert planning.plan(q, q, q).kernel == "sm80_fwd_hdim128_bf16"
     assert planning.plan(q, q, q) is first  # the same options again: the cached plan
-    # Softcap and a bias: the Hopper kernels' general variant, backward too; dropout and a
-    # bias that needs a gradient: the portable kernels, saying why.
+    # Softcap, a bias and dropout: the Hopper kernels' general variant, backward too; a bias
+    # that needs a gradient: the portable backward, saying why.
     p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.BIAS)
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
     assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
@@ -331,7 +331,8 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
     assert p.backward_kernel == "sm80_bwd_hdim128_bf16" and "requires grad" in str(p)
     p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.DROPOUT)
-    assert p.kernel == "sm80_fwd_hdim128_bf16" and "dropout runs on the sm80" in str(p)
+    assert p.kernel == "sm90_fwd_hdim128_bf16_general"
+    assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
@@ -384,7 +385,7 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
     # (the general variant does not pack: the bias tells the heads apart)
     assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
-    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm80_fwd_hdim64_bf16"
+    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_general"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
     # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason

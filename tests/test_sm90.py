@@ -68,7 +68,8 @@ def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
     q = rand(2, 100, 4, 64)
     assert explain(q, q, q, layout="blhd", softcap=5.0).kernel == "sm90_fwd_hdim64_bf16_general"
     p = explain(q, q, q, layout="blhd", softcap=5.0, dropout_p=0.1)
-    assert p.kernel == "sm80_fwd_hdim64_bf16" and "dropout" in p.notes[0]
+    assert p.kernel == "sm90_fwd_hdim64_bf16_general"
+    assert p.backward_kernel == "sm90_bwd_hdim64_bf16_general"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
     assert p.kernel == "sm80_fwd_hdim64_bf16" and "FLASH_ATTN_EXT_KERNEL=sm80" in str(p)

@@ -58,7 +58,7 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, L = p.seqlen_q;
   const int64_t group = p.heads_q / p.heads_kv;
   const acc_t scale = p.softmax_scale;
-  const acc_t drop_scale = p.dropout ? acc_t(1) / (acc_t(1) - acc_t(p.dropout_p)) : acc_t(1);
+  const acc_t drop_scale = p.dropout ? acc_t(dropout_scale(p.dropout_p)) : acc_t(1);
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -158,7 +158,7 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
               for (int64_t r = 0; r < mq; ++r) {
                 uint8_t* kr = keep.data() + r * BK;
                 dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
-                             seqs.dropout_row(p, b, h, i0 + r), j0, nk, kr);
+                             seqs.dropout_row(p, b, h, i0 + r), i0 + r, j0, nk, kr);
                 for (int64_t c = 0; c < nk; ++c)
                   pz_buf[r * BK + c] = kr[c] ? S[r * BK + c] * drop_scale : acc_t(0);
               }

@@ -16,7 +16,8 @@ namespace flash_attn_ext::cpu {
 // FlashAttention-2's cu_seqlens): sequence b is rows cu_q[b] .. cu_q[b + 1] (keys: cu_k) of
 // (total, H, D) tensors whose batch strides are 0; p.seqlen_q / p.seqlen_k are then the
 // longest sequences' lengths and p.batch the number of sequences.  The LSE is (B, H, L) dense,
-// (H, total_q) packed (FlashAttention-2's); a dropout row id is start(b) * H + h * len_q(b) + i,
+// (H, total_q) packed (FlashAttention-2's); a dropout row id is start(b) * H + h * len_q(b) + x,
+// x the first row of row i's dropout cell (dropout.h),
 // start(b) = b * L dense, which is the dense rule (b * H + h) * L + i, so equal-length packed
 // sequences drop what the dense batch drops.
 struct Seqs {
@@ -38,9 +39,10 @@ struct Seqs {
   int64_t lse_index(const FwdParams& p, int64_t b, int64_t h, int64_t i) const {
     return cu_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q + i : h * total_q + cu_q[b] + i;
   }
+  // The row id of row i's dropout cell (dropout.h).
   uint64_t dropout_row(const FwdParams& p, int64_t b, int64_t h, int64_t i) const {
     const int64_t start = cu_q == nullptr ? b * p.seqlen_q : cu_q[b];
-    return static_cast<uint64_t>(start * p.heads_q + h * len_q(p, b) + i);
+    return static_cast<uint64_t>(start * p.heads_q + h * len_q(p, b) + dropout_cell_row(i));
   }
   VisibleKeys visible(const FwdParams& p, int64_t b) const {
     return VisibleKeys(len_q(p, b), len_k(p, b), p.window_left, p.window_right,

@@ -44,7 +44,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   const auto* v = static_cast<const scalar_t*>(p.v);
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
-  const acc_t out_scale = p.dropout ? acc_t(1) / (acc_t(1) - acc_t(p.dropout_p)) : acc_t(1);
+  const acc_t out_scale = p.dropout ? acc_t(dropout_scale(p.dropout_p)) : acc_t(1);
 
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), k_buf(kInPlace ? 0 : BK * D),
@@ -85,7 +85,8 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
             dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
-                         seqs.dropout_row(p, b, h, i0 + r), j0, nk, keep.data());
+                         seqs.dropout_row(p, b, h, i0 + r), i0 + r, j0, nk,
+                         keep.data());
             for (int64_t c = 0; c < nk; ++c)
               if (!keep[c]) S[r * BK + c] = acc_t(0);
           }

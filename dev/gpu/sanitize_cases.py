@@ -21,7 +21,7 @@ def main() -> None:
         (70, 65, 4, 2, 128, 128, False, (-1, -1), True, 0.0, True, 0.0),
         (33, 70, 2, 2, 256, 200, True, (-1, -1), False, 5.0, False, 0.2),
         (65, 65, 2, 1, 64, 64, False, (8, 3), True, 0.0, False, 0.1),
-        (65, 70, 2, 1, 72, 72, True, (-1, -1), True, 0.0, "alibi", 0.1),  # (portable kernels)
+        (65, 70, 2, 1, 72, 72, True, (-1, -1), True, 0.0, "alibi", 0.1),
         # Plain attention: the Hopper forward on sm_90 (several K/V tiles, partial last ones).
         (130, 300, 2, 1, 128, 128, True, (-1, -1), True, 0.0, False, 0.0),
         (70, 200, 2, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
@@ -51,8 +51,8 @@ def main() -> None:
              and not deterministic[i]]
     runs = [(i, {}, True) for i in range(len(cases))] + \
         [(i, {"sm90_bwd": "on"}, True) for i in plain]
-    # The Hopper kernels' general variant (softcap, a bias without gradient), partial tiles,
-    # forward at head dims 64, 128, 256 and backward at 64 and 128.
+    # The Hopper kernels' general variant (softcap, a bias without gradient, ALiBi, dropout),
+    # partial tiles, forward at head dims 64, 128, 256 and backward at 64 and 128.
     # "padding": a causal + key-padding mask as 0 / -inf, (2, 1, L, S): blocks the summary
     # skips (bias_blocks.h), blocks read without the bias, mixed ones, one batch entry empty.
     general = [(70, 300, 4, 2, 40, 40, True, (-1, -1), True, 5.0, True, 0.0),
@@ -62,7 +62,10 @@ def main() -> None:
                (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.0),
                # ALiBi ((2, H) slopes), alone with causal and with softcap and a window.
                (300, 129, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "alibi", 0.0),
-               (130, 200, 4, 2, 64, 64, False, (30, 4), False, 5.0, "alibi", 0.0)]
+               (130, 200, 4, 2, 64, 64, False, (30, 4), False, 5.0, "alibi", 0.0),
+               # Dropout (dropout.h's cells: lanes swap halves of Philox calls), with a mask.
+               (300, 129, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "padding", 0.1),
+               (130, 200, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.3)]
     cases += general
     deterministic += [False] * len(general)
     runs += [(i, {"sm90_bwd": "on"}, False)

@@ -238,6 +238,10 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     gemm_ss<Element, kC, 1, kM8, kD>(st, k_s, warp * 16, q_s, 0, lane);
     gemm_ss<Element, kC, 1, kM8, kD>(dpt, v_s, warp * 16, do_s, 0, lane);
 
+    uint64_t kept = 0;  // dropout's keep bits of S^T (dropout.h)
+    if (kGeneral && drop.enabled)
+      kept = drop.keep_bits<kM8, false>((b * p.heads_q + h) * p.seqlen_q, key_of[0],
+                                        m0 + 2 * (lane % 4));
     // Masking is needed unless every key of the block is visible to every row of the tile.
     const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
     const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
@@ -256,10 +260,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         float dp = dpt[0][j][e];
         st[0][j][e] = pr;
         if (kGeneral && drop.enabled) {
-          const auto row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
-          const bool kept = drop.keep(row_id, key);
-          st[0][j][e] = kept ? pr * drop.scale : 0.f;
-          dp = kept ? dp * drop.scale : 0.f;
+          const bool keep = DropoutFn::bit(kept, j, e);
+          st[0][j][e] = keep ? pr * drop.scale : 0.f;
+          dp = keep ? dp * drop.scale : 0.f;
         }
         dpt[0][j][e] = pr * (dp - d_s[col]) * dscore;
       }
@@ -324,15 +327,15 @@ struct DqStep {
                                        const float (&d_row)[1][2], const DqTile& t) const {
     const BwdParams& p = t.p;
     const int64_t col0 = t.n_block * kN + 2 * (t.lane % 4);
+    uint64_t kept = 0;
+    if (kGeneral && drop.enabled)
+      kept = drop.keep_bits<kS8, true>((b * p.heads_q + h) * p.seqlen_q, row_of[0], col0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t lo = t.vis.begin(row_of[r]), hi = t.vis.end(row_of[r]);
       const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
-      const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + row);
 #pragma unroll
       for (int j = 0; j < kS8; ++j) {
-        uint4 w{};
-        if (kGeneral && drop.enabled) w = drop.words(row_id, col0 + j * 8);  // one block
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[0][j][2 * r + e];
@@ -344,7 +347,7 @@ struct DqStep {
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
           float dpv = dp[0][j][2 * r + e];
           if (kGeneral && drop.enabled)
-            dpv = DropoutFn::word(w, col) < drop.threshold ? dpv * drop.scale : 0.f;
+            dpv = DropoutFn::bit(kept, j, 2 * r + e) ? dpv * drop.scale : 0.f;
           const float ds = pr * (dpv - d_row[0][r]);
           if (kGeneral && dbias != nullptr && row_of[r] < p.seqlen_q && col < p.seqlen_k)
             dbias[row_of[r] * p.seqlen_k + col] = ds;

@@ -181,19 +181,17 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
               }
           }
           const float alpha = softmax.update(mt, r, s[mt], scale_log2);
-          if (kGeneral && drop.enabled) {  // after the row sum: dropout acts on the normalised P
-            const uint64_t row_id = static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q +
-                                                          row_of(mt, r));
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) {
-              const int64_t col = col0 + j * 8;  // even: both elements share one Philox block
-              const uint4 w = drop.words(row_id, col);
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (DropoutFn::word(w, col + e) >= drop.threshold) s[mt][j][2 * r + e] = 0.f;
-            }
-          }
           rescale_row(o_acc[mt], r, alpha);
+        }
+        // After both rows' sums: dropout acts on the normalised P.
+        if (kGeneral && drop.enabled) {
+          const uint64_t kept = drop.keep_bits<kNTiles, true>((b * p.heads_q + h) * p.seqlen_q,
+                                                              row_of(mt, 0), col0);
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              if (!DropoutFn::bit(kept, j, i)) s[mt][j][i] = 0.f;
         }
       }
     };

@@ -28,9 +28,9 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   constexpr int kD = T::kHeadDim;
   if (p.dq_accum == nullptr || p.seqlen_q > kMaxRows || p.seqlen_k > kMaxRows)
     return cudaErrorInvalidValue;
-  // Dropout and the bias's gradient are not in these kernels; softcap and a bias only in the
+  // The bias's gradient is not in these kernels; softcap, a bias, ALiBi and dropout only in the
   // general variant.
-  if (p.dropout || p.dbias_full != nullptr || (p.general() && !T::kGeneral))
+  if (p.dbias_full != nullptr || (p.general() && !T::kGeneral))
     return cudaErrorInvalidValue;
   const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
   float* lse_log2 = stats;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm80/dropout.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_dq.h"
@@ -118,13 +119,16 @@ struct BwdMainloop {
   // the forward's scores with fn (sm80::ScoreFn: softcap, bias, ALiBi) at query rows m0 .. and keys
   // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
   // get P = 0 from their statistics or the mask); cls: the bias's class on the step's rows and
-  // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0).
+  // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0); drop: the
+  // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV
+  // takes P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O.
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
                                        float* dq_staging, int me, int tid,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
-                                       int32_t rows_left, int32_t keys_left, int cls) {
+                                       int32_t rows_left, int32_t keys_left, int cls,
+                                       const sm80::DropoutFn& drop, int64_t drop_row_base) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     warpgroup_fence_operand(acc_s);
@@ -155,12 +159,16 @@ struct BwdMainloop {
                               ? nullptr
                               : fn.bias + (m0 + q0) * fn.bias_row_stride +
                                     (fn.bias_col_stride != 0 ? n0 + key0 : 0);
+      // Dropout's keep bits (bit i: accumulator element i), while the GEMMs run.
+      const uint64_t kept =
+          drop.enabled ? drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0)
+                       : 0;
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
-      // Two copies of the loop, with and without ALiBi, so that calls without it issue none of
-      // its instructions (a per-value test leaves them predicated in the loop).
-      auto scores = [&](auto with_alibi) {
+      // Copies of the loop with and without ALiBi and dropout, so that calls without them issue
+      // none of their instructions (a per-value test leaves them predicated in the loop).
+      auto scores = [&](auto with_alibi, auto with_dropout) {
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
           const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
@@ -175,14 +183,26 @@ struct BwdMainloop {
           float pr = fn.prob(x, lse_s[q]);
           if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
           if (cls == kBlockMasked) pr = 0.f;
-          p16(i) = static_cast<Element>(pr);
-          ds16(i) = static_cast<Element>(pr * (acc_dp(i) - d_s[q]) * dscore);
+          float pz = pr, dp = acc_dp(i);
+          if constexpr (decltype(with_dropout)::value) {
+            const bool keep = (kept >> i) & 1u;
+            pz = keep ? pr * drop.scale : 0.f;
+            dp = keep ? dp * drop.scale : 0.f;
+          }
+          p16(i) = static_cast<Element>(pz);
+          ds16(i) = static_cast<Element>(pr * (dp - d_s[q]) * dscore);
         }
       };
-      if (fn.alibi)
-        scores(cute::true_type{});
+      auto with_alibi = [&](auto with_dropout) {
+        if (fn.alibi)
+          scores(cute::true_type{}, with_dropout);
+        else
+          scores(cute::false_type{}, with_dropout);
+      };
+      if (drop.enabled)
+        with_alibi(cute::true_type{});
       else
-        scores(cute::false_type{});
+        with_alibi(cute::false_type{});
     } else {
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);

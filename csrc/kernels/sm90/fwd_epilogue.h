@@ -59,6 +59,12 @@ struct FwdEpilogue {
     float inv_l[2];
     bool empty[2];
     softmax.finalize(inv_l, empty);
+    if constexpr (T::kGeneral) {
+      if (p.dropout) {  // kept elements scaled by 1 / P(kept) (dropout.h)
+        inv_l[0] *= p.dropout_scale;
+        inv_l[1] *= p.dropout_scale;
+      }
+    }
     // (Each instantiation has one of the two shared-memory paths.)
     const bool tma_store_o = !T::kPackGQA && args.tma_store_o;
     const bool o_row_stores = T::kPackGQA && args.o_row_stores;

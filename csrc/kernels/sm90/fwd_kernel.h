@@ -43,8 +43,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
 
+  // Dropout's Philox (seed, offset) for the backward (the general variant; dropout.h); (0, 0)
+  // without dropout.  Written here rather than by a separate fill launch.
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    p.rng_state[0] = p.rng_state[1] = 0;  // no dropout in this kernel: (seed, offset) = (0, 0)
+    const sm80::DropoutFn drop = T::kGeneral ? sm80::DropoutFn(p) : sm80::DropoutFn();
+    p.rng_state[0] = static_cast<int64_t>(drop.seed);
+    p.rng_state[1] = static_cast<int64_t>(drop.offset);
   }
 
   // The K and V rings' pipelines and the Q buffers' barriers.
@@ -146,9 +150,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       auto cls = [&](int n_block) {
         return bias_tile_class<T::kBlockN>(p, b, h, m0 + 64 * me, n_block * T::kBlockN);
       };
+      // Dropout's row id of the (batch, head)'s row 0 (dropout.h).
+      const TileDropout dropout{(static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
+                                row_of[0]};
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
                                     n_end, qs, &smem.barrier_q_empty[qs],
-                                    sm80::ScoreFn(p, b, h), score_rows, next, cls);
+                                    sm80::ScoreFn(p, b, h), score_rows, next, cls, dropout);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

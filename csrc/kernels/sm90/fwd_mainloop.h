@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm80/dropout.h"
 #include "kernels/sm80/score.h"
 #include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/fwd_mask.h"
@@ -46,6 +47,13 @@ struct PingpongRing {
   __device__ __forceinline__ void open_ring() const {
     if (me == kLastWg) cutlass::arch::NamedBarrier::arrive(256, next);
   }
+};
+
+// Dropout on a tile's P (the general variant): the row id of the tile's (batch, head) row 0,
+// and this thread's first row (dropout.h).
+struct TileDropout {
+  int64_t row_base;
+  int32_t row0;
 };
 
 // One consumer thread's GEMM operands and accumulators, and the loop over a tile's key tiles.
@@ -243,7 +251,8 @@ struct FwdMainloop {
   // K/V pipeline state after the tile's stages.  next(n_block): the key tile after n_block
   // that the tile computes (n_block + 1, or in the general variant the next one the bias does
   // not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and cls(n_block),
-  // the bias's class on this warpgroup's rows: modify_scores's (the general variant's).
+  // the bias's class on this warpgroup's rows: modify_scores's (the general variant's);
+  // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   template <typename Next, typename Class>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
@@ -253,12 +262,27 @@ struct FwdMainloop {
                                                int n_begin, int n_end, int qs,
                                                uint64_t* q_empty, const sm80::ScoreFn& fn,
                                                const int32_t (&score_rows)[2], const Next& next,
-                                               const Class& cls) {
+                                               const Class& cls, const TileDropout& dropout) {
     float alpha[2];
     auto modify = [&](int n_block) {
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
                       static_cast<int32_t>(args.p.seqlen_k), cls(n_block));
+    };
+    // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
+    auto drop = [&](int n_block) {
+      if constexpr (T::kGeneral) {
+        // (Built here from the kernel parameters, which the compiler reloads from the constant
+        // bank rather than keep seed and offset in registers across the loop.)
+        const sm80::DropoutFn dropout_fn(args.p);
+        if (dropout_fn.enabled) {
+          const uint64_t kept = dropout_fn.template keep_bits<kN / 8, true>(
+              dropout.row_base, dropout.row0, n_block * kN + mask.thread_col);
+#pragma unroll
+          for (int i = 0; i < kSVals; ++i)
+            if (!((kept >> i) & 1u)) tSrS(i) = 0.f;
+        }
+      }
     };
     // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
     // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
@@ -271,6 +295,7 @@ struct FwdMainloop {
     if (n_begin + 1 == n_end) release_q(q_empty);
     modify(n_begin);
     softmax.step(tSrS, mask, n_begin, alpha);
+    drop(n_begin);
     convert_p();
     auto prev = state;
     ++state;
@@ -287,6 +312,7 @@ struct FwdMainloop {
       if (n_block + 1 == n_end) release_q(q_empty);
       modify(n_block);
       softmax.step(tSrS, mask, n_block, alpha);
+      drop(n_block);
       if constexpr (T::kWaitPvAfterSoftmax) {
         // ptxas hoists a wgmma wait to the start of its basic block.  Written plainly here,
         // that block begins after the mask branch, before the max, so the softmax would not
