@@ -35,9 +35,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             default, as there: a call with H_kv < H without it raises ``ValueError``, and so
             does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
-            explained as written; softcap, attn_mask and alibi_slopes pick the Hopper
-            kernels' general variant on sm_90 GPUs, dropout_p the portable kernels
-            (``Plan.notes`` says so), and ``deterministic=True`` (or
+            explained as written; softcap, attn_mask, alibi_slopes and dropout_p pick the
+            Hopper kernels' general variant on sm_90 GPUs, and ``deterministic=True`` (or
             torch.use_deterministic_algorithms(True)) adds a note where it moves the CUDA
             backward's dQ to its slower, bitwise-reproducible kernel.
 

@@ -43,10 +43,14 @@ def flash_attn_func(
             Any batch/seqlen/head strides; the last dimension should be contiguous (else copied).
             dtypes: float32, float64, float16, bfloat16 on CPU; float16, bfloat16 on CUDA.
             head_dim and head_dim_v: 1 to 256.
-        dropout_p: dropout probability on the attention weights (after the softmax; kept
-            weights are scaled by 1 / (1 - dropout_p)), inside the kernels with a counter-based
-            Philox4x32-10 mask drawn from PyTorch's generator (``torch.manual_seed`` reproduces
-            it; CUDA-graph capture works) and regenerated, not stored, by the backward.
+        dropout_p: dropout probability on the attention weights (after the softmax), inside
+            the kernels with a counter-based Philox4x32-10 mask drawn from PyTorch's generator
+            (``torch.manual_seed`` reproduces it; CUDA-graph capture works) and regenerated,
+            not stored, by the backward.  An element is kept with probability 1 - dropout_p
+            rounded to a multiple of 1/256 (an 8-bit threshold, as FlashAttention-2's) and
+            then scaled by the inverse of that probability, so the expectation is exact;
+            ``flash_attn_ext._C.dropout_scale(dropout_p)`` gives the scale
+            (csrc/dropout.h).
             Applied whenever > 0, also in eval mode: pass 0.0 there.
         softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
         causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j
