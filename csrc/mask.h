@@ -70,6 +70,22 @@ struct VisibleKeys {
       const int x = end0 + dr;
       return right ? (x < 0 ? 0 : (x > limit ? limit : x)) : limit;
     }
+    // The same test without clamps, for a thread whose elements lie at (key k0 + dk, row r0 +
+    // dr) of the tile: key k0 + dk is hidden from row r0 + dr iff hidden(dk, dr), i.e. iff
+    // (left && k - r < begin0) || (right && k - r >= end0) || k >= limit (for k >= 0, the
+    // clamps of begin / end change nothing).  With dk and dr compile-time offsets that is
+    // three comparisons with immediates and no branch per element.
+    struct Thread {
+      int lo, hi, k_limit;  // on k - r (offset by r0 - k0) and on dk
+      FAE_HOST_DEVICE bool hidden(int dk, int dr) const {
+        return dk - dr < lo || dk - dr >= hi || dk >= k_limit;
+      }
+    };
+    FAE_HOST_DEVICE Thread thread(int k0, int r0) const {
+      constexpr int kNever = 1 << 30;  // beyond every tile's k - r (begin0 / end0 are clamped)
+      return {left ? begin0 - (k0 - r0) : -kNever, right ? end0 - (k0 - r0) : kNever,
+              limit - k0};
+    }
   };
   FAE_HOST_DEVICE Relative relative(int64_t row0, int64_t key0, int64_t tile_keys) const {
     constexpr int64_t kBig = int64_t{1} << 30;  // beyond every tile: clamping there is exact

@@ -143,6 +143,9 @@ struct BwdMainloop {
     const float* lse_s = smem.lse_log2[stage];
     const float* d_s = smem.delta[stage];
     FragP p16, ds16;
+    // This thread's first (key, query) of S^T; every other element's lies a compile-time offset
+    // from it, so the mask (rel.thread) compares immediates, without a branch per element.
+    const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
     if constexpr (T::kGeneral) {
       // Both GEMMs first: the score's derivative (softcap) is needed with dP^T, and keeping it
       // per value until then would cost kSVals registers.  dS^T = P^T (dP^T - D) ds/dx, with
@@ -150,7 +153,6 @@ struct BwdMainloop {
       // The bias from global memory, this thread's first (key, query) at `bias`; its keys
       // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
       // stride + key offset.
-      const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
       // ALiBi's distance i + off - j at this thread's first (key, query); at value i it is
       // dist00 + ((q - q0) - (key - key0)), a compile-time offset: one FADD with an immediate
       // (converting q - key per value would take an I2F, a quarter-rate op like the exp2).
@@ -163,6 +165,10 @@ struct BwdMainloop {
       const uint64_t kept =
           drop.enabled ? drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0)
                        : 0;
+      // The mask: hides nothing in steps without one (one copy of the loop for both).
+      constexpr int kNever = 1 << 30;
+      const VisibleKeys::Relative::Thread hide =
+          masked ? rel.thread(key0, q0) : VisibleKeys::Relative::Thread{-kNever, kNever, kNever};
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
@@ -181,7 +187,7 @@ struct BwdMainloop {
             fn.add_alibi(x, dist00 + static_cast<float>((q - q0) - (key - key0)));
           fn.to_log2(x);
           float pr = fn.prob(x, lse_s[q]);
-          if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
+          if (hide.hidden(key - key0, q - q0)) pr = 0.f;
           if (cls == kBlockMasked) pr = 0.f;
           float pz = pr, dp = acc_dp(i);
           if constexpr (decltype(with_dropout)::value) {
@@ -207,13 +213,25 @@ struct BwdMainloop {
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);
       // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
-      CUTE_UNROLL
-      for (int i = 0; i < kSVals; ++i) {
-        const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
-        float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
-        if (masked && (key < rel.begin(q) || key >= rel.end(q))) pr = 0.f;
-        acc_s(i) = pr;
-      }
+      // Two copies, for steps with and without a mask: a per-element test of `masked` made
+      // each element its own basic block (a branch around its mask code), so ptxas could not
+      // overlap one element's exp2 with the next ones' (ncu: those waits were the largest
+      // block of stalls outside the GEMMs).
+      auto probs = [&](auto with_mask) {
+        const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
+        CUTE_UNROLL
+        for (int i = 0; i < kSVals; ++i) {
+          const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+          float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
+          if constexpr (decltype(with_mask)::value)
+            if (hide.hidden(key - key0, q - q0)) pr = 0.f;
+          acc_s(i) = pr;
+        }
+      };
+      if (masked)
+        probs(cute::true_type{});
+      else
+        probs(cute::false_type{});
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
       // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
