@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flash_attn_ext import _C, flash_attn_func, ops, policy, scaled_dot_product_attention
-from reference import assert_error_rule
+from reference import assert_error_rule, attention_ref
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -97,6 +97,48 @@ def test_kept_fraction_scaling_and_reproducibility(device):
     assert torch.equal(out, again)
     different = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
     assert not torch.equal(out, different)
+
+
+@pytest.mark.parametrize("device,kernel,dtype", [
+    (d, kn, dt) for d, kn in DEVICE_KERNELS
+    for dt in ([torch.float32] if d == "cpu" else [torch.bfloat16, torch.float16])], ids=str)
+def test_dropout_with_window_alibi_and_softcap(device, kernel, dtype, kernel_opts):
+    # Every modifier of the general variant at once (each score-loop copy the kernels have),
+    # bf16 and fp16, top-left alignment with L != S, GQA; on CUDA a generator offset above
+    # 2^32 (the Philox counter's high word).
+    B, L, S, H, HKV, D, p_drop = 2, 77, 150, 4, 2, 64, 0.2
+    if device == "cuda":
+        kernel_opts(force_portable=kernel == "sm80")
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        gen.manual_seed(3)
+        gen.set_offset(2**32 + 8)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to(device, dtype).requires_grad_()
+               for n, h in ((L, H), (S, HKV), (S, HKV)))
+    slopes = torch.rand(B, H, generator=g).to(device) * 0.3
+    kw = dict(softmax_scale=None, causal=False, window_left=40, window_right=7,
+              align_bottom_right=False, softcap=20.0)
+    out, lse, rng = ops.fwd(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_left"],
+                            kw["window_right"], kw["align_bottom_right"], kw["softcap"], slopes,
+                            None, p_drop)
+    seed, offset = (int(x) for x in rng.cpu())
+    if device == "cuda":
+        assert offset >= 2**32
+    keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def theirs(compute):
+        leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
+        o, _ = attention_ref(*leaves, alibi_slopes=slopes, compute_dtype=compute,
+                             dropout_keep=keep, dropout_p=p_drop, **kw)
+        return o, torch.autograd.grad(o, leaves, dout.to(compute))
+
+    true, true_g = theirs(torch.float64)
+    low, low_g = theirs(dtype)
+    assert_error_rule(out, low, true, 2.0, "out")
+    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, name)
 
 
 def _philox4x32_10(counter, key):

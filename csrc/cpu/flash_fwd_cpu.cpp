@@ -5,7 +5,7 @@
 // accumulator O and the running row max m / row sum l; stream the visible key/value tiles of
 // kBlockK rows; per tile S = scale * Q K^T (BLAS), softcap, mask, the online-softmax update, then
 // O = alpha * O + P V (BLAS), where with dropout P loses its dropped elements after the row sum
-// l took them (dropout.h).  Finally out = O / l (/ (1 - dropout_p)) and softmax_lse = m + log(l).  Scores exist only
+// l took them (dropout.h).  Finally out = O / l (times 1 / P(kept)) and softmax_lse = m + log(l).  Scores exist only
 // as one (kBlockQ x kBlockK) tile per thread: memory is O(seqlen), never O(seqlen_q * seqlen_k).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>

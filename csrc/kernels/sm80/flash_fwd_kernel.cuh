@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     if constexpr (kPrefetchAt == kTop) __syncthreads();
   }
 
-  // Epilogue: out = O / l (/ (1 - dropout_p)) (0 for rows that saw nothing),
+  // Epilogue: out = O / l (times dropout's 1 / P(kept)) (0 for rows that saw nothing),
   // lse = m * scale + ln(l).
   auto* out = head_rows<Element>(p.out, p.out_batch_stride, p.out_head_stride, b, h);
   auto* lse = head_stats(static_cast<float*>(p.softmax_lse), p, b, h);
