@@ -19,10 +19,11 @@
 //                key words: lo(seed), hi(seed))
 //   byte      = byte dj of word di, little-endian,  di = (i & 1) | ((i >> 2) & 2),
 //                                                   dj = (j & 1) | ((j >> 2) & 2)
-//   keep      = byte < threshold,  threshold = round((1 - dropout_p) * 256) in [0, 256]
+//   keep      = byte < threshold,  threshold = (1 - dropout_p) * 256 to the nearest integer
+//               (ties to even), in [0, 256]
 //
-// An 8-bit threshold, as FlashAttention-2's, costs one call per 16 elements (a 32-bit one took
-// a call per 4, which on Hopper costs as much as the GEMMs).  Kept elements have probability
+// An 8-bit threshold, as FlashAttention-2's, costs one call per 16 elements (a 32-bit word per
+// element would cost a call per 4, on Hopper as much as the GEMMs).  Kept elements have probability
 // threshold / 256 (dropout_p rounded to a multiple of 1/256) and are scaled by its inverse,
 // dropout_scale = 256 / threshold, so the expectation of every output is exact; a dropout_p
 // that rounds to 0 drops nothing and draws nothing (dropout_active), one that rounds to 1

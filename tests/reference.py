@@ -41,6 +41,13 @@ def alibi_ref(alibi_slopes, seqlen_q: int, seqlen_k: int, align_bottom_right: bo
     return -slopes[:, :, None, None] * dist
 
 
+def dropout_scale(dropout_p: float) -> float:
+    """The scale of kept elements, 1 / P(kept), P(kept) = t / 256 with t the integer nearest to
+    (1 - dropout_p) * 256, ties to even (csrc/dropout.h); 0 when nothing is kept."""
+    t = round((1.0 - dropout_p) * 256)  # Python rounds ties to even, as the kernels' nearbyint
+    return 256.0 / t if t > 0 else 0.0
+
+
 def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=False,
                   window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
                   attn_bias=None, alibi_slopes=None, compute_dtype=torch.float64,
@@ -48,8 +55,8 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     """Returns (out (B, L, H, Dv), lse (B, H, L)) computed in ``compute_dtype``, differentiable
     (and the probabilities (B, H, L, S) with ``return_probs``).  ``dropout_keep``: the (B, H, L,
     S) bool mask of kept weights applied to P before P V, as the kernels do, the kept ones scaled
-    by the kernels' 1 / P(kept) (``_C.dropout_scale(dropout_p)``: 1 - dropout_p rounded to a
-    multiple of 1/256, csrc/dropout.h).  ``alibi_slopes``: (H,) or (B, H), see alibi_ref."""
+    by the kernels' 1 / P(kept) (dropout_scale below: 1 - dropout_p rounded to a multiple of
+    1/256, csrc/dropout.h).  ``alibi_slopes``: (H,) or (B, H), see alibi_ref."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -74,8 +81,7 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     weights = probs
     if dropout_keep is not None:
-        from flash_attn_ext import _C
-        weights = probs * dropout_keep.to(probs.device) * _C.dropout_scale(dropout_p)
+        weights = probs * dropout_keep.to(probs.device) * dropout_scale(dropout_p)
     out = torch.einsum("bhls,bshd->blhd", weights, vc)
     return (out, lse, probs) if return_probs else (out, lse)
 

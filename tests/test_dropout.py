@@ -7,13 +7,15 @@ reproduce a call, and on CUDA the device's Philox (curand) must drop exactly the
 host's (ATen) drops, also inside a captured CUDA graph.
 """
 
+import itertools
 import math
 
 import pytest
 import torch
 
+import flash_attn_ext
 from flash_attn_ext import _C, flash_attn_func, ops, policy, scaled_dot_product_attention
-from reference import assert_error_rule, attention_ref
+from reference import assert_error_rule, attention_ref, dropout_scale
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -35,7 +37,7 @@ def reference(q, k, v, keep, dropout_p, causal, dtype):
         visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
         s = s.masked_fill(~visible, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    p = p * keep.to(q.device) * _C.dropout_scale(dropout_p)
+    p = p * keep.to(q.device) * dropout_scale(dropout_p)
     return (p @ vh).transpose(1, 2)
 
 
@@ -86,8 +88,8 @@ def test_kept_fraction_scaling_and_reproducibility(device):
     out = flash_attn_func(q, q[:, :1].expand(B, S, H, 8), v, dropout_p=p_drop)
     rows = out[..., 0].float()
     n = B * H * L * S
-    keep_p = 1.0 / _C.dropout_scale(p_drop)
-    assert keep_p == round((1 - p_drop) * 256) / 256
+    assert _C.dropout_scale(p_drop) == dropout_scale(p_drop) == 256 / round((1 - p_drop) * 256)
+    keep_p = round((1 - p_drop) * 256) / 256
     kept = rows.sum().item() * keep_p * S
     sigma = math.sqrt(n * keep_p * (1 - keep_p))
     assert abs(kept - n * keep_p) < 5 * sigma + 0.01 * n * (device == "cuda")
@@ -103,9 +105,10 @@ def test_kept_fraction_scaling_and_reproducibility(device):
     (d, kn, dt) for d, kn in DEVICE_KERNELS
     for dt in ([torch.float32] if d == "cpu" else [torch.bfloat16, torch.float16])], ids=str)
 def test_dropout_with_window_alibi_and_softcap(device, kernel, dtype, kernel_opts):
-    # Every modifier of the general variant at once (each score-loop copy the kernels have),
-    # bf16 and fp16, top-left alignment with L != S, GQA; on CUDA a generator offset above
-    # 2^32 (the Philox counter's high word).
+    # Dropout with every other modifier of the general variant at once (a window, ALiBi, softcap:
+    # the score loops' copies with ALiBi and dropout), bf16 and fp16, top-left alignment with
+    # L != S, GQA; on CUDA a generator offset above 2^32 (the Philox counter's high word), and on
+    # an sm_90 build the Hopper kernels' general variant (named by explain).
     B, L, S, H, HKV, D, p_drop = 2, 77, 150, 4, 2, 64, 0.2
     if device == "cuda":
         kernel_opts(force_portable=kernel == "sm80")
@@ -124,6 +127,11 @@ def test_dropout_with_window_alibi_and_softcap(device, kernel, dtype, kernel_opt
     seed, offset = (int(x) for x in rng.cpu())
     if device == "cuda":
         assert offset >= 2**32
+    if device == "cuda" and kernel == "auto" and ops.build_info()["sm90"] and \
+            torch.cuda.get_device_capability() == (9, 0):
+        plan = flash_attn_ext.explain(q, k, v, layout="blhd", window_size=(40, 7), softcap=20.0,
+                                      alibi_slopes=slopes, dropout_p=p_drop)
+        assert plan.kernel.startswith("sm90_") and plan.kernel.endswith("_general"), plan
     keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -159,9 +167,7 @@ def test_host_mask_follows_the_documented_rule():
     keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
     threshold = round((1 - p_drop) * 256)
     assert _C.dropout_scale(p_drop) == 256 / threshold
-    g = torch.Generator().manual_seed(0)
-    for b, h, i, j in zip(*(torch.randint(0, n, (300,), generator=g).tolist()
-                            for n in (B, H, L, S))):
+    for b, h, i, j in itertools.product(range(B), range(H), range(L), range(S)):
         row_id = (b * H + h) * L + (i & ~9)
         block = offset + 4 * (j // 16) + (j % 8) // 2
         words = _philox4x32_10([block & 0xFFFFFFFF, block >> 32, row_id & 0xFFFFFFFF,
@@ -171,12 +177,13 @@ def test_host_mask_follows_the_documented_rule():
         assert bool(keep[b, h, i, j]) == (byte < threshold), (b, h, i, j)
 
 
-def test_dropout_p_rounding_edges():
-    # P(kept) is 1 - dropout_p rounded to a multiple of 1/256: a dropout_p below 1/512 keeps
-    # everything unscaled (and draws nothing), one above 1 - 1/512 drops everything.
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_p_rounding_edges(device):
+    # P(kept) is 1 - dropout_p rounded to a multiple of 1/256: a dropout_p at or below 1/512
+    # keeps everything unscaled (and draws nothing), one at or above 1 - 1/512 drops everything.
     assert _C.dropout_scale(0.0) == 1.0 and _C.dropout_scale(0.001) == 1.0
     assert _C.dropout_scale(0.5) == 2.0 and _C.dropout_scale(0.999) == 0.0
-    q = torch.randn(1, 20, 2, 8)
+    q = torch.randn(1, 20, 2, 8).to(device, LOW[device])
     torch.manual_seed(0)
     out, _, rng = ops.fwd(q, q, q, None, False, -1, -1, True, 0.0, None, None, 0.001)
     assert torch.equal(out, ops.fwd(q, q, q)[0]) and rng.tolist() == [0, 0]
@@ -195,13 +202,22 @@ def test_host_mask_statistics():
 
 
 def test_sdpa_dropout_is_fused_and_matches_reference():
+    # The drop-in with dropout runs the fused op (no fallback) and draws the op's mask: the same
+    # generator state gives the op's output, which is the reference with the host mask.
     policy.reset_fallback_counts()
     q = torch.randn(2, 4, 33, 16, requires_grad=True)
     torch.manual_seed(5)
     out = scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=True, strict=True)
     out.sum().backward()
     assert policy.fallback_counts() == {}
-    assert torch.isfinite(q.grad).all() and (out == 0).any() is not None
+    qb = q.detach().transpose(1, 2)  # (B, L, H, D); L = S: top-left causal is bottom-right
+    torch.manual_seed(5)
+    op_out, rng = run_ours(qb, qb, qb, 0.5, True)
+    assert torch.equal(out, op_out.transpose(1, 2))
+    keep = _C.dropout_mask(*(int(x) for x in rng), 2, 4, 33, 33, 0.5)
+    ref = reference(qb, qb, qb, keep, 0.5, True, torch.float64)
+    assert (out.double() - ref.transpose(1, 2)).abs().max().item() < 1e-5
+    assert torch.isfinite(q.grad).all()
 
 
 def test_dropout_under_compile():

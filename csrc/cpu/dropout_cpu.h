@@ -11,8 +11,8 @@ namespace flash_attn_ext::cpu {
 
 // keep[c] = 1 if element (query row i, key j0 + c) is kept, for c < n.  cell_row_id: the row id
 // of i's cell (dropout.h: the (batch, head)'s first row id + dropout_cell_row(i)).  Each call
-// decides 4 of the row's keys (the cell's row di = dropout_cell_index(i)): as many calls per key
-// as the 32-bit mask this replaced; the kernels, which hold whole cells, use all 16 bytes.
+// decides 4 of the row's keys (the cell's row di = dropout_cell_index(i)): the host goes row by
+// row; the kernels, which hold whole cells, use all 16 bytes.
 inline void dropout_keep(uint64_t seed, uint64_t offset, uint32_t threshold, uint64_t cell_row_id,
                          int64_t i, int64_t j0, int64_t n, uint8_t* keep) {
   const int di = dropout_cell_index(i);

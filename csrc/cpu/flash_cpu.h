@@ -17,9 +17,9 @@ namespace flash_attn_ext::cpu {
 // (total, H, D) tensors whose batch strides are 0; p.seqlen_q / p.seqlen_k are then the
 // longest sequences' lengths and p.batch the number of sequences.  The LSE is (B, H, L) dense,
 // (H, total_q) packed (FlashAttention-2's); a dropout row id is start(b) * H + h * len_q(b) + x,
-// x the first row of row i's dropout cell (dropout.h),
-// start(b) = b * L dense, which is the dense rule (b * H + h) * L + i, so equal-length packed
-// sequences drop what the dense batch drops.
+// x the first row of row i's dropout cell (dropout.h), start(b) = b * L dense, which is the
+// dense rule (b * H + h) * L + x, so equal-length packed sequences drop what the dense batch
+// drops.
 struct Seqs {
   const int32_t* cu_q = nullptr;
   const int32_t* cu_k = nullptr;

@@ -272,8 +272,9 @@ struct FwdMainloop {
     // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
     auto drop = [&](int n_block) {
       if constexpr (T::kGeneral) {
-        // (Built here from the kernel parameters, which the compiler reloads from the constant
-        // bank rather than keep seed and offset in registers across the loop.)
+        // (Built here from the kernel parameters rather than kept in registers across the
+        // loop: seed and offset come from the constant bank, or under CUDA-graph capture by two
+        // global loads per key tile through their pointers.)
         const sm80::DropoutFn dropout_fn(args.p);
         if (dropout_fn.enabled) {
           const uint64_t kept = dropout_fn.template keep_bits<kN / 8, true>(
