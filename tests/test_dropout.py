@@ -41,6 +41,24 @@ def reference(q, k, v, keep, dropout_p, causal, dtype):
     return (p @ vh).transpose(1, 2)
 
 
+def assert_error_rule_with_grads(leaves, out, dtype, ref):
+    """out and the gradients of `leaves` (q, k, v) for a random dout against ref(q, k, v,
+    compute_dtype) in float64 (the truth) and in dtype (PyTorch's error), by the error rule."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    def theirs(compute):
+        ref_leaves = [t.detach().to(compute).requires_grad_() for t in leaves]
+        o = ref(*ref_leaves, compute)
+        return o, torch.autograd.grad(o, ref_leaves, dout.to(compute))
+
+    true, true_g = theirs(torch.float64)
+    low, low_g = theirs(dtype)
+    assert_error_rule(out, low, true, 2.0, "out")
+    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, name)
+
+
 def run_ours(q, k, v, dropout_p, causal):
     out, lse, rng = ops.fwd(q, k, v, None, causal, -1, -1, True, 0.0, None, None, dropout_p)
     return out, rng
@@ -62,19 +80,8 @@ def test_forward_and_grads_equal_reference_with_the_same_mask(device, kernel, ca
     out, rng = run_ours(q, k, v, p_drop, causal)
     seed, offset = (int(x) for x in rng.cpu())
     keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-
-    def theirs(compute):
-        leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
-        o = reference(*leaves, keep, p_drop, causal, compute)
-        return o, torch.autograd.grad(o, leaves, dout.to(compute))
-
-    true, true_g = theirs(torch.float64)
-    low, low_g = theirs(dtype)
-    assert_error_rule(out, low, true, 2.0, "out")
-    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
-        assert_error_rule(a, lo, t, 3.0, name)
+    assert_error_rule_with_grads(
+        (q, k, v), out, dtype, lambda q, k, v, dt: reference(q, k, v, keep, p_drop, causal, dt))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,20 +140,10 @@ def test_dropout_with_window_alibi_and_softcap(device, kernel, dtype, kernel_opt
                                       alibi_slopes=slopes, dropout_p=p_drop)
         assert plan.kernel.startswith("sm90_") and plan.kernel.endswith("_general"), plan
     keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-
-    def theirs(compute):
-        leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
-        o, _ = attention_ref(*leaves, alibi_slopes=slopes, compute_dtype=compute,
-                             dropout_keep=keep, dropout_p=p_drop, **kw)
-        return o, torch.autograd.grad(o, leaves, dout.to(compute))
-
-    true, true_g = theirs(torch.float64)
-    low, low_g = theirs(dtype)
-    assert_error_rule(out, low, true, 2.0, "out")
-    for name, a, lo, t in zip(("dq", "dk", "dv"), grads, low_g, true_g):
-        assert_error_rule(a, lo, t, 3.0, name)
+    assert_error_rule_with_grads(
+        (q, k, v), out, dtype,
+        lambda q, k, v, dt: attention_ref(q, k, v, alibi_slopes=slopes, compute_dtype=dt,
+                                          dropout_keep=keep, dropout_p=p_drop, **kw)[0])
 
 
 def _philox4x32_10(counter, key):
