@@ -70,6 +70,18 @@ struct FwdParams {
   const int64_t* philox_offset_ptr = nullptr;
   uint64_t philox_offset_intragraph = 0;
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
+
+  // Packed sequences (FlashAttention-2's varlen; the portable CUDA kernels, block_info.h's
+  // SeqInfo): with cu_seqlens_q set, sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+  // of q / out / dout / dq (keys: cu_seqlens_k, of which it uses the first seqused_k[b] where
+  // seqused_k is set), the batch strides are 0, batch is the number of sequences, seqlen_q /
+  // seqlen_k are the longest, and softmax_lse (like the backward's per-row statistics) is
+  // (heads_q, total_q).  Device pointers, int32.  (The CPU kernels take the same geometry as
+  // their Seqs.)
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* seqused_k = nullptr;
+  int64_t total_q = 0;
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
   // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;

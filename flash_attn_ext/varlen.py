@@ -6,8 +6,10 @@ k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is rows ``cu_seqlens_q[b
 cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of k and v (int32
 offsets). Each sequence attends only to its own keys, with FlashAttention-2's semantics (causal
 and windows bottom-right aligned per sequence). The kernels are the dense ones, reading each
-sequence in place by its offsets (csrc/cpu/varlen_cpu.h); the CPU kernels only, so far: a
-CUDA call raises ``NotImplementedError`` (issue 26).
+sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h) and on CUDA the
+portable ones (kernels/sm80, block_info.h's SeqInfo; not yet the Hopper kernels, issue 26).
+The offsets are checked on the host: on CUDA that copies them (one synchronisation per call;
+not capturable in a CUDA graph).
 
 This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
 ``bwd_varlen`` op, recomputation from out and softmax_lse).
@@ -114,14 +116,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
 
     Raises:
-        NotImplementedError: CUDA tensors (the CUDA kernels do not take packed sequences yet),
-            block_table.
+        NotImplementedError: block_table; on CUDA, calls no CUDA kernel serves (float32/64,
+            a GPU or build without the kernels), naming the reason.
         ValueError: bad shapes, dtypes, offsets (naming the argument and the rule).
     """
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"flash_attn_varlen_func: packed sequences run on the CPU kernels only so far, got "
-            f"q on {q.device} (pad the batch and use flash_attn_func, or a mask)")
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
                                   "supported yet")

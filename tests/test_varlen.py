@@ -1,6 +1,8 @@
-"""Packed sequences (flash_attn_varlen_func, the fwd_varlen / bwd_varlen ops) on the CPU: each
+"""Packed sequences (flash_attn_varlen_func, the fwd_varlen / bwd_varlen ops): on the CPU each
 sequence against a float64 reference of its own attention, forward and backward; the dense
-kernels' answer for equal lengths (dropout included); the checks; torch.compile."""
+kernels' answer for equal lengths (dropout included); the checks; torch.compile.  On CUDA (the
+portable kernels) the same geometry in bf16/fp16 under the error rule, and the dense portable
+kernels' bits for equal lengths, dropout included."""
 
 import pytest
 import torch
@@ -8,6 +10,8 @@ import torch
 import flash_attn_ext
 from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
 from reference import assert_error_rule, attention_ref
+
+HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
 
 def _offsets(lengths):
@@ -158,9 +162,9 @@ def test_what_is_not_served_yet_says_so():
     q, k, v, cq, ck = _packed([4], [4], 2, 2, 8, 8, torch.float32)
     with pytest.raises(NotImplementedError, match="block_table"):
         flash_attn_varlen_func(q, k, v, cq, ck, 4, 4, block_table=torch.zeros(1, 1))
+    # Meta tensors (torch.compile's tracing): the fake kernel's shapes.
     meta = [t.detach().to("meta") for t in (q, k, v)]
-    with pytest.raises(NotImplementedError, match="CPU kernels only"):
-        flash_attn_varlen_func(*meta, cq, ck, 4, 4)
+    assert flash_attn_varlen_func(*meta, cq, ck, 4, 4).shape == (4, 2, 8)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -207,3 +211,96 @@ def test_packed_variants_read_in_place_and_match():
     assert torch.equal(flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 12, 12, causal=True), want)
     with pytest.raises(ValueError, match="qkv must have shape"):
         flash_attn_varlen_qkvpacked_func(qkv[:, :2], cu, 12)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cuda_each_sequence_under_the_error_rule(case, dtype):
+    # The CPU test's geometry on the CUDA kernels, longer (several query and key blocks, partial
+    # ones), head dim 40 (padded), GQA, rows past the last offset.
+    case = dict(case)
+    lens_q, lens_k = [5, 0, 200, 1, 130], [7, 3, 150, 9, 130]
+    q64, k64, v64, cq, ck = _packed(lens_q, lens_k, 4, 2, 40, 40, torch.float64, tail=(2, 3))
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in (q64, k64, v64))
+    alibi = case.pop("alibi", None)
+    slopes = None if alibi is None else \
+        torch.rand(*((5,) if alibi == "batch_head" else ()), 4, dtype=torch.float64)
+    gpu = dict(alibi_slopes=None if slopes is None else slopes.float().cuda(), **case)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k),
+                                         return_attn_probs=True, **gpu)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wl, wr = case.pop("window_size", (-1, -1))
+    ref_kw = dict(window_left=wl, window_right=wr, **case)
+    true, true_lse, true_grads = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(),
+                                               alibi_slopes=slopes, **ref_kw)
+    # PyTorch's error in the same precision, sequence by sequence (the rule's yardstick).
+    leaves = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    low = torch.zeros_like(out, device="cpu")
+    for b in range(len(lens_q)):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rq.stop == rq.start:
+            continue
+        s = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+        o, _ = attention_ref(leaves[0][rq][None], leaves[1][rk][None], leaves[2][rk][None],
+                             alibi_slopes=s, compute_dtype=dtype, **ref_kw)
+        low[rq] = o[0]
+    low_grads = torch.autograd.grad(low, leaves, dout.cpu(), allow_unused=True)
+    assert_error_rule(out.cpu(), low, true, 2.0, "out")
+    finite = torch.isfinite(true_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert (lse.cpu().double()[finite] - true_lse[finite]).abs().max().item() < 1e-3
+    for name, g, lo, t in zip(("dq", "dk", "dv"), grads, low_grads, true_grads):
+        lo = torch.zeros_like(t, dtype=dtype) if lo is None else lo
+        assert_error_rule(g.cpu(), lo, t, 3.0, name)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # the tail: left alone
+    assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_cuda_equal_lengths_are_the_dense_portable_batch(dropout_p, kernel_opts):
+    # Packed sequences run on the portable kernels: the dense call on the same kernels gives the
+    # same bits, and with the same generator state drops the same elements (dropout.h).
+    kernel_opts(force_portable=True)
+    q, k, v = (torch.randn(3, 77, 4, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+    dout = torch.randn(3, 77, 4, 64, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(5)
+    dense = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+    dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
+    cu = _offsets([77, 77, 77]).cuda()
+    torch.manual_seed(5)
+    packed = flash_attn_varlen_func(*(t.reshape(3 * 77, 4, 64) for t in (q, k, v)), cu, cu, 77,
+                                    77, dropout_p=dropout_p, causal=True)
+    assert torch.equal(packed.reshape(3, 77, 4, 64), dense)
+    grads = torch.autograd.grad(packed, (q, k, v), dout.reshape(3 * 77, 4, 64))
+    for g, w in zip(grads, dense_grads):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+def test_cuda_seqused_k_and_bad_input():
+    lens_q, lens_k, used = [6, 90, 3], [10, 90, 12], [4, 70, 0]
+    q64, k64, v64, cq, ck = _packed(lens_q, lens_k, 2, 1, 64, 64, torch.float64)
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
+    seqused_k = torch.tensor(used, dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), 90, 90, causal=True,
+                                 seqused_k=seqused_k.cuda())
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    keep = torch.cat([torch.arange(int(ck[b]), int(ck[b]) + used[b]) for b in range(3)])
+    ref, _, _ = _per_sequence(q.cpu(), k.cpu()[keep], v.cpu()[keep], cq, _offsets(used),
+                              torch.ones_like(out).cpu(), causal=True)
+    assert (out.cpu().double() - ref).abs().max().item() < 0.05
+    unused = torch.ones(k.shape[0], dtype=torch.bool)
+    unused[keep] = False
+    for g in grads[1:]:
+        assert torch.equal(g[unused.cuda()], torch.zeros_like(g[unused.cuda()]))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be on"):
+        flash_attn_varlen_func(q, k, v, cq, ck.cuda(), 90, 90)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flash_attn_varlen_func(q, k, v, torch.tensor([0, 7, 6, 99], dtype=torch.int32).cuda(),
+                               ck.cuda(), 90, 90)
+    with pytest.raises(NotImplementedError, match="no flash_attn_ext CUDA kernel"):
+        flash_attn_varlen_func(q.float(), k.float(), v.float(), cq.cuda(), ck.cuda(), 90, 90)

@@ -287,16 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
-  TORCH_CHECK_VALUE(dout_in.sizes() == out_in.sizes() &&
-                        out_in.sizes() == at::IntArrayRef({a.seqlen_q, a.heads_q, a.head_dim_v}),
-                    "dout and out must have shape (total_q, num_heads, head_dim_v) = (",
-                    a.seqlen_q, ", ", a.heads_q, ", ", a.head_dim_v, "), got ", dout_in.sizes(),
-                    " and ", out_in.sizes());
-  TORCH_CHECK_VALUE(softmax_lse.sizes() == at::IntArrayRef({a.heads_q, a.seqlen_q}) &&
-                        softmax_lse.scalar_type() == lse_dtype(q.scalar_type()),
-                    "softmax_lse must be the forward's (num_heads, total_q) = (", a.heads_q, ", ",
-                    a.seqlen_q, ") ", dtype_name(lse_dtype(q.scalar_type())), " tensor, got ",
-                    dtype_name(softmax_lse.scalar_type()), " ", softmax_lse.sizes());
+  check_packed_bwd_tensors(a, dout_in, out_in, softmax_lse, lse_dtype(q.scalar_type()));
   const at::Tensor out = last_dim_contiguous(out_in).unsqueeze(0),
                    dout = last_dim_contiguous(dout_in).unsqueeze(0),
                    lse = softmax_lse.contiguous();
@@ -312,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   read_seed(p, rng_state);
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
-                                  [&] { flash_bwd_cpu<scalar_t>(p, pk.seqs); });
+                                  [&] { flash_bwd_cpu<scalar_t>(p, host_seqs(pk)); });
   return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 

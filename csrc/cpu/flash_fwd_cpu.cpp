@@ -186,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cpu(
   draw_seed(p, rng_state);
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
-                                  [&] { flash_fwd_cpu<scalar_t>(p, pk.seqs); });
+                                  [&] { flash_fwd_cpu<scalar_t>(p, host_seqs(pk)); });
   return {out.squeeze(0), lse, rng_state};
 }
 

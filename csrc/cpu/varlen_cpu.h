@@ -1,151 +1,20 @@
-// Packed sequences (FlashAttention-2's varlen API) on the CPU kernels: the checks of a call's
-// cu_seqlens and the geometry (Seqs, flash_cpu.h) the forward and backward kernels read.
+// Packed sequences on the CPU kernels: the geometry (Seqs, flash_cpu.h) the forward and
+// backward kernels read, from the checked call (varlen_checks.h).
 #pragma once
 
-#include <ATen/ATen.h>
-
-#include <algorithm>
-#include <string>
-
-#include "checks.h"
 #include "cpu/flash_cpu.h"
+#include "varlen_checks.h"
 
 namespace flash_attn_ext::cpu {
 
-// A packed call's sequences; cu_q / cu_k / used_k own the int32 values Seqs points into.
-struct Packed {
-  at::Tensor cu_q, cu_k, used_k;
-  Seqs seqs;
-  int64_t batch = 0;  // number of sequences
-};
-
-inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const char* names[3] = {"q", "k", "v"};
-  const char* shapes[3] = {"(total_q, num_heads, head_dim)", "(total_k, num_heads_k, head_dim)",
-                           "(total_k, num_heads_k, head_dim_v)"};
-  const at::Tensor* ts[3] = {&q, &k, &v};
-  for (int i = 0; i < 3; ++i)
-    TORCH_CHECK_VALUE(ts[i]->dim() == 3, names[i], " must have 3 dimensions ", shapes[i],
-                      " for packed sequences, got ", names[i], ".dim()=", ts[i]->dim(),
-                      " with shape ", ts[i]->sizes());
-}
-
-// Checks cu_seqlens_q / cu_seqlens_k (int32, 1-D, batch + 1 non-decreasing offsets from >= 0 up
-// to at most the tensors' rows, on q's device) and max_seqlen_q / max_seqlen_k (at least the
-// longest sequence); the geometry for q of total_q rows.
-inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                           int64_t max_seqlen_q, int64_t max_seqlen_k,
-                           const std::optional<at::Tensor>& seqused_k) {
-  Packed pk;
-  const at::Tensor* cus[2] = {&cu_seqlens_q, &cu_seqlens_k};
-  const char* names[2] = {"cu_seqlens_q", "cu_seqlens_k"};
-  const int64_t totals[2] = {q.size(0), k.size(0)};
-  const int64_t maxima[2] = {max_seqlen_q, max_seqlen_k};
-  const char* max_names[2] = {"max_seqlen_q", "max_seqlen_k"};
-  for (int i = 0; i < 2; ++i) {
-    const at::Tensor& cu = *cus[i];
-    TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1,
-                      names[i], " must be a 1-D int32 tensor of batch + 1 offsets, got dtype ",
-                      dtype_name(cu.scalar_type()), " and shape ", cu.sizes());
-    TORCH_CHECK_VALUE(cu.device() == q.device(), names[i], " must be on ", q.device(), ", got ",
-                      cu.device());
-  }
-  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
-                    "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got ",
-                    cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
-  pk.cu_q = cu_seqlens_q.contiguous();
-  pk.cu_k = cu_seqlens_k.contiguous();
-  pk.batch = cu_seqlens_q.size(0) - 1;
-  const int32_t* offsets[2] = {pk.cu_q.data_ptr<int32_t>(), pk.cu_k.data_ptr<int32_t>()};
-  for (int i = 0; i < 2; ++i) {
-    const int32_t* cu = offsets[i];
-    TORCH_CHECK_VALUE(cu[0] >= 0, names[i], "[0] must be >= 0, got ", cu[0]);
-    int64_t longest = 0;
-    for (int64_t b = 0; b < pk.batch; ++b) {
-      TORCH_CHECK_VALUE(cu[b + 1] >= cu[b], names[i], " must be non-decreasing, got ", names[i],
-                        "[", b, "]=", cu[b], " > ", names[i], "[", b + 1, "]=", cu[b + 1]);
-      longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
-    }
-    TORCH_CHECK_VALUE(cu[pk.batch] <= totals[i], names[i], "[-1]=", cu[pk.batch],
-                      " exceeds the ", i == 0 ? "q" : "k", " rows (", totals[i], ")");
-    TORCH_CHECK_VALUE(maxima[i] >= longest, max_names[i], "=", maxima[i],
-                      " is shorter than the longest sequence (", longest, ")");
-  }
-  pk.seqs.cu_q = offsets[0];
-  pk.seqs.cu_k = offsets[1];
-  if (seqused_k.has_value()) {
-    const at::Tensor& used = *seqused_k;
-    TORCH_CHECK_VALUE(used.scalar_type() == at::kInt && used.dim() == 1 &&
-                          used.size(0) == pk.batch,
-                      "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
-                      " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
-                      used.sizes());
-    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
-                      ", got ", used.device());
-    pk.used_k = used.contiguous();
-    const int32_t* n = pk.used_k.data_ptr<int32_t>();
-    for (int64_t b = 0; b < pk.batch; ++b)
-      TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= offsets[1][b + 1] - offsets[1][b], "seqused_k[", b,
-                        "]=", n[b], " must be in [0, ", offsets[1][b + 1] - offsets[1][b],
-                        "] (sequence ", b, "'s keys)");
-    pk.seqs.used_k = n;
-  }
-  pk.seqs.total_q = q.size(0);
-  return pk;
-}
-
-// alibi_slopes of a packed call: (num_heads,) or (batch, num_heads), batch the number of
-// sequences.  Returns what the dense checks (check_attn_args: dtype, device, heads) are given
-// for them on the packed (1, total, H, D) views: one row.
-inline std::optional<at::Tensor> packed_alibi_row(const std::optional<at::Tensor>& alibi_slopes,
-                                                  int64_t batch) {
-  if (!alibi_slopes.has_value()) return std::nullopt;
-  const at::Tensor& slopes = *alibi_slopes;
-  TORCH_CHECK_VALUE(slopes.dim() == 1 || (slopes.dim() == 2 && slopes.size(0) == batch),
-                    "alibi_slopes must have shape (num_heads,) or (batch, num_heads) with batch = "
-                    "len(cu_seqlens_q) - 1 = ", batch, ", got ", slopes.sizes());
-  return slopes.dim() == 2 && batch > 0 ? slopes[0] : slopes.reshape({-1});
-}
-
-// A packed call's inputs as the kernels take them: q, k, v as (1, total, H, D) views (last
-// dimension contiguous), the dense checks' AttnArgs on them (no bias), the sequences.
-struct PackedCall {
-  at::Tensor q, k, v;
-  AttnArgs a;
-  Packed pk;
-};
-
-inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_in,
-                                    const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
-                                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                    int64_t max_seqlen_k, std::optional<double> softmax_scale,
-                                    bool causal, int64_t window_left, int64_t window_right,
-                                    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                    double dropout_p,
-                                    const std::optional<at::Tensor>& seqused_k) {
-  check_packed_qkv(q_in, k_in, v_in);
-  PackedCall c;
-  c.q = last_dim_contiguous(q_in).unsqueeze(0);
-  c.k = last_dim_contiguous(k_in).unsqueeze(0);
-  c.v = last_dim_contiguous(v_in).unsqueeze(0);
-  TORCH_CHECK_VALUE(q_in.device().is_cpu(), "flash_attn_ext CPU kernel got q on ", q_in.device());
-  c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      seqused_k);
-  c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
-                        packed_alibi_row(alibi_slopes, c.pk.batch), std::nullopt, dropout_p);
-  return c;
-}
-
-// Turns params filled from (1, total, H, D) views into the packed call's: one entry per
-// sequence, the longest lengths, no batch strides (Seqs places each sequence).
-inline void make_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q,
-                        int64_t max_seqlen_k) {
-  p.batch = pk.batch;
-  p.seqlen_q = max_seqlen_q;
-  p.seqlen_k = max_seqlen_k;
-  p.align_bottom_right = true;  // causal and windows bottom-right per sequence (FlashAttention-2)
-  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
+// The CPU kernels' view of a packed call's sequences (host offsets).
+inline Seqs host_seqs(const Packed& pk) {
+  Seqs s;
+  s.cu_q = pk.cu_q_host.data_ptr<int32_t>();
+  s.cu_k = pk.cu_k_host.data_ptr<int32_t>();
+  s.used_k = pk.used_k_host.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
+  s.total_q = pk.total_q;
+  return s;
 }
 
 }  // namespace flash_attn_ext::cpu

@@ -19,6 +19,7 @@
 #include "kernels/sm80/flash_fwd_launch.h"
 #include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
 #include "kernel_select.h"
+#include "varlen_checks.h"
 #ifdef FLASH_ATTN_EXT_SM90
 #include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/flash_bwd_sm90_launch.h"
@@ -370,6 +371,120 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
           reduce_dbias(dbias_full, attn_bias, want_dbias, q)};
 }
 
+// Packed sequences (FlashAttention-2's varlen: the fwd_varlen / bwd_varlen ops, schemas in
+// cpu/flash_fwd_cpu.cpp): the portable kernels (sm80, also on sm_90), each CTA placing its
+// sequence by params.h's cu_seqlens (kernels/sm80/block_info.h: SeqInfo); the backward on the
+// 4-warp kernels with the separate dQ kernel.  The Hopper kernels do not take packed sequences
+// yet.  Checks as on the CPU (varlen_checks.h: the offsets are read on the host).
+void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  make_packed(p, pk, max_seqlen_q, max_seqlen_k);
+  p.cu_seqlens_q = pk.cu_q.data_ptr<int32_t>();
+  p.cu_seqlens_k = pk.cu_k.data_ptr<int32_t>();
+  p.seqused_k = pk.used_k.defined() ? pk.used_k.data_ptr<int32_t>() : nullptr;
+  p.total_q = pk.total_q;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    double dropout_p, const std::optional<at::Tensor>& seqused_k) {
+  const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p, seqused_k, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const AttnArgs& a = c.a;
+  const Packed& pk = c.pk;
+  // The rule refuses what no CUDA kernel serves (dtype, GPU, build), with its reasons.
+  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, false, dropout_p, false,
+                                             alibi_slopes.has_value()),
+             false, kernel_options());
+  const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
+  const int64_t dv_padded = v.size(3);
+  // Rows outside every sequence: out 0, lse -inf.
+  at::Tensor out_padded = at::zeros({1, a.seqlen_q, a.heads_q, dv_padded}, q.options());
+  at::Tensor lse = at::full({a.heads_q, a.seqlen_q}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(at::kFloat));
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
+  if (pk.batch > 0 && a.heads_q > 0) {
+    FwdParams p;
+    fill_fwd_params(p, a, q, k, v, out_padded, lse, softcap, true);
+    p.head_dim = q.size(3);
+    p.head_dim_v = dv_padded;
+    set_packed(p, pk, max_seqlen_q, max_seqlen_k);
+    const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
+    fill_dropout_params(p, dropout_p);
+    if (p.dropout) take_philox_state(p, max_seqlen_k);
+    p.rng_state = rng_state.data_ptr<int64_t>();
+    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    C10_CUDA_CHECK(q.scalar_type() == at::kBFloat16
+                       ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+                       : run_fwd<__half>(kernel_dim, p, stream));
+  }
+  at::Tensor out = dv_padded == a.head_dim_v ? out_padded
+                                             : out_padded.narrow(3, 0, a.head_dim_v).contiguous();
+  return {out.squeeze(0), lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& seqused_k) {
+  const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p, seqused_k, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const AttnArgs& a = c.a;
+  const Packed& pk = c.pk;
+  check_packed_bwd_tensors(a, dout_in, out_in, softmax_lse, at::kFloat);
+  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, false, dropout_p, false,
+                                             alibi_slopes.has_value()),
+             true, kernel_options());
+  const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
+  const at::Tensor out = kernel_ready(last_dim_contiguous(out_in).unsqueeze(0));
+  const at::Tensor dout = kernel_ready(last_dim_contiguous(dout_in).unsqueeze(0));
+  const at::Tensor lse = softmax_lse.contiguous();
+  // Rows outside every sequence, and keys a sequence does not use (seqused_k), get zeros.
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  auto unpad = [](const at::Tensor& g, int64_t d) {
+    return (g.size(3) == d ? g : g.narrow(3, 0, d).contiguous()).squeeze(0);
+  };
+  if (pk.batch > 0 && a.heads_q > 0) {
+    BwdParams p;
+    fill_fwd_params(p, a, q, k, v, out, lse, softcap, true);
+    fill_grad_params(p, dout, dq, dk, dv);
+    p.head_dim = q.size(3);
+    p.head_dim_v = v.size(3);
+    set_packed(p, pk, max_seqlen_q, max_seqlen_k);
+    p.dout_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+    const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
+    fill_dropout_params(p, dropout_p);
+    if (p.dropout) {  // the forward's (seed, offset), read on the device
+      check_rng_state(rng_state);
+      TORCH_CHECK_VALUE(rng_state.device() == q.device(), "rng_state must be on ", q.device(),
+                        " (the forward's), got ", rng_state.device());
+      p.philox_seed_ptr = rng_state.data_ptr<int64_t>();
+      p.philox_offset_ptr = p.philox_seed_ptr + 1;
+    }
+    p.bwd_eight_warp = false;  // the 4-warp kernels and the separate dQ kernel
+    at::Tensor delta = at::empty({a.heads_q, a.seqlen_q}, lse.options());
+    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    C10_CUDA_CHECK(q.scalar_type() == at::kBFloat16
+                       ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta.data_ptr<float>(), stream)
+                       : run_bwd<__half>(kernel_dim, p, delta.data_ptr<float>(), stream));
+  }
+  return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
+}
+
 }  // namespace
 
 }  // namespace flash_attn_ext::cuda
@@ -377,4 +492,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("fwd", &flash_attn_ext::cuda::fwd_cuda);
   m.impl("bwd", &flash_attn_ext::cuda::bwd_cuda);
+  m.impl("fwd_varlen", &flash_attn_ext::cuda::fwd_varlen_cuda);
+  m.impl("bwd_varlen", &flash_attn_ext::cuda::bwd_varlen_cuda);
 }

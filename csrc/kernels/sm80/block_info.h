@@ -25,16 +25,51 @@ __device__ __forceinline__ Element* head_rows(void* base, int64_t batch_stride,
                                               int64_t head_stride, int64_t b, int64_t h) {
   return static_cast<Element*>(base) + b * batch_stride + h * head_stride;
 }
-// Per-row fp32 statistics (softmax_lse, delta, ...), (batch, heads_q, seqlen_q) contiguous: the
-// rows of query head h of batch b.
-template <typename F>
-__device__ __forceinline__ F* head_stats(F* base, const FwdParams& p, int64_t b, int64_t h) {
-  return base + (b * p.heads_q + h) * p.seqlen_q;
-}
-
-__device__ __forceinline__ VisibleKeys visible_keys(const FwdParams& p) {
-  return VisibleKeys(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.align_bottom_right);
-}
+// Where sequence b lies (params.h: dense batches, or packed sequences): its first row in q /
+// out / dout / dq (q0) and in k / v / dk / dv (k0), 0 for dense tensors, which place a batch by
+// its batch stride, and its lengths.  Read once per CTA.
+struct SeqInfo {
+  int64_t q0, k0, len_q, len_k;
+  __device__ __forceinline__ SeqInfo(const FwdParams& p, int64_t b) {
+    if (p.cu_seqlens_q == nullptr) {
+      q0 = k0 = 0;
+      len_q = p.seqlen_q;
+      len_k = p.seqlen_k;
+    } else {
+      q0 = p.cu_seqlens_q[b];
+      len_q = p.cu_seqlens_q[b + 1] - q0;
+      k0 = p.cu_seqlens_k[b];
+      len_k = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0;
+    }
+  }
+  // Row 0 of (batch b, head h) in a (batch, seq, heads, dim) tensor: q-side rows (q, out,
+  // dout, dq) or key-side ones (k, v, dk, dv).
+  template <typename Element, typename Ptr>
+  __device__ __forceinline__ Element* q_rows(Ptr base, int64_t batch_stride, int64_t row_stride,
+                                             int64_t head_stride, int64_t b, int64_t h) const {
+    return static_cast<Element*>(base) + b * batch_stride + q0 * row_stride + h * head_stride;
+  }
+  template <typename Element, typename Ptr>
+  __device__ __forceinline__ Element* k_rows(Ptr base, int64_t batch_stride, int64_t row_stride,
+                                             int64_t head_stride, int64_t b, int64_t h) const {
+    return static_cast<Element*>(base) + b * batch_stride + k0 * row_stride + h * head_stride;
+  }
+  // Index of row 0 of (b, h) in the per-row statistics (softmax_lse, the backward's delta):
+  // (batch, heads_q, seqlen_q) dense, (heads_q, total_q) packed.
+  __device__ __forceinline__ int64_t stats(const FwdParams& p, int64_t b, int64_t h) const {
+    return p.cu_seqlens_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q : h * p.total_q + q0;
+  }
+  // Dropout's row id of (b, h)'s query row 0 (dropout.h): (b * heads_q + h) * seqlen_q dense,
+  // q0 * heads_q + h * len_q packed (the dense numbering for equal lengths).
+  __device__ __forceinline__ int64_t dropout_rows(const FwdParams& p, int64_t b, int64_t h) const {
+    return p.cu_seqlens_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q
+                                     : q0 * p.heads_q + h * len_q;
+  }
+  // The causal / window mask of this sequence (bottom-right alignment over its own lengths).
+  __device__ __forceinline__ VisibleKeys visible(const FwdParams& p) const {
+    return VisibleKeys(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
+  }
+};
 
 // The CTA of a kernel with one CTA per (query block of block_m rows, batch, query head): the
 // forward and the dQ kernels.  Longest rows first under causal masking: the heaviest query
@@ -74,27 +109,33 @@ __device__ __forceinline__ void with_mask(bool masked, F&& f) {
   }
 }
 
-// Async loads of key rows key0.. of K into k_dst and of V into v_dst (kRows x head dim tiles).
+// Async loads of key rows key0.. of K into k_dst and of V into v_dst (kRows x head dim tiles;
+// rows from seqlen_k on are zeros).
 template <typename Element, int kRows, int kChunks, int kThreads>
 __device__ __forceinline__ void load_kv_async(Element* k_dst, Element* v_dst, const Element* k,
-                                              const Element* v, const FwdParams& p, int64_t key0) {
-  load_tile_async<Element, kRows, kChunks, kThreads>(k_dst, k, p.k_row_stride, key0, p.seqlen_k,
+                                              const Element* v, const FwdParams& p, int64_t key0,
+                                              int64_t seqlen_k) {
+  load_tile_async<Element, kRows, kChunks, kThreads>(k_dst, k, p.k_row_stride, key0, seqlen_k,
                                                      static_cast<int>(p.head_dim));
-  load_tile_async<Element, kRows, kChunks, kThreads>(v_dst, v, p.v_row_stride, key0, p.seqlen_k,
+  load_tile_async<Element, kRows, kChunks, kThreads>(v_dst, v, p.v_row_stride, key0, seqlen_k,
                                                      static_cast<int>(p.head_dim_v));
 }
 
-// Async loads of query rows m0.. of Q and dO of (batch b, query head h) into q_dst / do_dst.
+// Async loads of query rows m0.. of Q and dO of (batch b, query head h) of sequence `seq` into
+// q_dst / do_dst.
 template <typename Element, int kRows, int kChunks, int kThreads>
 __device__ __forceinline__ void load_q_do_async(Element* q_dst, Element* do_dst,
-                                                const BwdParams& p, int64_t b, int64_t h,
-                                                int64_t m0) {
+                                                const BwdParams& p, const SeqInfo& seq,
+                                                int64_t b, int64_t h, int64_t m0) {
   load_tile_async<Element, kRows, kChunks, kThreads>(
-      q_dst, head_rows<Element>(p.q, p.q_batch_stride, p.q_head_stride, b, h), p.q_row_stride,
-      m0, p.seqlen_q, static_cast<int>(p.head_dim));
+      q_dst,
+      seq.q_rows<const Element>(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, h),
+      p.q_row_stride, m0, seq.len_q, static_cast<int>(p.head_dim));
   load_tile_async<Element, kRows, kChunks, kThreads>(
-      do_dst, head_rows<Element>(p.dout, p.dout_batch_stride, p.dout_head_stride, b, h),
-      p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
+      do_dst,
+      seq.q_rows<const Element>(p.dout, p.dout_batch_stride, p.dout_row_stride,
+                                p.dout_head_stride, b, h),
+      p.dout_row_stride, m0, seq.len_q, static_cast<int>(p.head_dim_v));
 }
 
 }  // namespace flash_attn_ext::sm80

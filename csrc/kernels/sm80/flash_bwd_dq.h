@@ -31,6 +31,7 @@ namespace flash_attn_ext::sm80 {
 struct DqTile {
   const BwdParams& p;
   const VisibleKeys& vis;
+  const SeqInfo& seq;  // the CTA's sequence (its lengths; packed sequences)
   int64_t m0, n_block;
   int warp, lane;
 };
@@ -49,21 +50,28 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const float* del
   const QueryBlock blk(p, blockIdx.x, num_m_blocks, kM);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // This batch's sequence (packed sequences: its own rows and lengths; the grid covers the
+  // longest, and blocks past this one's rows have nothing to do).
+  const SeqInfo seq(p, b);
+  if (m0 >= seq.len_q) return;
 
-  const VisibleKeys vis = visible_keys(p);
-  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
+  const VisibleKeys vis = seq.visible(p);
+  const VisibleKeys::Block keys = vis.block(m0, kM, seq.len_q, kN);
   const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
 
-  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, blk.hk);
-  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, blk.hk);
-  Step step(p, b, h);
+  const auto* k = seq.k_rows<const Element>(p.k, p.k_batch_stride, p.k_row_stride,
+                                            p.k_head_stride, b, blk.hk);
+  const auto* v = seq.k_rows<const Element>(p.v, p.v_batch_stride, p.v_row_stride,
+                                            p.v_head_stride, b, blk.hk);
+  Step step(p, seq, b, h);
 
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * kN * kD;
-    load_kv_async<Element, kN, kC, T::kThreads>(dst, dst + kN * kD, k, v, p, n_block * kN);
+    load_kv_async<Element, kN, kC, T::kThreads>(dst, dst + kN * kD, k, v, p, n_block * kN,
+                                                seq.len_k);
   };
   if (n_begin < n_end) {
-    load_q_do_async<Element, kM, kC, T::kThreads>(q_s, do_s, p, b, h, m0);
+    load_q_do_async<Element, kM, kC, T::kThreads>(q_s, do_s, p, seq, b, h, m0);
     load_kv(0, n_begin);
     if constexpr (Step::kPrefetchFirst) cp_async_commit();
   }
@@ -78,14 +86,14 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const float* del
 
   // This lane's rows: m0 + row0(warp) + 16 mt + lane / 4 + 8 r.
   float lse_row[kMT][2], d_row[kMT][2];
-  const float* lse = head_stats(static_cast<const float*>(p.softmax_lse), p, b, h);
-  const float* dlt = head_stats(delta, p, b, h);
+  const float* lse = static_cast<const float*>(p.softmax_lse) + seq.stats(p, b, h);
+  const float* dlt = delta + seq.stats(p, b, h);
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = m0 + Step::row0(warp) + mt * 16 + lane / 4 + 8 * r;
-      const bool in = row < p.seqlen_q;
+      const bool in = row < seq.len_q;
       lse_row[mt][r] = in ? lse_log2(lse[row]) : INFINITY;
       d_row[mt][r] = in ? step.scale_d(dlt[row]) : 0.f;
     }
@@ -116,7 +124,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const float* del
       cp_async_commit();
     }
     const Element* k_s = kv_s + stage * 2 * kN * kD;
-    const DqTile tile{p, vis, m0, n_block, warp, lane};
+    const DqTile tile{p, vis, seq, m0, n_block, warp, lane};
 
     float s[kMT][Step::kS8][4], dp[kMT][Step::kS8][4];
     zero(s);
@@ -139,8 +147,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const float* del
   }
   if constexpr (!Step::kPrefetchFirst) cp_async_wait<0>();  // only empty groups can be left
 
-  auto* dq = head_rows<Element>(p.dq, p.dq_batch_stride, p.dq_head_stride, b, h);
-  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + Step::row0(warp), p.seqlen_q,
+  auto* dq = seq.q_rows<Element>(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b, h);
+  store_rows<Element>(dq, p.dq_row_stride, dq_acc, m0 + Step::row0(warp), seq.len_q,
                       Step::col0(warp), static_cast<int>(p.head_dim), lane);
 }
 

@@ -133,10 +133,19 @@ cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int6
                              cudaStream_t stream, int64_t pitch = -1,
                              float* lse_log2_out = nullptr) {
   constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRowsPerCta = 256 / kTpr;
-  if (pitch < 0) pitch = p.seqlen_q;
-  const int64_t rows = p.batch * p.heads_q * pitch;
+  // Packed sequences: D row by row over all total_q rows of each head, which is this kernel's
+  // dense form for one batch entry of total_q rows (batch strides are 0; the statistics are
+  // (heads_q, total_q), as this layout; rows outside every sequence get a D nothing reads).
+  BwdParams rows_of = p;
+  if (p.cu_seqlens_q != nullptr) {
+    rows_of.batch = 1;
+    rows_of.seqlen_q = p.total_q;
+    pitch = p.total_q;
+  }
+  if (pitch < 0) pitch = rows_of.seqlen_q;
+  const int64_t rows = rows_of.batch * rows_of.heads_q * pitch;
   return launch(flash_bwd_delta_kernel<Element, kTpr>, (rows + kRowsPerCta - 1) / kRowsPerCta,
-                256, 0, stream, p, delta, reinterpret_cast<float4*>(zero), zero_floats / 4,
+                256, 0, stream, rows_of, delta, reinterpret_cast<float4*>(zero), zero_floats / 4,
                 pitch, lse_log2_out);
 }
 
@@ -163,46 +172,45 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
   const int64_t n0 = n_block * kN;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int col_chunk0 = split * T::kOutDim / 8;
+  // This batch's sequence (packed sequences: its own rows and lengths; the grid covers the
+  // longest, and key blocks past this one's keys have nothing to do: the glue zeroes dk, dv).
+  const SeqInfo seq(p, b);
+  if (n0 >= seq.len_k) return;
 
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                        p.align_bottom_right);
-  const int64_t n1 = n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k;
+  const VisibleKeys vis = seq.visible(p);
+  const int64_t n1 = n0 + kN < seq.len_k ? n0 + kN : seq.len_k;
   int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
   row_lo = row_lo < 0 ? 0 : row_lo;
-  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  row_hi = row_hi > seq.len_q ? seq.len_q : row_hi;
   const int64_t m_begin = row_lo / kM;
   const int64_t m_blocks = row_hi > row_lo ? (row_hi + kM - 1) / kM - m_begin : 0;
   const int64_t steps = m_blocks * group;  // (query head of the group, query block) pairs
 
-  const auto* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const auto* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const auto* k = seq.k_rows<const Element>(p.k, p.k_batch_stride, p.k_row_stride,
+                                            p.k_head_stride, b, hk);
+  const auto* v = seq.k_rows<const Element>(p.v, p.v_batch_stride, p.v_row_stride,
+                                            p.v_head_stride, b, hk);
   const DropoutFn drop(p);
 
   // Issues the loads of step t's Q and dO tiles (async) and its per-row statistics.
   auto load_step = [&](int stage, int64_t t) {
     const int64_t h = hk * group + t / m_blocks, m0 = (m_begin + t % m_blocks) * kM;
     Element* dst = qdo_s + stage * 2 * kM * kD;
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        dst, static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride,
-        p.q_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim));
-    load_tile_async<Element, kM, kC, T::kThreads>(
-        dst + kM * kD,
-        static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride,
-        p.dout_row_stride, m0, p.seqlen_q, static_cast<int>(p.head_dim_v));
-    const float* lse = static_cast<const float*>(p.softmax_lse) + (b * p.heads_q + h) * p.seqlen_q;
-    const float* dlt = delta + (b * p.heads_q + h) * p.seqlen_q;
+    load_q_do_async<Element, kM, kC, T::kThreads>(dst, dst + kM * kD, p, seq, b, h, m0);
+    const float* lse = static_cast<const float*>(p.softmax_lse) + seq.stats(p, b, h);
+    const float* dlt = delta + seq.stats(p, b, h);
     float* st = stats_s + stage * 2 * kM;
     for (int r = tid; r < kM; r += T::kThreads) {
-      const bool in = m0 + r < p.seqlen_q;
+      const bool in = m0 + r < seq.len_q;
       st[r] = in ? lse_log2(lse[m0 + r]) : INFINITY;
       st[kM + r] = in ? dlt[m0 + r] : 0.f;
     }
   };
 
   if (steps > 0) {
-    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, p.seqlen_k,
+    load_tile_async<Element, kN, kC, T::kThreads>(k_s, k, p.k_row_stride, n0, seq.len_k,
                                                   static_cast<int>(p.head_dim));
-    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, p.seqlen_k,
+    load_tile_async<Element, kN, kC, T::kThreads>(v_s, v, p.v_row_stride, n0, seq.len_k,
                                                   static_cast<int>(p.head_dim_v));
     load_step(0, 0);
     cp_async_commit();
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     const float* d_s = lse_s + kM;
     const int64_t m0 = (m_begin + t % m_blocks) * kM;
     const int64_t h = hk * group + t / m_blocks;
-    const ScoreFn fn(p, b, h);
+    const ScoreFn fn(p, b, h, seq.len_q, seq.len_k);
 
     // S^T (this warp's 16 keys x kM queries) and dP^T.
     float st[1][kM8][4], dpt[1][kM8][4];
@@ -240,10 +248,10 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
 
     uint64_t kept = 0;  // dropout's keep bits of S^T (dropout.h)
     if (kGeneral && drop.enabled)
-      kept = drop.keep_bits<kM8, false>((b * p.heads_q + h) * p.seqlen_q, key_of[0],
+      kept = drop.keep_bits<kM8, false>(seq.dropout_rows(p, b, h), key_of[0],
                                         m0 + 2 * (lane % 4));
     // Masking is needed unless every key of the block is visible to every row of the tile.
-    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const int64_t last = (m0 + kM < seq.len_q ? m0 + kM : seq.len_q) - 1;
     const bool need_mask = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
 #pragma unroll
     for (int j = 0; j < kM8; ++j)
@@ -252,9 +260,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
         const int col = j * 8 + 2 * (lane % 4) + (e & 1);  // query row within the tile
         const int64_t key = key_of[e / 2];
         float x = st[0][j][e];
-        const int64_t row = m0 + col < p.seqlen_q ? m0 + col : p.seqlen_q - 1;
+        const int64_t row = m0 + col < seq.len_q ? m0 + col : seq.len_q - 1;
         const float dscore =
-            kGeneral ? fn.apply(x, row, key < p.seqlen_k ? key : p.seqlen_k - 1) : fn.scale;
+            kGeneral ? fn.apply(x, row, key < seq.len_k ? key : seq.len_k - 1) : fn.scale;
         float pr = kGeneral ? fn.prob(x, lse_s[col]) : exp2f(fmaf(x, fn.scale_log2, -lse_s[col]));
         if (need_mask && (key < vis.begin(m0 + col) || key >= vis.end(m0 + col))) pr = 0.f;
         float dp = dpt[0][j][e];
@@ -271,12 +279,12 @@ __global__ void __launch_bounds__(T::kThreads) flash_bwd_dkdv_kernel(const BwdPa
     __syncthreads();  // this stage is overwritten by the prefetch two steps from now
   }
 
-  auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-  auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+  auto* dk = seq.k_rows<Element>(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, hk);
+  auto* dv = seq.k_rows<Element>(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, hk);
   const int col0 = split * T::kOutDim;
-  store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + warp * 16, p.seqlen_k, col0,
+  store_rows<Element>(dk, p.dk_row_stride, dk_acc, n0 + warp * 16, seq.len_k, col0,
                       static_cast<int>(p.head_dim), lane);
-  store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + warp * 16, p.seqlen_k, col0,
+  store_rows<Element>(dv, p.dv_row_stride, dv_acc, n0 + warp * 16, seq.len_k, col0,
                       static_cast<int>(p.head_dim_v), lane);
 }
 
@@ -296,10 +304,11 @@ struct DqStep {
   float* const dbias;
   int64_t row_of[2];  // this lane's query rows
 
-  __device__ __forceinline__ DqStep(const BwdParams& p_, int64_t b_, int64_t h_)
+  __device__ __forceinline__ DqStep(const BwdParams& p_, const SeqInfo& seq, int64_t b_,
+                                    int64_t h_)
       : b(b_),
         h(h_),
-        fn(p_, b_, h_),
+        fn(p_, b_, h_, seq.len_q, seq.len_k),
         drop(p_),
         dbias(p_.dbias_full == nullptr
                   ? nullptr
@@ -329,11 +338,11 @@ struct DqStep {
     const int64_t col0 = t.n_block * kN + 2 * (t.lane % 4);
     uint64_t kept = 0;
     if (kGeneral && drop.enabled)
-      kept = drop.keep_bits<kS8, true>((b * p.heads_q + h) * p.seqlen_q, row_of[0], col0);
+      kept = drop.keep_bits<kS8, true>(t.seq.dropout_rows(p, b, h), row_of[0], col0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t lo = t.vis.begin(row_of[r]), hi = t.vis.end(row_of[r]);
-      const int64_t row = row_of[r] < p.seqlen_q ? row_of[r] : p.seqlen_q - 1;
+      const int64_t row = row_of[r] < t.seq.len_q ? row_of[r] : t.seq.len_q - 1;
 #pragma unroll
       for (int j = 0; j < kS8; ++j) {
 #pragma unroll
@@ -341,7 +350,7 @@ struct DqStep {
           float& x = s[0][j][2 * r + e];
           const int64_t col = col0 + j * 8 + e;
           const float dscore =
-              kGeneral ? fn.apply(x, row, col < p.seqlen_k ? col : p.seqlen_k - 1) : fn.scale;
+              kGeneral ? fn.apply(x, row, col < t.seq.len_k ? col : t.seq.len_k - 1) : fn.scale;
           float pr = kGeneral ? fn.prob(x, lse_row[0][r])
                               : exp2f(fmaf(x, fn.scale_log2, -lse_row[0][r]));
           if (need_mask && (col < lo || col >= hi)) pr = 0.f;
@@ -394,7 +403,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stre
     static_assert(portable_bwd_smem_bytes(T::kHeadDim) == T::kSmemDkdv,
                   "kernel_select.h's portable_bwd_smem_bytes must follow BwdTraits");
     if (p.bwd_eight_warp) {  // kernel_select.h's choice (it never picks them with `general`)
-      if (general) return cudaErrorInvalidValue;
+      // (Nor for packed sequences: these kernels place batches by their strides only.)
+      if (general || p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
       // The full variant where its shared memory fits, else 64-row steps (the rule's minimum).
       const bool full = lean_bwd_fits<Lean>();
       const cudaError_t err = launch_bwd_delta<Element, T::kHeadDim>(p, delta, p.dq_accum,

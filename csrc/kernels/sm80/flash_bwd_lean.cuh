@@ -458,7 +458,7 @@ struct DqLeanStep {
   // Per-lane ldmatrix base addresses (stage 0 for K and V) and dS's store base.
   uint32_t q_a, do_a, k_b, v_b, ds_a, ds_c, k_bt;
 
-  __device__ __forceinline__ DqLeanStep(const BwdParams& p, int64_t, int64_t)
+  __device__ __forceinline__ DqLeanStep(const BwdParams& p, const SeqInfo&, int64_t, int64_t)
       : scale(static_cast<float>(p.softmax_scale)),
         scale_log2(scale * 1.4426950408889634f) {}
   __device__ __forceinline__ static int row0(int warp) { return (warp % T::kWarpsRow) * kRowsW; }

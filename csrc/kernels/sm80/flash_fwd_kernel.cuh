@@ -66,15 +66,6 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  const VisibleKeys vis = visible_keys(p);
-  const VisibleKeys::Block keys = vis.block(m0, kM, p.seqlen_q, kN);
-  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
-
-  const auto* q = head_rows<Element>(p.q, p.q_batch_stride, p.q_head_stride, b, h);
-  const auto* k = head_rows<Element>(p.k, p.k_batch_stride, p.k_head_stride, b, blk.hk);
-  const auto* v = head_rows<Element>(p.v, p.v_batch_stride, p.v_head_stride, b, blk.hk);
-
-  const ScoreFn fn(p, b, h);
   const DropoutFn drop(p);
   // (seed, offset) for the backward; (0, 0) without dropout.  Written here rather than by a
   // separate fill launch.
@@ -82,6 +73,23 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     p.rng_state[0] = kGeneral ? static_cast<int64_t>(drop.seed) : 0;
     p.rng_state[1] = kGeneral ? static_cast<int64_t>(drop.offset) : 0;
   }
+  // This batch's sequence (packed sequences: its own rows and lengths; the grid covers the
+  // longest, and blocks past this one's rows have nothing to do).
+  const SeqInfo seq(p, b);
+  if (m0 >= seq.len_q) return;
+
+  const VisibleKeys vis = seq.visible(p);
+  const VisibleKeys::Block keys = vis.block(m0, kM, seq.len_q, kN);
+  const int64_t n_begin = keys.n_begin, n_end = keys.n_end;
+
+  const auto* q =
+      seq.q_rows<const Element>(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, h);
+  const auto* k = seq.k_rows<const Element>(p.k, p.k_batch_stride, p.k_row_stride,
+                                            p.k_head_stride, b, blk.hk);
+  const auto* v = seq.k_rows<const Element>(p.v, p.v_batch_stride, p.v_row_stride,
+                                            p.v_head_stride, b, blk.hk);
+
+  const ScoreFn fn(p, b, h, seq.len_q, seq.len_k);
   const float scale_log2 = fn.scale_log2;
   // Softcap, bias and ALiBi go through ScoreFn::apply; plain scores need nothing before the
   // exp2.
@@ -90,10 +98,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   // Issues the async loads of key/value tile n_block into shared stage `stage` (K, then V).
   auto load_kv = [&](int stage, int64_t n_block) {
     Element* dst = kv_s + stage * 2 * T::kSmemKV;
-    load_kv_async<Element, kN, kC, T::kThreads>(dst, dst + T::kSmemKV, k, v, p, n_block * kN);
+    load_kv_async<Element, kN, kC, T::kThreads>(dst, dst + T::kSmemKV, k, v, p, n_block * kN,
+                                                seq.len_k);
   };
   if (n_begin < n_end) {
-    load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, p.seqlen_q,
+    load_tile_async<Element, kM, kC, T::kThreads>(q_s, q, p.q_row_stride, m0, seq.len_q,
                                                   static_cast<int>(p.head_dim));
     load_kv(0, n_begin);
     cp_async_commit();
@@ -159,13 +168,13 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (transform) {
-            const int64_t row = row_of(mt, r) < p.seqlen_q ? row_of(mt, r) : p.seqlen_q - 1;
+            const int64_t row = row_of(mt, r) < seq.len_q ? row_of(mt, r) : seq.len_q - 1;
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int64_t col = col0 + j * 8 + e;
-                fn.apply(s[mt][j][2 * r + e], row, col < p.seqlen_k ? col : p.seqlen_k - 1);
+                fn.apply(s[mt][j][2 * r + e], row, col < seq.len_k ? col : seq.len_k - 1);
               }
           }
           if (masked) {
@@ -185,8 +194,8 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
         }
         // After both rows' sums: dropout acts on the normalised P.
         if (kGeneral && drop.enabled) {
-          const uint64_t kept = drop.keep_bits<kNTiles, true>((b * p.heads_q + h) * p.seqlen_q,
-                                                              row_of(mt, 0), col0);
+          const uint64_t kept =
+              drop.keep_bits<kNTiles, true>(seq.dropout_rows(p, b, h), row_of(mt, 0), col0);
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
@@ -208,8 +217,9 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
   // Epilogue: out = O / l (times dropout's 1 / P(kept)) (0 for rows that saw nothing),
   // lse = m * scale + ln(l).
-  auto* out = head_rows<Element>(p.out, p.out_batch_stride, p.out_head_stride, b, h);
-  auto* lse = head_stats(static_cast<float*>(p.softmax_lse), p, b, h);
+  auto* out = seq.q_rows<Element>(p.out, p.out_batch_stride, p.out_row_stride, p.out_head_stride,
+                                  b, h);
+  float* lse = static_cast<float*>(p.softmax_lse) + seq.stats(p, b, h);
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -217,7 +227,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       const auto [l, empty] = softmax.finish(mt, r);  // empty: no visible key
       const float inv_l = empty ? 0.f : (kGeneral ? drop.scale : 1.f) / l;
       const int64_t row = row_of(mt, r);
-      if (row >= p.seqlen_q) continue;
+      if (row >= seq.len_q) continue;
       Element* o_row = out + row * p.out_row_stride;
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {

@@ -44,6 +44,10 @@ struct ScoreFn {
   int64_t bias_row_stride, bias_col_stride;
 
   __device__ ScoreFn(const FwdParams& p, int64_t b, int64_t h)
+      : ScoreFn(p, b, h, p.seqlen_q, p.seqlen_k) {}
+  // For a sequence of its own lengths (packed sequences: ALiBi's bottom-right offset is each
+  // sequence's).
+  __device__ ScoreFn(const FwdParams& p, int64_t b, int64_t h, int64_t seqlen_q, int64_t seqlen_k)
       : scale(static_cast<float>(p.softmax_scale)),
         cap(static_cast<float>(p.softcap)),
         capped(p.softcap > 0.0),
@@ -51,7 +55,7 @@ struct ScoreFn {
         alibi_slope(p.alibi_slopes == nullptr
                         ? 0.f
                         : static_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h]),
-        alibi_offset(p.align_bottom_right ? p.seqlen_k - p.seqlen_q : 0),
+        alibi_offset(p.align_bottom_right ? seqlen_k - seqlen_q : 0),
         bias(p.attn_bias == nullptr ? nullptr
                                     : static_cast<const float*>(p.attn_bias) +
                                           b * p.bias_batch_stride + h * p.bias_head_stride),

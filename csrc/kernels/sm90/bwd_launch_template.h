@@ -30,7 +30,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
     return cudaErrorInvalidValue;
   // The bias's gradient is not in these kernels; softcap, a bias, ALiBi and dropout only in the
   // general variant.
-  if (p.dbias_full != nullptr || (p.general() && !T::kGeneral))
+  if (p.dbias_full != nullptr || (p.general() && !T::kGeneral) || p.cu_seqlens_q != nullptr)
     return cudaErrorInvalidValue;
   const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
   float* lse_log2 = stats;

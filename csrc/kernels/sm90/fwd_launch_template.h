@@ -67,8 +67,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
-  // Softcap, a bias, ALiBi and dropout only in the general variant.
-  if (p.general() && !T::kGeneral) return cudaErrorInvalidValue;
+  // Softcap, a bias, ALiBi and dropout only in the general variant; no packed sequences.
+  if ((p.general() && !T::kGeneral) || p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;

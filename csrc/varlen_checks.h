@@ -1,0 +1,178 @@
+// Packed sequences (FlashAttention-2's varlen API): the checks of a call's q, k, v, cu_seqlens,
+// max_seqlen and seqused_k, and the params of a packed call, shared by the CPU
+// (cpu/varlen_cpu.h) and CUDA (cuda/flash_cuda.cu) entry points of the fwd_varlen / bwd_varlen
+// ops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "checks.h"
+#include "params.h"
+
+namespace flash_attn_ext {
+
+// A packed call's sequences: cu_q / cu_k / used_k on the call's device (contiguous), and their
+// host copies (the same tensors on the CPU; the CPU kernels' Seqs points into them).
+struct Packed {
+  at::Tensor cu_q, cu_k, used_k;
+  at::Tensor cu_q_host, cu_k_host, used_k_host;
+  int64_t batch = 0;    // number of sequences
+  int64_t total_q = 0;  // rows of q
+};
+
+inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const char* names[3] = {"q", "k", "v"};
+  const char* shapes[3] = {"(total_q, num_heads, head_dim)", "(total_k, num_heads_k, head_dim)",
+                           "(total_k, num_heads_k, head_dim_v)"};
+  const at::Tensor* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK_VALUE(ts[i]->dim() == 3, names[i], " must have 3 dimensions ", shapes[i],
+                      " for packed sequences, got ", names[i], ".dim()=", ts[i]->dim(),
+                      " with shape ", ts[i]->sizes());
+}
+
+// Checks cu_seqlens_q / cu_seqlens_k (int32, 1-D, batch + 1 non-decreasing offsets from >= 0 up
+// to at most the tensors' rows, on q's device) and max_seqlen_q / max_seqlen_k (at least the
+// longest sequence); the geometry for q of total_q rows.  The values are read on the host: for
+// CUDA tensors a copy (one synchronisation per call, which also makes the call uncapturable
+// in a CUDA graph; FlashAttention-2 reads nothing there and trusts them).
+inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                           int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           const std::optional<at::Tensor>& seqused_k) {
+  Packed pk;
+  const at::Tensor* cus[2] = {&cu_seqlens_q, &cu_seqlens_k};
+  const char* names[2] = {"cu_seqlens_q", "cu_seqlens_k"};
+  const int64_t totals[2] = {q.size(0), k.size(0)};
+  const int64_t maxima[2] = {max_seqlen_q, max_seqlen_k};
+  const char* max_names[2] = {"max_seqlen_q", "max_seqlen_k"};
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& cu = *cus[i];
+    TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1,
+                      names[i], " must be a 1-D int32 tensor of batch + 1 offsets, got dtype ",
+                      dtype_name(cu.scalar_type()), " and shape ", cu.sizes());
+    TORCH_CHECK_VALUE(cu.device() == q.device(), names[i], " must be on ", q.device(), ", got ",
+                      cu.device());
+  }
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
+                    "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got ",
+                    cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
+  pk.cu_q = cu_seqlens_q.contiguous();
+  pk.cu_k = cu_seqlens_k.contiguous();
+  pk.cu_q_host = pk.cu_q.cpu();
+  pk.cu_k_host = pk.cu_k.cpu();
+  pk.batch = cu_seqlens_q.size(0) - 1;
+  const int32_t* offsets[2] = {pk.cu_q_host.data_ptr<int32_t>(), pk.cu_k_host.data_ptr<int32_t>()};
+  for (int i = 0; i < 2; ++i) {
+    const int32_t* cu = offsets[i];
+    TORCH_CHECK_VALUE(cu[0] >= 0, names[i], "[0] must be >= 0, got ", cu[0]);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < pk.batch; ++b) {
+      TORCH_CHECK_VALUE(cu[b + 1] >= cu[b], names[i], " must be non-decreasing, got ", names[i],
+                        "[", b, "]=", cu[b], " > ", names[i], "[", b + 1, "]=", cu[b + 1]);
+      longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
+    }
+    TORCH_CHECK_VALUE(cu[pk.batch] <= totals[i], names[i], "[-1]=", cu[pk.batch],
+                      " exceeds the ", i == 0 ? "q" : "k", " rows (", totals[i], ")");
+    TORCH_CHECK_VALUE(maxima[i] >= longest, max_names[i], "=", maxima[i],
+                      " is shorter than the longest sequence (", longest, ")");
+  }
+  if (seqused_k.has_value()) {
+    const at::Tensor& used = *seqused_k;
+    TORCH_CHECK_VALUE(used.scalar_type() == at::kInt && used.dim() == 1 &&
+                          used.size(0) == pk.batch,
+                      "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
+                      " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
+                      used.sizes());
+    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
+                      ", got ", used.device());
+    pk.used_k = used.contiguous();
+    pk.used_k_host = pk.used_k.cpu();
+    const int32_t* n = pk.used_k_host.data_ptr<int32_t>();
+    for (int64_t b = 0; b < pk.batch; ++b)
+      TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= offsets[1][b + 1] - offsets[1][b], "seqused_k[", b,
+                        "]=", n[b], " must be in [0, ", offsets[1][b + 1] - offsets[1][b],
+                        "] (sequence ", b, "'s keys)");
+  }
+  pk.total_q = q.size(0);
+  return pk;
+}
+
+// alibi_slopes of a packed call: (num_heads,) or (batch, num_heads), batch the number of
+// sequences.  Returns what the dense checks (check_attn_args: dtype, device, heads) are given
+// for them on the packed (1, total, H, D) views: one row.
+inline std::optional<at::Tensor> packed_alibi_row(const std::optional<at::Tensor>& alibi_slopes,
+                                                  int64_t batch) {
+  if (!alibi_slopes.has_value()) return std::nullopt;
+  const at::Tensor& slopes = *alibi_slopes;
+  TORCH_CHECK_VALUE(slopes.dim() == 1 || (slopes.dim() == 2 && slopes.size(0) == batch),
+                    "alibi_slopes must have shape (num_heads,) or (batch, num_heads) with batch = "
+                    "len(cu_seqlens_q) - 1 = ", batch, ", got ", slopes.sizes());
+  return slopes.dim() == 2 && batch > 0 ? slopes[0] : slopes.reshape({-1});
+}
+
+// A packed call's inputs as the kernels take them: q, k, v as (1, total, H, D) views (last
+// dimension contiguous), the dense checks' AttnArgs on them (no bias), the sequences.
+struct PackedCall {
+  at::Tensor q, k, v;
+  AttnArgs a;
+  Packed pk;
+};
+
+inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_in,
+                                    const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+                                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                    int64_t max_seqlen_k, std::optional<double> softmax_scale,
+                                    bool causal, int64_t window_left, int64_t window_right,
+                                    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                    double dropout_p,
+                                    const std::optional<at::Tensor>& seqused_k,
+                                    c10::DeviceType kernel_device = c10::DeviceType::CPU) {
+  check_packed_qkv(q_in, k_in, v_in);
+  PackedCall c;
+  c.q = last_dim_contiguous(q_in).unsqueeze(0);
+  c.k = last_dim_contiguous(k_in).unsqueeze(0);
+  c.v = last_dim_contiguous(v_in).unsqueeze(0);
+  TORCH_CHECK_VALUE(q_in.device().type() == kernel_device, "flash_attn_ext ",
+                    c10::DeviceTypeName(kernel_device), " kernel got q on ", q_in.device());
+  c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k);
+  c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
+                        packed_alibi_row(alibi_slopes, c.pk.batch), std::nullopt, dropout_p);
+  return c;
+}
+
+// The backward's out, dout (total_q, num_heads, head_dim_v) and softmax_lse (the forward's:
+// (num_heads, total_q) of lse_dtype).
+inline void check_packed_bwd_tensors(const AttnArgs& a, const at::Tensor& dout_in,
+                                     const at::Tensor& out_in, const at::Tensor& softmax_lse,
+                                     at::ScalarType lse_dtype) {
+  TORCH_CHECK_VALUE(dout_in.sizes() == out_in.sizes() &&
+                        out_in.sizes() == at::IntArrayRef({a.seqlen_q, a.heads_q, a.head_dim_v}),
+                    "dout and out must have shape (total_q, num_heads, head_dim_v) = (",
+                    a.seqlen_q, ", ", a.heads_q, ", ", a.head_dim_v, "), got ", dout_in.sizes(),
+                    " and ", out_in.sizes());
+  TORCH_CHECK_VALUE(softmax_lse.sizes() == at::IntArrayRef({a.heads_q, a.seqlen_q}) &&
+                        softmax_lse.scalar_type() == lse_dtype,
+                    "softmax_lse must be the forward's (num_heads, total_q) = (", a.heads_q, ", ",
+                    a.seqlen_q, ") ", dtype_name(lse_dtype), " tensor, got ",
+                    dtype_name(softmax_lse.scalar_type()), " ", softmax_lse.sizes());
+}
+
+// Turns params filled from (1, total, H, D) views into the packed call's: one entry per
+// sequence, the longest lengths, no batch strides (each kernel places a sequence by its
+// offsets: the CPU's Seqs, the CUDA kernels' SeqInfo, which read params.h's cu_seqlens).
+inline void make_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q,
+                        int64_t max_seqlen_k) {
+  p.batch = pk.batch;
+  p.seqlen_q = max_seqlen_q;
+  p.seqlen_k = max_seqlen_k;
+  p.align_bottom_right = true;  // causal and windows bottom-right per sequence (FlashAttention-2)
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
+}
+
+}  // namespace flash_attn_ext
