@@ -116,9 +116,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
 
     Raises:
-        NotImplementedError: block_table; on CUDA, calls no CUDA kernel serves (float32/64,
-            a GPU or build without the kernels), naming the reason.
-        ValueError: bad shapes, dtypes, offsets (naming the argument and the rule).
+        NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
+            the reason).
+        ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
+            the argument and the rule).
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
