@@ -153,7 +153,12 @@ def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tenso
                alibi_slopes: Optional[torch.Tensor] = None) -> int:
     """The ScoreMod bits of a call (0: plain attention); BIAS_GRAD where the bias requires
     grad while autograd records."""
-    mods = ((SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropout_p > 0 else 0)
+    # A dropout_p that rounds to 0 drops nothing (csrc/dropout.h's dropout_active: the kept
+    # fraction is (1 - dropout_p) * 256 to the nearest integer, ties to even as Python's round,
+    # over 256); the kernels then run without dropout, so the plan must not name their general
+    # variant for it.  (Plain Python, which torch.compile traces, rather than a call into _C.)
+    dropping = dropout_p > 0 and round((1.0 - dropout_p) * 256) < 256
+    mods = ((SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropping else 0)
             | (ALIBI if alibi_slopes is not None else 0))
     if attn_bias is not None:
         mods |= BIAS

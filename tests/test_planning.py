@@ -476,3 +476,12 @@ def test_cuda_planning_traces_under_torch_compile(monkeypatch, dynamic):
         q = torch.randn(2, seqlen, 4, 64)
         torch.testing.assert_close(compiled(q, q, q), q * 2)
     torch._dynamo.reset()
+
+
+def test_a_dropout_p_that_rounds_to_zero_is_no_score_mod():
+    # The kernels drop nothing for dropout_p <= 1/512 (csrc/dropout.h: dropout_active), so the
+    # plan must not name the general variant for it.
+    assert planning.score_mods(0.0, 0.001, None) == 0
+    assert planning.score_mods(0.0, 1 / 512, None) == 0
+    assert planning.score_mods(0.0, 0.0025, None) == planning.DROPOUT
+    assert planning.score_mods(0.0, 0.1, None) == planning.DROPOUT

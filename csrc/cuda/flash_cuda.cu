@@ -139,7 +139,9 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 // The ScoreMod bits (kernel_select.h) of a call.
 int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad, bool alibi) {
-  return (softcap > 0.0 ? kSoftcap : 0) | (bias ? kBias : 0) | (dropout_p > 0.0 ? kDropout : 0) |
+  // (A dropout_p that rounds to 0 drops nothing and the kernels run without dropout: dropout.h.)
+  return (softcap > 0.0 ? kSoftcap : 0) | (bias ? kBias : 0) |
+         (dropout_active(dropout_p) ? kDropout : 0) |
          (bias_grad ? kBiasGrad : 0) | (alibi ? kAlibi : 0);
 }
 
