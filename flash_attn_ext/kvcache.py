@@ -5,8 +5,10 @@ embedding, and q attends to each batch entry's cached keys. The attention is the
 kernel (flash_attn_ext.varlen) reading the cache in place: sequence b is batch entry b's cache
 rows ``cache_leftpad[b] .. cache_seqlens[b] + seqlen_new``, given by cu_seqlens_k and
 seqused_k, so nothing of size (batch, seqlen_cache) is copied (but for ``cache_batch_idx``,
-which gathers the entries it names, and a paged cache, whose pages are gathered). CPU kernels
-only, so far: a CUDA call raises ``NotImplementedError`` (issue 26).
+which gathers the entries it names, and a paged cache, whose pages are gathered). CPU kernels,
+and on CUDA the portable kernels that serve packed sequences (not yet a decode-specialised
+kernel, split-KV or the Hopper kernels: issue 26); the lengths are checked on the host, so a
+CUDA call synchronises (not capturable in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -92,13 +94,14 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, num_heads, head_dim_v), or (out, softmax_lse).
 
     Raises:
-        NotImplementedError: CUDA tensors (the CUDA kernels do not take it yet).
+        NotImplementedError: tensors on other devices (meta included); on CUDA, a GPU or build
+            without the kernels (naming the reason).
         ValueError: shapes, a cache too short for the append, bad lengths.
     """
     del num_splits
-    if q.device.type != "cpu":
+    if q.device.type not in ("cpu", "cuda"):  # (meta too: the length checks read values)
         raise NotImplementedError(
-            f"flash_attn_with_kvcache runs on the CPU kernels only so far, got q on {q.device}")
+            f"flash_attn_with_kvcache runs on CPU and CUDA tensors, got q on {q.device}")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q, k_cache and v_cache must have 4 dimensions (batch, seqlen, heads, "
                          f"head_dim), got {tuple(q.shape)}, {tuple(k_cache.shape)}, "

@@ -1,11 +1,15 @@
-"""flash_attn_with_kvcache on the CPU: the in-place append, rotary embeddings, per-entry lengths,
-left padding and batch indices, against a float64 reference of each entry's attention."""
+"""flash_attn_with_kvcache: on the CPU the in-place append, rotary embeddings, per-entry lengths,
+left padding and batch indices, against a float64 reference of each entry's attention; on CUDA
+the same call against the CPU's answer."""
 
 import pytest
 import torch
 
+import flash_attn_ext
 from flash_attn_ext import flash_attn_with_kvcache
 from reference import attention_ref
+
+HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
 
 def _rotary_ref(x, cos, sin, positions, interleaved):
@@ -84,7 +88,7 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, new)
     with pytest.raises(ValueError, match="block_table must be"):
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
-    with pytest.raises(NotImplementedError, match="CPU kernels only"):
+    with pytest.raises(NotImplementedError, match="runs on CPU and CUDA tensors"):
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
 
 
@@ -111,3 +115,43 @@ def test_paged_cache_equals_the_contiguous_one(page):
     assert torch.equal(v_pages[perm].reshape(v_cache.shape), v_cache)
     with pytest.raises(ValueError, match="page indices"):
         flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table + 1000)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("layout", ["plain", "leftpad", "batch_idx", "paged"])
+def test_cuda_call_equals_the_cpu_call(layout):
+    # The CUDA call (bf16, the packed-sequence kernels) against the CPU's on the same bf16 values
+    # in float32 (the CPU tests hold that one to a float64 reference): the same in-place appends,
+    # outputs within bf16 rounding.  Causal, interleaved rotary, GQA, head dim 64.
+    torch.manual_seed(0)
+    batch, seqlen_q, new, heads, heads_k, d, page = 3, 2, 3, 4, 2, 64, 16
+    pages = 4 * batch + 1 if layout == "paged" else 0
+    cache_shape = (pages, page, heads_k, d) if layout == "paged" else (batch + 1, 64, heads_k, d)
+    bf = torch.bfloat16
+    q = torch.randn(batch, seqlen_q, heads, d).to(bf)
+    k, v = (torch.randn(batch, new, heads_k, d).to(bf) for _ in "kv")
+    k_cache, v_cache = (torch.randn(cache_shape).to(bf) for _ in "kv")
+    angles = torch.rand(64, 8) * 6
+    kw = dict(cache_seqlens=torch.tensor([5, 0, 40], dtype=torch.int32), causal=True,
+              rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=True,
+              return_softmax_lse=True)
+    if layout == "leftpad":
+        kw["cache_leftpad"] = torch.tensor([2, 0, 7], dtype=torch.int32)
+    if layout == "batch_idx":
+        kw["cache_batch_idx"] = torch.tensor([2, 0, 3])
+    if layout == "paged":
+        kw["block_table"] = torch.randperm(pages)[:4 * batch].view(batch, 4).int()
+
+    def call(device, dtype):
+        cache = [c.to(device, dtype) for c in (k_cache, v_cache)]
+        args = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        out, lse = flash_attn_with_kvcache(q.to(device, dtype), *cache, k.to(device, dtype),
+                                           v.to(device, dtype), **args)
+        return out.float().cpu(), lse.cpu(), [c.float().cpu() for c in cache]
+
+    out_cpu, lse_cpu, cache_cpu = call("cpu", torch.float32)
+    out_gpu, lse_gpu, cache_gpu = call("cuda", bf)
+    assert (out_gpu - out_cpu).abs().max().item() < 3e-2
+    assert (lse_gpu - lse_cpu).abs().max().item() < 1e-2
+    for c_gpu, c_cpu in zip(cache_gpu, cache_cpu):  # the appends: rotated k rounded to bf16
+        assert (c_gpu - c_cpu).abs().max().item() <= 1e-2 * c_cpu.abs().max().item()
