@@ -1,9 +1,11 @@
-"""Where the CUDA backward's time goes: ours and SDPA's FLASH backend, kernel by kernel.
+"""Where the CUDA backward's time goes: ours, SDPA's FLASH and cuDNN backends, kernel by kernel.
 
-For each (d, L, causal): backward TFLOP/s of ours (flash_attn_func) and of SDPA's FLASH backend
-measured in the same process (CUDA events, queued calls, median; FLOPs the FlashAttention way:
-2.5 x 4 * B * H * L^2 * d, halved when causal), then each kernel's GPU time in one backward
-(torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole backward's FLOPs.
+For each (d, L, causal): backward TFLOP/s of ours (flash_attn_func) and of SDPA's FLASH and
+cuDNN backends measured in the same process (CUDA events, queued calls, median; FLOPs the
+FlashAttention way: 2.5 x 4 * B * H * L^2 * d, halved when causal), then each kernel's GPU time
+in one backward (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole
+backward's FLOPs.  --sm90-bwd on: ours on the Hopper backward where "auto" would not take it
+(head dim 64).
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
 --sm80-forward: also time the portable (sm80) forward (kernel_options(force_portable=True)) and SDPA
@@ -28,7 +30,8 @@ import flash_attn_ext
 
 
 def backward_fns(d: int, seqlen: int, causal: bool):
-    """name -> zero-argument backward of a fixed forward graph (retain_graph)."""
+    """name -> zero-argument backward of a fixed forward graph (retain_graph): ours, SDPA's
+    FLASH and cuDNN backends."""
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in "qkv")
@@ -37,11 +40,16 @@ def backward_fns(d: int, seqlen: int, causal: bool):
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out_flash = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out_cudnn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     dout_t = dout.transpose(1, 2)
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+
     return flops, {
         "ours": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
         "flash": lambda: torch.autograd.grad(out_flash, (qt, kt, vt), dout_t,
+                                             retain_graph=True),
+        "cudnn": lambda: torch.autograd.grad(out_cudnn, (qt, kt, vt), dout_t,
                                              retain_graph=True),
     }
 
@@ -79,7 +87,10 @@ def main() -> None:
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--sm80-forward", action="store_true")
+    parser.add_argument("--sm90-bwd", choices=["auto", "on", "off"], default="auto",
+                        help="kernel option sm90_bwd for ours (on: the Hopper backward at d = 64)")
     args = parser.parse_args()
+    flash_attn_ext.set_kernel_options(sm90_bwd=args.sm90_bwd)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.dims:
         for seqlen in args.seqlens:

@@ -40,6 +40,16 @@ else
   timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_bwd_kernels.py ${BENCH_ARGS:-} 2>&1 \
     | grep -v -i warn | tee "$OUT/bwd_kernels.txt"
 fi
+# SCORE_ARGS (with BASE): benchmarks/bench_score_mods.py with those arguments in both trees, in
+# turn (stdout only, to score_mods_ab.txt).
+if [ -n "${SCORE_ARGS:-}" ] && [ -n "${BASE:-}" ]; then
+  for tree in "$BASE" .; do
+    tag=$([ "$tree" = . ] && echo new || echo base)
+    (cd "$tree" && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout ${BENCH_TIMEOUT:-150} python3 \
+      benchmarks/bench_score_mods.py $SCORE_ARGS --out-dir /tmp/score_$tag 2>&1) \
+      | grep -v -i warn | sed "s/^/$tag /" | tee -a "$OUT/score_mods_ab.txt"
+  done
+fi
 if [ "${NCU:-1}" = 1 ]; then
   NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   timeout ${NCU_TIMEOUT:-180} "$NCU_BIN" --clock-control none --profile-from-start off \

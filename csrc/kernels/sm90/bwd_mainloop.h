@@ -111,6 +111,18 @@ struct BwdMainloop {
     }
   }
 
+  // dV += P^T dO (P^T from registers), one commit group.
+  __device__ __forceinline__ void issue_dv(FragP& p16, int stage) {
+    warpgroup_fence_operand(p16);
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_arrive();
+    mma_dkv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(p16); ++kb)
+      cute::gemm(mma_dkv, p16(_, _, kb), tdVrdO(_, _, kb, stage), acc_dv);
+    warpgroup_commit_batch();
+  }
+
   // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage
   // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
   // visible (rel: the visible keys of each of the step's rows, relative to the key block).
@@ -232,7 +244,12 @@ struct BwdMainloop {
         probs(cute::true_type{});
       else
         probs(cute::false_type{});
-      warpgroup_wait<0>();  // dP^T
+      // dV += P^T dO issued before dS^T is computed, so that the tensor cores work while this
+      // warpgroup computes dS^T (issued after it, dV left them idle for that time).
+      CUTE_UNROLL
+      for (int i = 0; i < kSVals; ++i) p16(i) = static_cast<Element>(acc_s(i));
+      issue_dv(p16, stage);
+      warpgroup_wait<1>();  // dP^T (dV may still run)
       warpgroup_fence_operand(acc_dp);
       // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
       // portable kernels: unscaled, fp16 dS would overflow 1 / scale times sooner), so dK and
@@ -240,28 +257,22 @@ struct BwdMainloop {
       CUTE_UNROLL
       for (int i = 0; i < kSVals; ++i) {
         const int q = get<1>(tScS(i));
-        const float ds = acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale);
-        p16(i) = static_cast<Element>(acc_s(i));
-        ds16(i) = static_cast<Element>(ds);
+        ds16(i) = static_cast<Element>(acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale));
       }
     }
+    if constexpr (T::kGeneral) issue_dv(p16, stage);
 
-    // dV += P^T dO.
-    warpgroup_fence_operand(p16);
-    warpgroup_fence_operand(acc_dv);
-    warpgroup_arrive();
-    mma_dkv.accumulate_ = GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(p16); ++kb)
-      cute::gemm(mma_dkv, p16(_, _, kb), tdVrdO(_, _, kb, stage), acc_dv);
-    warpgroup_commit_batch();
-
-    // dS^T to shared memory as dS (query, key): pairs of adjacent queries, one word each.
-    CUTE_UNROLL
-    for (int i = 0; i < kSVals; i += 2) {
-      const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
-      Element pair[2] = {ds16(i), ds16(i + 1)};
-      *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<uint32_t*>(pair);
+    // dS^T to shared memory as dS (query, key), queries contiguous: the accumulator's 8 x 8
+    // blocks (keys by queries) are stmatrix's layout, four per instruction.  (One 32-bit store
+    // per pair of queries compiled to generic stores, each with its own 64-bit address and
+    // swizzle arithmetic: ~6 instructions per word.)
+    {
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+      auto thr = r2s.get_thread_slice(me * 128 + tid);
+      Tensor src = thr.retile_S(make_tensor(ds16.data(), typename AccS::layout_type{}));
+      // The same buffers as (key, query, buffer).
+      Tensor dst = thr.partition_D(make_tensor(sdS.data(), typename T::SmemLayoutdSt{}));
+      cute::copy(r2s, src, dst(_, _, _, buf));
     }
     cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
 
@@ -292,25 +303,39 @@ struct BwdMainloop {
   }
 
   // dK and dV rows of keys n0 .. (cut at seqlen_k; columns cut at head_dim / head_dim_v) from
-  // the accumulators, one 32-bit word per pair of columns.
+  // the accumulators, one 32-bit word per pair of columns.  Every element's (key, column) is a
+  // compile-time offset from the thread's first, so the bounds are immediates compared with
+  // per-thread limits and the addresses immediates off two row pointers (computed per element
+  // from 64-bit coordinates, the stores took ~12 instructions each: ~1,500 per thread, a few
+  // per cent of a causal CTA's time).
   __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t n0, int32_t b,
                                              int32_t hk) const {
-    auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+    const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
+    const int64_t row0 = n0 + key0;
+    auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride +
+               row0 * p.dk_row_stride + c0;
+    auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride +
+               row0 * p.dv_row_stride + c0;
+    // A thread's rows are key0 and key0 + 8 (wgmma's accumulator layout); the general form
+    // below folds to one of these two pointers.
+    auto* dk8 = dk + 8 * p.dk_row_stride;
+    auto* dv8 = dv + 8 * p.dv_row_stride;
+    const int rows_left = static_cast<int>(p.seqlen_k - row0 < kN ? p.seqlen_k - row0 : kN);
+    const int dk_cols = static_cast<int>(p.head_dim) - c0;
+    const int dv_cols = static_cast<int>(p.head_dim_v) - c0;
     constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;
     CUTE_UNROLL
     for (int i = 0; i < kVals; i += 2) {
-      const int key = get<0>(tdKcdK(i)), c = get<1>(tdKcdK(i));
-      const int64_t row = n0 + key;
-      if (row >= p.seqlen_k) continue;
-      if (c < p.head_dim) {
+      const int dr = get<0>(tdKcdK(i)) - key0, dc = get<1>(tdKcdK(i)) - c0;
+      if (dr >= rows_left) continue;
+      if (dc < dk_cols) {
         Element pair[2] = {static_cast<Element>(acc_dk(i)), static_cast<Element>(acc_dk(i + 1))};
-        *reinterpret_cast<uint32_t*>(dk + row * p.dk_row_stride + c) =
+        *reinterpret_cast<uint32_t*>((dr == 0 ? dk : dr == 8 ? dk8 : dk + dr * p.dk_row_stride) + dc) =
             *reinterpret_cast<uint32_t*>(pair);
       }
-      if (c < p.head_dim_v) {
+      if (dc < dv_cols) {
         Element pair[2] = {static_cast<Element>(acc_dv(i)), static_cast<Element>(acc_dv(i + 1))};
-        *reinterpret_cast<uint32_t*>(dv + row * p.dv_row_stride + c) =
+        *reinterpret_cast<uint32_t*>((dr == 0 ? dv : dr == 8 ? dv8 : dv + dr * p.dv_row_stride) + dc) =
             *reinterpret_cast<uint32_t*>(pair);
       }
     }

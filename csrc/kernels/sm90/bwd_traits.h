@@ -91,6 +91,11 @@ struct Sm90BwdTraits {
   using SmemLayoutdS = decltype(tile_to_shape(
       GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
 
+  // The same buffers as (key, query, buffer): the consumers store dS^T into them (stmatrix).
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                          Step<_2, _1, _3>{})));
+
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)),
                                           GmemShape{}, GmemStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
