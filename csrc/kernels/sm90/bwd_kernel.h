@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         ++h;
       }
     }
-    if constexpr (BwdMainloop<T>::kSAhead) warpgroup_wait<0>();  // the discarded S^T
+    // (A no-op: the step's last wait retired the discarded S^T already.)
+    if constexpr (BwdMainloop<T>::kSAhead) warpgroup_wait<0>();
     BwdDq<T>::drain(tid);
   }
   mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block

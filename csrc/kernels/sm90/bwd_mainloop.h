@@ -159,8 +159,9 @@ struct BwdMainloop {
   // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV
   // takes P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O.
   // With kSAhead, S^T of the step was issued before (issue_s), and issue_next() issues the next
-  // step's once this step's dQ is in registers, so that it runs under this step's dQ staging,
-  // its dK GEMM and the loop's overhead instead of after them.
+  // step's once this step's dQ GEMM is issued and its dV and dK are done, so that it runs
+  // under this step's dQ staging and reduction; the step's last wait retires it (a wgmma in
+  // flight across the loop's back edge makes ptxas serialise them all).  Measured: no gain.
   template <typename IssueNext>
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
@@ -295,7 +296,10 @@ struct BwdMainloop {
     // barrier between the warpgroups, so that it runs while they wait for each other, and is
     // done (its operand registers free) before the next S^T is issued.  (Elsewhere it follows
     // dQ, whose staging and reduction then run under it; at head dim 64 issuing it here
-    // leaves ptxas too few registers.)
+    // leaves ptxas too few registers.)  Known defect: the stmatrix below then reads ds16
+    // while this GEMM may still read it as its A operand, which the PTX ISA leaves undefined
+    // (a read: today's ptxas compiles it as meant, and the suite passes; the fix, storing dS
+    // first or dropping kSAhead, waits for a GPU run).
     if constexpr (kSAhead) issue_dk(ds16, stage);
 
     // dS^T to shared memory as dS (query, key), queries contiguous: the accumulator's 8 x 8
@@ -329,7 +333,8 @@ struct BwdMainloop {
     } else {
       issue_dk(ds16, stage);
     }
-    warpgroup_wait<1>();  // dQ (and dV; kSAhead: dK; the next S^T or dK may run on)
+    warpgroup_wait<1>();  // dQ and dV (kSAhead: the next S^T may run on, which relies on
+                          // issue_next committing exactly one group; else dK may)
     warpgroup_fence_operand(acc_dq);
     // (Whole tiles: the dQ buffer has rows for every query block, zeros added past seqlen_q.)
     BwdDq<T>::add(acc_dq, dq_staging, dq_tile, me, tid);

@@ -84,10 +84,11 @@ struct Sm90BwdTraits {
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  // dS (query, key, buffer), queries contiguous: a thread's dS^T accumulator holds pairs of
-  // adjacent queries, stored as one 32-bit word each.  Two buffers: a warpgroup writes step
-  // t + 1's dS while the other may still read step t's in its dQ GEMM (the barrier between the
-  // dS writes and the dQ GEMM of step t + 1 comes after both finished step t's dQ).
+  // dS (query, key, buffer), queries contiguous: the rows of a thread's dS^T accumulator
+  // blocks are runs of queries, stored by stmatrix (SmemLayoutdSt).  Two buffers: a
+  // warpgroup writes step t + 1's dS while the other may still read step t's in its dQ GEMM
+  // (the barrier between the dS writes and the dQ GEMM of step t + 1 comes after both
+  // finished step t's dQ).
   using SmemLayoutdS = decltype(tile_to_shape(
       GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
 
