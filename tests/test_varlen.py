@@ -101,16 +101,22 @@ def test_equal_lengths_are_the_dense_batch_dropout_included(dropout_p):
     # The packed dropout row id start * H + h * L + i is the dense (b * H + h) * L + i, so the
     # same seed drops the same elements; the same kernel gives the same bits.
     q, k, v = (torch.randn(3, 37, 4, 16, requires_grad=True) for _ in "qkv")
-    dout = torch.randn(3, 37, 4, 16)
+    _assert_packed_equal_lengths_are_dense(q, k, v, torch.randn(3, 37, 4, 16), dropout_p)
+
+
+def _assert_packed_equal_lengths_are_dense(q, k, v, dout, dropout_p):
+    """A causal batch (B, L, H, D) packed as B sequences of length L gives the dense call's
+    out and gradients bit for bit, with the same generator state (dropout included)."""
+    batch, seqlen, heads, dim = q.shape
     torch.manual_seed(5)
     dense = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
     dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
-    cu = _offsets([37, 37, 37])
+    cu = _offsets([seqlen] * batch).to(q.device)
     torch.manual_seed(5)
-    packed = flash_attn_varlen_func(*(t.reshape(3 * 37, 4, 16) for t in (q, k, v)), cu, cu, 37,
-                                    37, dropout_p=dropout_p, causal=True)
-    assert torch.equal(packed.reshape(3, 37, 4, 16), dense)
-    grads = torch.autograd.grad(packed, (q, k, v), dout.reshape(3 * 37, 4, 16))
+    packed = flash_attn_varlen_func(*(t.reshape(batch * seqlen, heads, dim) for t in (q, k, v)),
+                                    cu, cu, seqlen, seqlen, dropout_p=dropout_p, causal=True)
+    assert torch.equal(packed.reshape(batch, seqlen, heads, dim), dense)
+    grads = torch.autograd.grad(packed, (q, k, v), dout.reshape(batch * seqlen, heads, dim))
     for g, w in zip(grads, dense_grads):
         assert torch.equal(g, w)
 
@@ -267,17 +273,7 @@ def test_cuda_equal_lengths_are_the_dense_portable_batch(dropout_p, kernel_opts)
     q, k, v = (torch.randn(3, 77, 4, 64, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in "qkv")
     dout = torch.randn(3, 77, 4, 64, device="cuda", dtype=torch.bfloat16)
-    torch.manual_seed(5)
-    dense = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
-    dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
-    cu = _offsets([77, 77, 77]).cuda()
-    torch.manual_seed(5)
-    packed = flash_attn_varlen_func(*(t.reshape(3 * 77, 4, 64) for t in (q, k, v)), cu, cu, 77,
-                                    77, dropout_p=dropout_p, causal=True)
-    assert torch.equal(packed.reshape(3, 77, 4, 64), dense)
-    grads = torch.autograd.grad(packed, (q, k, v), dout.reshape(3 * 77, 4, 64))
-    for g, w in zip(grads, dense_grads):
-        assert torch.equal(g, w)
+    _assert_packed_equal_lengths_are_dense(q, k, v, dout, dropout_p)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
