@@ -82,15 +82,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
     int32_t h = hk * args.group, m = 0, done = 0;  // (done: steps computed, not skipped)
-    // With kSAhead each step's S^T is issued a step ahead, the first one here.
-    if constexpr (BwdMainloop<T>::kSAhead) {
-      // dK and dV zeroed first (else the zeros are moved in while this GEMM runs, and ptxas
-      // serialises every wgmma of the kernel).
-      warpgroup_fence_operand(mainloop.acc_dk);
-      warpgroup_fence_operand(mainloop.acc_dv);
-      pipe.consumer_wait(state);
-      mainloop.issue_s(mainloop.acc_s_ahead, state.index());
-    }
     for (int32_t t = 0; t < st.steps; ++t) {
       const int64_t m0 = static_cast<int64_t>(st.m_begin + m) * kM;
       if (T::kGeneral && bias_masks_tile<kM, kN>(p, b, h, m0, n0)) {  // (the producer skips it)
@@ -114,21 +105,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           cls = r == 0 || c == cls ? c : kBlockMixed;
         }
       }
-      if constexpr (!BwdMainloop<T>::kSAhead) pipe.consumer_wait(state);
-      // kSAhead: the next step's S^T goes ahead; after the last step one more on the last Q
-      // tile (still held), discarded: ptxas serialises every wgmma of the kernel when the
-      // number of GEMM groups in flight differs between paths.
-      auto issue_next = [&]() {
-        typename Pipeline::PipelineState next = state;
-        ++next;
-        if (t + 1 < st.steps) pipe.consumer_wait(next);
-        mainloop.issue_s(mainloop.acc_s_ahead, t + 1 < st.steps ? next.index() : state.index());
-      };
+      pipe.consumer_wait(state);
       mainloop.step(smem, state.index(), done++ & 1, masked, rel, scale, scale_log2, dq_tile,
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
                     static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
                     cls, T::kGeneral ? sm80::DropoutFn(p) : sm80::DropoutFn(),
-                    (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q, issue_next);
+                    (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q);
       pipe.consumer_release(state);
       ++state;
       if (++m == st.m_blocks) {
@@ -136,8 +118,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         ++h;
       }
     }
-    // (A no-op: the step's last wait retired the discarded S^T already.)
-    if constexpr (BwdMainloop<T>::kSAhead) warpgroup_wait<0>();
     BwdDq<T>::drain(tid);
   }
   mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block

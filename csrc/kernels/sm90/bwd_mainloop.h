@@ -24,11 +24,6 @@ struct BwdMainloop {
   using TiledMmadKV = typename T::TiledMmadKV;
   using TiledMmadQ = typename T::TiledMmadQ;
   static constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
-  // S^T issued a step ahead (under the previous step's dQ tail): the plain kernel, which
-  // computes every step (the general one may skip the next one: it issues each step's own),
-  // at head dim 128 (at 64, whose 128-row steps hold twice the S^T accumulators, ptxas runs
-  // out of registers and serialises the wgmmas).
-  static constexpr bool kSAhead = !T::kGeneral && kD == 128;
 
   using SmemQ = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
                                      typename T::SmemLayoutQ{}));
@@ -77,7 +72,6 @@ struct BwdMainloop {
   FragdS tdQrdS;       // (MMA, MMA_M, MMA_K, buffer)
   FragKt tdQrK;
   AccKV acc_dk, acc_dv;
-  AccS acc_s_ahead;  // kSAhead: S^T, issued a step ahead (issue_s)
   CoordS tScS;    // (key, query) of every S^T accumulator element of this thread
   CoordKV tdKcdK;  // (key, column) of dK / dV's
   CoorddQ tdQcdQ;  // (query, column) of dQ's
@@ -142,6 +136,7 @@ struct BwdMainloop {
 
   // S^T = K Q^T of the step whose Q is in ring stage `stage`, into acc, one commit group.
   __device__ __forceinline__ void issue_s(AccS& acc, int stage) {
+    warpgroup_fence_operand(acc);
     warpgroup_arrive();
     gemm_zero(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc);
     warpgroup_commit_batch();
@@ -158,24 +153,17 @@ struct BwdMainloop {
   // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0); drop: the
   // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV
   // takes P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O.
-  // With kSAhead, S^T of the step was issued before (issue_s), and issue_next() issues the next
-  // step's once this step's dQ GEMM is issued and its dV and dK are done, so that it runs
-  // under this step's dQ staging and reduction; the step's last wait retires it (a wgmma in
-  // flight across the loop's back edge makes ptxas serialise them all).  Measured: no gain.
-  template <typename IssueNext>
+  // (Issuing S^T a step ahead, under the previous step's dQ tail, measured no gain: the
+  // other warpgroup's GEMMs already fill that gap; docs/perf/sm90_backward.md.)
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
                                        float* dq_staging, int me, int tid,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
                                        int32_t rows_left, int32_t keys_left, int cls,
-                                       const sm80::DropoutFn& drop, int64_t drop_row_base,
-                                       IssueNext&& issue_next) {
-    // Without kSAhead S^T is this step's own (a member would keep its registers live across
-    // the loop: the wgmma's accumulator operands are read-write), issued here.
-    AccS acc_s_own;
-    AccS& acc_s = kSAhead ? acc_s_ahead : acc_s_own;
-    if constexpr (!kSAhead) issue_s(acc_s, stage);
+                                       const sm80::DropoutFn& drop, int64_t drop_row_base) {
+    AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    issue_s(acc_s, stage);
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     warpgroup_fence_operand(acc_dp);
     warpgroup_arrive();
@@ -292,16 +280,6 @@ struct BwdMainloop {
     }
     if constexpr (T::kGeneral) issue_dv(p16, stage);
 
-    // With kSAhead, dK += dS^T Q (dS^T from registers) is issued before the dS stores and the
-    // barrier between the warpgroups, so that it runs while they wait for each other, and is
-    // done (its operand registers free) before the next S^T is issued.  (Elsewhere it follows
-    // dQ, whose staging and reduction then run under it; at head dim 64 issuing it here
-    // leaves ptxas too few registers.)  Known defect: the stmatrix below then reads ds16
-    // while this GEMM may still read it as its A operand, which the PTX ISA leaves undefined
-    // (a read: today's ptxas compiles it as meant, and the suite passes; the fix, storing dS
-    // first or dropping kSAhead, waits for a GPU run).
-    if constexpr (kSAhead) issue_dk(ds16, stage);
-
     // dS^T to shared memory as dS (query, key), queries contiguous: the accumulator's 8 x 8
     // blocks (keys by queries) are stmatrix's layout, four per instruction.  (One 32-bit store
     // per pair of queries compiled to generic stores, each with its own 64-bit address and
@@ -316,29 +294,20 @@ struct BwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
 
-    // Both warpgroups' dS written: dQ = dS K (this warpgroup's rows or head-dim half).
+    // Both warpgroups' dS written: dQ = dS K (this warpgroup's rows or head-dim half), issued
+    // before dK += dS^T Q, so that dQ's staging and reduction run under the dK GEMM.
     cutlass::arch::NamedBarrier::sync(256, 0);
     AccdQ acc_dq = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
     warpgroup_fence_operand(acc_dq);
     warpgroup_arrive();
     gemm_zero(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
     warpgroup_commit_batch();
-    if constexpr (kSAhead) {
-      // dV and dK done (their register operands free), then the next step's S^T, which runs
-      // under this step's dQ staging and reduction.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(p16);
-      warpgroup_fence_operand(ds16);
-      issue_next();
-    } else {
-      issue_dk(ds16, stage);
-    }
-    warpgroup_wait<1>();  // dQ and dV (kSAhead: the next S^T may run on, which relies on
-                          // issue_next committing exactly one group; else dK may)
+    issue_dk(ds16, stage);
+    warpgroup_wait<1>();  // dV and dQ (dK may run on)
     warpgroup_fence_operand(acc_dq);
     // (Whole tiles: the dQ buffer has rows for every query block, zeros added past seqlen_q.)
     BwdDq<T>::add(acc_dq, dq_staging, dq_tile, me, tid);
-    warpgroup_wait<0>();  // the next S^T (kSAhead) or dK
+    warpgroup_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(p16);
