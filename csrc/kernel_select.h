@@ -51,9 +51,8 @@ struct KernelOptions {
   // (kernels/sm90/bias_blocks.h: skip masked tiles, no reads where it is 0); false reads it
   // everywhere.
   bool sm90_bias_blocks = true;
-  // The Hopper backward: kAuto where it measures faster than the portable one (padded head dim
-  // 128; at 64 it does not yet: docs/perf/sm90_backward.md), kOn wherever it applies (head
-  // dims up to 128), kOff never.
+  // The Hopper backward: kAuto where it measures faster than the portable one, kOn wherever it
+  // applies (today both: padded head dims 64 and 128; docs/perf/sm90_backward.md), kOff never.
   Sm90Bwd sm90_bwd = Sm90Bwd::kAuto;
 };
 
@@ -325,12 +324,6 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");
     if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
-    // (Calls with softcap, a bias or ALiBi would otherwise take the 4-warp portable kernels,
-    // measured 0.12-0.19x cuDNN at d = 64 with a mask: docs/perf/sm90_score_mods.md.)
-    if (options.sm90_bwd == Sm90Bwd::kAuto && d == 64 && !call.general())
-      why.push_back("head_dim=64 (padded): there the Hopper backward does not yet measure faster "
-                    "than the portable one (docs/perf/sm90_backward.md; kernel option "
-                    "sm90_bwd='on' selects it)");
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;

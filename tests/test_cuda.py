@@ -213,8 +213,8 @@ def test_sdpa_api_on_cuda_and_plan():
     hopper = (torch.cuda.get_device_capability() == (9, 0) and ops.build_info()["sm90"]
               and not flash_attn_ext.ops._C.kernel_options()["force_portable"])
     assert p.fused and p.kernel == ("sm90" if hopper else "sm80") + "_fwd_hdim64_bf16"
-    # (head dim 64: the portable backward, the faster one there; docs/perf/sm90_backward.md)
-    assert p.backward_fused and p.backward_kernel == "sm80_bwd_hdim64_bf16"
+    assert p.backward_fused
+    assert p.backward_kernel == ("sm90" if hopper else "sm80") + "_bwd_hdim64_bf16"
 
 
 def test_compile_on_cuda():
