@@ -4,8 +4,9 @@ For each (d, L, causal): backward TFLOP/s of ours (flash_attn_func) and of SDPA'
 cuDNN backends measured in the same process (CUDA events, queued calls, median; FLOPs the
 FlashAttention way: 2.5 x 4 * B * H * L^2 * d, halved when causal), then each kernel's GPU time
 in one backward (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole
-backward's FLOPs.  --sm90-bwd on: ours on the Hopper backward where "auto" would not take it
-(head dim 64).
+backward's FLOPs.  --sm90-bwd auto off: ours under each value of the kernel option sm90_bwd in
+turn, in the same process (rows "ours" for auto, "ours-off", "ours-on"): the Hopper backward
+against the portable one.
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
 --sm80-forward: also time the portable (sm80) forward (kernel_options(force_portable=True)) and SDPA
@@ -29,14 +30,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_attn_ext
 
 
-def backward_fns(d: int, seqlen: int, causal: bool):
-    """name -> zero-argument backward of a fixed forward graph (retain_graph): ours, SDPA's
-    FLASH and cuDNN backends."""
+def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",)):
+    """name -> zero-argument backward of a fixed forward graph (retain_graph): ours (under each
+    value of the kernel option sm90_bwd), SDPA's FLASH and cuDNN backends."""
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in "qkv")
-    out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
+    dout = torch.randn_like(q)
+
+    def ours(choice):
+        with flash_attn_ext.kernel_options(sm90_bwd=choice):
+            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
+
+        def backward():
+            with flash_attn_ext.kernel_options(sm90_bwd=choice):
+                return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        return backward
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out_flash = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -46,7 +55,7 @@ def backward_fns(d: int, seqlen: int, causal: bool):
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
 
     return flops, {
-        "ours": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        **{"ours" if c == "auto" else f"ours-{c}": ours(c) for c in sm90_bwd},
         "flash": lambda: torch.autograd.grad(out_flash, (qt, kt, vt), dout_t,
                                              retain_graph=True),
         "cudnn": lambda: torch.autograd.grad(out_cudnn, (qt, kt, vt), dout_t,
@@ -87,15 +96,15 @@ def main() -> None:
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--sm80-forward", action="store_true")
-    parser.add_argument("--sm90-bwd", choices=["auto", "on", "off"], default="auto",
-                        help="kernel option sm90_bwd for ours (on: the Hopper backward at d = 64)")
+    parser.add_argument("--sm90-bwd", choices=["auto", "on", "off"], nargs="+",
+                        default=["auto"], help="values of the kernel option sm90_bwd to time ours "
+                        "under, in turn (off: the portable backward)")
     args = parser.parse_args()
-    flash_attn_ext.set_kernel_options(sm90_bwd=args.sm90_bwd)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in causals:
-                flops, fns = backward_fns(d, seqlen, causal)
+                flops, fns = backward_fns(d, seqlen, causal, tuple(args.sm90_bwd))
                 if args.sm80_forward and not args.ncu:
                     ours_ms, flash_ms = forward_ms(d, seqlen, causal)
                     print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} sm80  fwd "
@@ -114,7 +123,7 @@ def main() -> None:
                     split = kernel_times(fn)
                     parts = "; ".join(f"{k} {t:.0f} us ({flops / t / 1e6:.0f})"
                                       for k, t in split.most_common(4))
-                    print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} {name:5s} "
+                    print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} {name:8s} "
                           f"bwd {flops / ms / 1e9:6.1f} TFLOP/s  [{parts}]", flush=True)
 
 
