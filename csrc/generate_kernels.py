@@ -13,8 +13,10 @@ The files, under csrc/kernels/:
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_general.cu   ... with softcap and bias
                                                           (run_flash_fwd_sm90_general)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap and bias
-                                                          (run_flash_bwd_sm90_general)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
+                                                          and dropout (run_flash_bwd_sm90_general)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_dropout.cu ... with dropout alone
+                                                          (run_flash_bwd_sm90_dropout)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -89,8 +91,8 @@ namespace flash_attn_ext::sm90 {{
 template <>
 cudaError_t {entry}<{element}, {d}>(const BwdParams& p, float* stats, \
 cudaStream_t stream) {{
-  return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}, /*kGeneral=*/{general}>>(p, stats, \
-stream);
+  return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}, /*kGeneral=*/{general}, \
+/*kDropout=*/{dropout}>>(p, stats, stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
@@ -99,7 +101,8 @@ SM90_BWD_HEAD_DIMS = (64, 128)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap and bias"))
-SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap and bias"))
+SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
+                     ("_dropout", ", dropout alone"))
 
 
 def kernel_files():
@@ -119,7 +122,8 @@ def kernel_files():
                 for suffix, what in SM90_BWD_VARIANTS:
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(
                         what=what, entry="run_flash_bwd_sm90" + suffix,
-                        general=str(suffix == "_general").lower(), **args)
+                        general=str(suffix == "_general").lower(),
+                        dropout=str(suffix == "_dropout").lower(), **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 

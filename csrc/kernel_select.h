@@ -327,7 +327,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;
-      c.bwd_name = "sm90_bwd" + suffix + (call.general() ? "_general" : "");
+      c.bwd_name = "sm90_bwd" + suffix + (call.score_mods == kDropout ? "_dropout"
+                                          : call.general()              ? "_general"
+                                                                        : "");
       return c;
     }
     c.notes.push_back("backward on the portable sm80 kernels, not the Hopper one, because " +

@@ -470,8 +470,10 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
         assert (", false, true>" in sm90[0]) == plan.kernel.endswith("_general"), (plan, sm90)
     hopper_bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(hopper_bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    if hopper_bwd:  # (Sm90BwdTraits<..., kGeneral>)
-        assert (", true>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_general"), \
+    if hopper_bwd:  # (Sm90BwdTraits<..., kGeneral, kDropout>)
+        assert (", true, false>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_general"), \
+            (plan, hopper_bwd)
+        assert (", false, true>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_dropout"), \
             (plan, hopper_bwd)
         assert any("convert_dq" in n for n in names), names
         assert not any("flash_bwd_dkdv" in n or "flash_bwd_dq" in n for n in names), names

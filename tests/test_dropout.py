@@ -18,9 +18,11 @@ from flash_attn_ext import _C, flash_attn_func, ops, policy, scaled_dot_product_
 from reference import assert_error_rule, attention_ref, dropout_scale
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
+HOPPER = HAS_CUDA and ops.build_info()["sm90"] and torch.cuda.get_device_capability() == (9, 0)
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-# (device, kernels): on CUDA the default rule (the Hopper kernels' general variant on sm_90)
-# and the portable kernels, which must drop the same elements.
+# (device, kernels): on CUDA the default rule (on sm_90 the Hopper forward's general variant and
+# the Hopper backward's dropout variant) and the portable kernels, which must drop the same
+# elements.
 DEVICE_KERNELS = [("cpu", "auto")] + ([("cuda", "auto"), ("cuda", "sm80")] if HAS_CUDA else [])
 LOW = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
@@ -80,8 +82,41 @@ def test_forward_and_grads_equal_reference_with_the_same_mask(device, kernel, ca
     out, rng = run_ours(q, k, v, p_drop, causal)
     seed, offset = (int(x) for x in rng.cpu())
     keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    if device == "cuda" and kernel == "auto" and HOPPER:
+        plan = flash_attn_ext.explain(q, k, v, layout="blhd", dropout_p=p_drop, causal=causal)
+        assert plan.backward_kernel.endswith("_dropout") == (D <= 128), plan
     assert_error_rule_with_grads(
         (q, k, v), out, dtype, lambda q, k, v, dt: reference(q, k, v, keep, p_drop, causal, dt))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a build with the Hopper kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2, 1, 64), (2, 17, 300, 4, 2, 40),
+                                   (1, 300, 17, 2, 2, 72), (1, 1023, 1023, 2, 1, 128),
+                                   (2, 200, 257, 4, 4, 59)], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 7)], ids=str)
+def test_hopper_dropout_backward_meets_the_error_rule(dtype, shape, window):
+    # The Hopper backward's dropout variant (plain step with the forward's mask) at odd sizes,
+    # both dtypes, causal and window masks, GQA: out and gradients against float64 with the
+    # same mask, by the error rule.
+    B, L, S, H, HKV, D = shape
+    p_drop = 0.17
+    g = torch.Generator().manual_seed(L * 7 + D)
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to("cuda", dtype).requires_grad_()
+               for n, h in ((L, H), (S, HKV), (S, HKV)))
+    plan = flash_attn_ext.explain(q, k, v, layout="blhd", dropout_p=p_drop, window_size=window)
+    assert plan.backward_kernel.startswith("sm90_bwd") and \
+        plan.backward_kernel.endswith("_dropout"), plan
+    kw = dict(softmax_scale=None, causal=False, window_left=window[0], window_right=window[1],
+              align_bottom_right=True, softcap=0.0)
+    out, _, rng = ops.fwd(q, k, v, None, False, window[0], window[1], True, 0.0, None, None,
+                          p_drop)
+    seed, offset = (int(x) for x in rng.cpu())
+    keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    assert_error_rule_with_grads(
+        (q, k, v), out, dtype,
+        lambda q, k, v, dt: attention_ref(q, k, v, compute_dtype=dt, dropout_keep=keep,
+                                          dropout_p=p_drop, **kw)[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -333,6 +333,13 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.DROPOUT)
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
     assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
+    # Dropout alone: the backward's dropout variant (the plain kernel's step with the mask).
+    p = planning.plan(q, q, q, mods=planning.DROPOUT)
+    assert p.kernel == "sm90_fwd_hdim128_bf16_general" and p.notes == ()
+    assert p.backward_kernel == "sm90_bwd_hdim128_bf16_dropout"
+    q64 = _CudaLike((2, 100, 4, 40))
+    assert planning.plan(q64, q64, q64, mods=planning.DROPOUT).backward_kernel == \
+        "sm90_bwd_hdim64_bf16_dropout"
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)

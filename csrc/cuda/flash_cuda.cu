@@ -175,9 +175,15 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 template <typename Element>
 cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
                          cudaStream_t stream) {
-  if (p.general()) {  // (softcap, bias, ALiBi: kernel_select.h keeps the rest off it)
+  if (p.general() && (p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr)) {
+    // (softcap, bias, ALiBi and dropout with them: kernel_select.h keeps the rest off it)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_general<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_general<Element, 128>(p, stats, stream);
+    return cudaErrorInvalidValue;
+  }
+  if (p.dropout) {  // dropout alone
+    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_dropout<Element, 64>(p, stats, stream);
+    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_dropout<Element, 128>(p, stats, stream);
     return cudaErrorInvalidValue;
   }
   if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);

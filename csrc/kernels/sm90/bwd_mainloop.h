@@ -240,6 +240,10 @@ struct BwdMainloop {
       else
         with_alibi(cute::false_type{});
     } else {
+      // kDropout: the keep bits while the GEMMs run (bit i: accumulator element i).
+      uint64_t kept = 0;
+      if constexpr (T::kDropout)
+        kept = drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0);
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);
       // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
@@ -263,19 +267,28 @@ struct BwdMainloop {
       else
         probs(cute::false_type{});
       // dV += P^T dO issued before dS^T is computed, so that the tensor cores work while this
-      // warpgroup computes dS^T (issued after it, dV left them idle for that time).
+      // warpgroup computes dS^T (issued after it, dV left them idle for that time).  With
+      // dropout dV takes P^T Z / P(kept) (Z: the keep mask).
       CUTE_UNROLL
-      for (int i = 0; i < kSVals; ++i) p16(i) = static_cast<Element>(acc_s(i));
+      for (int i = 0; i < kSVals; ++i) {
+        float pz = acc_s(i);
+        if constexpr (T::kDropout) pz = (kept >> i) & 1u ? pz * drop.scale : 0.f;
+        p16(i) = static_cast<Element>(pz);
+      }
       issue_dv(p16, stage);
       warpgroup_wait<1>();  // dP^T (dV may still run)
       warpgroup_fence_operand(acc_dp);
       // dS^T scale = P^T (dP^T scale - D scale): scaled before it is rounded to 16 bits (as the
       // portable kernels: unscaled, fp16 dS would overflow 1 / scale times sooner), so dK and
-      // dQ need no scale afterwards.
+      // dQ need no scale afterwards.  With dropout dP^T Z / P(kept) in place of dP^T (D is
+      // rowsum(dO O) of the dropped O).
+      const float dp_scale = T::kDropout ? scale * drop.scale : scale;
       CUTE_UNROLL
       for (int i = 0; i < kSVals; ++i) {
         const int q = get<1>(tScS(i));
-        ds16(i) = static_cast<Element>(acc_s(i) * (acc_dp(i) * scale - d_s[q] * scale));
+        float dp = acc_dp(i) * dp_scale;
+        if constexpr (T::kDropout) dp = (kept >> i) & 1u ? dp : 0.f;
+        ds16(i) = static_cast<Element>(acc_s(i) * (dp - d_s[q] * scale));
       }
     }
     if constexpr (T::kGeneral) issue_dv(p16, stage);

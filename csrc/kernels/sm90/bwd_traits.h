@@ -24,12 +24,17 @@
 
 namespace flash_attn_ext::sm90 {
 
-template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false>
+template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
-  // Softcap and an additive bias on the scores (the forward's general variant; its own
-  // instantiation, so that plain attention carries none of its code).
+  // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
+  // its own instantiation, so that plain attention carries none of its code).
   static constexpr bool kGeneral = kGeneral_;
+  // Dropout alone: the plain kernel's step (P^T from S^T alone, dV issued before dS^T is
+  // computed) with the forward's dropout mask, its own instantiation.  (The general variant
+  // waits for both score GEMMs before computing P^T, which the score's derivative needs.)
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!(kGeneral && kDropout), "the general variant takes dropout itself");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

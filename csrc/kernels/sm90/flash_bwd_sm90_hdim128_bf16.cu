@@ -6,7 +6,7 @@ namespace flash_attn_ext::sm90 {
 
 template <>
 cudaError_t run_flash_bwd_sm90<__nv_bfloat16, 128>(const BwdParams& p, float* stats, cudaStream_t stream) {
-  return launch_flash_bwd_sm90<Sm90BwdTraits<__nv_bfloat16, 128, /*kGeneral=*/false>>(p, stats, stream);
+  return launch_flash_bwd_sm90<Sm90BwdTraits<__nv_bfloat16, 128, /*kGeneral=*/false, /*kDropout=*/false>>(p, stats, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

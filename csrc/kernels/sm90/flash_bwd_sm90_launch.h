@@ -26,9 +26,14 @@ constexpr int64_t bwd_sm90_stats_floats(int64_t batch, int64_t heads_q, int64_t 
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t stream);
 
-// The same for softcap and an additive bias (p.attn_bias, fp32; not its gradient), no dropout,
-// defined in flash_bwd_sm90_hdim<kHeadDim>_<dtype>_general.cu.
+// The same for softcap, an additive bias (p.attn_bias, fp32; not its gradient), ALiBi and
+// dropout, defined in flash_bwd_sm90_hdim<kHeadDim>_<dtype>_general.cu.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90_general(const BwdParams& p, float* stats, cudaStream_t stream);
+
+// The same for dropout alone (p.dropout; no softcap, bias or ALiBi), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_dropout.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_dropout(const BwdParams& p, float* stats, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::sm90
