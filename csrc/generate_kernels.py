@@ -10,8 +10,11 @@ The files, under csrc/kernels/:
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper forward (run_flash_fwd_sm90)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_packgqa.cu   ... with packed GQA heads
                                                           (run_flash_fwd_sm90_packgqa)
-  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_general.cu   ... with softcap and bias
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_general.cu   ... with softcap, bias,
+                                                          ALiBi and dropout
                                                           (run_flash_fwd_sm90_general)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_dropout.cu   ... with dropout alone
+                                                          (run_flash_fwd_sm90_dropout)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -76,7 +79,7 @@ namespace flash_attn_ext::sm90 {{
 template <>
 cudaError_t {entry}<{element}, {d}>(const FwdParams& p, cudaStream_t stream) {{
   return launch_flash_fwd_sm90_hdim<{element}, {d}, /*kPackGQA=*/{pack}, \
-/*kGeneral=*/{general}>(p, stream);
+/*kGeneral=*/{general}, /*kDropout=*/{dropout}>(p, stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
@@ -100,7 +103,8 @@ cudaStream_t stream) {{
 SM90_BWD_HEAD_DIMS = (64, 128)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
-                     ("_general", ", softcap and bias"))
+                     ("_general", ", softcap, bias, ALiBi and dropout"),
+                     ("_dropout", ", dropout alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"))
 
@@ -117,7 +121,8 @@ def kernel_files():
                 files[f"sm90/flash_fwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_FWD.format(
                     what=what, entry="run_flash_fwd_sm90" + suffix,
                     pack=str(suffix == "_packgqa").lower(),
-                    general=str(suffix == "_general").lower(), **args)
+                    general=str(suffix == "_general").lower(),
+                    dropout=str(suffix == "_dropout").lower(), **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(

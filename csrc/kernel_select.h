@@ -304,8 +304,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   }
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
                (c.fwd == FwdKernel::kSm90PackGqa                   ? "_packgqa"
-                : c.fwd == FwdKernel::kSm90 && call.general() ? "_general"
-                                                                   : "");
+                : c.fwd == FwdKernel::kSm90 && call.score_mods == kDropout ? "_dropout"
+                : c.fwd == FwdKernel::kSm90 && call.general()              ? "_general"
+                                                                           : "");
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
   // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits

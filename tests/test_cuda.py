@@ -465,9 +465,11 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
     sm90 = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(sm90) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     assert any("flash_fwd_kernel" in n for n in names) == plan.kernel.startswith("sm80_fwd")
-    if sm90:  # (Sm90FwdTraits<..., kPackGQA, kGeneral>)
-        assert (", true, false>" in sm90[0]) == plan.kernel.endswith("_packgqa"), (plan, sm90)
-        assert (", false, true>" in sm90[0]) == plan.kernel.endswith("_general"), (plan, sm90)
+    if sm90:  # (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout>)
+        for flags, suffix in ((", true, false, false>", "_packgqa"),
+                              (", false, true, false>", "_general"),
+                              (", false, false, true>", "_dropout")):
+            assert (flags in sm90[0]) == plan.kernel.endswith(suffix), (plan, sm90)
     hopper_bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(hopper_bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
     if hopper_bwd:  # (Sm90BwdTraits<..., kGeneral, kDropout>)

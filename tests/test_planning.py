@@ -333,13 +333,18 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.DROPOUT)
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
     assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
-    # Dropout alone: the backward's dropout variant (the plain kernel's step with the mask).
+    # Dropout alone: the dropout variants (the plain kernels with the mask).
     p = planning.plan(q, q, q, mods=planning.DROPOUT)
-    assert p.kernel == "sm90_fwd_hdim128_bf16_general" and p.notes == ()
+    assert p.kernel == "sm90_fwd_hdim128_bf16_dropout" and p.notes == ()
     assert p.backward_kernel == "sm90_bwd_hdim128_bf16_dropout"
     q64 = _CudaLike((2, 100, 4, 40))
-    assert planning.plan(q64, q64, q64, mods=planning.DROPOUT).backward_kernel == \
-        "sm90_bwd_hdim64_bf16_dropout"
+    p = planning.plan(q64, q64, q64, mods=planning.DROPOUT)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_dropout",
+                                             "sm90_bwd_hdim64_bf16_dropout")
+    q256 = _CudaLike((2, 100, 4, 256))
+    p = planning.plan(q256, q256, q256, mods=planning.DROPOUT)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim256_bf16_dropout",
+                                             "sm80_bwd_hdim256_bf16")
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
@@ -391,7 +396,7 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
     # (the general variant does not pack: the bias tells the heads apart)
     assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
-    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_general"
+    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
     # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason

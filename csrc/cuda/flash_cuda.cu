@@ -158,10 +158,16 @@ at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaSt
 
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-  if (p.general()) {  // (kernel_select.h keeps dropout and GQA packing off it)
+  if (p.general() && (p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr)) {
+    // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_general<Element, 128>(p, stream);
     return sm90::run_flash_fwd_sm90_general<Element, 256>(p, stream);
+  }
+  if (p.dropout) {  // dropout alone
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_dropout<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_dropout<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_dropout<Element, 256>(p, stream);
   }
   if (p.sm90_pack_gqa) {
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_packgqa<Element, 64>(p, stream);

@@ -6,7 +6,7 @@ namespace flash_attn_ext::sm90 {
 
 template <>
 cudaError_t run_flash_fwd_sm90_packgqa<__nv_bfloat16, 128>(const FwdParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_sm90_hdim<__nv_bfloat16, 128, /*kPackGQA=*/true, /*kGeneral=*/false>(p, stream);
+  return launch_flash_fwd_sm90_hdim<__nv_bfloat16, 128, /*kPackGQA=*/true, /*kGeneral=*/false, /*kDropout=*/false>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

@@ -39,9 +39,14 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_packgqa(const FwdParams& p, cudaStream_t stream);
 
-// The general variant: softcap and an additive bias (p.attn_bias, fp32), no GQA packing, no
-// dropout (cudaErrorInvalidValue); defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>_general.cu.
+// The general variant: softcap, an additive bias (p.attn_bias, fp32), ALiBi and dropout, no GQA
+// packing (cudaErrorInvalidValue); defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>_general.cu.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_general(const FwdParams& p, cudaStream_t stream);
+
+// Dropout alone (p.dropout; no softcap, bias or ALiBi; no GQA packing), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_dropout.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_dropout(const FwdParams& p, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::sm90

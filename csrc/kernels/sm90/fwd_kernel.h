@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Dropout's Philox (seed, offset) for the backward (the general variant; dropout.h); (0, 0)
   // without dropout.  Written here rather than by a separate fill launch.
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    const sm80::DropoutFn drop = T::kGeneral ? sm80::DropoutFn(p) : sm80::DropoutFn();
+    const sm80::DropoutFn drop =
+        T::kGeneral || T::kDropout ? sm80::DropoutFn(p) : sm80::DropoutFn();
     p.rng_state[0] = static_cast<int64_t>(drop.seed);
     p.rng_state[1] = static_cast<int64_t>(drop.offset);
   }

@@ -67,8 +67,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
-  // Softcap, a bias, ALiBi and dropout only in the general variant; no packed sequences.
-  if ((p.general() && !T::kGeneral) || p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
+  // Softcap, a bias and ALiBi only in the general variant, dropout there or in the dropout
+  // variant (which needs it); no packed sequences.
+  const bool score_mods = p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr;
+  if (p.cu_seqlens_q != nullptr || (!T::kGeneral && (score_mods || p.dropout != T::kDropout)))
+    return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;
@@ -153,15 +156,16 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return sm80::launch(flash_fwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
 }
 
-// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general].cu) launches: the
-// traits of head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA packing, plain or
-// general (softcap, bias).
-template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false>
+// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout].cu)
+// launches: the traits of head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA
+// packing, plain, general (softcap, bias, ALiBi, dropout) or dropout alone.
+template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
+          bool kDropout = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                                              fwd_stages<kHeadDim>(),
                                              fwd_consumers<kHeadDim, kGeneral>(),
-                                             kPackGQA, kGeneral>>(p, stream);
+                                             kPackGQA, kGeneral, kDropout>>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

@@ -270,6 +270,24 @@ struct FwdMainloop {
                       static_cast<int32_t>(args.p.seqlen_k), cls(n_block));
     };
     // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
+    // The dropout variant (T::kDropout) draws a tile's keep bits (keep) before waiting for its
+    // Q K^T, so that the Philox rounds run under the GEMMs, and applies them (drop_kept) after
+    // the softmax's row sums.
+    auto keep = [&](int n_block) -> uint64_t {
+      if constexpr (T::kDropout) {
+        const sm80::DropoutFn dropout_fn(args.p);  // (as below)
+        return dropout_fn.template keep_bits<kN / 8, true>(dropout.row_base, dropout.row0,
+                                                           n_block * kN + mask.thread_col);
+      }
+      return 0;
+    };
+    auto drop_kept = [&](uint64_t kept) {
+      if constexpr (T::kDropout) {
+#pragma unroll
+        for (int i = 0; i < kSVals; ++i)
+          if (!((kept >> i) & 1u)) tSrS(i) = 0.f;
+      }
+    };
     auto drop = [&](int n_block) {
       if constexpr (T::kGeneral) {
         // (Built here from the kernel parameters rather than kept in registers across the
@@ -290,6 +308,7 @@ struct FwdMainloop {
     pipe_k.consumer_wait(state);
     issue_qk(state.index(), qs);  // outside the ring (see PingpongRing)
     ring.open_ring();
+    uint64_t kept = keep(n_begin);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(state);
@@ -297,6 +316,7 @@ struct FwdMainloop {
     modify(n_begin);
     softmax.step(tSrS, mask, n_begin, alpha);
     drop(n_begin);
+    drop_kept(kept);
     convert_p();
     auto prev = state;
     ++state;
@@ -307,6 +327,7 @@ struct FwdMainloop {
       issue_qk(state.index(), qs);
       issue_pv(prev.index());
       ring.turn_end(false);
+      kept = keep(n_block);
       warpgroup_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(state);
@@ -314,6 +335,7 @@ struct FwdMainloop {
       modify(n_block);
       softmax.step(tSrS, mask, n_block, alpha);
       drop(n_block);
+      drop_kept(kept);
       if constexpr (T::kWaitPvAfterSoftmax) {
         // ptxas hoists a wgmma wait to the start of its basic block.  Written plainly here,
         // that block begins after the mask branch, before the max, so the softmax would not

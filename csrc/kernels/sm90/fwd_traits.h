@@ -42,7 +42,7 @@ using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
-          bool kPackGQA_ = false, bool kGeneral_ = false>
+          bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap and an additive bias on the scores (score_mod.h), its own instantiation, so that
@@ -50,6 +50,11 @@ struct Sm90FwdTraits {
   // belong to different query heads, which the bias tells apart.)
   static constexpr bool kGeneral = kGeneral_;
   static_assert(!(kGeneral_ && kPackGQA_), "the general variant does not pack GQA heads");
+  // Dropout alone: the plain kernel with the dropout mask on P, its keep bits drawn while the
+  // tile's Q K^T runs (the general variant draws them after it, in the softmax's turn), its
+  // own instantiation.
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!(kDropout_ && (kGeneral_ || kPackGQA_)), "dropout alone, unpacked");
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
