@@ -254,3 +254,31 @@ def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
         bound = 8 * eps * (true.abs().max().item() + c) + slack(true, dtype)
         assert max_err(ours, true) <= bound, (name, max_err(ours, true), bound)
+
+
+@pytest.mark.parametrize("score_range", [20.0, 87.0])
+def test_cpu_float32_probabilities_are_accurate_elementwise(score_range):
+    # The CPU softmax's exp (csrc/cpu/softmax_rows.cpp: a degree-5 polynomial after one-step
+    # range reduction, at most 2.5 ulp) read out exactly: with v columns of the identity, out is
+    # the row of probabilities P (each output element one P_j times 1, the rest exact zeros,
+    # then 1 / l).
+    # Scores in [-score_range, 0] over 1000 keys (several key tiles, the maximum in the last, so
+    # the running rescale runs too); each P_j, large or tiny, within a few float32 ulps of the
+    # float64 truth, and the row within the error rule against PyTorch's float32 softmax.
+    g = torch.Generator().manual_seed(int(score_range))
+    S, d = 1000, 8
+    scores = -torch.rand(S, generator=g, dtype=torch.float64) * score_range
+    scores[-7] = 0.0
+    scores = scores.float()
+    q = torch.zeros(1, 1, 1, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, S, 1, d)
+    k[0, :, 0, 0] = scores
+    # (head_dim_v is at most 256: the row in four calls, each v the identity on 250 keys)
+    out = torch.cat([flash_attn_func(q, k, torch.eye(S)[:, c:c + 250].reshape(1, S, 1, 250),
+                                     softmax_scale=1.0)[0, 0, 0] for c in range(0, S, 250)])
+    true = torch.softmax(scores.double(), 0)
+    theirs = torch.softmax(scores, 0)
+    rel = ((out.double() - true).abs() / true).max().item()
+    assert rel <= 8 * torch.finfo(torch.float32).eps, rel
+    assert_error_rule(out, theirs, true, 2.0, "probabilities")
