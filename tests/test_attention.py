@@ -258,27 +258,42 @@ def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
 
 @pytest.mark.parametrize("score_range", [20.0, 87.0])
 def test_cpu_float32_probabilities_are_accurate_elementwise(score_range):
-    # The CPU softmax's exp (csrc/cpu/softmax_rows.cpp: a degree-5 polynomial after one-step
-    # range reduction, at most 2.5 ulp) read out exactly: with v columns of the identity, out is
-    # the row of probabilities P (each output element one P_j times 1, the rest exact zeros,
-    # then 1 / l).
-    # Scores in [-score_range, 0] over 1000 keys (several key tiles, the maximum in the last, so
-    # the running rescale runs too); each P_j, large or tiny, within a few float32 ulps of the
-    # float64 truth, and the row within the error rule against PyTorch's float32 softmax.
+    # The CPU softmax's exp (csrc/cpu/softmax_rows.cpp: a degree-5 polynomial after Cody-Waite
+    # range reduction, at most 2.3 ulp) read out exactly: with v columns of the identity, out
+    # is the row of probabilities P (each output element one P_j times 1, the rest exact
+    # zeros, then 1 / l).  Scores in [-score_range, 0] over 1500 keys (three key tiles of 512,
+    # the maximum in the last, so the running rescale runs too); each P_j above 1e-30 (the
+    # normal range, with margin: smaller ones are subnormal after 1 / l) within a few float32
+    # eps of the float64 truth, and the row within the error rule against PyTorch's float32
+    # softmax.  The edges: -inf gives exactly 0; scores near -87.3 (where the exp flushes what
+    # float32 would make subnormal: relative to the running maximum, so after the rescale they
+    # may survive as subnormals) give at most ~1e-38 and never a negative or NaN; a NaN score
+    # makes the whole row NaN, as PyTorch's softmax does.
     g = torch.Generator().manual_seed(int(score_range))
-    S, d = 1000, 8
+    S, d, chunk = 1500, 8, 250
     scores = -torch.rand(S, generator=g, dtype=torch.float64) * score_range
     scores[-7] = 0.0
+    scores[3], scores[4], scores[5] = float("-inf"), -87.31, -87.29
     scores = scores.float()
-    q = torch.zeros(1, 1, 1, d)
-    q[..., 0] = 1.0
-    k = torch.zeros(1, S, 1, d)
-    k[0, :, 0, 0] = scores
-    # (head_dim_v is at most 256: the row in four calls, each v the identity on 250 keys)
-    out = torch.cat([flash_attn_func(q, k, torch.eye(S)[:, c:c + 250].reshape(1, S, 1, 250),
-                                     softmax_scale=1.0)[0, 0, 0] for c in range(0, S, 250)])
+
+    def probabilities(scores):
+        q = torch.zeros(1, 1, 1, d)
+        q[..., 0] = 1.0
+        k = torch.zeros(1, S, 1, d)
+        k[0, :, 0, 0] = scores
+        # (head_dim_v is at most 256: the row in six calls, v the identity on 250 keys each)
+        return torch.cat([
+            flash_attn_func(q, k, torch.eye(S)[:, c:c + chunk].reshape(1, S, 1, chunk),
+                            softmax_scale=1.0)[0, 0, 0] for c in range(0, S, chunk)])
+
+    out = probabilities(scores)
     true = torch.softmax(scores.double(), 0)
     theirs = torch.softmax(scores, 0)
-    rel = ((out.double() - true).abs() / true).max().item()
+    normal = true > 1e-30
+    rel = ((out.double() - true).abs() / true)[normal].max().item()
     assert rel <= 8 * torch.finfo(torch.float32).eps, rel
+    assert out[3].item() == 0.0
+    assert 0.0 <= out[4].item() <= 2e-38 and 0.0 < out[5].item() <= 2e-38
     assert_error_rule(out, theirs, true, 2.0, "probabilities")
+    scores[11] = float("nan")
+    assert torch.isnan(probabilities(scores)).all()

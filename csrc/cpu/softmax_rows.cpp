@@ -13,8 +13,9 @@
 // stayed scalar (perf: 48% of an fp32 forward there, 23% in sgemm).  Results are unchanged:
 // nothing here relies on floating-point exceptions, and NaN and infinities keep their meaning.
 // fp-contract=fast lets it fuse a * b + c into an FMA where the clone has one (the ISO C++ mode
-// of the build turns contraction off): the exp polynomial's Horner steps and the Cody-Waite
-// reduction, each then rounded once instead of twice (no less accurate).  The second clone is
+// of the build turns contraction off): the exp polynomial's Horner steps, each then rounded
+// once instead of twice (no less accurate; the range reduction is exact without FMA too, see
+// exp_nonpositive).  The second clone is
 // x86-64-v3 (AVX2 with FMA; every AVX2 CPU but a few early VIA ones), chosen by ISA level, not
 // "avx2", which has no FMA.
 #pragma GCC optimize("no-trapping-math", "fp-contract=fast")
@@ -32,27 +33,29 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 in float32 with a branch-free body that vectorises, in 14 vector
+// exp(x) for x <= 0 in float32 with a branch-free body that vectorises, in 15 vector
 // operations (the softmax's cost per score on the CPU).  x = n ln2 + r with n = round(x log2e)
-// and |r| <= ln2/2 (one FMA with ln2 rounded to float: its error, |n| 1.9e-9, is under half an
-// ulp of r while exp(x) is above 2^-20), then exp(r) = 1 + r q(r) with q of degree 4 fitted
-// for least relative error on [-ln2/2, ln2/2] (Lawson-weighted least squares on 400 Chebyshev
+// and |r| <= ln2/2, Cody-Waite: ln2 split so that n * kLn2Hi is exact, which keeps r accurate
+// with or without FMA (one rounded product with ln2 in one constant, as in a clone without
+// FMA, cost up to 68 ulp near -87), then exp(r) = 1 + r q(r) with q of degree 4 fitted for
+// least relative error on [-ln2/2, ln2/2] (Lawson-weighted least squares on 400 Chebyshev
 // nodes, in 40-digit arithmetic): 9e-8 relative before float32 rounding.  Measured against
-// float64 over 3.2M points with float32 FMAs: at most 2.5 ulp (mean 0.64) where x > -20,
-// exp(0) = 1 exactly; PyTorch's vectorised exp (exp_u20) allows 20.  2^n comes from the bits
+// float64 over 3.2M points in float32: at most 2.5 ulp (mean 0.6) where x > -20, exp(0) = 1
+// exactly; PyTorch's vectorised exp (exp_u20) allows 20.  2^n comes from the bits
 // of x log2e + 1.5 * 2^23 (which hold n in its low mantissa bits) by an integer add and a
 // shift.  Below -87.3 (where exp underflows to denormals) the result is 0; NaN stays NaN (it
 // reaches r and the polynomial, and NaN times 2^n is NaN whatever the garbage exponent).
 FAE_INLINE float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2 = 0.693147180559945309f;
+  constexpr float kLn2Hi = 0.693145751953125f;  // ln2 split so n * kLn2Hi is exact
+  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   constexpr float kUnderflow = -87.3f;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   constexpr uint32_t kMagicBits = 0x4B400000u;  // kRoundMagic's bits, n = 0
   const float xc = x < kUnderflow ? kUnderflow : x;
   const float t = xc * kLog2e + kRoundMagic;  // kRoundMagic + n, exactly
   const float n = t - kRoundMagic;
-  const float r = xc - n * kLn2;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
   float q = 0.0082903066650033f;
   q = q * r + 0.041897933930158615f;
   q = q * r + 0.1666763573884964f;
