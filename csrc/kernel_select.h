@@ -100,8 +100,8 @@ struct CallInfo {
   bool known = true;
   TensorDesc q, k, v;
   // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
-  // variant takes softcap, a bias, ALiBi and dropout; a bias's gradient runs on the portable
-  // backward.
+  // variant takes softcap, a bias and ALiBi (with dropout or not), their dropout variant
+  // dropout alone; a bias's gradient runs on the portable backward.
   int score_mods = 0;
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges

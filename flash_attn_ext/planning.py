@@ -144,8 +144,9 @@ def _smem_per_block(index: int) -> int:
 
 
 # What a call adds to plain attention, bit by bit as csrc/kernel_select.h's ScoreMod: the rule
-# sends each to the kernels that take it (the Hopper kernels' general variant: softcap, a bias,
-# ALiBi and dropout; the portable ones: everything, the bias's gradient too).
+# sends each to the kernels that take it (the Hopper kernels' general variant: softcap, a bias
+# and ALiBi, with dropout or not; their dropout variant: dropout alone; the portable ones:
+# everything, the bias's gradient too).
 SOFTCAP, BIAS, DROPOUT, BIAS_GRAD, ALIBI = 1, 2, 4, 8, 16
 
 

@@ -20,9 +20,9 @@ from reference import assert_error_rule, attention_ref, dropout_scale
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
 HOPPER = HAS_CUDA and ops.build_info()["sm90"] and torch.cuda.get_device_capability() == (9, 0)
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-# (device, kernels): on CUDA the default rule (on sm_90 the Hopper forward's general variant and
-# the Hopper backward's dropout variant) and the portable kernels, which must drop the same
-# elements.
+# (device, kernels): on CUDA the default rule (on sm_90 the Hopper kernels' dropout variants;
+# the general variants where dropout comes with softcap, a bias or ALiBi) and the portable
+# kernels, which must drop the same elements.
 DEVICE_KERNELS = [("cpu", "auto")] + ([("cuda", "auto"), ("cuda", "sm80")] if HAS_CUDA else [])
 LOW = {"cpu": torch.float32, "cuda": torch.bfloat16}
 

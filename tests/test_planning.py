@@ -330,9 +330,15 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     p = planning.plan(q, q, q, mods=planning.BIAS | planning.BIAS_GRAD)
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
     assert p.backward_kernel == "sm80_bwd_hdim128_bf16" and "requires grad" in str(p)
-    p = planning.plan(q, q, q, mods=planning.SOFTCAP | planning.DROPOUT)
+    # Dropout with any other modifier: the general variants (a bias with a gradient: the
+    # portable backward).
+    for mods in (planning.SOFTCAP, planning.ALIBI, planning.BIAS):
+        p = planning.plan(q, q, q, mods=mods | planning.DROPOUT)
+        assert p.kernel == "sm90_fwd_hdim128_bf16_general", mods
+        assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general", mods
+    p = planning.plan(q, q, q, mods=planning.BIAS | planning.BIAS_GRAD | planning.DROPOUT)
     assert p.kernel == "sm90_fwd_hdim128_bf16_general"
-    assert p.backward_kernel == "sm90_bwd_hdim128_bf16_general"
+    assert p.backward_kernel == "sm80_bwd_hdim128_bf16"
     # Dropout alone: the dropout variants (the plain kernels with the mask).
     p = planning.plan(q, q, q, mods=planning.DROPOUT)
     assert p.kernel == "sm90_fwd_hdim128_bf16_dropout" and p.notes == ()

@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
 
-  // Dropout's Philox (seed, offset) for the backward (the general variant; dropout.h); (0, 0)
-  // without dropout.  Written here rather than by a separate fill launch.
+  // Dropout's Philox (seed, offset) for the backward (the general and dropout variants;
+  // dropout.h); (0, 0) without dropout.  Written here rather than by a separate fill launch.
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     const sm80::DropoutFn drop =
         T::kGeneral || T::kDropout ? sm80::DropoutFn(p) : sm80::DropoutFn();

@@ -49,8 +49,8 @@ struct PingpongRing {
   }
 };
 
-// Dropout on a tile's P (the general variant): the row id of the tile's (batch, head) row 0,
-// and this thread's first row (dropout.h).
+// Dropout on a tile's P (the general and dropout variants): the row id of the tile's (batch,
+// head) row 0, and this thread's first row (dropout.h).
 struct TileDropout {
   int64_t row_base;
   int32_t row0;

@@ -45,9 +45,10 @@ template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int k
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
-  // Softcap and an additive bias on the scores (score_mod.h), its own instantiation, so that
-  // plain attention carries none of their code.  (Not with GQA packing: a packed tile's rows
-  // belong to different query heads, which the bias tells apart.)
+  // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
+  // instantiation, so that plain attention carries none of their code.  (Not with GQA
+  // packing: a packed tile's rows belong to different query heads, which the bias tells
+  // apart.)
   static constexpr bool kGeneral = kGeneral_;
   static_assert(!(kGeneral_ && kPackGQA_), "the general variant does not pack GQA heads");
   // Dropout alone: the plain kernel with the dropout mask on P, its keep bits drawn while the
