@@ -2,8 +2,8 @@
 
 Public API:
     flash_attn_func                 (batch, seqlen, num_heads, head_dim) layout, FlashAttention's
-    flash_attn_varlen_func          packed sequences (total, num_heads, head_dim), cu_seqlens (CPU)
-    flash_attn_with_kvcache         inference against a KV cache, appended in place (CPU)
+    flash_attn_varlen_func          packed sequences (total, num_heads, head_dim), cu_seqlens
+    flash_attn_with_kvcache         attention against a KV cache, appended in place
     scaled_dot_product_attention    drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                         which kernel serves a call, and why a fused one does not
     FallbackError, set_strict       the no-silent-fallback rule (FLASH_ATTN_EXT_STRICT=1)

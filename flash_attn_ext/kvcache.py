@@ -63,7 +63,9 @@ def flash_attn_with_kvcache(
         rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
         num_splits: int = 0, return_softmax_lse: bool = False):
     """Attention of q against a KV cache, appending k/v first: FlashAttention-2's
-    ``flash_attn_with_kvcache`` (inference: no gradients).
+    ``flash_attn_with_kvcache``, for inference.  (Gradients reach q and the cache's tensors
+    through the attention as through :func:`flash_attn_varlen_func`; the append itself is not
+    differentiable: k and v are copied into the caches in place under ``torch.no_grad``.)
 
     Args:
         q: (batch, seqlen_q, num_heads, head_dim).
