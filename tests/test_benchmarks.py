@@ -133,3 +133,22 @@ def test_bench_training_runs_on_the_cpu(tmp_path, monkeypatch):
         ("sdpa", "right")]
     assert all(r["step_ms"] > 0 and torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[0]["vs_sdpa"] > 0 and rows[2]["vs_sdpa"] > 0
+
+
+def test_bench_cpu_min_prints_each_point(monkeypatch, capsys):
+    # The one-thread ABAB benchmark (benchmarks/bench_cpu_min.py) at a tiny size: a line per
+    # point with both times and a positive ratio; the thread count is restored afterwards.
+    import bench_cpu_min
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_min.py", "--reps", "2", "--seqlens", "64",
+                                      "96"])
+    try:
+        bench_cpu_min.main()
+    finally:
+        torch.set_num_threads(threads)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("L=")]
+    assert [ln.split()[:2] for ln in lines] == [["L=64", "causal=False"],
+                                                ["L=96", "causal=False"],
+                                                ["L=64", "causal=True"]]
+    for ln in lines:
+        assert float(ln.rsplit(" ", 1)[1]) > 0
