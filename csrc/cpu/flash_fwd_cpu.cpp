@@ -194,15 +194,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cpu(
 
 }  // namespace flash_attn_ext::cpu
 
-// The packed-sequence ops are defined next to their only kernels (CPU, so far); the dense ops'
-// schemas are in csrc/ops.cpp.
+// The packed-sequence ops' schemas are defined here, next to their CPU kernels (the CUDA ones
+// register in csrc/cuda/flash_cuda.cu); the dense ops' schemas are in csrc/ops.cpp.
 TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
   // Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k (total_k, H_kv, D),
   // v (total_k, H_kv, Dv); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (keys:
   // cu_seqlens_k), int32; max_seqlen_q/k at least the longest; seqused_k (batch,) int32: only
   // the first seqused_k[b] keys of sequence b are used (FlashAttention's).  Causal bottom-right
   // per sequence (over the keys used).  Returns (out (total_q, H, Dv), softmax_lse (H, total_q), rng_state); rows outside
-  // every sequence get out = 0, lse = -inf and zero gradients.  CPU kernels only, so far.
+  // every sequence get out = 0, lse = -inf and zero gradients.  CPU and CUDA kernels (on CUDA
+  // the portable ones).
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool causal=False, "
