@@ -40,10 +40,10 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // FMA, cost up to 68 ulp near -87), then exp(r) = 1 + r q(r) with q of degree 4 fitted for
 // least relative error on [-ln2/2, ln2/2] (Lawson-weighted least squares on 400 Chebyshev
 // nodes, in 40-digit arithmetic): 9e-8 relative before float32 rounding.  Measured against
-// float64 over 3.2M points in float32: at most 2.5 ulp (mean 0.6) where x > -20, exp(0) = 1
-// exactly; PyTorch's vectorised exp (exp_u20) allows 20.  2^n comes from the bits
-// of x log2e + 1.5 * 2^23 (which hold n in its low mantissa bits) by an integer add and a
-// shift.  Below -87.3 (where exp underflows to denormals) the result is 0; NaN stays NaN (it
+// float64 over 4M points in [-87.3, 0] (g++, this function): at most 2.0 ulp with FMA, 2.3
+// without (mean 0.66), exp(0) = 1 exactly; PyTorch's vectorised exp (exp_u20) allows 20.
+// 2^n comes from the bits of x log2e + 1.5 * 2^23 (which hold n in its low mantissa bits) by
+// an integer add and a shift.  Below -87.3 (where exp underflows to denormals) the result is 0; NaN stays NaN (it
 // reaches r and the polynomial, and NaN times 2^n is NaN whatever the garbage exponent).
 FAE_INLINE float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
