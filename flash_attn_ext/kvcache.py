@@ -113,6 +113,27 @@ def flash_attn_with_kvcache(
     batch, seqlen_q, heads, _ = q.shape
     device = q.device
     page = k_cache.shape[1]  # (paged: the page size; else the cache's length)
+    heads_k, head_dim, head_dim_v = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    if k is not None:
+        # Checked before anything is written: indexing would broadcast a new k of batch 1 into
+        # every entry, or cast it to the cache's dtype, without a word.
+        for name, t, cache, d in (("k", k, k_cache, head_dim), ("v", v, v_cache, head_dim_v)):
+            want = (batch, k.shape[1], heads_k, d)
+            if t.dim() != 4 or tuple(t.shape) != want:
+                raise ValueError(f"{name} must be (batch, seqlen_new, num_heads_k, head_dim) = "
+                                 f"{want} (batch from q, heads and head dim from {name}_cache), "
+                                 f"got {tuple(t.shape)}")
+            if t.dtype != cache.dtype or t.device != cache.device:
+                raise ValueError(f"{name} must have {name}_cache's dtype and device "
+                                 f"({cache.dtype}, {cache.device}), got {t.dtype} on {t.device}")
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None or rotary_cos.dim() != 2 or \
+                rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
+            raise ValueError(
+                "rotary_cos and rotary_sin must be given together, both (seqlen_ro, rotary_dim "
+                f"/ 2) with rotary_dim <= head_dim = {head_dim}, got "
+                f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
+                f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with block_table (paged KV)")
@@ -131,15 +152,31 @@ def flash_attn_with_kvcache(
     leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,
                      "cache_leftpad")
     new = 0 if k is None else k.shape[1]
-    if bool(((seqlens < 0) | (seqlens + new > seqlen_cache)).any()):
+    if bool((seqlens < 0).any()):
+        raise ValueError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
+    if bool((seqlens + new > seqlen_cache).any()):
         raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
                          f"{seqlen_cache}], got cache_seqlens={seqlens.tolist()} and "
                          f"seqlen_new={new}")
+    if rotary_cos is not None and bool((seqlens + max(seqlen_q, new) > rotary_cos.shape[0]).any()):
+        raise ValueError(f"rotary_cos / rotary_sin need a row per position up to cache_seqlens + "
+                         f"max(seqlen_q, seqlen_new) = {int(seqlens.max()) + max(seqlen_q, new)}, "
+                         f"got seqlen_ro = {rotary_cos.shape[0]}")
     if bool(((leftpad < 0) | (leftpad > seqlens + new)).any()):
         raise ValueError(f"cache_leftpad must be in [0, cache_seqlens + seqlen_new], got "
                          f"{leftpad.tolist()}")
-    entries = torch.arange(batch, device=device) if cache_batch_idx is None else \
-        torch.as_tensor(cache_batch_idx, device=device).long()
+    if cache_batch_idx is None:
+        entries = torch.arange(batch, device=device)
+    else:
+        entries = torch.as_tensor(cache_batch_idx, device=device)
+        if entries.dtype not in (torch.int32, torch.int64) or tuple(entries.shape) != (batch,):
+            raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, "
+                             f"got {entries.dtype} of shape {tuple(entries.shape)}")
+        entries = entries.long()
+        if batch and bool(((entries < 0) | (entries >= k_cache.shape[0])).any()):
+            # (a negative index would wrap around to another entry)
+            raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) "
+                             f"(k_cache.shape[0]), got {entries.tolist()}")
     rotary = rotary_cos is not None
     positions = seqlens.long()[:, None] + torch.arange(max(seqlen_q, new), device=device)
     with torch.no_grad():

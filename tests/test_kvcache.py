@@ -92,6 +92,36 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
 
 
+def test_bad_appends_and_indices_raise_before_writing():
+    # What indexing would otherwise accept silently (a batch-1 k broadcast into every entry, a
+    # negative cache_batch_idx wrapping around, a dtype cast) or report without naming the
+    # argument: each raises ValueError naming it, and the caches are left untouched.
+    q = torch.randn(2, 1, 4, 32)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 32), torch.zeros(2, 8, 2, 32)
+    new = torch.randn(2, 3, 2, 32)
+    cases = [
+        (dict(k=new[:1], v=new[:1], cache_seqlens=1), "k must be \\(batch, seqlen_new"),
+        (dict(k=torch.randn(2, 3, 4, 32), v=new, cache_seqlens=1), "k must be"),
+        (dict(k=new, v=torch.randn(2, 3, 2, 16), cache_seqlens=1), "v must be"),
+        (dict(k=new.half(), v=new, cache_seqlens=1), "k must have k_cache's dtype"),
+        (dict(k=new, v=new, cache_seqlens=1, cache_batch_idx=torch.tensor([0, -1])),
+         "cache_batch_idx entries must be in \\[0, 2\\)"),
+        (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([0.0, 1.0])), "cache_batch_idx must be"),
+        (dict(k=new, v=new, cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32)),
+         "cache_seqlens must be >= 0"),
+        (dict(k=new, v=new, cache_seqlens=1, rotary_cos=torch.ones(16, 20),
+              rotary_sin=torch.ones(16, 20)), "rotary_dim <= head_dim"),
+        (dict(k=new, v=new, cache_seqlens=1, rotary_cos=torch.ones(2, 8),
+              rotary_sin=torch.ones(2, 8)), "seqlen_ro"),
+        (dict(k=new, v=new, cache_seqlens=1, rotary_cos=torch.ones(16, 8)), "together"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        assert not k_cache.any() and not v_cache.any(), kwargs
+
+
 @pytest.mark.parametrize("page", [1, 16, 48])
 def test_paged_cache_equals_the_contiguous_one(page):
     # The same caches, once contiguous and once as shuffled pages of `page` rows (any size):
