@@ -168,11 +168,7 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is None:
         entries = torch.arange(batch, device=device)
     else:
-        entries = torch.as_tensor(cache_batch_idx, device=device)
-        if entries.dtype not in (torch.int32, torch.int64) or tuple(entries.shape) != (batch,):
-            raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, "
-                             f"got {entries.dtype} of shape {tuple(entries.shape)}")
-        entries = entries.long()
+        entries = _int32(cache_batch_idx, batch, device, "cache_batch_idx").long()
         if batch and bool(((entries < 0) | (entries >= k_cache.shape[0])).any()):
             # (a negative index would wrap around to another entry)
             raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) "

@@ -447,6 +447,10 @@ def _launched_kernels(fn):
     dict(head_dim=128, softcap=5.0),                           # general: Hopper variants
     dict(head_dim=64, softcap=5.0),                            # Hopper fwd, 4-warp bwd
     dict(head_dim=64, deterministic=True),                     # separate dQ kernel
+    dict(head_dim=128, dropout_p=0.1),                         # the dropout variants
+    dict(head_dim=64, dropout_p=0.1, causal=True),
+    dict(head_dim=256, dropout_p=0.1),                         # Hopper fwd, portable bwd
+    dict(head_dim=128, softcap=5.0, dropout_p=0.1),            # general: dropout with softcap
     dict(head_dim=128, window_size=(64, 0), portable=True)],   # forced portable forward
     ids=str)
 def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
