@@ -4,9 +4,12 @@ formulas, on the CPU (our kernels registered for the CPU key, where PyTorch has 
 ops) and, with a GPU, SDPA's FLASH backend routed to our kernels by activate_flash_attention_impl.
 """
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_varlen import _packed, _per_sequence
 from torch.nn import attention
 
 import flash_attn_ext
@@ -17,6 +20,9 @@ from reference import assert_error_rule, attention_ref
 aten = torch.ops.aten
 needs_registry = pytest.mark.skipif(not hasattr(attention, "activate_flash_attention_impl"),
                                     reason="this torch has no flash attention registry")
+needs_inplace = pytest.mark.skipif(
+    not hasattr(aten, "_flash_attention_forward_no_dropout_inplace"),
+    reason="this torch has no _flash_attention_forward_no_dropout_inplace")
 
 
 @pytest.fixture
@@ -60,6 +66,64 @@ def test_flash_attention_forward_and_backward_match_the_reference(cpu_kernels, c
         assert (g - t).abs().max().item() < 1e-11
 
 
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)),
+                                           (False, (3, 2))])
+def test_varlen_flash_attention_forward_and_backward_per_sequence(cpu_kernels, causal, window):
+    # cum_seq_q/cum_seq_k: q (total_q, H, D), k/v (total_k, H_kv, D); each sequence its own
+    # attention, causal and windows bottom-right per sequence (PyTorch's kernel is
+    # FlashAttention-2's varlen); lengths 5, 0, 17, 1 queries over 7, 3, 17, 9 keys (an empty
+    # sequence, L > S, L < S), GQA, rows past the last offset; logsumexp (H, total_q) (float32
+    # for half inputs) with +inf where a row sees no key; the gradients through PyTorch's
+    # autograd formula, which calls the backward op with the offsets.
+    lens_q, lens_k = [5, 0, 17, 1], [7, 3, 17, 9]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, 16, 16, torch.float64, tail=(2, 3))
+    out, lse, rng, unused, debug = aten._flash_attention_forward(
+        q, k, v, cq, ck, max(lens_q), max(lens_k), 0.0, causal, False, scale=0.3,
+        window_size_left=window[0], window_size_right=window[1])
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wl = -1 if window[0] is None else window[0]
+    wr = -1 if window[1] is None else window[1]
+    ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, softmax_scale=0.3,
+                                            causal=causal, window_left=wl, window_right=wr)
+    seen = torch.isfinite(ref_lse)  # (the tail rows see no key either)
+    assert (out - ref).abs().max().item() < 1e-12
+    assert torch.isposinf(lse[~seen]).all()
+    assert (lse[seen] - ref_lse[seen]).abs().max().item() < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-11
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch.nn.attention.varlen") is None,
+                    reason="this torch has no varlen_attn")
+def test_pytorch_varlen_attn_runs_on_our_kernels(cpu_kernels):
+    # torch.nn.attention.varlen.varlen_attn calls the aten flash ops with the offsets, forward
+    # and backward (its custom op runs on any device; here the CPU key, where ours serve them).
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens = [6, 1, 13]
+    q, k, v, cq, ck = _packed(lens, lens, 2, 2, 8, 8, torch.float64)
+    out = varlen_attn(q, k, v, cq, ck, max(lens), max(lens))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, _, ref_grads = _per_sequence(q, k, v, cq, ck, dout)
+    assert (out - ref).abs().max().item() < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-11
+
+
+@needs_inplace
+def test_varlen_no_dropout_inplace_writes_out(cpu_kernels):
+    lens = [4, 9]
+    q, k, v, cq, ck = _packed(lens, [5, 9], 2, 1, 8, 8, torch.float64)
+    out = torch.full_like(q, float("nan")).detach()
+    lse = aten._flash_attention_forward_no_dropout_inplace(out, q, k, v, cq, ck, 9, 9, 0.0, True,
+                                                           False)
+    want, want_lse = aten._flash_attention_forward(q, k, v, cq, ck, 9, 9, 0.0, True, False)[:2]
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.parametrize("blhd_buffer", [False, True])
 def test_sdpa_flash_ops_take_bhld_and_lay_out_as_pytorch(cpu_kernels, blhd_buffer):
     # (B, H, L, D) tensors, contiguous or views of a (B, L, H, D) buffer; the output's strides
@@ -101,10 +165,6 @@ def test_dropout_state_travels_from_forward_to_backward(cpu_kernels, sdpa):
         assert torch.equal(g, w)
 
 
-needs_inplace = pytest.mark.skipif(
-    not hasattr(aten, "_flash_attention_forward_no_dropout_inplace"),
-    reason="this torch has no _flash_attention_forward_no_dropout_inplace")
-
 
 @needs_inplace
 def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
@@ -120,15 +180,18 @@ def test_no_dropout_inplace_writes_out_and_returns_lse(cpu_kernels):
                                                          False)
 
 
-@pytest.mark.parametrize("case", ["cum_seq_q", "alibi_slopes", "block_table", "debug",
-                                  pytest.param("inplace_dropout", marks=needs_inplace)])
+@pytest.mark.parametrize("case", ["cum_seq_q", "seqused_k", "alibi_slopes", "block_table",
+                                  "debug", pytest.param("inplace_dropout", marks=needs_inplace)])
 def test_calls_we_do_not_serve_raise_naming_what(cpu_kernels, case):
     q = torch.randn(1, 8, 2, 16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=case.replace("debug", "return_debug_mask")
                        .replace("inplace_", "")):
-        if case == "cum_seq_q":
-            aten._flash_attention_forward(q[0], q[0], q[0], cu, cu, 8, 8, 0.0, False, False)
+        if case == "cum_seq_q":  # (one offset alone)
+            aten._flash_attention_forward(q[0], q[0], q[0], cu, None, 8, 8, 0.0, False, False)
+        elif case == "seqused_k":  # (without offsets)
+            aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, False,
+                                          seqused_k=torch.tensor([8], dtype=torch.int32))
         elif case == "alibi_slopes":
             aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, False,
                                           alibi_slopes=torch.ones(2))
@@ -253,3 +316,68 @@ def test_sdpa_flash_backend_on_our_kernels_compiles():
     assert torch.equal(out, want)
     for g, w in zip(grads, want_grads):  # (dQ by atomics: equal up to summation order)
         assert (g.float() - w.float()).abs().max().item() <= 1e-2 * w.float().abs().max().item()
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+@pytest.mark.skipif(importlib.util.find_spec("torch.nn.attention.varlen") is None,
+                    reason="this torch has no varlen_attn")
+@pytest.mark.parametrize("causal", [False, True])
+def test_pytorch_varlen_attn_on_the_gpu_runs_our_varlen_kernels(causal):
+    # Activated, PyTorch's varlen_attn reaches our fwd_varlen/bwd_varlen ops: the same bits as
+    # flash_attn_varlen_func, and each sequence under the error rule (float32 reference).
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens_q, lens_k = [300, 0, 77, 1, 129], [300, 5, 77, 64, 200]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 8, 2, 128, 128, torch.float32)
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    cq, ck = cq.cuda(), ck.cuda()
+    dout = torch.randn_like(q)
+    kw = (dict(is_causal=causal) if "is_causal" in inspect.signature(varlen_attn).parameters
+          else dict(window_size=(-1, 0) if causal else (-1, -1)))
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        out = varlen_attn(q, k, v, cq, ck, max(lens_q), max(lens_k), **kw)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        attention.restore_flash_attention_impl()
+    want = flash_attn_ext.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
+                                                 causal=causal)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    assert torch.equal(out, want)
+    for g, w in zip(grads, want_grads):  # (dQ by atomics: equal up to summation order)
+        assert (g.float() - w.float()).abs().max().item() <= 1e-2 * w.float().abs().max().item()
+    # (flash_attn_varlen_func's kernels are under the error rule in test_varlen; this checks
+    # that the provider hands them the right sequences and flags.)
+    cpu = [t.detach().cpu() for t in (q, k, v)]
+    true, _, true_grads = _per_sequence(*cpu, cq.cpu(), ck.cpu(), dout.cpu(), causal=causal)
+    assert (out.cpu().double() - true).abs().max().item() < 2e-2
+    for g, t in zip(grads, true_grads):
+        assert (g.cpu().double() - t).abs().max().item() < 0.05 * t.abs().max().item() + 0.02
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+def test_nested_tensor_sdpa_runs_our_varlen_kernels():
+    # SDPA on jagged nested tensors sends FLASH calls with cum_seq_q/k: activated, they run on
+    # our varlen kernels (the same bits as flash_attn_varlen_func on the packed sequences).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lens = [100, 37, 256]
+    packed = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 137, 393], dtype=torch.int32, device="cuda")
+    nested = torch.nested.nested_tensor(list(packed.split(lens)), layout=torch.jagged)
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            x = nested.transpose(1, 2)  # (B, H, j, D)
+            out = F.scaled_dot_product_attention(x, x, x, is_causal=True).transpose(1, 2)
+    finally:
+        attention.restore_flash_attention_impl()
+    want = flash_attn_ext.flash_attn_varlen_func(packed, packed, packed, cu, cu, 256, 256,
+                                                 causal=True)
+    assert torch.equal(torch.cat(out.unbind()), want)

@@ -29,12 +29,19 @@ the backward in PyTorch's own rng outputs (``rng_state``, uint64 (2,), or ``phil
 ``philox_offset`` where the op's schema has those), so the backward regenerates the forward's
 mask.
 
+Variable-length batches (``cum_seq_q``/``cum_seq_k``: ``torch.nn.attention.varlen.varlen_attn``
+and ``varlen_attn_out``) run on our ``fwd_varlen``/``bwd_varlen`` ops (:mod:`flash_attn_ext.
+varlen`): q (total_q, H, D) and k, v (total_k, H_kv, D) read in place by the int32 offsets,
+causal and windows bottom-right per sequence (FlashAttention-2's, as PyTorch's kernel),
+``logsumexp`` (H, total_q) float32 with +inf for rows that see no key, ``seqused_k`` in the
+forward (PyTorch's ``varlen_attn`` refuses it with autograd; the backward op has no such
+argument).  These calls are not planned, so ``last_plan()`` does not change.
+
 A call we do not serve raises ``RuntimeError`` naming what is unsupported, as PyTorch's own
-FA3/FA4 providers do: variable-length batches (``cum_seq_q``/``cum_seq_k``, ``seqused_k``),
-paged KV (``block_table``), ALiBi (the backward ops carry no slopes, so a backward would
-silently drop them), ``return_debug_mask``, and whatever the kernel rule refuses
-(``flash_attn_ext.explain`` says why).  Each call is recorded as any other
-(``flash_attn_ext.last_plan()``).
+FA3/FA4 providers do: only one of ``cum_seq_q``/``cum_seq_k``, paged KV (``block_table``),
+ALiBi (the backward ops carry no slopes, so a backward would silently drop them),
+``return_debug_mask``, and whatever the kernel rule refuses (``flash_attn_ext.explain`` says
+why).  Each dense call is recorded as any other (``flash_attn_ext.last_plan()``).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from typing import Optional
 import torch
 from torch.library import Library
 
-from .. import ops, planning, policy
+from .. import ops, planning, policy, varlen
 
 __all__ = ["NAME", "register_flash_impl", "register_kernels"]
 
@@ -189,6 +196,13 @@ def _deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def _check_value_head_dim(op: str, q, v) -> None:
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): value head "
+                           f"dim {v.shape[-1]} != query head dim {q.shape[-1]} not supported "
+                           "(the op's meta kernel gives the output the query's head dim)")
+
+
 def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_left,
              window_right):
     """Our forward on (B, L, H, D) q/k/v with the aten ops' conventions; (out, lse, rng)."""
@@ -200,10 +214,7 @@ def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_
         raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): no kernel "
                            f"serves this call: {'; '.join(p.reasons)}")
     policy.record(p, None)
-    if v.shape[-1] != q.shape[-1]:
-        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): value head "
-                           f"dim {v.shape[-1]} != query head dim {q.shape[-1]} not supported "
-                           "(the op's meta kernel gives the output the query's head dim)")
+    _check_value_head_dim(op, q, v)
     out, lse, rng = ops.fwd_op(q, k, v, scale, is_causal, wl, wr, True, 0.0, None, None,
                                float(dropout_p), _deterministic())
     if k.shape[1] == 0:
@@ -219,20 +230,57 @@ def _backward(dout, q, k, v, out, logsumexp, dropout_p, is_causal, rng, scale, w
     return dq, dk, dv
 
 
+def _packed(op: str, cum_seq_q, cum_seq_k, seqused_k) -> bool:
+    """Whether the call is a variable-length batch (both offsets given; the backward ops pass
+    empty tensors for a dense call).  One offset alone, or ``seqused_k`` without offsets, is
+    refused."""
+    given = [t is not None and t.numel() > 0 for t in (cum_seq_q, cum_seq_k)]
+    if given[0] != given[1]:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): "
+                           f"{'cum_seq_q' if given[0] else 'cum_seq_k'} given without "
+                           f"{'cum_seq_k' if given[0] else 'cum_seq_q'} not supported")
+    if not given[0] and seqused_k is not None:
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): seqused_k "
+                           "without cum_seq_q/cum_seq_k not supported")
+    return given[0]
+
+
+def _forward_varlen(op: str, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                    is_causal, scale, window_left, window_right, seqused_k):
+    """Our varlen forward with the aten ops' conventions; (out, lse, rng)."""
+    _check_value_head_dim(op, q, v)
+    out, lse, rng = varlen.fwd_varlen_op(q, k, v, cum_seq_q, cum_seq_k, int(max_q), int(max_k),
+                                         scale, bool(is_causal), _window(window_left),
+                                         _window(window_right), 0.0, None, float(dropout_p),
+                                         seqused_k)
+    # Rows that see no key: PyTorch's kernel's +inf, not our -inf (the backward reads either
+    # as "no probability").
+    return out, lse.masked_fill_(lse == float("-inf"), float("inf")), rng
+
+
+def _forward_any(op: str, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                 scale, window_left, window_right, seqused_k):
+    """The dense or the varlen forward, as the offsets say; (out, lse, rng)."""
+    if _packed(op, cum_seq_q, cum_seq_k, seqused_k):
+        return _forward_varlen(op, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                               is_causal, scale, window_left, window_right, seqused_k)
+    return _forward(op, q, k, v, dropout_p, is_causal, scale, window_left, window_right)
+
+
 def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                    is_causal, return_debug_mask, *, scale=None, window_size_left=None,
                    window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
                    num_splits=None):
-    _refuse("_flash_attention_forward", cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
-            seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
+    _refuse("_flash_attention_forward", alibi_slopes=alibi_slopes, block_table=block_table,
             return_debug_mask=return_debug_mask)
     del num_splits  # (a hint)
-    out, lse, rng = _forward("_flash_attention_forward", query, key, value, dropout_p,
-                             is_causal, scale, window_size_left, window_size_right)
+    out, lse, rng = _forward_any("_flash_attention_forward", query, key, value, cum_seq_q,
+                                 cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                                 window_size_left, window_size_right, seqused_k)
     op = torch.ops.aten._flash_attention_forward.default
     results = (out, lse, *_rng_outputs(rng, _split_rng(op)), query.new_empty((0,)))
-    return _as_meta_lays_out(op, (query, key, value, None, None, max_q, max_k, dropout_p,
-                                  is_causal, return_debug_mask),
+    return _as_meta_lays_out(op, (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+                                  dropout_p, is_causal, return_debug_mask),
                              {"scale": scale, "window_size_left": window_size_left,
                               "window_size_right": window_size_right}, results)
 
@@ -241,16 +289,15 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
                            dropout_p, is_causal, return_debug_mask, *, scale=None,
                            window_size_left=None, window_size_right=None, seqused_k=None,
                            alibi_slopes=None, block_table=None, num_splits=None):
-    _refuse("_flash_attention_forward_no_dropout_inplace", cum_seq_q=cum_seq_q,
-            cum_seq_k=cum_seq_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-            block_table=block_table, return_debug_mask=return_debug_mask,
-            dropout_p=dropout_p != 0.0)
-    del max_q, max_k, num_splits
-    result, lse, _ = _forward("_flash_attention_forward_no_dropout_inplace", query, key, value,
-                              0.0, is_causal, scale, window_size_left, window_size_right)
+    op = "_flash_attention_forward_no_dropout_inplace"
+    _refuse(op, alibi_slopes=alibi_slopes, block_table=block_table,
+            return_debug_mask=return_debug_mask, dropout_p=dropout_p != 0.0)
+    del num_splits
+    result, lse, _ = _forward_any(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+                                  0.0, is_causal, scale, window_size_left, window_size_right,
+                                  seqused_k)
     if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention "
-                           f"(_flash_attention_forward_no_dropout_inplace): out must be "
+        raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): out must be "
                            f"{tuple(result.shape)} {result.dtype} on {result.device}, got "
                            f"{tuple(out.shape)} {out.dtype} on {out.device}")
     out.copy_(result)  # (our kernels allocate their output; one copy)
@@ -260,11 +307,15 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                     max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
                     window_size_left=None, window_size_right=None):
-    _refuse("_flash_attention_backward",
-            cum_seq_q=cum_seq_q is not None and cum_seq_q.numel() > 0,
-            cum_seq_k=cum_seq_k is not None and cum_seq_k.numel() > 0)
-    grads = _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
-                      _rng_input(rng_state, unused), scale, window_size_left, window_size_right)
+    rng = _rng_input(rng_state, unused)
+    if _packed("_flash_attention_backward", cum_seq_q, cum_seq_k, None):
+        grads = varlen.bwd_varlen_op(grad_out, query, key, value, out, logsumexp, cum_seq_q,
+                                     cum_seq_k, max_q, max_k, rng, scale, is_causal,
+                                     _window(window_size_left), _window(window_size_right), 0.0,
+                                     None, float(dropout_p), None)
+    else:
+        grads = _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                          rng, scale, window_size_left, window_size_right)
     return _as_meta_lays_out(
         torch.ops.aten._flash_attention_backward.default,
         (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
