@@ -25,7 +25,7 @@ from . import ops
 from ._version import __version__
 from .explain import explain
 from .integrations import register_flash_impl, register_transformers, register_when_imported
-from .interface import flash_attn_func
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .kvcache import flash_attn_with_kvcache
 from .patching import is_patched, patch, unpatch
 from .planning import Plan, kernel_options, set_kernel_options
@@ -37,7 +37,8 @@ from .varlen import (
     flash_attn_varlen_qkvpacked_func,
 )
 
-__all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
+__all__ = ["__version__", "flash_attn_func", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
            "flash_attn_with_kvcache",
            "scaled_dot_product_attention", "explain",

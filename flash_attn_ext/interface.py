@@ -8,7 +8,7 @@ import torch
 
 from ._call import check_alibi, check_bool, check_flags, check_scale, check_softcap, run
 
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
 
 
 def flash_attn_func(
@@ -22,9 +22,9 @@ def flash_attn_func(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
-    return_softmax_lse: bool = False,
-    *,
     return_attn_probs: bool = False,
+    *,
+    return_softmax_lse: bool = False,
     strict: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention, computed the FlashAttention way, in (batch, seqlen, num_heads, head_dim).
@@ -71,10 +71,10 @@ def flash_attn_func(
             on sm_80) uses FlashAttention-2's single backward kernel, which adds dq with fp32
             atomics (faster; dq's last bits vary with the summation order); everything else,
             and the CPU, is reproducible either way.
-        return_softmax_lse: also return softmax_lse.
-        return_attn_probs: FlashAttention-2's argument, for code written against it: with True
-            the call returns (out, softmax_lse, None); the attention probabilities are never
-            stored, so the third item is None.
+        return_attn_probs: FlashAttention-2's argument (its 11th positional one, as here), for
+            code written against it: with True the call returns (out, softmax_lse, None); the
+            attention probabilities are never stored, so the third item is None.
+        return_softmax_lse: (keyword only) also return softmax_lse: (out, softmax_lse).
         strict: raise :class:`flash_attn_ext.FallbackError` instead of falling back to an
             unfused path (default: ``FLASH_ATTN_EXT_STRICT``).
 
@@ -115,3 +115,47 @@ def flash_attn_func(
     if return_attn_probs:
         return out, softmax_lse, None
     return (out, softmax_lse) if return_softmax_lse else out
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
+                              softmax_scale: Optional[float] = None, causal: bool = False,
+                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[torch.Tensor] = None,
+                              deterministic: bool = False, return_attn_probs: bool = False):
+    """FlashAttention-2's ``flash_attn_qkvpacked_func``: ``qkv`` (batch, seqlen, 3, num_heads,
+    head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
+    gradient of qkv's shape). Otherwise :func:`flash_attn_func` (arguments, returns, errors).
+
+    Raises:
+        ValueError: qkv not of shape (batch, seqlen, 3, num_heads, head_dim); as
+            :func:`flash_attn_func`.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be a tensor of shape (batch, seqlen, 3, num_heads, "
+                         f"head_dim), got {_shape(qkv)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: Optional[float] = None, causal: bool = False,
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None,
+                             deterministic: bool = False, return_attn_probs: bool = False):
+    """FlashAttention-2's ``flash_attn_kvpacked_func``: ``kv`` (batch, seqlen_k, 2,
+    num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_func`.
+
+    Raises:
+        ValueError: kv not of shape (batch, seqlen_k, 2, num_heads_k, head_dim); as
+            :func:`flash_attn_func`.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be a tensor of shape (batch, seqlen_k, 2, num_heads_k, "
+                         f"head_dim), got {_shape(kv)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -297,3 +297,26 @@ def test_cpu_float32_probabilities_are_accurate_elementwise(score_range):
     assert_error_rule(out, theirs, true, 2.0, "probabilities")
     scores[11] = float("nan")
     assert torch.isnan(probabilities(scores)).all()
+
+
+def test_packed_dense_variants_read_in_place_and_match():
+    # FlashAttention-2's flash_attn_qkvpacked_func / flash_attn_kvpacked_func: views of one
+    # buffer, the same answer as the unpacked call, one gradient of the packed shape.
+    from flash_attn_ext import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    qkv = torch.randn(2, 13, 3, 4, 16, dtype=torch.float64, requires_grad=True)
+    out, lse, probs = flash_attn_qkvpacked_func(qkv, 0.0, None, True, (-1, -1), 0.0, None,
+                                                False, True)
+    q, k, v = (qkv[:, :, i].detach().clone().requires_grad_() for i in range(3))
+    want, want_lse = flash_attn_func(q, k, v, causal=True, return_softmax_lse=True)
+    assert probs is None and torch.equal(out, want) and torch.equal(lse, want_lse)
+    (grad,) = torch.autograd.grad(out.sum(), qkv)
+    for i, g in enumerate(torch.autograd.grad(want.sum(), (q, k, v))):
+        assert torch.equal(grad[:, :, i], g)
+    kv = torch.randn(2, 9, 2, 2, 16, dtype=torch.float64)  # (GQA: 2 key/value heads)
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, softcap=3.0),
+                       flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softcap=3.0))
+    with pytest.raises(ValueError, match=r"qkv must be a tensor of shape .* got \(2, 13, 2"):
+        flash_attn_qkvpacked_func(qkv[:, :, :2])
+    with pytest.raises(ValueError, match="kv must be a tensor of shape .* got list"):
+        flash_attn_kvpacked_func(q, [kv])

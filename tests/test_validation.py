@@ -310,3 +310,7 @@ def test_flash_attention_2_return_attn_probs():
     assert torch.equal(out, flash_attn_func(q, q, q, causal=True, return_attn_probs=False))
     with pytest.raises(ValueError, match="return_attn_probs must be a bool"):
         flash_attn_func(q, q, q, return_attn_probs=1)
+    # FlashAttention-2's 11th positional argument is return_attn_probs, as here.
+    positional = flash_attn_func(q, q, q, 0.0, None, True, (-1, -1), 0.0, None, False, True)
+    assert len(positional) == 3 and positional[2] is None
+    assert torch.equal(positional[0], out) and torch.equal(positional[1], lse)

@@ -219,6 +219,14 @@ def test_packed_variants_read_in_place_and_match():
         flash_attn_varlen_qkvpacked_func(qkv[:, :2], cu, 12)
 
 
+def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor .* got list"):
+        flash_attn_varlen_func(q, k, v, [0, 4, 10], ck, 6, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a torch.Tensor .* got tuple"):
+        flash_attn_varlen_func(q, k, v, cq, (0, 4, 10), 6, 6)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
