@@ -191,6 +191,12 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
   return why;
 }
 
+// The name suffix of the Hopper kernels' variant a call runs on (forward and backward alike):
+// dropout alone, the general variant (softcap, a bias, ALiBi; dropout with them), or plain.
+inline const char* sm90_variant(const CallInfo& call) {
+  return call.score_mods == kDropout ? "_dropout" : call.general() ? "_general" : "";
+}
+
 }  // namespace detail
 
 // Whether a build for TORCH_CUDA_ARCH_LIST-style `archs` (e.g. "8.0;9.0a") has code that runs on
@@ -304,9 +310,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   }
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
                (c.fwd == FwdKernel::kSm90PackGqa                   ? "_packgqa"
-                : c.fwd == FwdKernel::kSm90 && call.score_mods == kDropout ? "_dropout"
-                : c.fwd == FwdKernel::kSm90 && call.general()              ? "_general"
-                                                                           : "");
+                : c.fwd == FwdKernel::kSm90                         ? detail::sm90_variant(call)
+                                                                    : "");
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
   // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits
@@ -328,9 +333,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;
-      c.bwd_name = "sm90_bwd" + suffix + (call.score_mods == kDropout ? "_dropout"
-                                          : call.general()              ? "_general"
-                                                                        : "");
+      c.bwd_name = "sm90_bwd" + suffix + detail::sm90_variant(call);
       return c;
     }
     c.notes.push_back("backward on the portable sm80 kernels, not the Hopper one, because " +

@@ -97,11 +97,12 @@ struct FwdParams {
   // KernelOptions::sm90_direct_epilogue)
   bool sm90_direct_epilogue = false;
 
-  // Softcap, a bias, ALiBi or dropout: the CUDA kernels' general variant (their plain one
-  // otherwise).
-  bool general() const {
-    return softcap > 0.0 || attn_bias != nullptr || alibi_slopes != nullptr || dropout;
+  // Softcap, a bias or ALiBi: what only the Hopper kernels' general variant computes.
+  bool score_mods() const {
+    return softcap > 0.0 || attn_bias != nullptr || alibi_slopes != nullptr;
   }
+  // Those or dropout: the portable kernels' general variant (their plain one otherwise).
+  bool general() const { return score_mods() || dropout; }
 };
 
 // Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the

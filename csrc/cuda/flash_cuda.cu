@@ -158,7 +158,7 @@ at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaSt
 
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-  if (p.general() && (p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr)) {
+  if (p.score_mods()) {
     // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_general<Element, 128>(p, stream);
@@ -181,7 +181,7 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 template <typename Element>
 cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
                          cudaStream_t stream) {
-  if (p.general() && (p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr)) {
+  if (p.score_mods()) {
     // (softcap, bias, ALiBi and dropout with them: kernel_select.h keeps the rest off it)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_general<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_general<Element, 128>(p, stats, stream);

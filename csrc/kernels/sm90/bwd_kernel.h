@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       mainloop.step(smem, state.index(), done++ & 1, masked, rel, scale, scale_log2, dq_tile,
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
                     static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
-                    cls, T::kGeneral || T::kDropout ? sm80::DropoutFn(p) : sm80::DropoutFn(),
+                    cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
                     (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q);
       pipe.consumer_release(state);
       ++state;

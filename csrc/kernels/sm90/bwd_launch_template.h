@@ -30,9 +30,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
     return cudaErrorInvalidValue;
   // The bias's gradient is not in these kernels; softcap, a bias and ALiBi only in the general
   // variant, dropout there or in the dropout variant (which needs it).
-  const bool score_mods = p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr;
   if (p.dbias_full != nullptr || p.cu_seqlens_q != nullptr ||
-      (!T::kGeneral && (score_mods || p.dropout != T::kDropout)))
+      (!T::kGeneral && (p.score_mods() || p.dropout != T::kDropout)))
     return cudaErrorInvalidValue;
   const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
   float* lse_log2 = stats;

@@ -35,6 +35,8 @@ struct Sm90BwdTraits {
   // waits for both score GEMMs before computing P^T, which the score's derivative needs.)
   static constexpr bool kDropout = kDropout_;
   static_assert(!(kGeneral && kDropout), "the general variant takes dropout itself");
+  // Whether the kernel may drop probabilities (it reads the dropout parameters).
+  static constexpr bool kMayDrop = kGeneral || kDropout;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

@@ -59,7 +59,7 @@ struct FwdEpilogue {
     float inv_l[2];
     bool empty[2];
     softmax.finalize(inv_l, empty);
-    if constexpr (T::kGeneral || T::kDropout) {
+    if constexpr (T::kMayDrop) {
       if (p.dropout) {  // kept elements scaled by 1 / P(kept) (dropout.h)
         inv_l[0] *= p.dropout_scale;
         inv_l[1] *= p.dropout_scale;

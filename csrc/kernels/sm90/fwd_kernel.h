@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // dropout.h); (0, 0) without dropout.  Written here rather than by a separate fill launch.
   if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     const sm80::DropoutFn drop =
-        T::kGeneral || T::kDropout ? sm80::DropoutFn(p) : sm80::DropoutFn();
+        T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn();
     p.rng_state[0] = static_cast<int64_t>(drop.seed);
     p.rng_state[1] = static_cast<int64_t>(drop.offset);
   }

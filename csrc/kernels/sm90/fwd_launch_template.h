@@ -69,8 +69,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
   // Softcap, a bias and ALiBi only in the general variant, dropout there or in the dropout
   // variant (which needs it); no packed sequences.
-  const bool score_mods = p.softcap > 0.0 || p.attn_bias != nullptr || p.alibi_slopes != nullptr;
-  if (p.cu_seqlens_q != nullptr || (!T::kGeneral && (score_mods || p.dropout != T::kDropout)))
+  if (p.cu_seqlens_q != nullptr ||
+      (!T::kGeneral && (p.score_mods() || p.dropout != T::kDropout)))
     return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);

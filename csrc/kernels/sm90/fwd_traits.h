@@ -56,6 +56,8 @@ struct Sm90FwdTraits {
   // own instantiation.
   static constexpr bool kDropout = kDropout_;
   static_assert(!(kDropout_ && (kGeneral_ || kPackGQA_)), "dropout alone, unpacked");
+  // Whether the kernel may drop probabilities (it reads the dropout parameters).
+  static constexpr bool kMayDrop = kGeneral || kDropout;
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
