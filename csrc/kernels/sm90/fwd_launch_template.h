@@ -164,7 +164,7 @@ template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = fal
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                                              fwd_stages<kHeadDim>(),
-                                             fwd_consumers<kHeadDim, kGeneral>(),
+                                             fwd_consumers<kHeadDim, kGeneral || kDropout>(),
                                              kPackGQA, kGeneral, kDropout>>(p, stream);
 }
 
