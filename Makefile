@@ -32,9 +32,14 @@ $(DEV_STAMP): requirements-dev.txt $(RUN_STAMP)
 
 setup: $(RUN_STAMP)
 
-# Incremental: ninja recompiles only what changed.
+# Incremental: ninja recompiles only what changed.  torch's build runs ninja verbosely (each
+# compiler command line in full); a line per source is printed instead (errors pass unchanged;
+# VERBOSE=1 keeps the full lines).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+NINJA_LINES := $(if $(VERBOSE),cat,sed -E 's@^(\[[0-9]+/[0-9]+\]) .* -c ([^- ][^ ]*) -o .*@\1 \2@; s@$(CURDIR)/@@')
 build: setup
-	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace 2>&1 | $(NINJA_LINES)
 
 # Compiles every CUDA source (no GPU needed; skipped without nvcc or with CUDA_CHECK=0); only
 # what changed since it last passed (scripts/check_cuda_compile.sh).
