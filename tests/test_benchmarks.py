@@ -152,3 +152,12 @@ def test_bench_cpu_min_prints_each_point(monkeypatch, capsys):
                                                 ["L=64", "causal=True"]]
     for ln in lines:
         assert float(ln.rsplit(" ", 1)[1]) > 0
+
+
+def test_bench_packed_times_both_routes(cpu_bench):
+    import bench_packed
+
+    lens = bench_packed.lengths(200, 3, torch.Generator().manual_seed(0))
+    assert sum(lens) == 200 and min(lens) >= 16
+    line = bench_packed.time_point(16, 200, lens, heads=4, heads_kv=2, device="cpu")
+    assert "seqs=  3" in line and line.count("TFLOP/s") == 2
