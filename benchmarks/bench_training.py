@@ -9,15 +9,19 @@ quarter of each sequence padded in half the batch (the attention mask transforme
 is a (B, 1, L, S) causal + padding mask; padded positions get label -100).  Every step of an
 implementation runs on the same weights and batch; the median of --steps timed steps after
 --warmup is reported, with tokens per second and ours / sdpa.  Ours runs in strict mode: a call
-that no fused kernel serves raises instead of timing the fallback.
+that no fused kernel serves raises instead of timing the fallback.  --impls sdpa+provider adds
+"sdpa" with our kernels behind SDPA's FLASH backend (PyTorch's flash-impl registry; unpadded
+batches only).
 
 Usage: python benchmarks/bench_training.py [--seqlens 2048 8192] [--padding none right]
+       [--impls flash_attn_ext sdpa sdpa+provider]
        [--tiny]  (--tiny: a 2-layer hidden-256 model, to check the script on a CPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -30,7 +34,10 @@ import torch
 
 import flash_attn_ext
 
-IMPLS = ("flash_attn_ext", "sdpa")
+# "sdpa+provider": attn_implementation="sdpa" with our kernels behind SDPA's FLASH backend
+# (activate_flash_attention_impl + sdpa_kernel([FLASH_ATTENTION])); unpadded batches only
+# (SDPA's FLASH backend takes no mask).
+IMPLS = ("flash_attn_ext", "sdpa", "sdpa+provider")
 
 
 def make_model(impl: str, tiny: bool, device: str, dtype: torch.dtype):
@@ -59,9 +66,26 @@ def make_batch(cfg, batch: int, seqlen: int, padding: str, device: str):
     return ids, (None if padding == "none" else mask), labels
 
 
+@contextlib.contextmanager
+def provider_active(active: bool):
+    """Our kernels behind SDPA's FLASH backend, and SDPA restricted to it, while active."""
+    if not active:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flash_attn_ext.integrations import torch_flash
+    torch.nn.attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            yield
+    finally:
+        torch.nn.attention.restore_flash_attention_impl()
+
+
 def time_steps(impl: str, args, seqlen: int, padding: str, device: str) -> dict:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model, cfg = make_model(impl, args.tiny, device, dtype)
+    model, cfg = make_model(impl.split("+")[0], args.tiny, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = max(1, args.tokens // seqlen)
     ids, mask, labels = make_batch(cfg, batch, seqlen, padding, device)
@@ -75,13 +99,14 @@ def time_steps(impl: str, args, seqlen: int, padding: str, device: str) -> dict:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
-    for i in range(args.warmup + args.steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = step()
-        sync()
-        if i >= args.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+    with provider_active(impl == "sdpa+provider"):
+        for i in range(args.warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            if i >= args.warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
     row = dict(impl=impl, L=seqlen, B=batch, padding=padding, step_ms=ms,
                tokens_per_s=batch * seqlen / ms * 1e3, loss=float(loss.detach()))
@@ -99,6 +124,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS[:2]),
+                        help="the first is compared with the others (ours/this)")
     parser.add_argument("--out-dir", default="build")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,17 +143,21 @@ def main() -> int:
     for seqlen in args.seqlens:
         for padding in args.padding:
             point = []
-            for impl in IMPLS:
+            for impl in args.impls:
+                if impl == "sdpa+provider" and padding != "none":
+                    continue
                 point.append(time_steps(impl, args, seqlen, padding, device))
                 if device == "cuda":  # (the model and optimizer of the last one are gone)
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-            ours, sdpa = point
-            ours["vs_sdpa"] = sdpa["step_ms"] / ours["step_ms"]
+            first = point[0]
+            for r in point[1:]:  # (the first's speed-up over each: "vs_sdpa" etc.)
+                first["vs_" + r["impl"]] = r["step_ms"] / first["step_ms"]
             for r in point:
                 print(f"L={seqlen:5d} B={r['B']:2d} padding={padding:5s} {r['impl']:15s} "
                       f"step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tokens/s"
-                      + (f"  ours/sdpa {r['vs_sdpa']:.3f}x" if "vs_sdpa" in r else ""))
+                      + (f"  {first['impl']}/this {first['vs_' + r['impl']]:.3f}x"
+                         if r is not first else ""))
             rows += point
             with open(path, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)
