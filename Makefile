@@ -37,7 +37,7 @@ setup: $(RUN_STAMP)
 # VERBOSE=1 keeps the full lines).
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
-NINJA_LINES := $(if $(VERBOSE),cat,sed -E 's@^(\[[0-9]+/[0-9]+\]) .* -c ([^- ][^ ]*) -o .*@\1 \2@; s@$(CURDIR)/@@')
+NINJA_LINES := $(if $(filter 1,$(VERBOSE)),cat,sed -E 's@^(\[[0-9]+/[0-9]+\]) .* -c ([^- ][^ ]*) -o .*@\1 \2@; s@$(CURDIR)/@@')
 build: setup
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PY) setup.py -q build_ext --inplace 2>&1 | $(NINJA_LINES)
 

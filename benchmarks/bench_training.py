@@ -128,6 +128,8 @@ def main() -> int:
                         help="the first is compared with the others (ours/this)")
     parser.add_argument("--out-dir", default="build")
     args = parser.parse_args()
+    if args.impls[0] == "sdpa+provider":  # (the baseline must run at every padding)
+        parser.error("--impls: sdpa+provider cannot be the first (it runs unpadded batches only)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flash_attn_ext.register_transformers()
     flash_attn_ext.policy.set_strict(True)  # (sdpa never calls ours: strict touches only ours)

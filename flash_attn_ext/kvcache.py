@@ -48,6 +48,9 @@ def _int32(value, batch: int, device, name: str) -> torch.Tensor:
             (t.dim() == 1 and t.numel() != batch):
         raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
                          f"{t.dtype} of shape {tuple(t.shape)}")
+    if t.dtype == torch.int64 and t.numel() and \
+            bool(((t < -2**31) | (t >= 2**31)).any()):  # (the cast would wrap it)
+        raise ValueError(f"{name} must fit in int32, got {t.tolist()}")
     return t.to(torch.int32).expand(batch).contiguous()
 
 
@@ -118,7 +121,7 @@ def flash_attn_with_kvcache(
         # Checked before anything is written: indexing would broadcast a new k of batch 1 into
         # every entry, or cast it to the cache's dtype, without a word.
         for name, t, cache, d in (("k", k, k_cache, head_dim), ("v", v, v_cache, head_dim_v)):
-            want = (batch, k.shape[1], heads_k, d)
+            want = (batch, k.shape[1] if k.dim() == 4 else "seqlen_new", heads_k, d)
             if t.dim() != 4 or tuple(t.shape) != want:
                 raise ValueError(f"{name} must be (batch, seqlen_new, num_heads_k, head_dim) = "
                                  f"{want} (batch from q, heads and head dim from {name}_cache), "
@@ -158,21 +161,32 @@ def flash_attn_with_kvcache(
         raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
                          f"{seqlen_cache}], got cache_seqlens={seqlens.tolist()} and "
                          f"seqlen_new={new}")
-    if rotary_cos is not None and bool((seqlens + max(seqlen_q, new) > rotary_cos.shape[0]).any()):
-        raise ValueError(f"rotary_cos / rotary_sin need a row per position up to cache_seqlens + "
-                         f"max(seqlen_q, seqlen_new) = {int(seqlens.max()) + max(seqlen_q, new)}, "
-                         f"got seqlen_ro = {rotary_cos.shape[0]}")
+    # Rotary rows used: the new keys' positions, and the queries' (each its own with causal or a
+    # window, else all at cache_seqlens).
+    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    rotated = max(new, seqlen_q if local else min(seqlen_q, 1))
+    if rotary_cos is not None and batch and \
+            bool((seqlens + rotated > rotary_cos.shape[0]).any()):
+        raise ValueError(f"rotary_cos / rotary_sin need a row per rotated position, up to "
+                         f"cache_seqlens + {rotated} = {int(seqlens.max()) + rotated}, got "
+                         f"seqlen_ro = {rotary_cos.shape[0]}")
     if bool(((leftpad < 0) | (leftpad > seqlens + new)).any()):
         raise ValueError(f"cache_leftpad must be in [0, cache_seqlens + seqlen_new], got "
                          f"{leftpad.tolist()}")
     if cache_batch_idx is None:
         entries = torch.arange(batch, device=device)
     else:
+        if not isinstance(cache_batch_idx, torch.Tensor):  # (an int would pick one entry for all)
+            raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, "
+                             f"got {type(cache_batch_idx).__name__}")
         entries = _int32(cache_batch_idx, batch, device, "cache_batch_idx").long()
         if batch and bool(((entries < 0) | (entries >= k_cache.shape[0])).any()):
             # (a negative index would wrap around to another entry)
             raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) "
                              f"(k_cache.shape[0]), got {entries.tolist()}")
+        if k is not None and entries.unique().numel() != batch:
+            raise ValueError(f"cache_batch_idx entries must be distinct when k and v are "
+                             f"appended (two rows would write one entry), got {entries.tolist()}")
     rotary = rotary_cos is not None
     positions = seqlens.long()[:, None] + torch.arange(max(seqlen_q, new), device=device)
     with torch.no_grad():
@@ -188,7 +202,6 @@ def flash_attn_with_kvcache(
             k_cache[where] = k.to(k_cache.dtype)
             v_cache[where] = v.to(v_cache.dtype)
         if rotary:
-            local = causal or window_size[0] >= 0 or window_size[1] >= 0
             q_pos = positions[:, :seqlen_q] if local else \
                 seqlens.long()[:, None].expand(batch, seqlen_q)
             q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)

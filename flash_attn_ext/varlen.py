@@ -116,7 +116,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
 
     Raises:
-        TypeError: q, k, v, cu_seqlens_q or cu_seqlens_k not a tensor (e.g. a list of offsets).
+        TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k or seqused_k not a tensor (e.g. a list
+            of offsets).
         NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
@@ -126,8 +127,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
                                   "supported yet")
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-                    ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor):  # (the op's schema would name no argument)
+                    ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
+        if not isinstance(t, torch.Tensor) and (t is not None or name != "seqused_k"):
+            # (the op's schema would name no argument)
             raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor"
                             f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
                             f"{type(t).__name__}")

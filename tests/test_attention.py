@@ -313,9 +313,15 @@ def test_packed_dense_variants_read_in_place_and_match():
     (grad,) = torch.autograd.grad(out.sum(), qkv)
     for i, g in enumerate(torch.autograd.grad(want.sum(), (q, k, v))):
         assert torch.equal(grad[:, :, i], g)
-    kv = torch.randn(2, 9, 2, 2, 16, dtype=torch.float64)  # (GQA: 2 key/value heads)
-    assert torch.equal(flash_attn_kvpacked_func(q, kv, softcap=3.0),
-                       flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softcap=3.0))
+    kv = torch.randn(2, 9, 2, 2, 16, dtype=torch.float64,
+                     requires_grad=True)  # (GQA: 2 key/value heads)
+    out = flash_attn_kvpacked_func(q, kv, softcap=3.0)
+    k, v = (kv[:, :, i].detach().clone().requires_grad_() for i in range(2))
+    want = flash_attn_func(q, k, v, softcap=3.0)
+    assert torch.equal(out, want)
+    (grad,) = torch.autograd.grad(out.sum(), kv)
+    for i, g in enumerate(torch.autograd.grad(want.sum(), (k, v))):
+        assert torch.equal(grad[:, :, i], g)
     with pytest.raises(ValueError, match=r"qkv must be a tensor of shape .* got \(2, 13, 2"):
         flash_attn_qkvpacked_func(qkv[:, :, :2])
     with pytest.raises(ValueError, match="kv must be a tensor of shape .* got list"):

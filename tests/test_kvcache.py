@@ -106,7 +106,14 @@ def test_bad_appends_and_indices_raise_before_writing():
         (dict(k=new.half(), v=new, cache_seqlens=1), "k must have k_cache's dtype"),
         (dict(k=new, v=new, cache_seqlens=1, cache_batch_idx=torch.tensor([0, -1])),
          "cache_batch_idx entries must be in \\[0, 2\\)"),
-        (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)),
+         "cache_batch_idx entries must be in \\[0, 2\\)"),
+        (dict(k=new, v=new, cache_seqlens=1, cache_batch_idx=torch.tensor([1, 1])),
+         "cache_batch_idx entries must be distinct"),
+        (dict(k=new, v=new, cache_seqlens=1, cache_batch_idx=1),
+         "cache_batch_idx must be a \\(batch,\\)"),
+        (dict(k=new, v=new, cache_seqlens=torch.tensor([2**32 + 1, 1])),
+         "cache_seqlens must fit in int32"),
         (dict(cache_batch_idx=torch.tensor([0.0, 1.0])), "cache_batch_idx must be"),
         (dict(k=new, v=new, cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32)),
          "cache_seqlens must be >= 0"),
@@ -120,6 +127,20 @@ def test_bad_appends_and_indices_raise_before_writing():
         with pytest.raises(ValueError, match=message):
             flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
         assert not k_cache.any() and not v_cache.any(), kwargs
+
+
+def test_rotary_tables_need_rows_only_for_the_rotated_positions():
+    # Without causal or a window every query is rotated at cache_seqlens: seqlen_ro =
+    # cache_seqlens + 1 suffices for 4 queries; causal rotates query i at cache_seqlens + i.
+    q = torch.randn(1, 4, 2, 32)
+    k_cache, v_cache = torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32)
+    cos, sin = torch.rand(7, 8), torch.rand(7, 8)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
+                                  cache_seqlens=6)
+    assert out.shape == (1, 4, 2, 32) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="cache_seqlens \\+ 4 = 10, got seqlen_ro = 7"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
+                                cache_seqlens=6, causal=True)
 
 
 @pytest.mark.parametrize("page", [1, 16, 48])

@@ -71,11 +71,12 @@ def test_flash_attention_forward_and_backward_match_the_reference(cpu_kernels, c
 def test_varlen_flash_attention_forward_and_backward_per_sequence(cpu_kernels, causal, window):
     # cum_seq_q/cum_seq_k: q (total_q, H, D), k/v (total_k, H_kv, D); each sequence its own
     # attention, causal and windows bottom-right per sequence (PyTorch's kernel is
-    # FlashAttention-2's varlen); lengths 5, 0, 17, 1 queries over 7, 3, 17, 9 keys (an empty
-    # sequence, L > S, L < S), GQA, rows past the last offset; logsumexp (H, total_q) (float32
-    # for half inputs) with +inf where a row sees no key; the gradients through PyTorch's
-    # autograd formula, which calls the backward op with the offsets.
-    lens_q, lens_k = [5, 0, 17, 1], [7, 3, 17, 9]
+    # FlashAttention-2's varlen); lengths 5, 0, 17, 9 queries over 7, 3, 17, 4 keys (L < S, an
+    # empty sequence, L = S, L > S: with causal or the window its first rows see no key), GQA,
+    # rows past the last offset; logsumexp (H, total_q) with +inf where a row sees no key (which
+    # the backward then reads); the gradients through PyTorch's autograd formula, which calls
+    # the backward op with the offsets.
+    lens_q, lens_k = [5, 0, 17, 9], [7, 3, 17, 4]
     q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, 16, 16, torch.float64, tail=(2, 3))
     out, lse, rng, unused, debug = aten._flash_attention_forward(
         q, k, v, cq, ck, max(lens_q), max(lens_k), 0.0, causal, False, scale=0.3,
@@ -88,6 +89,7 @@ def test_varlen_flash_attention_forward_and_backward_per_sequence(cpu_kernels, c
     ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, softmax_scale=0.3,
                                             causal=causal, window_left=wl, window_right=wr)
     seen = torch.isfinite(ref_lse)  # (the tail rows see no key either)
+    assert bool((~seen[:, :-2]).any()) == (causal or window[0] is not None)
     assert (out - ref).abs().max().item() < 1e-12
     assert torch.isposinf(lse[~seen]).all()
     assert (lse[seen] - ref_lse[seen]).abs().max().item() < 1e-12
@@ -115,13 +117,15 @@ def test_pytorch_varlen_attn_runs_on_our_kernels(cpu_kernels):
 
 @needs_inplace
 def test_varlen_no_dropout_inplace_writes_out(cpu_kernels):
+    # (Rows past the last offset are left alone, as PyTorch's kernel leaves them.)
     lens = [4, 9]
-    q, k, v, cq, ck = _packed(lens, [5, 9], 2, 1, 8, 8, torch.float64)
+    q, k, v, cq, ck = _packed(lens, [5, 9], 2, 1, 8, 8, torch.float64, tail=(2, 0))
     out = torch.full_like(q, float("nan")).detach()
     lse = aten._flash_attention_forward_no_dropout_inplace(out, q, k, v, cq, ck, 9, 9, 0.0, True,
                                                            False)
     want, want_lse = aten._flash_attention_forward(q, k, v, cq, ck, 9, 9, 0.0, True, False)[:2]
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(out[:-2], want[:-2]) and torch.equal(lse, want_lse)
+    assert out[-2:].isnan().all()
 
 
 @pytest.mark.parametrize("blhd_buffer", [False, True])
@@ -248,6 +252,11 @@ def test_no_keys_give_logsumexp_plus_inf_as_pytorch(cpu_kernels):
     q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 0, 2, 8)
     out, lse = aten._flash_attention_forward(q, k, k, None, None, 3, 0, 0.0, False, False)[:2]
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+    # Causal with L > S, bottom-right: the first L - S rows see no key.
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 4, 2, 8)
+    out, lse = aten._flash_attention_forward(q, k, k, None, None, 6, 4, 0.0, True, False)[:2]
+    assert torch.isposinf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
+    assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
 
 
 @needs_registry
@@ -331,7 +340,7 @@ def test_pytorch_varlen_attn_on_the_gpu_runs_our_varlen_kernels(causal):
 
     from torch.nn.attention.varlen import varlen_attn
 
-    lens_q, lens_k = [300, 0, 77, 1, 129], [300, 5, 77, 64, 200]
+    lens_q, lens_k = [300, 0, 77, 1, 129, 64], [300, 5, 77, 64, 200, 3]  # (the last: L > S)
     q, k, v, cq, ck = _packed(lens_q, lens_k, 8, 2, 128, 128, torch.float32)
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
     cq, ck = cq.cuda(), ck.cuda()

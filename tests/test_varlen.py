@@ -53,10 +53,11 @@ CASES = [dict(), dict(causal=True), dict(window_size=(3, 2)), dict(causal=True, 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_each_sequence_is_its_own_attention_float64(case):
-    # Sequences of lengths 5, 0, 17, 1 queries / 7, 3, 17, 9 keys (zero-length, L > S, L < S),
-    # GQA, Ev != E, rows past the last offset.
+    # Sequences of lengths 5, 0, 17, 9 queries / 7, 3, 17, 4 keys (L < S, zero-length, L = S,
+    # L > S: causal or a window leaves its first rows without keys), GQA, Ev != E, rows past
+    # the last offset.
     case = dict(case)
-    lens_q, lens_k = [5, 0, 17, 1], [7, 3, 17, 9]
+    lens_q, lens_k = [5, 0, 17, 9], [7, 3, 17, 4]
     q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, 16, 8, torch.float64, tail=(2, 3))
     alibi = case.pop("alibi", None)
     slopes = None if alibi is None else \
@@ -225,6 +226,8 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, [0, 4, 10], ck, 6, 6)
     with pytest.raises(TypeError, match="cu_seqlens_k must be a torch.Tensor .* got tuple"):
         flash_attn_varlen_func(q, k, v, cq, (0, 4, 10), 6, 6)
+    with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor, got list"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")

@@ -217,9 +217,15 @@ def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_
     _check_value_head_dim(op, q, v)
     out, lse, rng = ops.fwd_op(q, k, v, scale, is_causal, wl, wr, True, 0.0, None, None,
                                float(dropout_p), _deterministic())
-    if k.shape[1] == 0:
-        lse = lse.fill_(float("inf"))  # (no keys: PyTorch's kernel's +inf, not our -inf)
+    if k.shape[1] == 0 or (is_causal and q.shape[1] > k.shape[1]) or wl >= 0 or wr >= 0:
+        lse = _no_keys_plus_inf(lse)  # (only where a row can see no key: one more kernel)
     return out, lse, rng
+
+
+def _no_keys_plus_inf(lse: torch.Tensor) -> torch.Tensor:
+    """Rows that see no key: PyTorch's kernel's +inf, not our -inf (the backward reads either as
+    "no probability")."""
+    return lse.masked_fill_(lse == float("-inf"), float("inf"))
 
 
 def _backward(dout, q, k, v, out, logsumexp, dropout_p, is_causal, rng, scale, window_left,
@@ -253,9 +259,7 @@ def _forward_varlen(op: str, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropou
                                          scale, bool(is_causal), _window(window_left),
                                          _window(window_right), 0.0, None, float(dropout_p),
                                          seqused_k)
-    # Rows that see no key: PyTorch's kernel's +inf, not our -inf (the backward reads either
-    # as "no probability").
-    return out, lse.masked_fill_(lse == float("-inf"), float("inf")), rng
+    return out, _no_keys_plus_inf(lse), rng
 
 
 def _forward_any(op: str, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -300,7 +304,10 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
         raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): out must be "
                            f"{tuple(result.shape)} {result.dtype} on {result.device}, got "
                            f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    out.copy_(result)  # (our kernels allocate their output; one copy)
+    # (Our kernels allocate their output; one copy.  Of a varlen call's, only the sequences'
+    # rows: PyTorch's kernel leaves the rows past the last offset alone.)
+    rows = int(cum_seq_q[-1]) if _packed(op, cum_seq_q, cum_seq_k, seqused_k) else out.shape[0]
+    out[:rows].copy_(result[:rows])
     return lse
 
 
