@@ -300,6 +300,78 @@ def test_sdpa_flash_backend_runs_on_our_kernels(dtype):
 @needs_registry
 @pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
                     reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+@pytest.mark.parametrize("seqlen,head_dim", [(1, 64), (17, 40), (113, 59), (1023, 72),
+                                             (300, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_flash_backend_grid_is_our_kernels_answer(seqlen, head_dim, causal, gqa):
+    # SDPA's FLASH backend with our kernels behind it, over odd lengths and head dims (59:
+    # SDPA pads it to 64 and passes the scale), causal, GQA (enable_gqa): out and gradients
+    # are flash_attn_func's on the same tensors (the same kernels: out bit for bit), and out
+    # is under the error rule against float32.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads_kv = 2 if gqa else 8
+    q = torch.randn(2, 8, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    k, v = (torch.randn(2, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in "kv")
+    dout = torch.randn_like(q)
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa,
+                                                 scale=head_dim ** -0.5)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        attention.restore_flash_attention_impl()
+    bshd = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    want = flash_attn_ext.flash_attn_func(*bshd, causal=causal, softmax_scale=head_dim ** -0.5)
+    want_grads = torch.autograd.grad(want, bshd, dout.transpose(1, 2))
+    assert torch.equal(out, want.transpose(1, 2))
+    for g, w in zip(grads, want_grads):  # (dQ by atomics: equal up to summation order)
+        w = w.transpose(1, 2).float()
+        assert (g.float() - w).abs().max().item() <= 1e-2 * w.abs().max().item() + 1e-3
+    leaves32 = [t.detach().float() for t in (q, k, v)]
+    true = F.scaled_dot_product_attention(*leaves32, is_causal=causal, enable_gqa=gqa)
+    low = F.scaled_dot_product_attention(*(t.detach() for t in (q, k, v)), is_causal=causal,
+                                         enable_gqa=gqa)
+    assert_error_rule(out, low, true.double(), 2.0, "out")
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
+def test_sdpa_flash_backend_dropout_is_our_mask():
+    # dropout_p through SDPA's FLASH backend: our kernels' Philox mask from PyTorch's generator,
+    # so the same seed gives flash_attn_func's bits, forward and backward (the backward
+    # regenerates the mask from the (seed, offset) PyTorch's rng outputs carried).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 4, 257, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+    dout = torch.randn_like(q)
+    attention.activate_flash_attention_impl(torch_flash.NAME)
+    try:
+        torch.manual_seed(7)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        attention.restore_flash_attention_impl()
+    bshd = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(7)
+    want = flash_attn_ext.flash_attn_func(*bshd, dropout_p=0.2, causal=True)
+    want_grads = torch.autograd.grad(want, bshd, dout.transpose(1, 2))
+    assert torch.equal(out, want.transpose(1, 2))
+    for g, w in zip(grads, want_grads):
+        w = w.transpose(1, 2).float()
+        assert (g.float() - w).abs().max().item() <= 1e-2 * w.abs().max().item() + 1e-3
+
+
+@needs_registry
+@pytest.mark.skipif(not (torch.cuda.is_available() and ops.build_info()["cuda"]),
+                    reason="needs a CUDA device and a CUDA build of flash_attn_ext")
 def test_sdpa_flash_backend_on_our_kernels_compiles():
     # Inductor calls the aten op at run time (our kernels) and checks its outputs' sizes and
     # strides against PyTorch's meta kernel, which stays in place.
