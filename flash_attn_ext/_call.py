@@ -112,6 +112,12 @@ def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
     q's device; ValueError), and no gradient wanted: none is computed for the slopes, as in
     FlashAttention-2, and a silently missing gradient would be a wrong answer."""
     ops.check_alibi_slopes(alibi_slopes, q)
+    check_alibi_grad(alibi_slopes)
+
+
+def check_alibi_grad(alibi_slopes) -> None:
+    """ValueError if the slopes want a gradient (none is computed, as in FlashAttention-2: a
+    silently missing gradient would be a wrong answer)."""
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes requires grad, but flash_attn_ext computes no gradient "
                          "for the slopes (as FlashAttention-2); pass alibi_slopes.detach()")

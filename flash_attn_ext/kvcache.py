@@ -17,6 +17,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
 from .varlen import fwd_varlen_op
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -101,9 +102,17 @@ def flash_attn_with_kvcache(
     Raises:
         NotImplementedError: tensors on other devices (meta included); on CUDA, a GPU or build
             without the kernels (naming the reason).
-        ValueError: shapes, a cache too short for the append, bad lengths.
+        ValueError: shapes, a cache too short for the append, bad lengths; flags that are not
+            what flash_attn_func takes (e.g. causal not a bool); alibi_slopes requiring grad.
     """
     del num_splits
+    # The flags as flash_attn_func checks them (a string "False" would be taken as True).
+    check_flags(causal, window_size, 0.0)
+    softmax_scale = check_scale(softmax_scale, "softmax_scale")
+    softcap = check_softcap(softcap)
+    check_bool(rotary_interleaved, "rotary_interleaved")
+    check_bool(return_softmax_lse, "return_softmax_lse")
+    check_alibi_grad(alibi_slopes)
     if q.device.type not in ("cpu", "cuda"):  # (meta too: the length checks read values)
         raise NotImplementedError(
             f"flash_attn_with_kvcache runs on CPU and CUDA tensors, got q on {q.device}")

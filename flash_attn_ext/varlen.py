@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
+from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func"]
@@ -121,7 +122,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
-            the argument and the rule).
+            the argument and the rule); flags as flash_attn_func checks them (causal a bool,
+            window_size a pair of ints, dropout_p in [0, 1), ...); alibi_slopes requiring
+            grad.
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
@@ -133,6 +136,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor"
                             f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
                             f"{type(t).__name__}")
+    # The flags as flash_attn_func checks them (a string "False" would be taken as True).
+    check_flags(causal, window_size, dropout_p)
+    softmax_scale = check_scale(softmax_scale, "softmax_scale")
+    softcap = check_softcap(softcap)
+    check_bool(deterministic, "deterministic")
+    check_bool(return_attn_probs, "return_attn_probs")
+    check_alibi_grad(alibi_slopes)
     del deterministic
     window_left, window_right = (int(w) for w in window_size)
     out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

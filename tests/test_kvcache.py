@@ -129,6 +129,20 @@ def test_bad_appends_and_indices_raise_before_writing():
         assert not k_cache.any() and not v_cache.any(), kwargs
 
 
+@pytest.mark.parametrize("flags,match", [
+    (dict(causal="False"), "causal must be a bool, got 'False'"),
+    (dict(window_size=[2.7, 0]), "window_size must be a pair of ints"),
+    (dict(softcap="1"), "softcap must be a number"),
+    (dict(rotary_interleaved=None), "rotary_interleaved must be a bool"),
+    (dict(return_softmax_lse="yes"), "return_softmax_lse must be a bool"),
+    (dict(alibi_slopes=torch.ones(2, requires_grad=True)), "alibi_slopes requires grad")])
+def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
+    q = torch.randn(1, 3, 2, 16)
+    k_cache, v_cache = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **flags)
+
+
 def test_rotary_tables_need_rows_only_for_the_rotated_positions():
     # Without causal or a window every query is rotated at cache_seqlens: seqlen_ro =
     # cache_seqlens + 1 suffices for 4 queries; causal rotates query i at cache_seqlens + i.

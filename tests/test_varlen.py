@@ -230,6 +230,22 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
 
 
+@pytest.mark.parametrize("flags,match", [
+    (dict(causal="False"), "causal must be a bool, got 'False'"),
+    (dict(window_size=(1.9, 0)), "window_size must be a pair of ints"),
+    (dict(window_size=5), "window_size must be a pair of ints"),
+    (dict(dropout_p="x"), "dropout_p must be a number"),
+    (dict(softmax_scale="x"), "softmax_scale must be a finite number"),
+    (dict(return_attn_probs="yes"), "return_attn_probs must be a bool"),
+    (dict(alibi_slopes=torch.ones(2, requires_grad=True)), "alibi_slopes requires grad")])
+def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
+    # A string "False" for causal was taken as True (bool("False")), a fractional window
+    # truncated: each is the ValueError flash_attn_func gives.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, **flags)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
