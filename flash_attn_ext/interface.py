@@ -121,7 +121,8 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                               softmax_scale: Optional[float] = None, causal: bool = False,
                               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[torch.Tensor] = None,
-                              deterministic: bool = False, return_attn_probs: bool = False):
+                              deterministic: bool = False, return_attn_probs: bool = False,
+                              *, return_softmax_lse: bool = False):
     """FlashAttention-2's ``flash_attn_qkvpacked_func``: ``qkv`` (batch, seqlen, 3, num_heads,
     head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
     gradient of qkv's shape). Otherwise :func:`flash_attn_func` (arguments, returns, errors).
@@ -135,14 +136,15 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                          f"head_dim), got {_shape(qkv)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs)
+                           return_attn_probs, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
                              softmax_scale: Optional[float] = None, causal: bool = False,
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[torch.Tensor] = None,
-                             deterministic: bool = False, return_attn_probs: bool = False):
+                             deterministic: bool = False, return_attn_probs: bool = False,
+                             *, return_softmax_lse: bool = False):
     """FlashAttention-2's ``flash_attn_kvpacked_func``: ``kv`` (batch, seqlen_k, 2,
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_func`.
 
@@ -154,7 +156,8 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
         raise ValueError(f"kv must be a tensor of shape (batch, seqlen_k, 2, num_heads_k, "
                          f"head_dim), got {_shape(kv)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                           return_softmax_lse=return_softmax_lse)
 
 
 def _shape(t) -> str:

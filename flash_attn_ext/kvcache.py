@@ -113,6 +113,9 @@ def flash_attn_with_kvcache(
     check_bool(rotary_interleaved, "rotary_interleaved")
     check_bool(return_softmax_lse, "return_softmax_lse")
     check_alibi_grad(alibi_slopes)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.device.type not in ("cpu", "cuda"):  # (meta too: the length checks read values)
         raise NotImplementedError(
             f"flash_attn_with_kvcache runs on CPU and CUDA tensors, got q on {q.device}")
@@ -126,6 +129,13 @@ def flash_attn_with_kvcache(
     device = q.device
     page = k_cache.shape[1]  # (paged: the page size; else the cache's length)
     heads_k, head_dim, head_dim_v = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache in its first three dimensions (batch or "
+                         f"pages, seqlen or page size, num_heads_k), got {tuple(v_cache.shape)} "
+                         f"and {tuple(k_cache.shape)}")
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
+                         f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")
     if k is not None:
         # Checked before anything is written: indexing would broadcast a new k of batch 1 into
         # every entry, or cast it to the cache's dtype, without a word.
@@ -149,11 +159,13 @@ def flash_attn_with_kvcache(
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with block_table (paged KV)")
-        if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
-                block_table.shape[0] != batch:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
+                block_table.dim() != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must be a (batch, max_num_blocks) = ({batch}, ...) "
-                             f"int32 tensor, got {block_table.dtype} of shape "
-                             f"{tuple(block_table.shape)}")
+                             f"int32 tensor, got "
+                             + (f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+                                if isinstance(block_table, torch.Tensor)
+                                else type(block_table).__name__))
         if block_table.numel() and not bool(((block_table >= 0) &
                                              (block_table < k_cache.shape[0])).all()):
             raise ValueError(f"block_table entries must be page indices in [0, "
@@ -206,6 +218,11 @@ def flash_attn_with_kvcache(
             pos = positions[:, :new]
             if block_table is not None:
                 where = (block_table.long().gather(1, pos // page), pos % page)
+                if new and (where[0] * page + where[1]).unique().numel() != batch * new:
+                    # (two rows' appends would land in one page row: one would be lost)
+                    raise ValueError("block_table: the appended positions of two batch rows "
+                                     "map to the same page row (shared pages must not be "
+                                     "appended to)")
             else:
                 where = (entries[:, None].expand(batch, new), pos)
             k_cache[where] = k.to(k_cache.dtype)

@@ -322,6 +322,9 @@ def test_packed_dense_variants_read_in_place_and_match():
     (grad,) = torch.autograd.grad(out.sum(), kv)
     for i, g in enumerate(torch.autograd.grad(want.sum(), (k, v))):
         assert torch.equal(grad[:, :, i], g)
+    out2, lse2 = flash_attn_qkvpacked_func(qkv, causal=True, return_softmax_lse=True)
+    assert torch.equal(lse2, want_lse) and torch.equal(
+        out2, flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True))
     with pytest.raises(ValueError, match=r"qkv must be a tensor of shape .* got \(2, 13, 2"):
         flash_attn_qkvpacked_func(qkv[:, :, :2])
     with pytest.raises(ValueError, match="kv must be a tensor of shape .* got list"):

@@ -143,6 +143,25 @@ def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **flags)
 
 
+def test_bad_caches_and_shared_pages_raise_naming_them():
+    # Raw reshape/index errors before; a shared page appended to by two rows lost one's k/v.
+    q = torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
+    with pytest.raises(ValueError, match="v_cache must match k_cache"):
+        flash_attn_with_kvcache(q, k_cache, torch.zeros(2, 7, 2, 16))
+    with pytest.raises(ValueError, match="k_cache needs an entry per batch row"):
+        flash_attn_with_kvcache(q, k_cache[:1], v_cache[:1])
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache([q], k_cache, v_cache)
+    with pytest.raises(ValueError, match="block_table must be .* got list"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, block_table=[[0], [1]])
+    new = torch.randn(2, 1, 2, 16)
+    with pytest.raises(ValueError, match="map to the same page row"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3,
+                                block_table=torch.zeros(2, 1, dtype=torch.int32))
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_rotary_tables_need_rows_only_for_the_rotated_positions():
     # Without causal or a window every query is rotated at cache_seqlens: seqlen_ro =
     # cache_seqlens + 1 suffices for 4 queries; causal rotates query i at cache_seqlens + i.
