@@ -1,11 +1,12 @@
 """Packed sequences on CUDA, the two routes of the transformers integration: sequences packed
 into one row (batch 1, ``cu_seq_lens_q/k``, as models hand FlashAttention-named
-implementations) computed as one call with a (L, L) block-diagonal causal mask (today's CUDA
-route: the Hopper general variant, fully masked tiles skipped) against the packed-sequence
-kernels (``flash_attn_varlen_func``: today the portable kernels on CUDA, which check the offsets
-on the host).  Each route's time includes what the integration does per call (the mask built
-from the offsets; the offsets' copy to the host), forward + backward, bf16, 16 query / 8
-key-value heads; TFLOP/s count only the visible (per-sequence causal) work.
+implementations) computed as one call with a (L, L) block-diagonal causal mask (the Hopper
+general variant, fully masked tiles skipped; the integration's CUDA route for a single
+sequence) against the packed-sequence kernels (``flash_attn_varlen_func``: today the portable
+kernels on CUDA, which check the offsets on the host; the route for several sequences).  Each
+route's time includes what the integration does per call (the mask built from the offsets; the
+offsets' copy to the host), forward + backward, bf16, 16 query / 8 key-value heads; TFLOP/s
+count only the visible (per-sequence causal) work.
 
 Usage: python benchmarks/bench_packed.py [--dims 128] [--total 8192] [--seqs 1 4 16]
 """

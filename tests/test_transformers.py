@@ -197,6 +197,47 @@ def test_packed_sequences_do_not_attend_across():
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bounds", [[0, 5, 17, 40, 40, 113], [0, 113]],
+                         ids=["five_sequences", "one_sequence"])
+def test_packed_sequences_route_forward_and_gradients(device, bounds):
+    # The route the integration takes for cu_seq_lens on each device (several sequences: the
+    # packed-sequence kernels; one sequence on CUDA: a block-diagonal mask), forward and
+    # gradients under the error rule against per-sequence attention in higher precision, with
+    # an empty sequence and transformers' max_length_q/k given.
+    from flash_attn_ext.integrations.transformers import attention_forward
+
+    torch.manual_seed(1)
+    low, true = LOW[device], TRUE[device]
+    base = [torch.randn(1, h, 113, 40, dtype=true, device=device) for h in (4, 2, 2)]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    dout = torch.randn(1, 113, 4, 40, dtype=true, device=device)
+
+    def run(dtype, ours):
+        q, k, v = (t.to(dtype).requires_grad_() for t in base)
+        if ours:
+            out, _ = attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True,
+                                       cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                       max_length_q=longest, max_length_k=longest)
+        else:
+            kr, vr = (t.repeat_interleave(2, 1) for t in (k, v))
+            out = torch.cat([F.scaled_dot_product_attention(
+                q[:, :, a:b], kr[:, :, a:b], vr[:, :, a:b], is_causal=True)
+                for a, b in zip(bounds, bounds[1:])], dim=2).transpose(1, 2)
+        out.backward(dout.to(dtype))
+        return [out.detach()] + [t.grad for t in (q, k, v)]
+
+    policy.set_strict(True)  # a fallback raises
+    try:
+        ours = run(low, True)
+    finally:
+        policy.set_strict(None)
+    lows, trues = run(low, False), run(true, False)
+    for name, o, lo, tr in zip(["out", "dq", "dk", "dv"], ours, lows, trues):
+        assert_error_rule(o.to(true), lo.to(true), tr, 2.0 if name == "out" else 3.0, name)
+
+
 @pytest.mark.parametrize("route", ["varlen", "mask"])
 def test_packed_sequences_packed_differently_are_causal_within_each(route):
     # q lengths [0, 1, 0, 1] against k lengths [0, 3, 0, 5] (decoding against packed

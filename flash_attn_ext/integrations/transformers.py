@@ -52,10 +52,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             soft-capping, in the kernels), ``position_bias`` (T5-style additive bias, folded
             into the mask as transformers' SDPA path does), ``cu_seq_lens_q/k`` (sequences
             packed into one row, which models hand FlashAttention-named implementations
-            instead of a mask: on the CPU the packed-sequence kernels, elsewhere a
-            block-diagonal mask, causal bottom-right within each sequence, so that no token
-            attends across sequences).  Packing described only by ``position_ids`` is not read (that
-            would cost a device sync per call); decoders built on transformers' mask
+            instead of a mask: the packed-sequence kernels (``flash_attn_varlen_func``,
+            causal bottom-right within each sequence, so that no token attends across
+            sequences; ``max_length_q/k`` read when given), except on CUDA for a single
+            sequence, which runs as one call with a block-diagonal mask (on the H200 the
+            Hopper kernels take it 1.2x faster than the portable packed kernels, which are
+            1.3-1.6x faster from four sequences on: ``benchmarks/bench_packed.py``,
+            ``docs/perf/training.md``).  Packing described only by ``position_ids`` is not
+            read (that would cost a device sync per call); decoders built on transformers' mask
             functions already turn it into a mask.  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
             not change the result.
@@ -78,8 +82,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and _packed(kwargs):
         causal = bool(is_causal and query.shape[2] > 1)
-        if query.device.type == "cpu" and query.shape[0] == 1 and \
-                kwargs.get("position_bias") is None:
+        several = kwargs["cu_seq_lens_q"].numel() > 2  # (a shape: no device sync)
+        if query.shape[0] == 1 and kwargs.get("position_bias") is None and \
+                (query.device.type == "cpu" or several):
             return _varlen_forward(query, key, value, kwargs, dropout, scaling, causal), None
         attention_mask = _packed_sequence_mask(query, key, kwargs, causal)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
@@ -123,16 +128,24 @@ def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
 
 
 def _varlen_forward(query, key, value, kwargs, dropout, scaling, causal) -> torch.Tensor:
-    """One packed row (batch 1) on the CPU as packed sequences (flash_attn_varlen_func): each
-    sequence attends to its own keys, causal bottom-right within it; (1, L, H, Ev)."""
+    """One packed row (batch 1) as packed sequences (flash_attn_varlen_func): each sequence
+    attends to its own keys, causal bottom-right within it; (1, L, H, Ev).  The longest
+    lengths come from ``max_length_q/k`` when transformers passes them (its data collator
+    does), else from the offsets."""
     from ..varlen import flash_attn_varlen_func
 
     cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int32)
     cu_k = kwargs["cu_seq_lens_k"].to(query.device, torch.int32)
+
+    def longest(cu, given):
+        if given is not None:
+            return int(given)
+        return int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, E)
     out = flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0,
-        int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0, dropout_p=float(dropout),
+        q, k, v, cu_q, cu_k, longest(cu_q, kwargs.get("max_length_q")),
+        longest(cu_k, kwargs.get("max_length_k")), dropout_p=float(dropout),
         softmax_scale=scaling, causal=causal, softcap=float(kwargs.get("softcap") or 0.0))
     return out[None]
 
