@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
 #include "kernel_select.h"
@@ -37,6 +38,9 @@ pybind11::dict build_info() {
   d["sm90"] = false;
 #endif
   d["cpu"] = true;
+  // bf16 CPU tiles multiplied as bf16 (AVX512-BF16 found at run time, not switched off by
+  // FLASH_ATTN_EXT_CPU_BF16_DOT=0; csrc/cpu/bf16_dot.h), else converted to fp32 for sgemm.
+  d["cpu_bf16_dot"] = flash_attn_ext::cpu::bf16dot::enabled();
   return d;
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
@@ -52,7 +53,11 @@ void read_seed(BwdParams& p, const at::Tensor& rng_state) {
 template <typename scalar_t>
 void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
   using acc_t = at::opmath_type<scalar_t>;
+  // bf16 on a CPU with AVX512-BF16: every tile GEMM multiplies bf16 words (bf16_dot.h), packed
+  // here: K and V per key tile, Q and dO per query tile, P and dS per step.
+  const bool dot = std::is_same_v<scalar_t, c10::BFloat16> && bf16dot::enabled();
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const bool conv = !kInPlace && !dot;
   const int64_t BQ = kBlockQ, BK = kBlockK;
   // L: the longest sequence's queries (the per-task buffers' rows); Lb: this sequence's.
   const int64_t D = p.head_dim, Dv = p.head_dim_v, L = p.seqlen_q;
@@ -90,8 +95,19 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
 
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> delta(group * L), dq_own(chunks > 1 ? 0 : group * L * D);
-    std::vector<acc_t> k_buf(kInPlace ? 0 : BK * D), v_buf(kInPlace ? 0 : BK * Dv);
-    std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), do_buf(kInPlace ? 0 : BQ * Dv);
+    std::vector<acc_t> k_buf(conv ? BK * D : 0), v_buf(conv ? BK * Dv : 0);
+    std::vector<acc_t> q_buf(conv ? BQ * D : 0), do_buf(conv ? BQ * Dv : 0);
+    const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
+    auto words = [&](int64_t n) { return std::vector<uint32_t>(dot ? n : 0); };
+    // K^T and V^T (B of S and dP), K interleaved (B of dQ); Q and dO as rows (A of S and dP)
+    // and interleaved (B of dK and dV); P^T and dS^T (A of dV and dK), dS as rows (A of dQ).
+    std::vector<uint32_t> kt_w = words(D2 * BK), vt_w = words(Dv2 * BK), ki_w = words(BK / 2 * D);
+    std::vector<uint32_t> q_w = words(BQ * D2), do_w = words(BQ * Dv2), qi_w = words(BQ / 2 * D),
+                          doi_w = words(BQ / 2 * Dv);
+    std::vector<uint32_t> pt_w = words(BQ / 2 * BK), dst_w = words(BQ / 2 * BK),
+                          ds_w = words(BQ * BK / 2);
+    auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
+    auto f32 = [](acc_t* x) { return reinterpret_cast<float*>(x); };
     std::vector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
     std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
     std::vector<acc_t> pz_buf(p.dropout ? BQ * BK : 0);  // P with dropout applied
@@ -132,10 +148,17 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
 
       for (int64_t j0 = key_lo; j0 < key_hi; j0 += BK) {
         const int64_t nk = std::min(BK, key_hi - j0);
-        const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
-                                       k_buf.data());
-        const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
-                                       v_buf.data());
+        Mat<acc_t> km{nullptr, 0}, vm{nullptr, 0};
+        if (dot) {
+          const scalar_t* kt = k_head + j0 * p.k_row_stride;
+          bf16dot::pack_transposed(kt_w.data(), BK, bits(kt), p.k_row_stride, nk, D);
+          bf16dot::pack_transposed(vt_w.data(), BK, bits(v_head + j0 * p.v_row_stride),
+                                   p.v_row_stride, nk, Dv);
+          bf16dot::pack_interleaved(ki_w.data(), D, bits(kt), p.k_row_stride, nk, D);
+        } else {
+          km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride, k_buf.data());
+          vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride, v_buf.data());
+        }
         std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
         std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
 
@@ -145,13 +168,26 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
             const int64_t mq = std::min(BQ, Lb - i0);
             // Skip query tiles that see none of keys [j0, j0 + nk).
             if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
-            const Mat<acc_t> qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
-            const Mat<acc_t> dom =
-                acc_view(do_ptr(h, i0), mq, Dv, p.dout_row_stride, do_buf.data());
             acc_t* S = s_buf.data();
             acc_t* dP = dp_buf.data();
-            score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0,
-                       p.softcap > 0.0 ? dtanh.data() : nullptr);
+            acc_t* dtanh_tile = p.softcap > 0.0 ? dtanh.data() : nullptr;
+            Mat<acc_t> qm{nullptr, 0}, dom{nullptr, 0};
+            if (dot) {
+              bf16dot::pack_rows(q_w.data(), D2, bits(q_ptr(h, i0)), p.q_row_stride, mq, D);
+              bf16dot::pack_rows(do_w.data(), Dv2, bits(do_ptr(h, i0)), p.dout_row_stride, mq,
+                                 Dv);
+              bf16dot::pack_interleaved(qi_w.data(), D, bits(q_ptr(h, i0)), p.q_row_stride, mq,
+                                        D);
+              bf16dot::pack_interleaved(doi_w.data(), Dv, bits(do_ptr(h, i0)),
+                                        p.dout_row_stride, mq, Dv);
+              bf16dot::gemm(f32(S), BK, q_w.data(), D2, 1, kt_w.data(), BK, mq, nk, D2,
+                            static_cast<float>(scale), false);
+              finish_scores(S, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
+            } else {
+              qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
+              dom = acc_view(do_ptr(h, i0), mq, Dv, p.dout_row_stride, do_buf.data());
+              score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
+            }
             probs_from_lse_rows(S, mq, nk, BK, lse + seqs.lse_index(p, b, h, i0));
             if (p.dropout) {
               // The forward's mask: dV = (P Z / (1 - p))^T dO and dP = Z / (1 - p) * dO V^T.
@@ -163,9 +199,17 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
                   pz_buf[r * BK + c] = kr[c] ? S[r * BK + c] * drop_scale : acc_t(0);
               }
             }
-            gemm(dv_acc.data(), Dv, Mat<acc_t>{p.dropout ? pz_buf.data() : S, BK}.t(), dom, nk,
-                 Dv, mq, 1.0, 1.0);
-            gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);
+            acc_t* P = p.dropout ? pz_buf.data() : S;
+            if (dot) {  // P and dS rounded to bf16 (bf16_dot.h)
+              bf16dot::pack_interleaved(pt_w.data(), BK, f32(P), BK, mq, nk);
+              bf16dot::gemm(f32(dv_acc.data()), Dv, pt_w.data(), 1, BK, doi_w.data(), Dv, nk, Dv,
+                            (mq + 1) / 2, 1.f, true);
+              bf16dot::gemm(f32(dP), BK, do_w.data(), Dv2, 1, vt_w.data(), BK, mq, nk, Dv2, 1.f,
+                            false);
+            } else {
+              gemm(dv_acc.data(), Dv, Mat<acc_t>{P, BK}.t(), dom, nk, Dv, mq, 1.0, 1.0);
+              gemm(dP, BK, dom, vm.t(), mq, nk, Dv, 1.0, 0.0);
+            }
             if (p.dropout) {
               for (int64_t r = 0; r < mq; ++r)
                 for (int64_t c = 0; c < nk; ++c)
@@ -181,9 +225,18 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
               for (int64_t r = 0; r < mq; ++r)
                 for (int64_t c = 0; c < nk; ++c) dP[r * BK + c] *= dtanh[r * BK + c];
             }
-            gemm(dk_acc.data(), D, Mat<acc_t>{dP, BK}.t(), qm, nk, D, mq, scale, 1.0);
-            gemm(dq_acc + (g * L + i0) * D, D, Mat<acc_t>{dP, BK}, km, mq, D, nk, scale,
-                 1.0);
+            if (dot) {
+              bf16dot::pack_interleaved(dst_w.data(), BK, f32(dP), BK, mq, nk);
+              bf16dot::pack_rows(ds_w.data(), BK / 2, f32(dP), BK, mq, nk);
+              bf16dot::gemm(f32(dk_acc.data()), D, dst_w.data(), 1, BK, qi_w.data(), D, nk, D,
+                            (mq + 1) / 2, static_cast<float>(scale), true);
+              bf16dot::gemm(f32(dq_acc + (g * L + i0) * D), D, ds_w.data(), BK / 2, 1,
+                            ki_w.data(), D, mq, D, (nk + 1) / 2, static_cast<float>(scale), true);
+            } else {
+              gemm(dk_acc.data(), D, Mat<acc_t>{dP, BK}.t(), qm, nk, D, mq, scale, 1.0);
+              gemm(dq_acc + (g * L + i0) * D, D, Mat<acc_t>{dP, BK}, km, mq, D, nk, scale,
+                   1.0);
+            }
           }
         }
         store_tile(dk + b * p.dk_batch_stride + hk * p.dk_head_stride +

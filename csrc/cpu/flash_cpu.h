@@ -103,11 +103,11 @@ inline void apply_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const Visib
 // The scores of the tile (query rows [i0, i0 + mq) of head h, keys [j0, j0 + nk)) into S with
 // leading dimension kBlockK, computed one way for the forward and the backward's recomputation:
 // S = softcap(scale * Q K^T) + bias + ALiBi, -inf where masked.  `dtanh`: see apply_softcap.
+// finish_scores is everything after the GEMM (S = scale * Q K^T in, however it was computed).
 template <typename T>
-inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int64_t nk,
-                       const FwdParams& p, const VisibleKeys& vis, int64_t b, int64_t h,
-                       int64_t i0, int64_t j0, T* dtanh = nullptr) {
-  gemm(S, kBlockK, qm, km.t(), mq, nk, p.head_dim, p.softmax_scale, 0.0);
+inline void finish_scores(T* S, int64_t mq, int64_t nk, const FwdParams& p,
+                          const VisibleKeys& vis, int64_t b, int64_t h, int64_t i0, int64_t j0,
+                          T* dtanh = nullptr) {
   if (p.softcap > 0.0) apply_softcap(S, mq, nk, kBlockK, static_cast<T>(p.softcap), dtanh);
   if (p.attn_bias != nullptr) {
     const T* bias = static_cast<const T*>(p.attn_bias) + b * p.bias_batch_stride +
@@ -119,6 +119,14 @@ inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int
     add_alibi(S, mq, nk, kBlockK, slope, i0 + vis.offset - j0);  // (the mask's alignment)
   }
   apply_mask(S, mq, nk, kBlockK, vis, i0, j0);
+}
+
+template <typename T>
+inline void score_tile(T* S, const Mat<T>& qm, const Mat<T>& km, int64_t mq, int64_t nk,
+                       const FwdParams& p, const VisibleKeys& vis, int64_t b, int64_t h,
+                       int64_t i0, int64_t j0, T* dtanh = nullptr) {
+  gemm(S, kBlockK, qm, km.t(), mq, nk, p.head_dim, p.softmax_scale, 0.0);
+  finish_scores(S, mq, nk, p, vis, b, h, i0, j0, dtanh);
 }
 
 }  // namespace flash_attn_ext::cpu

@@ -13,11 +13,14 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "checks.h"
+#include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "cpu/flash_cpu.h"
 #include "cpu/softmax_rows.h"
@@ -29,10 +32,47 @@ namespace flash_attn_ext::cpu {
 
 namespace {
 
+// K of every (batch, key/value head) packed for bf16 dot products once per call
+// (bf16_dot.h, pack_transposed: pair p of head dims, key j at [p][j]): each key tile is the
+// B operand of S = Q K^T for every query tile and every query head of the group.
+struct PackedKeys {
+  std::unique_ptr<uint32_t[]> words;
+  int64_t pairs = 0, ld = 0;  // per head: pairs x ld words
+
+  const uint32_t* head(const FwdParams& p, int64_t b, int64_t hk) const {
+    return words.get() + (b * p.heads_kv + hk) * pairs * ld;
+  }
+};
+
+template <typename scalar_t>
+PackedKeys pack_keys(const FwdParams& p, const Seqs& seqs) {
+  PackedKeys pk;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, seqs.len_k(p, b));
+  pk.pairs = (p.head_dim + 1) / 2;
+  pk.ld = std::max<int64_t>(16, (longest + 15) / 16 * 16);
+  pk.words.reset(new uint32_t[p.batch * p.heads_kv * pk.pairs * pk.ld]);
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride +
+                               seqs.first_k(b) * p.k_row_stride;
+      bf16dot::pack_transposed(const_cast<uint32_t*>(pk.head(p, b, hk)), pk.ld,
+                               reinterpret_cast<const uint16_t*>(k_head), p.k_row_stride,
+                               seqs.len_k(p, b), p.head_dim);
+    }
+  });
+  return pk;
+}
+
 template <typename scalar_t>
 void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   using acc_t = at::opmath_type<scalar_t>;
-  // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first.
+  // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first, except
+  // bf16 on a CPU with AVX512-BF16: its tiles are multiplied as bf16 (bf16_dot.h).
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool dot = kBf16 && bf16dot::enabled();
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const int64_t BQ = kBlockQ, BK = kBlockK;
@@ -46,9 +86,16 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
   const acc_t out_scale = p.dropout ? acc_t(dropout_scale(p.dropout_p)) : acc_t(1);
 
+  const PackedKeys keys = dot ? pack_keys<scalar_t>(p, seqs) : PackedKeys{};
+  const int64_t D2 = (D + 1) / 2;
+
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(kInPlace ? 0 : BQ * D), k_buf(kInPlace ? 0 : BK * D),
-        v_buf(kInPlace ? 0 : BK * Dv);
+    const bool conv = !kInPlace && !dot;
+    std::vector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
+        v_buf(conv ? BK * Dv : 0);
+    // The bf16 path's packed words: the query tile, P, the key tile's V (bf16_dot.h).
+    std::vector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
+        v_words(dot ? BK / 2 * Dv : 0);
     std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
     std::vector<uint8_t> keep(p.dropout ? BK : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -72,15 +119,32 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
 
       const int64_t key_begin = vis.begin(i0), key_end = vis.end(i0 + mq - 1);
-      const Mat<acc_t> qm = acc_view(q_tile, mq, D, p.q_row_stride, q_buf.data());
+      Mat<acc_t> qm{nullptr, 0};
+      if (dot) {
+        bf16dot::pack_rows(q_words.data(), D2, reinterpret_cast<const uint16_t*>(q_tile),
+                           p.q_row_stride, mq, D);
+      } else {
+        qm = acc_view(q_tile, mq, D, p.q_row_stride, q_buf.data());
+      }
       for (int64_t j0 = key_begin; j0 < key_end; j0 += BK) {
         const int64_t nk = std::min(BK, key_end - j0);
-        const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
-                                       k_buf.data());
-        const Mat<acc_t> vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride,
-                                       v_buf.data());
         acc_t* S = s_buf.data();
-        score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0);
+        Mat<acc_t> vm{nullptr, 0};
+        if (dot) {
+          bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
+                        keys.head(p, b, hk) + j0, keys.ld, mq, nk, D2,
+                        static_cast<float>(p.softmax_scale), false);
+          finish_scores(S, mq, nk, p, vis, b, h, i0, j0);
+          // V's rows of this tile only (an odd tile pads with zero, never the next key).
+          bf16dot::pack_interleaved(v_words.data(), Dv,
+                                    reinterpret_cast<const uint16_t*>(v_head + j0 * p.v_row_stride),
+                                    p.v_row_stride, nk, Dv);
+        } else {
+          const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
+                                         k_buf.data());
+          vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride, v_buf.data());
+          score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0);
+        }
         online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
@@ -96,7 +160,14 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           acc_t* o = o_acc.data() + r * Dv;
           for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha[r];
         }
-        gemm(o_acc.data(), Dv, Mat<acc_t>{S, BK}, vm, mq, Dv, nk, 1.0, 1.0);
+        if (dot) {  // P rounded to bf16 (bf16_dot.h), as the CUDA kernels do
+          bf16dot::pack_rows(p_words.data(), BK / 2, reinterpret_cast<const float*>(S), BK, mq,
+                             nk);
+          bf16dot::gemm(reinterpret_cast<float*>(o_acc.data()), Dv, p_words.data(), BK / 2, 1,
+                        v_words.data(), Dv, mq, Dv, (nk + 1) / 2, 1.f, true);
+        } else {
+          gemm(o_acc.data(), Dv, Mat<acc_t>{S, BK}, vm, mq, Dv, nk, 1.0, 1.0);
+        }
       }
 
       for (int64_t r = 0; r < mq; ++r) {

@@ -1,0 +1,257 @@
+// AVX512-BF16 tile GEMMs and packing (bf16_dot.h).  Every function that uses the instructions
+// carries the target attribute and is reached only after enabled() checked the CPU; the file
+// includes no library header with inline functions, so no AVX-512 copy of a shared inline
+// function can be picked by the linker for code that runs on other CPUs.
+#include "cpu/bf16_dot.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    (__GNUC__ > 11 || (__GNUC__ == 11 && __GNUC_MINOR__ >= 1))
+#define FAE_HAVE_BF16_DOT 1
+#include <immintrin.h>
+#define FAE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// GCC 12 reports the zeroed/masked intrinsics' internal temporaries as maybe uninitialised
+// (a false positive inside avx512fintrin.h).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#else
+#define FAE_HAVE_BF16_DOT 0
+#endif
+
+namespace flash_attn_ext::cpu::bf16dot {
+
+bool enabled() {
+#if FAE_HAVE_BF16_DOT
+  static const bool on = [] {
+    const char* env = std::getenv("FLASH_ATTN_EXT_CPU_BF16_DOT");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+// fp32 -> bf16 bits, round to nearest even, as vcvtneps2bf16 does (denormals flushed to a
+// signed zero, NaN kept quiet).
+inline uint32_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  if ((u & 0x7f800000u) == 0) return (u >> 16) & 0x8000u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+inline uint32_t to_bf16(uint16_t x) { return x; }
+
+template <typename S>
+inline uint32_t word(const S* lo, const S* hi) {  // hi == nullptr: the zero pad of an odd k
+  return to_bf16(*lo) | (hi != nullptr ? to_bf16(*hi) << 16 : 0u);
+}
+
+}  // namespace
+
+void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t n,
+                     int64_t k) {
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* s = src + j * ld;
+    for (int64_t p = 0; p < pairs; ++p)
+      dst[p * ldd + j] = word(s + 2 * p, 2 * p + 1 < k ? s + 2 * p + 1 : nullptr);
+  }
+}
+
+#if FAE_HAVE_BF16_DOT
+
+// The packers of the tiles that are packed once per GEMM (Q, dO, P, dS; V in the forward) are
+// vectorised, 16 or 32 values per instruction, scalar only for the last few of a row.
+FAE_BF16 void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
+                        int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * ld;
+    uint32_t* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) _mm512_storeu_si512(d + c / 2, _mm512_loadu_si512(s + c));
+    for (; c < cols; c += 2) d[c / 2] = word(s + c, c + 1 < cols ? s + c + 1 : nullptr);
+  }
+}
+
+FAE_BF16 void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
+                               int64_t k, int64_t n) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const uint16_t* lo = src + 2 * p * ld;
+    const uint16_t* hi = 2 * p + 1 < k ? lo + ld : nullptr;
+    uint32_t* d = dst + p * ldd;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(lo + j)));
+      if (hi != nullptr)
+        w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm256_loadu_si256((const __m256i*)(hi + j))), 16));
+      _mm512_storeu_si512(d + j, w);
+    }
+    for (; j < n; ++j) d[j] = word(lo + j, hi ? hi + j : nullptr);
+  }
+}
+
+FAE_BF16 void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
+                        int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * ld;
+    uint32_t* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {  // bf16 0..31 in order = words 0..15
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16), _mm512_loadu_ps(s + c));
+      _mm512_storeu_si512(d + c / 2, (__m512i)v);
+    }
+    for (; c < cols; c += 2) d[c / 2] = word(s + c, c + 1 < cols ? s + c + 1 : nullptr);
+  }
+}
+
+FAE_BF16 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld,
+                               int64_t k, int64_t n) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const float* lo = src + 2 * p * ld;
+    const float* hi = 2 * p + 1 < k ? lo + ld : nullptr;
+    uint32_t* d = dst + p * ldd;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lo + j)));
+      __m512i w = a;
+      if (hi != nullptr) {
+        const __m512i b =
+            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(hi + j)));
+        w = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      }
+      _mm512_storeu_si512(d + j, w);
+    }
+    for (; j < n; ++j) d[j] = word(lo + j, hi ? hi + j : nullptr);
+  }
+}
+
+namespace {
+
+// One MR x (16 NV) block of C over all `pairs`: MR * NV accumulators (at most 24 of the 32 zmm
+// registers), NV words of B per step shared by MR broadcast words of A.  `tail`: the lanes of
+// the last vector that lie inside C (B is read under the same mask).
+template <int MR, int NV>
+FAE_BF16 void micro(const uint32_t* a, int64_t a_m, int64_t a_p, const uint32_t* b, int64_t ldb,
+                    int64_t pairs, float* c, int64_t ldc, __mmask16 tail, float alpha,
+                    bool accumulate) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t* bp = b + p * ldb;
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      bv[j] = (__m512bh)(j + 1 < NV ? _mm512_loadu_si512(bp + 16 * j)
+                                    : _mm512_maskz_loadu_epi32(tail, bp + 16 * j));
+    const uint32_t* ap = a + p * a_p;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i * a_m]));
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, bv[j]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 mask = j + 1 < NV ? __mmask16(0xffff) : tail;
+      float* cp = c + i * ldc + 16 * j;
+      const __m512 r = accumulate ? _mm512_fmadd_ps(acc[i][j], va, _mm512_maskz_loadu_ps(mask, cp))
+                                  : _mm512_mul_ps(acc[i][j], va);
+      _mm512_mask_storeu_ps(cp, mask, r);
+    }
+}
+
+using Micro = void (*)(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                       float*, int64_t, __mmask16, float, bool);
+
+constexpr int kMR = 6, kNV = 4;
+
+template <int MR>
+constexpr Micro pick_nv(int nv) {
+  return nv == 1 ? micro<MR, 1> : nv == 2 ? micro<MR, 2> : nv == 3 ? micro<MR, 3> : micro<MR, 4>;
+}
+
+Micro pick(int mr, int nv) {
+  switch (mr) {
+    case 1: return pick_nv<1>(nv);
+    case 2: return pick_nv<2>(nv);
+    case 3: return pick_nv<3>(nv);
+    case 4: return pick_nv<4>(nv);
+    case 5: return pick_nv<5>(nv);
+    default: return pick_nv<6>(nv);
+  }
+}
+
+}  // namespace
+
+void gemm(float* c, int64_t ldc, const uint32_t* a, int64_t a_m, int64_t a_p, const uint32_t* b,
+          int64_t ldb, int64_t m, int64_t n, int64_t pairs, float alpha, bool accumulate) {
+  if (m <= 0 || n <= 0) return;
+  for (int64_t j0 = 0; j0 < n; j0 += 16 * kNV) {
+    const int64_t w = n - j0 < 16 * kNV ? n - j0 : 16 * kNV;
+    const int nv = static_cast<int>((w + 15) / 16);
+    const int last = static_cast<int>(w - 16 * (nv - 1));
+    const __mmask16 tail = static_cast<__mmask16>(last == 16 ? 0xffff : (1u << last) - 1u);
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = static_cast<int>(m - i0 < kMR ? m - i0 : kMR);
+      pick(mr, nv)(a + i0 * a_m, a_m, a_p, b + j0, ldb, pairs, c + i0 * ldc + j0, ldc, tail,
+                   alpha, accumulate);
+    }
+  }
+}
+
+#else  // no AVX512-BF16 compiler support: enabled() is false and these are never called
+
+void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t rows,
+               int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 2)
+      dst[r * ldd + c / 2] = word(src + r * ld + c, c + 1 < cols ? src + r * ld + c + 1 : nullptr);
+}
+
+void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t k,
+                      int64_t n) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p)
+    for (int64_t j = 0; j < n; ++j)
+      dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
+                                                                  : nullptr);
+}
+
+void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
+               int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 2)
+      dst[r * ldd + c / 2] = word(src + r * ld + c, c + 1 < cols ? src + r * ld + c + 1 : nullptr);
+}
+
+void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
+                      int64_t n) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p)
+    for (int64_t j = 0; j < n; ++j)
+      dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
+                                                                  : nullptr);
+}
+
+void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+          int64_t, int64_t, float, bool) {
+  std::abort();
+}
+
+#endif
+
+}  // namespace flash_attn_ext::cpu::bf16dot

@@ -1,0 +1,81 @@
+"""bf16 on the CPU: tiles multiplied as bf16 with AVX512-BF16 (csrc/cpu/bf16_dot.cpp) where the
+CPU has it, else converted to fp32 tiles for sgemm.  Both paths must meet the error rule against
+float64, forward and gradients, at odd sizes, GQA, causal, windows, softcap and a mask; the
+path not taken by default on this CPU is reached with FLASH_ATTN_EXT_CPU_BF16_DOT=0 in a
+subprocess (the switch is read once per process)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flash_attn_ext
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from reference import assert_error_rule, attention_ref, cancellation_scale
+import flash_attn_ext
+
+torch.manual_seed(0)
+cases = [  # (B, H, H_kv, L, S, D, flash_attn_func flags)
+    (1, 2, 2, 1, 17, 40, {}),
+    (2, 4, 2, 113, 113, 59, {"causal": True}),
+    (1, 2, 1, 17, 1023, 72, {"window_size": (64, 3)}),
+    (1, 2, 2, 1023, 300, 64, {"causal": True, "softcap": 5.0}),
+    (1, 1, 1, 129, 257, 256, {}),
+]
+for B, H, Hk, L, S, D, flags in cases:
+    q = torch.randn(B, L, H, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, Hk, D, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    wl, wr = flags.get("window_size", (-1, -1))
+    kw = dict(causal=flags.get("causal", False), window_left=wl, window_right=wr,
+              softcap=flags.get("softcap", 0.0))
+    out = flash_attn_ext.flash_attn_func(q, k, v, **flags)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    true_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    true_out, _ = attention_ref(*true_leaves, **kw)
+    true_grads = torch.autograd.grad(true_out, true_leaves, dout.double())
+    low_out, _ = attention_ref(q, k, v, compute_dtype=torch.bfloat16, **kw)
+    low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
+    what = f"{B, H, Hk, L, S, D, flags}"
+    assert_error_rule(out, low_out, true_out, 2.0, "out " + what)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
+        assert_error_rule(ours, low, true, 3.0, name + " " + what, c, score_scale)
+print(flash_attn_ext.ops.build_info()["cpu_bf16_dot"])
+"""
+
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "fp32_tiles"])
+def test_bf16_cpu_paths_meet_the_error_rule(switch):
+    env = dict(os.environ)
+    env.pop("FLASH_ATTN_EXT_CPU_BF16_DOT", None)
+    if switch is not None:
+        env["FLASH_ATTN_EXT_CPU_BF16_DOT"] = switch
+    run = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = "False" if switch == "0" else str(flash_attn_ext.ops.build_info()["cpu_bf16_dot"])
+    assert run.stdout.strip().splitlines()[-1] == expected
+
+
+def test_bf16_cpu_masked_keys_past_an_odd_tile_never_leak():
+    # The bf16 path packs two keys per word: a tile with an odd number of keys pads with zero,
+    # never with the next key, whose NaN would otherwise reach every row (0 * NaN).  Rows 0-2
+    # of a top-left causal (L = 3, S = 8) call see keys 0-2 only; keys 3-7 are NaN.
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 3, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 8, 64, dtype=torch.bfloat16) for _ in "kv")
+    k[:, :, 3:] = float("nan")
+    v[:, :, 3:] = float("nan")
+    out = flash_attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k[:, :, :3].double(), v[:, :, :3].double(), is_causal=True)
+    assert not torch.isnan(out).any()
+    assert (out.double() - ref).abs().max().item() < 2e-2
