@@ -72,9 +72,10 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
 void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tensor& out,
                        const at::Tensor& softmax_lse, const at::Tensor& q);
 
-// The bwd op's optional dsoftmax_lse: checked like softmax_lse, made contiguous, pointed to by
-// p.dsoftmax_lse; the returned tensor must outlive the kernels.
-at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const AttnArgs& a,
+// The bwd op's optional dsoftmax_lse: checked like softmax_lse (shape `sizes`: (B, H, L)
+// dense, (H, total_q) packed), made contiguous, pointed to by p.dsoftmax_lse; the returned
+// tensor must outlive the kernels.
+at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, at::IntArrayRef sizes,
                         const at::Tensor& q, BwdParams& p);
 
 // The bwd op's rng_state with dropout: the forward's int64[2] (seed, offset).

@@ -282,10 +282,10 @@ void check_bwd_tensors(const AttnArgs& a, const at::Tensor& dout, const at::Tens
                     ", got ", dtype_name(softmax_lse.scalar_type()));
 }
 
-at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, const AttnArgs& a,
+at::Tensor prepare_dlse(const std::optional<at::Tensor>& dsoftmax_lse, at::IntArrayRef sizes,
                         const at::Tensor& q, BwdParams& p) {
   if (!dsoftmax_lse.has_value()) return at::Tensor();
-  check_like(*dsoftmax_lse, "dsoftmax_lse", {a.batch, a.heads_q, a.seqlen_q}, q);
+  check_like(*dsoftmax_lse, "dsoftmax_lse", sizes, q);
   TORCH_CHECK_VALUE(dsoftmax_lse->scalar_type() == lse_dtype(q.scalar_type()),
                     "dsoftmax_lse must have softmax_lse's dtype ",
                     dtype_name(lse_dtype(q.scalar_type())), ", got ",

@@ -45,7 +45,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, softmax_scale=None, causal=False, window_left=-1,
                      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     seqused_k=None):
+                     seqused_k=None, dsoftmax_lse=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -61,18 +61,23 @@ def _setup_context(ctx, inputs, output):
     ctx.sizes = (max_seqlen_q, max_seqlen_k)
     ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
                                   dropout_p)))
-    ctx.mark_non_differentiable(softmax_lse, rng_state)
+    # softmax_lse is differentiable (its gradient enters bwd_varlen as dsoftmax_lse, folded
+    # into delta); gradients of outputs nobody used arrive as None, not as zeros.
+    ctx.mark_non_differentiable(rng_state)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dsoftmax_lse, drng_state):
-    del dsoftmax_lse, drng_state  # (not differentiable: see _setup_context)
+    del drng_state
     q, k, v, out, softmax_lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = \
         ctx.saved_tensors
+    if dout is None:  # only softmax_lse was used
+        dout = torch.zeros_like(out)
     f = ctx.flags
     dq, dk, dv = bwd_varlen_op(dout, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.sizes,
                                rng_state, f["softmax_scale"], f["causal"], f["window_left"],
                                f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"],
-                               seqused_k)
+                               seqused_k, dsoftmax_lse)
     return dq, dk, dv, *([None] * 12)
 
 
@@ -107,7 +112,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             sees key j <= i + S - L).
         deterministic: accepted for FlashAttention-2 compatibility (the CPU backward is
             deterministic).
-        return_attn_probs: also return softmax_lse (num_heads, total_q) and, as
+        return_attn_probs: also return softmax_lse (num_heads, total_q), differentiable
+            (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
         block_table: paged KV (not supported yet: NotImplementedError).
         seqused_k: (batch,) int32, optional: sequence b uses only its first seqused_k[b] keys

@@ -79,6 +79,48 @@ def test_each_sequence_is_its_own_attention_float64(case):
     assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
 
 
+def _lse_gradient_case(device, dtype):
+    """Packed q/k/v (lengths with an empty sequence, L > S causal rows that see no key, GQA, a
+    tail) on `device`, and the gradients of out . dout + lse . dlse from our kernels and from the
+    float64 per-sequence reference (dlse zero on rows without keys, where lse = -inf)."""
+    torch.manual_seed(3)
+    lens_q, lens_k = [5, 0, 70, 9], [7, 3, 64, 4]
+    q64, k64, v64, cq, ck = _packed(lens_q, lens_k, 4, 2, 64, 64, torch.float64, tail=(2, 3))
+    q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in (q64, k64, v64))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cq.to(device), ck.to(device), max(lens_q),
+                                         max(lens_k), causal=True, return_attn_probs=True)
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    _, ref_lse, _ = _per_sequence(q, k, v, cq, ck, dout, causal=True)
+    dlse = torch.randn(lse.shape, dtype=torch.float64) * torch.isfinite(ref_lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v),
+                                (dout.to(device, dtype), dlse.to(device, lse.dtype)))
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref_out = torch.zeros(out.shape, dtype=torch.float64)
+    ref_lse = torch.zeros(lse.shape, dtype=torch.float64)
+    for b in range(len(lens_q)):
+        rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rq.stop > rq.start:
+            o, seq_lse = attention_ref(leaves[0][rq][None], leaves[1][rk][None],
+                                       leaves[2][rk][None], causal=True)
+            ref_out[rq] = o[0]
+            ref_lse[:, rq] = torch.where(torch.isfinite(seq_lse[0]), seq_lse[0], 0.0)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (dout, dlse))
+    return grads, ref_grads
+
+
+def test_softmax_lse_is_differentiable_float64():
+    # FlashAttention-2's varlen softmax_lse carries a gradient (e.g. to merge partial
+    # attention results); it enters the backward folded into delta.
+    grads, ref_grads = _lse_gradient_case("cpu", torch.float64)
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-11
+    # Only softmax_lse used: out's gradient is None, not an error.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float64)
+    _, lse, _ = flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, return_attn_probs=True)
+    dq, = torch.autograd.grad(lse.sum(), (q,))
+    assert torch.isfinite(dq).all() and dq.abs().max().item() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_under_the_error_rule(dtype):
     lens = [33, 130, 1]
@@ -289,6 +331,14 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype):
         assert_error_rule(g.cpu(), lo, t, 3.0, name)
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # the tail: left alone
     assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+def test_cuda_softmax_lse_is_differentiable():
+    grads, ref_grads = _lse_gradient_case("cuda", torch.bfloat16)
+    for g, r in zip(grads, ref_grads):
+        assert torch.isfinite(g).all()
+        assert (g.cpu().double() - r).abs().max().item() <= 0.05 * r.abs().max().item() + 0.02
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")

@@ -317,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
                                    : at::Tensor();
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
-  const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
+  const at::Tensor dlse = prepare_dlse(dsoftmax_lse, {a.batch, a.heads_q, a.seqlen_q}, q, p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
                                   [&] { flash_bwd_cpu<scalar_t>(p, Seqs{}); });
   return {dq, dk, dv, make_dbias()};
@@ -332,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
     int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -355,6 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   fill_dropout_params(p, dropout_p);
   read_seed(p, rng_state);
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
+  const at::Tensor dlse = prepare_dlse(dsoftmax_lse, {a.heads_q, a.seqlen_q}, q, p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_bwd_cpu",
                                   [&] { flash_bwd_cpu<scalar_t>(p, host_seqs(pk)); });
   return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};

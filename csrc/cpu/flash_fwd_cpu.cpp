@@ -274,7 +274,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
   // the first seqused_k[b] keys of sequence b are used (FlashAttention's).  Causal bottom-right
   // per sequence (over the keys used).  Returns (out (total_q, H, Dv), softmax_lse (H, total_q), rng_state); rows outside
   // every sequence get out = 0, lse = -inf and zero gradients.  CPU and CUDA kernels (on CUDA
-  // the portable ones).
+  // the portable ones).  bwd_varlen's dsoftmax_lse: the gradient flowing into softmax_lse
+  // ((H, total_q) like it, or None), folded into delta as the dense bwd op does.
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool causal=False, "
@@ -287,7 +288,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
       "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
-      "float dropout_p=0.0, Tensor? seqused_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float dropout_p=0.0, Tensor? seqused_k=None, Tensor? dsoftmax_lse=None) -> "
+      "(Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {

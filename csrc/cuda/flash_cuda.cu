@@ -331,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
           attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
       const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
-      const at::Tensor dlse = prepare_dlse(dsoftmax_lse, a, q, p);
+      const at::Tensor dlse = prepare_dlse(dsoftmax_lse, {a.batch, a.heads_q, a.seqlen_q}, q, p);
       fill_dropout_params(p, dropout_p);
       if (p.dropout) {  // the forward's (seed, offset), read on the device
         check_rng_state(rng_state);
@@ -450,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -480,6 +480,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     set_packed(p, pk, max_seqlen_q, max_seqlen_k);
     p.dout_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
     const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
+    // (H, total_q) like softmax_lse: the delta kernel reads both at the same packed row.
+    const at::Tensor dlse = prepare_dlse(dsoftmax_lse, {a.heads_q, a.seqlen_q}, q, p);
     fill_dropout_params(p, dropout_p);
     if (p.dropout) {  // the forward's (seed, offset), read on the device
       check_rng_state(rng_state);
