@@ -101,7 +101,9 @@ def check_scale(scale, name: str) -> Optional[float]:
 
 
 def check_softcap(softcap) -> float:
-    """ValueError unless ``softcap`` is a number (bools refused); the kernels check its range."""
+    """``softcap`` as a float (a Python or NumPy number or a 0-d real tensor); ValueError
+    otherwise (bools refused); the kernels check its range."""
+    softcap = as_number(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     return float(softcap)
@@ -130,10 +132,16 @@ def check_bool(value, name: str) -> bool:
     return value
 
 
-def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> None:
-    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError)."""
+def check_flags(causal, window_size, dropout_p,
+                causal_name: str = "causal") -> Tuple[Tuple[int, int], float]:
+    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError).
+    Returns (window_size, dropout_p) as Python ints and a float: NumPy scalars and 0-d tensors
+    are taken where PyTorch and FlashAttention-2 take them (the op's schema would not)."""
     if not isinstance(causal, bool):
         raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
+    dropout_p = as_number(dropout_p)
+    if isinstance(window_size, (tuple, list)):
+        window_size = tuple(as_number(w) for w in window_size)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
@@ -148,6 +156,7 @@ def check_flags(causal, window_size, dropout_p, causal_name: str = "causal") -> 
     if any(w > 2**63 - 1 for w in window_size):
         raise ValueError(f"window_size sides must fit in int64 (-1, or any length >= seqlen_q + "
                          f"seqlen_k, means unbounded), got {window_size!r}")
+    return (int(window_size[0]), int(window_size[1])), float(dropout_p)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],

@@ -69,7 +69,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             mask_to_bias(attn_mask, query, key)
         query, key, value = to_bshd(query, key, value, enable_gqa)
     else:
-        check_flags(causal, window, dropout_p)
+        window, dropout_p = check_flags(causal, window, dropout_p)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))

@@ -99,7 +99,7 @@ def flash_attn_func(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check_flags(causal, window_size, dropout_p)
+    window_size, dropout_p = check_flags(causal, window_size, dropout_p)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
     check_bool(deterministic, "deterministic")

@@ -107,7 +107,7 @@ def flash_attn_with_kvcache(
     """
     del num_splits
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
-    check_flags(causal, window_size, 0.0)
+    window_size, _ = check_flags(causal, window_size, 0.0)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
     check_bool(rotary_interleaved, "rotary_interleaved")

@@ -143,7 +143,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
                             f"{type(t).__name__}")
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
-    check_flags(causal, window_size, dropout_p)
+    window_size, dropout_p = check_flags(causal, window_size, dropout_p)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
     check_bool(deterministic, "deterministic")

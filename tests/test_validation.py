@@ -247,6 +247,19 @@ def test_scale_as_in_pytorch_and_strict_type_checks():
         outs.append(scaled_dot_product_attention(q, q, q, dropout_p=p))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     qt = q.transpose(1, 2)
+    # FlashAttention-2's flags as NumPy numbers or 0-d tensors (configs loaded from arrays):
+    # dropout_p, window_size, softcap; the same answer and the same dropout mask as the floats.
+    plain = dict(dropout_p=0.25, window_size=(3, 1), softcap=5.0)
+    for flags in (dict(dropout_p=np.float32(0.25), window_size=(np.int64(3), np.int32(1)),
+                       softcap=np.float32(5.0)),
+                  dict(dropout_p=torch.tensor(0.25), window_size=(torch.tensor(3), 1),
+                       softcap=torch.tensor(5.0))):
+        torch.manual_seed(0)
+        ours = flash_attn_func(qt, qt, qt, **flags)
+        torch.manual_seed(0)
+        assert torch.equal(ours, flash_attn_func(qt, qt, qt, **plain))
+    with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+        flash_attn_func(qt, qt, qt, window_size=(np.float32(1.5), 2))
     for bad in (True, "0.5", torch.tensor([0.5]), torch.tensor(True), np.bool_(True)):
         with pytest.raises(ValueError, match="scale must be a finite number"):
             scaled_dot_product_attention(q, q, q, scale=bad)

@@ -93,7 +93,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal,
                                                    query, key)
         is_causal = False
-    check_flags(is_causal, (-1, -1), dropout, causal_name="is_causal")
+    _, dropout = check_flags(is_causal, (-1, -1), dropout, causal_name="is_causal")
     q, k, v = to_bshd(query, key, value, enable_gqa=True)
     out = run_sdpa(q, k, v, query, key, attention_mask, dropout, is_causal, scaling,
                    float(kwargs.get("softcap") or 0.0), None)
