@@ -33,6 +33,25 @@ inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK_VALUE(ts[i]->dim() == 3, names[i], " must have 3 dimensions ", shapes[i],
                       " for packed sequences, got ", names[i], ".dim()=", ts[i]->dim(),
                       " with shape ", ts[i]->sizes());
+  // The shape rules check_attn_args applies again to (1, total, H, D) views, here in the
+  // packed tensors' own dimensions, so that a message names the dimension the caller passed.
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0), "k and v must have the same total_k, got k.size(0)=",
+                    k.size(0), ", v.size(0)=", v.size(0));
+  TORCH_CHECK_VALUE(v.size(1) == k.size(1),
+                    "k and v must have the same number of heads, got k.size(1)=", k.size(1),
+                    ", v.size(1)=", v.size(1));
+  TORCH_CHECK_VALUE(k.size(2) == q.size(2), "k.size(2) (head_dim) must equal q.size(2)=",
+                    q.size(2), ", got ", k.size(2));
+  TORCH_CHECK_VALUE(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim,
+                    "head_dim must be between 1 and ", kMaxHeadDim, ", got q.size(2)=", q.size(2));
+  TORCH_CHECK_VALUE(v.size(2) >= 1 && v.size(2) <= kMaxHeadDim,
+                    "head_dim_v must be between 1 and ", kMaxHeadDim, ", got v.size(2)=",
+                    v.size(2));
+  const bool no_heads = q.size(1) == 0 && k.size(1) == 0;
+  TORCH_CHECK_VALUE(no_heads || (k.size(1) >= 1 && q.size(1) % k.size(1) == 0),
+                    "the number of query heads must be a multiple of the number of key/value heads "
+                    "(GQA/MQA), got num_heads q.size(1)=", q.size(1), " and num_heads_k k.size(1)=",
+                    k.size(1));
 }
 
 // Checks cu_seqlens_q / cu_seqlens_k (int32, 1-D, batch + 1 non-decreasing offsets from >= 0 up

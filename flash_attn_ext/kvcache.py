@@ -133,6 +133,14 @@ def flash_attn_with_kvcache(
         raise ValueError(f"v_cache must match k_cache in its first three dimensions (batch or "
                          f"pages, seqlen or page size, num_heads_k), got {tuple(v_cache.shape)} "
                          f"and {tuple(k_cache.shape)}")
+    # (named here: the kernels' own checks see the cache as k, in its dense dimensions)
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(f"the number of query heads must be a multiple of the number of "
+                         f"key/value heads (GQA/MQA), got num_heads q.shape[2]={heads} and "
+                         f"num_heads_k k_cache.shape[2]={heads_k}")
+    if q.shape[3] != head_dim:
+        raise ValueError(f"k_cache.shape[3] (head_dim) must equal q.shape[3]={q.shape[3]}, got "
+                         f"{head_dim}")
     if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
                          f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")

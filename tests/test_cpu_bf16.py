@@ -23,19 +23,21 @@ from reference import assert_error_rule, attention_ref, cancellation_scale
 import flash_attn_ext
 
 torch.manual_seed(0)
-cases = [  # (B, H, H_kv, L, S, D, flash_attn_func flags)
-    (1, 2, 2, 1, 17, 40, {}),
-    (2, 4, 2, 113, 113, 59, {"causal": True}),
-    (1, 2, 1, 17, 1023, 72, {"window_size": (64, 3)}),
-    (1, 2, 2, 1023, 300, 64, {"causal": True, "softcap": 5.0}),
-    (1, 1, 1, 129, 257, 256, {}),
+cases = [  # (B, H, H_kv, L, S, D, Dv, flash_attn_func flags)
+    (1, 2, 2, 1, 17, 40, 40, {}),
+    (2, 4, 2, 113, 113, 59, 59, {"causal": True}),
+    (1, 2, 1, 17, 1023, 72, 72, {"window_size": (64, 3)}),
+    (1, 2, 2, 1023, 300, 64, 64, {"causal": True, "softcap": 5.0}),
+    (1, 1, 1, 129, 257, 256, 256, {}),
+    (2, 4, 2, 65, 80, 64, 24, {"alibi_slopes": torch.rand(4)}),
 ]
-for B, H, Hk, L, S, D, flags in cases:
+for B, H, Hk, L, S, D, Dv, flags in cases:
     q = torch.randn(B, L, H, D, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, S, Hk, D, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    k = torch.randn(B, S, Hk, D, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, Hk, Dv, dtype=torch.bfloat16, requires_grad=True)
     wl, wr = flags.get("window_size", (-1, -1))
     kw = dict(causal=flags.get("causal", False), window_left=wl, window_right=wr,
-              softcap=flags.get("softcap", 0.0))
+              softcap=flags.get("softcap", 0.0), alibi_slopes=flags.get("alibi_slopes"))
     out = flash_attn_ext.flash_attn_func(q, k, v, **flags)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -49,6 +51,19 @@ for B, H, Hk, L, S, D, flags in cases:
     *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
         assert_error_rule(ours, low, true, 3.0, name + " " + what, c, score_scale)
+
+# Packed sequences of very different lengths (the forward's packed K is laid out by key row,
+# one row per key of the tensor): each sequence equals its own dense call.
+lens_q, lens_k = [1] * 40 + [37, 0, 5], [3] * 40 + [700, 4, 1]
+cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+              for n in (lens_q, lens_k))
+q = torch.randn(int(cu_q[-1]), 4, 64, dtype=torch.bfloat16)
+k, v = (torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16) for _ in "kv")
+out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 37, 700, causal=True)
+for b in (0, 39, 40, 42):
+    rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+    dense = flash_attn_ext.flash_attn_func(q[rq][None], k[rk][None], v[rk][None], causal=True)
+    assert torch.equal(out[rq], dense[0]), b
 print(flash_attn_ext.ops.build_info()["cpu_bf16_dot"])
 """
 
@@ -61,8 +76,15 @@ def test_bf16_cpu_paths_meet_the_error_rule(switch):
     run = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = "False" if switch == "0" else str(flash_attn_ext.ops.build_info()["cpu_bf16_dot"])
-    assert run.stdout.strip().splitlines()[-1] == expected
+    taken = run.stdout.strip().splitlines()[-1]
+    if switch == "0":
+        assert taken == "False"
+    elif os.path.exists("/proc/cpuinfo"):  # (Linux: the flag the run-time check reads)
+        with open("/proc/cpuinfo") as f:
+            has = " avx512_bf16" in f.read()
+        assert taken == str(has), "the bf16 path's run-time check disagrees with /proc/cpuinfo"
+    if switch is None and taken == "False":
+        pytest.skip("this CPU has no AVX512-BF16: only the fp32-tile path was exercised")
 
 
 def test_bf16_cpu_masked_keys_past_an_odd_tile_never_leak():

@@ -7,13 +7,16 @@
 #include <cstdlib>
 #include <cstring>
 
+// GCC only: its target attribute, __builtin_cpu_supports("avx512bf16") and the intrinsics'
+// vector casts are what this file was written and tested with (clang has equivalents; untested).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
     (__GNUC__ > 11 || (__GNUC__ == 11 && __GNUC_MINOR__ >= 1))
 #define FAE_HAVE_BF16_DOT 1
 #include <immintrin.h>
 #define FAE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 // GCC 12 reports the zeroed/masked intrinsics' internal temporaries as maybe uninitialised
-// (a false positive inside avx512fintrin.h).
+// (a false positive inside avx512fintrin.h); off for the intrinsic code only (pop below).
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #else
 #define FAE_HAVE_BF16_DOT 0
@@ -55,16 +58,6 @@ inline uint32_t word(const S* lo, const S* hi) {  // hi == nullptr: the zero pad
 }
 
 }  // namespace
-
-void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t n,
-                     int64_t k) {
-  const int64_t pairs = (k + 1) / 2;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* s = src + j * ld;
-    for (int64_t p = 0; p < pairs; ++p)
-      dst[p * ldd + j] = word(s + 2 * p, 2 * p + 1 < k ? s + 2 * p + 1 : nullptr);
-  }
-}
 
 #if FAE_HAVE_BF16_DOT
 
@@ -131,6 +124,32 @@ FAE_BF16 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int
       _mm512_storeu_si512(d + j, w);
     }
     for (; j < n; ++j) d[j] = word(lo + j, hi ? hi + j : nullptr);
+  }
+}
+
+// Sixteen keys at a time: one gather reads word p of 16 rows, one store writes them to row p of
+// dst contiguously (a key-by-key loop wrote a word per cache line, on a new page per word once
+// ldd reaches 1024).  An odd k: the last word's high half is the zero pad.
+FAE_BF16 void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
+                              int64_t n, int64_t k) {
+  const int64_t pairs = (k + 1) / 2;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                           5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(ld)));
+  int64_t j = 0;
+  for (; j + 16 <= n && 16 * ld <= (int64_t{1} << 30); j += 16) {
+    const uint16_t* s = src + j * ld;
+    for (int64_t p = 0; p < pairs; ++p) {
+      // (byte offsets: rows[i] elements of 2 bytes; element 2p of each row)
+      __m512i w = _mm512_i32gather_epi32(rows, s + 2 * p, 2);
+      if (2 * p + 1 == k) w = _mm512_and_si512(w, _mm512_set1_epi32(0xffff));
+      _mm512_storeu_si512(dst + p * ldd + j, w);
+    }
+  }
+  for (; j < n; ++j) {
+    const uint16_t* s = src + j * ld;
+    for (int64_t p = 0; p < pairs; ++p)
+      dst[p * ldd + j] = word(s + 2 * p, 2 * p + 1 < k ? s + 2 * p + 1 : nullptr);
   }
 }
 
@@ -217,6 +236,14 @@ void gemm(float* c, int64_t ldc, const uint32_t* a, int64_t a_m, int64_t a_p, co
 
 #else  // no AVX512-BF16 compiler support: enabled() is false and these are never called
 
+void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t n,
+                     int64_t k) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t p = 0; p < (k + 1) / 2; ++p)
+      dst[p * ldd + j] = word(src + j * ld + 2 * p,
+                              2 * p + 1 < k ? src + j * ld + 2 * p + 1 : nullptr);
+}
+
 void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t rows,
                int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
@@ -255,3 +282,7 @@ void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, i
 #endif
 
 }  // namespace flash_attn_ext::cpu::bf16dot
+
+#if FAE_HAVE_BF16_DOT
+#pragma GCC diagnostic pop
+#endif

@@ -104,7 +104,7 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
     std::vector<uint32_t> kt_w = words(D2 * BK), vt_w = words(Dv2 * BK), ki_w = words(BK / 2 * D);
     std::vector<uint32_t> q_w = words(BQ * D2), do_w = words(BQ * Dv2), qi_w = words(BQ / 2 * D),
                           doi_w = words(BQ / 2 * Dv);
-    std::vector<uint32_t> pt_w = words(BQ / 2 * BK), dst_w = words(BQ / 2 * BK),
+    std::vector<uint32_t> pt_w = words(BQ / 2 * BK), dsT_w = words(BQ / 2 * BK),
                           ds_w = words(BQ * BK / 2);
     auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
     auto f32 = [](acc_t* x) { return reinterpret_cast<float*>(x); };
@@ -226,9 +226,9 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
                 for (int64_t c = 0; c < nk; ++c) dP[r * BK + c] *= dtanh[r * BK + c];
             }
             if (dot) {
-              bf16dot::pack_interleaved(dst_w.data(), BK, f32(dP), BK, mq, nk);
+              bf16dot::pack_interleaved(dsT_w.data(), BK, f32(dP), BK, mq, nk);
               bf16dot::pack_rows(ds_w.data(), BK / 2, f32(dP), BK, mq, nk);
-              bf16dot::gemm(f32(dk_acc.data()), D, dst_w.data(), 1, BK, qi_w.data(), D, nk, D,
+              bf16dot::gemm(f32(dk_acc.data()), D, dsT_w.data(), 1, BK, qi_w.data(), D, nk, D,
                             (mq + 1) / 2, static_cast<float>(scale), true);
               bf16dot::gemm(f32(dq_acc + (g * L + i0) * D), D, ds_w.data(), BK / 2, 1,
                             ki_w.data(), D, mq, D, (nk + 1) / 2, static_cast<float>(scale), true);

@@ -54,6 +54,7 @@ struct Seqs {
 // it stays in L2 while the key tile is large enough for BLAS to run near peak.
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 512;
+static_assert(kBlockQ % 2 == 0 && kBlockK % 2 == 0, "bf16_dot.h packs rows and keys in pairs");
 
 // S = softcap * tanh(S / softcap) (Gemma-2 style logit soft-capping); with `dtanh` (same layout
 // as S) also stores the derivative 1 - tanh^2 for the backward.

@@ -32,35 +32,45 @@ namespace flash_attn_ext::cpu {
 
 namespace {
 
-// K of every (batch, key/value head) packed for bf16 dot products once per call
-// (bf16_dot.h, pack_transposed: pair p of head dims, key j at [p][j]): each key tile is the
-// B operand of S = Q K^T for every query tile and every query head of the group.
+// K packed for bf16 dot products once per call (bf16_dot.h, pack_transposed: pair p of head
+// dims, key row r at [hk][p][r]): each key tile is the B operand of S = Q K^T for every query
+// tile and every query head of the group.  Key rows are counted as in the tensor (dense: batch
+// b's key j is row b * seqlen_k + j; packed: cu_seqlens_k[b] + j), so the buffer is K's size
+// whatever the sequence lengths.
 struct PackedKeys {
   std::unique_ptr<uint32_t[]> words;
-  int64_t pairs = 0, ld = 0;  // per head: pairs x ld words
+  int64_t pairs = 0, rows = 0;  // per key/value head: pairs x rows words
 
-  const uint32_t* head(const FwdParams& p, int64_t b, int64_t hk) const {
-    return words.get() + (b * p.heads_kv + hk) * pairs * ld;
+  uint32_t* at(const FwdParams& p, const Seqs& seqs, int64_t b, int64_t hk) const {
+    const int64_t row = seqs.cu_k == nullptr ? b * p.seqlen_k : seqs.first_k(b);
+    return words.get() + hk * pairs * rows + row;
   }
 };
+
+constexpr int64_t kPackKeysChunk = 256;  // keys per packing task
 
 template <typename scalar_t>
 PackedKeys pack_keys(const FwdParams& p, const Seqs& seqs) {
   PackedKeys pk;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, seqs.len_k(p, b));
   pk.pairs = (p.head_dim + 1) / 2;
-  pk.ld = std::max<int64_t>(16, (longest + 15) / 16 * 16);
-  pk.words.reset(new uint32_t[p.batch * p.heads_kv * pk.pairs * pk.ld]);
+  pk.rows = seqs.cu_k == nullptr ? p.batch * p.seqlen_k : seqs.cu_k[p.batch];
+  pk.words.reset(new uint32_t[std::max<int64_t>(1, p.heads_kv * pk.pairs * pk.rows)]);
   const auto* k = static_cast<const scalar_t*>(p.k);
-  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are (batch, key/value head, chunk of keys): a decode call (batch 1, one key/value
+  // head, a long cache) still packs on every thread.
+  const int64_t chunks = (p.seqlen_k + kPackKeysChunk - 1) / kPackKeysChunk;
+  at::parallel_for(0, p.batch * p.heads_kv * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
-      const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride +
-                               seqs.first_k(b) * p.k_row_stride;
-      bf16dot::pack_transposed(const_cast<uint32_t*>(pk.head(p, b, hk)), pk.ld,
-                               reinterpret_cast<const uint16_t*>(k_head), p.k_row_stride,
-                               seqs.len_k(p, b), p.head_dim);
+      const int64_t chunk = task % chunks, hk = (task / chunks) % p.heads_kv;
+      const int64_t b = task / (chunks * p.heads_kv);
+      const int64_t j0 = chunk * kPackKeysChunk;
+      const int64_t n = std::min(kPackKeysChunk, seqs.len_k(p, b) - j0);
+      if (n <= 0) continue;
+      const scalar_t* k_rows = k + b * p.k_batch_stride + hk * p.k_head_stride +
+                               (seqs.first_k(b) + j0) * p.k_row_stride;
+      bf16dot::pack_transposed(pk.at(p, seqs, b, hk) + j0, pk.rows,
+                               reinterpret_cast<const uint16_t*>(k_rows), p.k_row_stride, n,
+                               p.head_dim);
     }
   });
   return pk;
@@ -86,7 +96,10 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
   const acc_t out_scale = p.dropout ? acc_t(dropout_scale(p.dropout_p)) : acc_t(1);
 
-  const PackedKeys keys = dot ? pack_keys<scalar_t>(p, seqs) : PackedKeys{};
+  PackedKeys keys;
+  if constexpr (kBf16) {
+    if (dot) keys = pack_keys<scalar_t>(p, seqs);
+  }
   const int64_t D2 = (D + 1) / 2;
 
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
@@ -132,7 +145,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
         Mat<acc_t> vm{nullptr, 0};
         if (dot) {
           bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
-                        keys.head(p, b, hk) + j0, keys.ld, mq, nk, D2,
+                        keys.at(p, seqs, b, hk) + j0, keys.rows, mq, nk, D2,
                         static_cast<float>(p.softmax_scale), false);
           finish_scores(S, mq, nk, p, vis, b, h, i0, j0);
           // V's rows of this tile only (an odd tile pads with zero, never the next key).
