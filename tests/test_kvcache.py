@@ -90,6 +90,11 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
     with pytest.raises(NotImplementedError, match="runs on CPU and CUDA tensors"):
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
+    # Head counts and head dims named by the cache, not by the kernels' dense k.
+    with pytest.raises(ValueError, match=r"q.shape\[2\]=3 and num_heads_k k_cache.shape\[2\]=2"):
+        flash_attn_with_kvcache(torch.randn(1, 1, 3, 8), k_cache, v_cache)
+    with pytest.raises(ValueError, match=r"k_cache.shape\[3\] \(head_dim\) must equal q.shape"):
+        flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), k_cache, v_cache)
 
 
 def test_bad_appends_and_indices_raise_before_writing():

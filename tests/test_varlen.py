@@ -272,6 +272,23 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
 
 
+def test_shape_errors_name_the_packed_dimensions():
+    # The rules are the dense ones, but the message names the dimension of the (total, H, D)
+    # tensor the caller passed (a dense (1, total, H, D) view's numbers confused them).
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 4, 2, 8, 8, torch.float32)
+    heads3 = torch.randn(10, 3, 8)
+    cases = [((q, k, heads3), r"same number of heads, got k.size\(1\)=2, v.size\(1\)=3"),
+             ((q, heads3, heads3), r"q.size\(1\)=4 and num_heads_k k.size\(1\)=3"),
+             ((q, k, torch.randn(9, 2, 8)), r"same total_k, got k.size\(0\)=10, v.size\(0\)=9"),
+             ((q, torch.randn(10, 2, 4), v),
+              r"k.size\(2\) \(head_dim\) must equal q.size\(2\)=8, got 4"),
+             ((torch.randn(10, 4, 300), torch.randn(10, 2, 300), torch.randn(10, 2, 300)),
+              r"head_dim must be between 1 and 256, got q.size\(2\)=300")]
+    for (qq, kk, vv), match in cases:
+        with pytest.raises(ValueError, match=match):
+            flash_attn_varlen_func(qq, kk, vv, cq, ck, 6, 6)
+
+
 @pytest.mark.parametrize("flags,match", [
     (dict(causal="False"), "causal must be a bool, got 'False'"),
     (dict(window_size=(1.9, 0)), "window_size must be a pair of ints"),
