@@ -244,34 +244,38 @@ void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld
                               2 * p + 1 < k ? src + j * ld + 2 * p + 1 : nullptr);
 }
 
+template <typename S>
+void pack_rows_scalar(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t rows,
+                      int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 2)
+      dst[r * ldd + c / 2] = word(src + r * ld + c, c + 1 < cols ? src + r * ld + c + 1 : nullptr);
+}
+
+template <typename S>
+void pack_interleaved_scalar(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t k,
+                             int64_t n) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p)
+    for (int64_t j = 0; j < n; ++j)
+      dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
+                                                                  : nullptr);
+}
+
 void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t rows,
                int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 2)
-      dst[r * ldd + c / 2] = word(src + r * ld + c, c + 1 < cols ? src + r * ld + c + 1 : nullptr);
+  pack_rows_scalar(dst, ldd, src, ld, rows, cols);
 }
-
-void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t k,
-                      int64_t n) {
-  for (int64_t p = 0; p < (k + 1) / 2; ++p)
-    for (int64_t j = 0; j < n; ++j)
-      dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
-                                                                  : nullptr);
-}
-
 void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
                int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 2)
-      dst[r * ldd + c / 2] = word(src + r * ld + c, c + 1 < cols ? src + r * ld + c + 1 : nullptr);
+  pack_rows_scalar(dst, ldd, src, ld, rows, cols);
 }
-
+void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t k,
+                      int64_t n) {
+  pack_interleaved_scalar(dst, ldd, src, ld, k, n);
+}
 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
                       int64_t n) {
-  for (int64_t p = 0; p < (k + 1) / 2; ++p)
-    for (int64_t j = 0; j < n; ++j)
-      dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
-                                                                  : nullptr);
+  pack_interleaved_scalar(dst, ldd, src, ld, k, n);
 }
 
 void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
