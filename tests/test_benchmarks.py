@@ -161,3 +161,21 @@ def test_bench_packed_times_both_routes(cpu_bench):
     assert sum(lens) == 200 and min(lens) >= 16
     line = bench_packed.time_point(16, 200, lens, heads=4, heads_kv=2, device="cpu")
     assert "seqs=  3" in line and line.count("TFLOP/s") == 2
+
+
+def test_bench_decode_times_every_implementation(cpu_bench):
+    import bench_decode
+
+    line = bench_decode.time_point(2, 512, 2, 16, 128, device="cpu")
+    for name in ("ours ", "ours_paged", "sdpa_flash", "sdpa_cudnn", "copy"):
+        assert name in line, line
+    assert line.count("TB/s") >= 4  # ours, paged, SDPA's FLASH (the CPU's), copy
+    # The paged cache is the contiguous one in shuffled pages: the same answer.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 32, 16)
+    k, v = torch.randn(2, 512, 2, 16), torch.randn(2, 512, 2, 16)
+    kp, vp, table = bench_decode.paged(k, v, 128, g)
+    lens = torch.full((2,), 512, dtype=torch.int32)
+    assert torch.equal(flash_attn_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens),
+                       flash_attn_ext.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                              block_table=table))
