@@ -82,7 +82,10 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first, except
   // bf16 on a CPU with AVX512-BF16: its tiles are multiplied as bf16 (bf16_dot.h).
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool dot = kBf16 && bf16dot::enabled();
+  // Not when each key/value head serves a single query row (one token, no GQA group): packing
+  // K once per call is then as much traffic as the attention itself, and the fp32 tiles were
+  // 1.3-1.9x faster there (B = 4, H = H_kv = 8, S = 4096, d = 128, one query; docs/perf/cpu.md).
+  const bool dot = kBf16 && bf16dot::enabled() && p.seqlen_q * (p.heads_q / p.heads_kv) > 1;
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const int64_t BQ = kBlockQ, BK = kBlockK;
