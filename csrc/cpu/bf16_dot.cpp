@@ -62,70 +62,54 @@ inline uint32_t word(const S* lo, const S* hi) {  // hi == nullptr: the zero pad
 #if FAE_HAVE_BF16_DOT
 
 // The packers of the tiles that are packed once per GEMM (Q, dO, P, dS; V in the forward) are
-// vectorised, 16 or 32 values per instruction, scalar only for the last few of a row.
-FAE_BF16 void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
-                        int64_t rows, int64_t cols) {
+// vectorised, 16 or 32 values per instruction, scalar only for the last few of a row; bf16
+// inputs are moved as they are, fp32 ones rounded (vcvtneps2bf16) on the way.
+namespace {
+
+// 32 consecutive values as 16 words (pairs in order).
+FAE_BF16 inline __m512i words_of_32(const uint16_t* s) { return _mm512_loadu_si512(s); }
+FAE_BF16 inline __m512i words_of_32(const float* s) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
+}
+
+// 16 consecutive values as bf16 bits in the low halves of 16 words.
+FAE_BF16 inline __m512i low_halves_of_16(const uint16_t* s) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+FAE_BF16 inline __m512i low_halves_of_16(const float* s) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s)));
+}
+
+template <typename S>
+FAE_BF16 void pack_rows_t(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t rows,
+                            int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* s = src + r * ld;
+    const S* s = src + r * ld;
     uint32_t* d = dst + r * ldd;
     int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) _mm512_storeu_si512(d + c / 2, _mm512_loadu_si512(s + c));
+    for (; c + 32 <= cols; c += 32) _mm512_storeu_si512(d + c / 2, words_of_32(s + c));
     for (; c < cols; c += 2) d[c / 2] = word(s + c, c + 1 < cols ? s + c + 1 : nullptr);
   }
 }
 
-FAE_BF16 void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
-                               int64_t k, int64_t n) {
+template <typename S>
+FAE_BF16 void pack_interleaved_t(uint32_t* dst, int64_t ldd, const S* src, int64_t ld,
+                                   int64_t k, int64_t n) {
   for (int64_t p = 0; p < (k + 1) / 2; ++p) {
-    const uint16_t* lo = src + 2 * p * ld;
-    const uint16_t* hi = 2 * p + 1 < k ? lo + ld : nullptr;
+    const S* lo = src + 2 * p * ld;
+    const S* hi = 2 * p + 1 < k ? lo + ld : nullptr;
     uint32_t* d = dst + p * ldd;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(lo + j)));
-      if (hi != nullptr)
-        w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                   _mm256_loadu_si256((const __m256i*)(hi + j))), 16));
+      __m512i w = low_halves_of_16(lo + j);
+      if (hi != nullptr) w = _mm512_or_si512(w, _mm512_slli_epi32(low_halves_of_16(hi + j), 16));
       _mm512_storeu_si512(d + j, w);
     }
     for (; j < n; ++j) d[j] = word(lo + j, hi ? hi + j : nullptr);
   }
 }
 
-FAE_BF16 void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
-                        int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = src + r * ld;
-    uint32_t* d = dst + r * ldd;
-    int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) {  // bf16 0..31 in order = words 0..15
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16), _mm512_loadu_ps(s + c));
-      _mm512_storeu_si512(d + c / 2, (__m512i)v);
-    }
-    for (; c < cols; c += 2) d[c / 2] = word(s + c, c + 1 < cols ? s + c + 1 : nullptr);
-  }
-}
-
-FAE_BF16 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld,
-                               int64_t k, int64_t n) {
-  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
-    const float* lo = src + 2 * p * ld;
-    const float* hi = 2 * p + 1 < k ? lo + ld : nullptr;
-    uint32_t* d = dst + p * ldd;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lo + j)));
-      __m512i w = a;
-      if (hi != nullptr) {
-        const __m512i b =
-            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(hi + j)));
-        w = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-      }
-      _mm512_storeu_si512(d + j, w);
-    }
-    for (; j < n; ++j) d[j] = word(lo + j, hi ? hi + j : nullptr);
-  }
-}
+}  // namespace
 
 // Sixteen keys at a time: one gather reads word p of 16 rows, one store writes them to row p of
 // dst contiguously (a key-by-key loop wrote a word per cache line, on a new page per word once
@@ -245,7 +229,7 @@ void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld
 }
 
 template <typename S>
-void pack_rows_scalar(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t rows,
+void pack_rows_t(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t rows,
                       int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; c += 2)
@@ -253,29 +237,12 @@ void pack_rows_scalar(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int6
 }
 
 template <typename S>
-void pack_interleaved_scalar(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t k,
+void pack_interleaved_t(uint32_t* dst, int64_t ldd, const S* src, int64_t ld, int64_t k,
                              int64_t n) {
   for (int64_t p = 0; p < (k + 1) / 2; ++p)
     for (int64_t j = 0; j < n; ++j)
       dst[p * ldd + j] = word(src + 2 * p * ld + j, 2 * p + 1 < k ? src + (2 * p + 1) * ld + j
                                                                   : nullptr);
-}
-
-void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t rows,
-               int64_t cols) {
-  pack_rows_scalar(dst, ldd, src, ld, rows, cols);
-}
-void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
-               int64_t cols) {
-  pack_rows_scalar(dst, ldd, src, ld, rows, cols);
-}
-void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t k,
-                      int64_t n) {
-  pack_interleaved_scalar(dst, ldd, src, ld, k, n);
-}
-void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
-                      int64_t n) {
-  pack_interleaved_scalar(dst, ldd, src, ld, k, n);
 }
 
 void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
@@ -284,6 +251,24 @@ void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, i
 }
 
 #endif
+
+// (pack_rows_t / pack_interleaved_t: the vectorised templates above, or the scalar ones)
+void pack_rows(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t rows,
+               int64_t cols) {
+  pack_rows_t(dst, ldd, src, ld, rows, cols);
+}
+void pack_rows(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t rows,
+               int64_t cols) {
+  pack_rows_t(dst, ldd, src, ld, rows, cols);
+}
+void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld, int64_t k,
+                      int64_t n) {
+  pack_interleaved_t(dst, ldd, src, ld, k, n);
+}
+void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
+                      int64_t n) {
+  pack_interleaved_t(dst, ldd, src, ld, k, n);
+}
 
 }  // namespace flash_attn_ext::cpu::bf16dot
 
