@@ -10,6 +10,9 @@ keys in a shuffled block_table (SDPA has no paged form: its rows are the contigu
 Decoding is memory-bound, so the figure of merit is the K/V read rate: 2 * B * S * H_kv * d * 2
 bytes over the time per call (TB/s), against the copy rate of a tensor of the cache's size
 (bytes read + written over the time of dst.copy_(src)), the device's practical ceiling.
+Each implementation is timed twice: calls queued back to back from Python (host overhead
+included: what an eager decode loop sees) and the same calls captured in a CUDA graph and
+replayed (device time only: what a server that captures its decode step sees).
 
 Usage (on a CUDA GPU): python benchmarks/bench_decode.py [--batch 1 8 64]
     [--seqlens 1024 8192 32768 131072] [--heads-kv 8 1] [--dims 64 128] [--page 256]
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import queued_ms
+from timing import graph_ms, queued_ms
 
 import flash_attn_ext
 
@@ -90,6 +93,13 @@ def time_point(batch: int, seqlen: int, heads_kv: int, d: int, page: int,
             row.append(f"{name} {ms * 1e3:8.1f} us {nbytes / ms / 1e9:5.2f} TB/s")
         except RuntimeError as e:  # a backend that refuses the shape
             row.append(f"{name} refused ({str(e).splitlines()[0][:40]})")
+            continue
+        if device == "cuda":
+            try:
+                ms = graph_ms(fn, reps=10, groups=3)
+                row.append(f"graph {ms * 1e3:8.1f} us {nbytes / ms / 1e9:5.2f} TB/s")
+            except RuntimeError as e:  # not capturable
+                row.append(f"graph refused ({str(e).splitlines()[0][:30]})")
     src = torch.cat([k_cache.flatten(), v_cache.flatten()])
     dst = torch.empty_like(src)
     ms = queued_ms(lambda: dst.copy_(src), warmup=2, reps=10, groups=3)

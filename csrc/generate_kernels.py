@@ -7,6 +7,9 @@
 The files, under csrc/kernels/:
   sm80/flash_fwd_hdim{64,128,256}_{fp16,bf16}.cu          portable forward (sm80::run_flash_fwd)
   sm80/flash_bwd_hdim{64,128,256}_{fp16,bf16}.cu          portable backward (sm80::run_flash_bwd)
+  sm80/flash_decode_hdim{64,128,256}_{fp16,bf16}.cu       split-KV decode against a KV cache
+                                                          (sm80::run_flash_decode; the 64 files
+                                                          also sm80::run_kvcache_append)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper forward (run_flash_fwd_sm90)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_packgqa.cu   ... with packed GQA heads
                                                           (run_flash_fwd_sm90_packgqa)
@@ -70,6 +73,29 @@ bwd_block_n_dq<{d}>()>;
 }}  // namespace flash_attn_ext::sm80
 """
 
+SM80_DECODE = """\
+// Decode instantiation: head dim {d}, {dtype}.
+#include "kernels/sm80/flash_decode_kernel.cuh"
+#include "kernels/sm80/flash_decode_launch.h"
+
+namespace flash_attn_ext::sm80 {{
+
+template <>
+cudaError_t run_flash_decode<{element}, {d}>(const DecodeParams& p, cudaStream_t stream) {{
+  static_assert(DecodeTraits<{d}>::kRows == decode_block_rows({d}), "");
+  return launch_flash_decode<{element}, {d}>(p, stream);
+}}
+{append}
+}}  // namespace flash_attn_ext::sm80
+"""
+
+SM80_APPEND = """
+template <>
+cudaError_t run_kvcache_append<{element}>(const DecodeParams& p, cudaStream_t stream) {{
+  return launch_kvcache_append<{element}>(p, stream);
+}}
+"""
+
 SM90_FWD = """\
 // Hopper forward instantiation: head dim {d}, {dtype}{what}.
 #include "kernels/sm90/flash_fwd_sm90.cuh"
@@ -117,6 +143,8 @@ def kernel_files():
             args = dict(d=d, dtype=dtype, element=element)
             files[f"sm80/flash_fwd_hdim{d}_{dtype}.cu"] = SM80_FWD.format(**args)
             files[f"sm80/flash_bwd_hdim{d}_{dtype}.cu"] = SM80_BWD.format(**args)
+            files[f"sm80/flash_decode_hdim{d}_{dtype}.cu"] = SM80_DECODE.format(
+                append=SM80_APPEND.format(**args) if d == HEAD_DIMS[0] else "", **args)
             for suffix, what in SM90_FWD_VARIANTS:
                 files[f"sm90/flash_fwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_FWD.format(
                     what=what, entry="run_flash_fwd_sm90" + suffix,

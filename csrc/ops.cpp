@@ -360,4 +360,21 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
       "bool deterministic=False, bool bias_requires_grad=False, Tensor? dsoftmax_lse=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
+  // Decoding against a KV cache (flash_attn_with_kvcache; CUDA only, cuda/kvcache_cuda.cu):
+  // q (B, L, H, d) against the caches read in place, batch row b's keys being its entry's (or
+  // pages') rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new; all lengths read on the
+  // device.  Returns (out (B, L, H, d), softmax_lse (B, H, L) float32); rows whose values break
+  // a rule (params.h: DecodeParams) are NaN.
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
+      "int seqlen_new=0, int rotary_rows=0, int seqlen_ro=-1, float? softmax_scale=None, "
+      "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "Tensor? alibi_slopes=None, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+  // Writes k / v (B, seqlen_new, H_kv, d) into the caches at rows cache_seqlens[b] .. (k
+  // rotated on its first 2 * rotary_cos.shape[1] channels), in place.
+  m.def(
+      "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+      "Tensor cache_seqlens, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
+      "Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=True) -> ()");
 }

@@ -105,6 +105,45 @@ struct FwdParams {
   bool general() const { return score_mods() || dropout; }
 };
 
+// Decoding against a KV cache (flash_attn_with_kvcache on CUDA; kernels/sm80/
+// flash_decode_kernel.cuh).  q is (batch, seqlen_q, heads_q, head_dim) as above; k / v point at
+// the caches: (entries, seqlen_cache, heads_kv, head_dim) with k_batch_stride the entry stride,
+// or, with block_table, (num_pages, page_size, heads_kv, head_dim) with k_batch_stride the page
+// stride.  Batch row b attends to its entry's cache rows leftpad[b] .. cache_seqlens[b] +
+// seqlen_new, all read on the device (no host synchronisation).  A row whose values break a
+// rule (a length outside the cache, an entry or page index out of range, rotary rows missing)
+// is not read: its out and softmax_lse become NaN.
+struct DecodeParams : FwdParams {
+  const int32_t* cache_seqlens = nullptr;    // (batch,): each entry's length before the append
+  const int32_t* cache_leftpad = nullptr;    // (batch,) or nullptr: first used row
+  const int32_t* cache_batch_idx = nullptr;  // (batch,) or nullptr: the entry of batch row b
+  const int32_t* block_table = nullptr;      // (batch, max_blocks) or nullptr: paged KV
+  int64_t block_table_stride = 0;
+  int64_t page_size = 0;      // rows per page (paged), else seqlen_cache
+  int64_t num_entries = 0;    // k_cache.shape[0]: entries, or pages when paged
+  int64_t seqlen_cache = 0;   // rows an entry can hold (paged: page_size * max_blocks)
+  int64_t seqlen_new = 0;     // rows appended before the attention (already in the cache)
+  int64_t rotary_rows = 0;    // with rotary: rows cache_seqlens[b] .. + rotary_rows are rotated
+  int64_t seqlen_ro = -1;     // rows of rotary_cos (-1: no rotary embedding)
+  // Split-KV: num_splits CTAs share one (batch row, query block, KV head), each a contiguous
+  // part of its keys; with num_splits > 1 they write normalised partial outputs out_accum
+  // (num_splits, batch, heads_q, seqlen_q, head_dim_v) and their LSE lse_accum (num_splits,
+  // batch, heads_q, seqlen_q), fp32, which the combine kernel merges into out / softmax_lse.
+  int num_splits = 1;
+  float* out_accum = nullptr;
+  float* lse_accum = nullptr;
+  // The append (kvcache_append): new keys / values (batch, seqlen_new, heads_kv, head_dim)
+  // and the rotary table (seqlen_ro, rotary_dim / 2) in fp32, contiguous.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t knew_batch_stride = 0, knew_row_stride = 0, knew_head_stride = 0;
+  int64_t vnew_batch_stride = 0, vnew_row_stride = 0, vnew_head_stride = 0;
+  const float* rotary_cos = nullptr;
+  const float* rotary_sin = nullptr;
+  int64_t rotary_dim = 0;
+  bool rotary_interleaved = true;
+};
+
 // Rows per batch of BwdParams::dq_accum: seqlen_q rounded up to whole 128-row tiles, so that the
 // atomic-dQ kernel adds whole tiles without a row test (rows past seqlen_q receive zeros).
 constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return (seqlen_q + 127) / 128 * 128; }

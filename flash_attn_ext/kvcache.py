@@ -55,6 +55,127 @@ def _int32(value, batch: int, device, name: str) -> torch.Tensor:
     return t.to(torch.int32).expand(batch).contiguous()
 
 
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.library.register_fake("flash_attn_ext::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
+                      cache_leftpad=None, block_table=None, seqlen_new=0, rotary_rows=0,
+                      seqlen_ro=-1, softmax_scale=None, causal=False, window_left=-1,
+                      window_right=-1, softcap=0.0, alibi_slopes=None, num_splits=0):
+    batch, seqlen_q, heads, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, heads, v_cache.shape[3])),
+            q.new_empty((batch, heads, seqlen_q), dtype=torch.float32))
+
+
+@torch.library.register_fake("flash_attn_ext::kvcache_append")
+def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None,
+                         block_table=None, rotary_cos=None, rotary_sin=None,
+                         rotary_interleaved=True):
+    return None
+
+
+def _rotated_rows(seqlen_new: int, seqlen_q: int, local: bool) -> int:
+    """Rotary rows a call uses past cache_seqlens: the new keys' positions, and the queries'
+    (each its own with causal or a window, else all at cache_seqlens)."""
+    return max(seqlen_new, seqlen_q if local else min(seqlen_q, 1))
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether the CUDA decode kernels can read t (a cache) in place: a contiguous last
+    dimension, strides of whole 16-byte chunks and a 16-byte aligned start (an allocation's
+    start is; the glue checks the address itself)."""
+    return t.stride(3) == 1 and t.storage_offset() % 8 == 0 and \
+        all(t.shape[i] <= 1 or t.stride(i) % 8 == 0 for i in range(3))
+
+
+def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes) -> bool:
+    """Whether the CUDA decode kernels (split-KV, no host synchronisation) take the call: fp16
+    / bf16 on a GPU of compute capability 8.0 or newer, one head_dim (a multiple of 8, at most
+    256) for q, k and v, caches readable in place and no gradient wanted (the decode kernels
+    have no backward).  The other calls run on the packed-sequence kernels (varlen)."""
+    if q.device.type != "cuda" or q.dtype not in _DECODE_DTYPES or \
+            k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return False
+    head_dim = q.shape[3]
+    if k_cache.shape[3] != head_dim or v_cache.shape[3] != head_dim or head_dim % 8 or \
+            head_dim > 256 or not (_in_place(k_cache) and _in_place(v_cache)):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 8:
+        return False
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        return False
+    return True
+
+
+def _device_int32(value, batch: int, device, name: str) -> torch.Tensor:
+    """value (an int or a (batch,) integer tensor) as a contiguous (batch,) int32 tensor on
+    device, without reading a device tensor's values: an int is checked here, tensor values
+    by the kernels (int64 values beyond int32 are clamped, which the kernels then refuse)."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
+                         f"{type(value).__name__}")
+    if isinstance(value, int):
+        if not -2**31 <= value < 2**31:
+            raise ValueError(f"{name} must fit in int32, got {value}")
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if value.dtype not in (torch.int32, torch.int64) or value.dim() > 1 or \
+            (value.dim() == 1 and value.numel() != batch):
+        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    if value.dtype == torch.int64:
+        value = value.clamp(-2**31, 2**31 - 1)
+    return value.to(device=device, dtype=torch.int32).expand(batch).contiguous()
+
+
+def _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, local):
+    """flash_attn_with_kvcache on the CUDA decode kernels (kernels/sm80/
+    flash_decode_kernel.cuh): the append and the attention read the lengths, entries and pages
+    on the device, so nothing here waits for the GPU (CUDA-graph capturable).  Values that
+    break a rule give NaN rows instead of an error (see flash_attn_with_kvcache)."""
+    batch, seqlen_q = q.shape[:2]
+    device = q.device
+    seqlen_cache = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = seqlen_cache
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and \
+            not 0 <= cache_seqlens <= seqlen_cache - new:
+        raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
+                         f"{seqlen_cache}], got cache_seqlens={cache_seqlens} and "
+                         f"seqlen_new={new}")
+    seqlens = _device_int32(cache_seqlens, batch, device, "cache_seqlens")
+    entries = None if cache_batch_idx is None else \
+        _device_int32(cache_batch_idx, batch, device, "cache_batch_idx")
+    leftpad = None if cache_leftpad is None else \
+        _device_int32(cache_leftpad, batch, device, "cache_leftpad")
+    if block_table is not None:
+        block_table = block_table.contiguous()
+    rotary = rotary_cos is not None
+    with torch.no_grad():
+        if k is not None:
+            torch.ops.flash_attn_ext.kvcache_append(
+                k_cache, v_cache, k if k.stride(3) == 1 else k.contiguous(),
+                v if v.stride(3) == 1 else v.contiguous(), seqlens, entries, block_table,
+                rotary_cos, rotary_sin, rotary_interleaved)
+        if rotary:
+            # Positions past the table are clamped here and refused by the kernel (NaN rows).
+            start = seqlens.long()[:, None]
+            q_pos = start + torch.arange(seqlen_q, device=device) if local else \
+                start.expand(batch, seqlen_q)
+            q = _rotate(q, rotary_cos, rotary_sin,
+                        q_pos.clamp(0, rotary_cos.shape[0] - 1), rotary_interleaved)
+    out, lse = torch.ops.flash_attn_ext.fwd_kvcache(
+        q, k_cache, v_cache, seqlens, entries, leftpad, block_table, new,
+        _rotated_rows(new, seqlen_q, local) if rotary else 0,
+        rotary_cos.shape[0] if rotary else -1, softmax_scale, bool(causal),
+        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
 def flash_attn_with_kvcache(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
@@ -105,7 +226,6 @@ def flash_attn_with_kvcache(
         ValueError: shapes, a cache too short for the append, bad lengths; flags that are not
             what flash_attn_func takes (e.g. causal not a bool); alibi_slopes requiring grad.
     """
-    del num_splits
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
     window_size, _ = check_flags(causal, window_size, 0.0)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
@@ -174,10 +294,22 @@ def flash_attn_with_kvcache(
                              + (f"{block_table.dtype} of shape {tuple(block_table.shape)}"
                                 if isinstance(block_table, torch.Tensor)
                                 else type(block_table).__name__))
-        if block_table.numel() and not bool(((block_table >= 0) &
-                                             (block_table < k_cache.shape[0])).all()):
-            raise ValueError(f"block_table entries must be page indices in [0, "
-                             f"{k_cache.shape[0]}) (k_cache.shape[0])")
+    if cache_batch_idx is not None and not isinstance(cache_batch_idx, torch.Tensor):
+        # (an int would pick one entry for all)
+        raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, got "
+                         f"{type(cache_batch_idx).__name__}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    if _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes):
+        return _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                       cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                       window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                       return_softmax_lse, local)
+    if block_table is not None and block_table.numel() and \
+            not bool(((block_table >= 0) & (block_table < k_cache.shape[0])).all()):
+        raise ValueError(f"block_table entries must be page indices in [0, "
+                         f"{k_cache.shape[0]}) (k_cache.shape[0])")
     seqlen_cache = page * (block_table.shape[1] if block_table is not None else 1)
     seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
                      "cache_seqlens")
@@ -190,10 +322,7 @@ def flash_attn_with_kvcache(
         raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
                          f"{seqlen_cache}], got cache_seqlens={seqlens.tolist()} and "
                          f"seqlen_new={new}")
-    # Rotary rows used: the new keys' positions, and the queries' (each its own with causal or a
-    # window, else all at cache_seqlens).
-    local = causal or window_size[0] >= 0 or window_size[1] >= 0
-    rotated = max(new, seqlen_q if local else min(seqlen_q, 1))
+    rotated = _rotated_rows(new, seqlen_q, local)
     if rotary_cos is not None and batch and \
             bool((seqlens + rotated > rotary_cos.shape[0]).any()):
         raise ValueError(f"rotary_cos / rotary_sin need a row per rotated position, up to "
@@ -205,9 +334,6 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is None:
         entries = torch.arange(batch, device=device)
     else:
-        if not isinstance(cache_batch_idx, torch.Tensor):  # (an int would pick one entry for all)
-            raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, "
-                             f"got {type(cache_batch_idx).__name__}")
         entries = _int32(cache_batch_idx, batch, device, "cache_batch_idx").long()
         if batch and bool(((entries < 0) | (entries >= k_cache.shape[0])).any()):
             # (a negative index would wrap around to another entry)

@@ -2,10 +2,14 @@
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
-general variant.
+general variant; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd
+page sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break
+a rule).  `--decode`: only the decode calls.
 
-    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode]
 """
+
+import sys
 
 import torch
 
@@ -13,7 +17,45 @@ import flash_attn_ext
 from flash_attn_ext import ops
 
 
+def decode_cases() -> int:
+    """flash_attn_with_kvcache calls on the decode kernels; returns how many ran."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    calls = 0
+    for batch, seqlen_q, heads, heads_k, d, page in [(3, 1, 8, 2, 128, 16), (2, 3, 32, 1, 64, 48),
+                                                     (2, 2, 6, 3, 256, 0), (3, 1, 4, 4, 40, 0)]:
+        cache_len = 96
+        entries = batch * cache_len // page if page else batch + 1
+        shape = (entries, page or cache_len, heads_k, d)
+        k_cache, v_cache = (torch.randn(shape, device=dev, dtype=dt) for _ in "kv")
+        q = torch.randn(batch, seqlen_q, heads, d, device=dev, dtype=dt)
+        new = torch.randn(batch, 2, heads_k, d, device=dev, dtype=dt)
+        lens = torch.randint(0, cache_len - 2, (batch,), device=dev, dtype=torch.int32)
+        angles = torch.rand(cache_len, 8, device=dev)
+        kw = dict(cache_seqlens=lens, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                  causal=True)
+        if page:
+            kw["block_table"] = torch.randperm(entries, device=dev).view(batch, -1).int()
+        else:
+            kw["cache_batch_idx"] = torch.randperm(batch + 1, device=dev)[:batch].int()
+            kw["cache_leftpad"] = (lens // 3).int()
+        for splits in (1, 3, 0):
+            flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, new, new,
+                                                   num_splits=splits, **kw)
+            calls += 1
+        bad = dict(kw, cache_seqlens=lens + 1000)  # NaN rows, nothing read or written
+        if page:
+            bad["block_table"] = kw["block_table"] + 10**6
+        flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, **bad)
+        calls += 1
+    torch.cuda.synchronize()
+    return calls
+
+
 def main() -> None:
+    if "--decode" in sys.argv:
+        print(f"sanitize_cases: {decode_cases()} decode calls ran")
+        return
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     cases = [  # (L, S, H, Hkv, D, Dv, causal, window, bottom_right, softcap, bias, dropout)
@@ -73,7 +115,7 @@ def main() -> None:
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
-    print(f"sanitize_cases: {len(runs)} cases ran")
+    print(f"sanitize_cases: {len(runs)} cases and {decode_cases()} decode calls ran")
 
 
 def run_case(case, deterministic, dev, dt, bias_grad=True):

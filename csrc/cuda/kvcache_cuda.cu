@@ -1,0 +1,290 @@
+// CUDA glue for decoding against a KV cache (flash_attn_with_kvcache): the fwd_kvcache op (the
+// split-KV decode kernel and its combine kernel, kernels/sm80/flash_decode_kernel.cuh) and the
+// kvcache_append op (new keys / values written into the cache in place, the keys rotated).
+// Schemas in ops.cpp.  Nothing here reads a tensor's values on the host: the lengths, entries
+// and pages are read by the kernels, which return NaN rows for values that break a rule
+// (params.h: DecodeParams), so a call never synchronises and can be captured in a CUDA graph.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "checks.h"
+#include "kernels/sm80/flash_decode_launch.h"
+#include "kernels/sm80/launch.h"  // per_device_cached
+
+namespace flash_attn_ext::cuda {
+
+namespace {
+
+constexpr int kMaxSplits = 128;
+
+// A 16-bit floating tensor the kernels read in place: 16-byte aligned rows of a contiguous
+// last dimension (the caches are never copied: the append writes into them).
+void check_in_place(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must have 4 dimensions, got shape ", t.sizes());
+  bool aligned = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int i = 0; i < 3; ++i) aligned = aligned && (t.size(i) <= 1 || t.stride(i) % 8 == 0);
+  TORCH_CHECK_VALUE(aligned, name, " must have a contiguous last dimension, strides that are "
+                    "multiples of 8 elements and a 16-byte aligned start (read in place), got "
+                    "strides ", t.strides());
+}
+
+// cache_seqlens and the other per-batch-row int32 tensors: (batch,) int32 on q's device.
+const int32_t* int32_rows(const std::optional<at::Tensor>& t, const char* name, int64_t rows,
+                          const at::Tensor& q) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == rows &&
+                        t->device() == q.device() && t->is_contiguous(),
+                    name, " must be a contiguous (batch,) = (", rows, ",) int32 tensor on ",
+                    q.device(), ", got ", dtype_name(t->scalar_type()), " of shape ", t->sizes(),
+                    " on ", t->device());
+  return t->data_ptr<int32_t>();
+}
+
+// Fills what fwd_kvcache and kvcache_append share: the caches, the lengths, entries and pages.
+void fill_cache_params(DecodeParams& p, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                       const std::optional<at::Tensor>& cache_batch_idx,
+                       const std::optional<at::Tensor>& block_table, int64_t batch) {
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16,
+                    "k_cache must be float16 or bfloat16 (the CUDA decode kernels), got ",
+                    dtype_name(k_cache.scalar_type()));
+  TORCH_CHECK_VALUE(v_cache.scalar_type() == k_cache.scalar_type() &&
+                        q.scalar_type() == k_cache.scalar_type(),
+                    "q, k_cache and v_cache must have one dtype, got ", dtype_name(q.scalar_type()),
+                    ", ", dtype_name(k_cache.scalar_type()), ", ", dtype_name(v_cache.scalar_type()));
+  TORCH_CHECK_VALUE(k_cache.device() == q.device() && v_cache.device() == q.device(),
+                    "k_cache and v_cache must be on q's device ", q.device());
+  check_in_place(k_cache, "k_cache");
+  check_in_place(v_cache, "v_cache");
+  TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3),
+                    "v_cache must match k_cache in its first three dimensions, got ",
+                    v_cache.sizes(), " and ", k_cache.sizes());
+  p.batch = batch;
+  p.heads_kv = k_cache.size(2);
+  p.head_dim = k_cache.size(3);
+  p.head_dim_v = v_cache.size(3);
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.k_batch_stride = k_cache.stride(0);
+  p.k_row_stride = k_cache.stride(1);
+  p.k_head_stride = k_cache.stride(2);
+  p.v_batch_stride = v_cache.stride(0);
+  p.v_row_stride = v_cache.stride(1);
+  p.v_head_stride = v_cache.stride(2);
+  p.num_entries = k_cache.size(0);
+  p.cache_seqlens = int32_rows(cache_seqlens, "cache_seqlens", batch, q);
+  p.cache_batch_idx = int32_rows(cache_batch_idx, "cache_batch_idx", batch, q);
+  if (block_table.has_value()) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK_VALUE(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch &&
+                          bt.device() == q.device() && bt.stride(1) == 1,
+                      "block_table must be a (batch, max_num_blocks) = (", batch,
+                      ", ...) int32 tensor on ", q.device(), " with unit-stride rows, got ",
+                      dtype_name(bt.scalar_type()), " of shape ", bt.sizes());
+    TORCH_CHECK_VALUE(!cache_batch_idx.has_value(),
+                      "cache_batch_idx cannot be used with block_table (paged KV)");
+    p.block_table = bt.data_ptr<int32_t>();
+    p.block_table_stride = bt.stride(0);
+    p.page_size = k_cache.size(1);
+    p.seqlen_cache = k_cache.size(1) * bt.size(1);
+  } else {
+    p.page_size = p.seqlen_cache = k_cache.size(1);
+  }
+}
+
+// A device attribute of the current GPU, queried once per device.
+int major_version() {
+  return sm80::per_device_cached([](int device) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess
+               ? v
+               : 0;
+  });
+}
+int sm_count() {
+  return sm80::per_device_cached([](int device) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? v
+                                                                                              : 0;
+  });
+}
+
+template <typename Fn>
+cudaError_t by_dtype(const at::Tensor& t, Fn fn) {
+  return t.scalar_type() == at::kBFloat16 ? fn(__nv_bfloat16{}) : fn(__half{});
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    int64_t seqlen_new, int64_t rotary_rows, int64_t seqlen_ro,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be (batch, seqlen_q, num_heads, head_dim), got ",
+                    q_in.sizes());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(major_version() >= 8, "flash_attn_with_kvcache's CUDA kernels "
+                              "need compute capability 8.0 or newer, got major version ",
+                              major_version());
+  const int64_t batch = q_in.size(0), seqlen_q = q_in.size(1), heads_q = q_in.size(2);
+  DecodeParams p;
+  fill_cache_params(p, q_in, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, batch);
+  TORCH_CHECK_VALUE(p.head_dim == q_in.size(3) && p.head_dim == p.head_dim_v &&
+                        p.head_dim % 8 == 0 && p.head_dim <= kMaxHeadDim,
+                    "the decode kernels take q, k_cache and v_cache of one head_dim, a multiple "
+                    "of 8 up to ", kMaxHeadDim, ", got ", q_in.size(3), ", ", p.head_dim, ", ",
+                    p.head_dim_v);
+  TORCH_CHECK_VALUE(p.heads_kv >= 1 && heads_q % p.heads_kv == 0,
+                    "the number of query heads must be a multiple of the number of key/value "
+                    "heads (GQA/MQA), got num_heads q.shape[2]=", heads_q,
+                    " and num_heads_k k_cache.shape[2]=", p.heads_kv);
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                    "window_size must be >= -1 on each side (-1 = unbounded), got (",
+                    window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0 = heuristic), got ", num_splits);
+  TORCH_CHECK_VALUE(seqlen_new >= 0 && rotary_rows >= 0, "seqlen_new and rotary_rows must be >= 0");
+  const at::Tensor q = q_in.stride(3) == 1 && q_in.stride(1) % 8 == 0 && q_in.stride(2) % 8 == 0 &&
+                               q_in.stride(0) % 8 == 0 &&
+                               reinterpret_cast<uintptr_t>(q_in.data_ptr()) % 16 == 0
+                           ? q_in
+                           : q_in.contiguous();
+  at::Tensor out = new_output({batch, seqlen_q, heads_q, p.head_dim_v}, q.options());
+  at::Tensor lse = new_output({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  if (batch == 0 || seqlen_q == 0 || heads_q == 0) return {out, lse};
+  p.cache_leftpad = int32_rows(cache_leftpad, "cache_leftpad", batch, q);
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.softmax_lse = lse.data_ptr();
+  p.seqlen_q = seqlen_q;
+  p.heads_q = heads_q;
+  p.q_batch_stride = q.stride(0);
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.out_batch_stride = out.stride(0);
+  p.out_row_stride = out.stride(1);
+  p.out_head_stride = out.stride(2);
+  p.softmax_scale = softmax_scale.has_value() ? *softmax_scale
+                                              : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(p.softmax_scale), "softmax_scale must be finite, got ",
+                    p.softmax_scale);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "softcap must be finite and >= 0 (0 = off), got ", softcap);
+  p.softcap = softcap;
+  // Windows past the cache are unbounded (keeps i + offset +- window inside int32 in the
+  // kernel's per-row bounds).
+  const int64_t covers_all = seqlen_q + p.seqlen_cache;
+  p.window_left = window_left > covers_all ? -1 : window_left;
+  p.window_right = causal ? 0 : (window_right > covers_all ? -1 : window_right);
+  p.align_bottom_right = true;
+  p.seqlen_new = seqlen_new;
+  p.rotary_rows = rotary_rows;
+  p.seqlen_ro = seqlen_ro;
+  at::Tensor slopes;
+  if (alibi_slopes.has_value()) {
+    const bool per_head = alibi_slopes->dim() == 1 && alibi_slopes->size(0) == heads_q;
+    const bool per_row = alibi_slopes->dim() == 2 && alibi_slopes->size(0) == batch &&
+                         alibi_slopes->size(1) == heads_q;
+    TORCH_CHECK_VALUE((per_head || per_row) && alibi_slopes->device() == q.device() &&
+                          at::isFloatingType(alibi_slopes->scalar_type()),
+                      "alibi_slopes must be a floating (num_heads,) = (", heads_q,
+                      ",) or (batch, num_heads) tensor on ", q.device(), ", got shape ",
+                      alibi_slopes->sizes());
+    slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
+  }
+  // Splits: enough CTAs for two per SM, each split at least 256 keys of the cache's capacity
+  // (no host read of the lengths), at most kMaxSplits.
+  const int64_t rows_per_cta = sm80::decode_block_rows(static_cast<int>(p.head_dim));
+  const int64_t ctas = batch * p.heads_kv * ((seqlen_q * (heads_q / p.heads_kv) + rows_per_cta - 1) / rows_per_cta);
+  int64_t splits = num_splits;
+  if (splits == 0) {
+    const int64_t want = (2 * std::max(sm_count(), 1) + ctas - 1) / ctas;
+    splits = std::min<int64_t>(want, (p.seqlen_cache + 255) / 256);
+  }
+  p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+  at::Tensor out_accum, lse_accum;
+  if (p.num_splits > 1) {
+    out_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q, p.head_dim_v},
+                          q.options().dtype(at::kFloat));
+    lse_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+    p.out_accum = out_accum.data_ptr<float>();
+    p.lse_accum = lse_accum.data_ptr<float>();
+  }
+  const int64_t kernel_dim = p.head_dim <= 64 ? 64 : p.head_dim <= 128 ? 128 : 256;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(by_dtype(q, [&](auto element) {
+    using E = decltype(element);
+    return kernel_dim == 64    ? sm80::run_flash_decode<E, 64>(p, stream)
+           : kernel_dim == 128 ? sm80::run_flash_decode<E, 128>(p, stream)
+                               : sm80::run_flash_decode<E, 256>(p, stream);
+  }));
+  return {out, lse};
+}
+
+void kvcache_append_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& cache_seqlens,
+                         const std::optional<at::Tensor>& cache_batch_idx,
+                         const std::optional<at::Tensor>& block_table,
+                         const std::optional<at::Tensor>& rotary_cos,
+                         const std::optional<at::Tensor>& rotary_sin, bool rotary_interleaved) {
+  TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
+                    "k and v must be (batch, seqlen_new, num_heads_k, head_dim), got ", k.sizes(),
+                    " and ", v.sizes());
+  const c10::cuda::CUDAGuard guard(k.device());
+  const int64_t batch = k.size(0);
+  DecodeParams p;
+  fill_cache_params(p, k, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, batch);
+  TORCH_CHECK_VALUE(k.size(2) == p.heads_kv && k.size(3) == p.head_dim &&
+                        v.size(3) == p.head_dim_v && v.scalar_type() == k.scalar_type() &&
+                        v.device() == k.device(),
+                    "k and v must be (batch, seqlen_new, num_heads_k, head_dim) with the caches' "
+                    "heads, head dims and dtype, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(k.stride(3) == 1 && v.stride(3) == 1,
+                    "k and v must have a contiguous last dimension");
+  p.seqlen_new = k.size(1);
+  if (batch == 0 || p.seqlen_new == 0) return;
+  p.k_new = k.data_ptr();
+  p.v_new = v.data_ptr();
+  p.knew_batch_stride = k.stride(0);
+  p.knew_row_stride = k.stride(1);
+  p.knew_head_stride = k.stride(2);
+  p.vnew_batch_stride = v.stride(0);
+  p.vnew_row_stride = v.stride(1);
+  p.vnew_head_stride = v.stride(2);
+  at::Tensor cos, sin;
+  if (rotary_cos.has_value()) {
+    TORCH_CHECK_VALUE(rotary_sin.has_value() && rotary_cos->dim() == 2 &&
+                          rotary_cos->sizes() == rotary_sin->sizes() &&
+                          2 * rotary_cos->size(1) <= p.head_dim &&
+                          rotary_cos->device() == k.device() && rotary_sin->device() == k.device(),
+                      "rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with "
+                      "rotary_dim <= head_dim, on k's device");
+    cos = rotary_cos->to(at::kFloat).contiguous();
+    sin = rotary_sin->to(at::kFloat).contiguous();
+    p.rotary_cos = cos.data_ptr<float>();
+    p.rotary_sin = sin.data_ptr<float>();
+    p.rotary_dim = 2 * cos.size(1);
+    p.seqlen_ro = cos.size(0);
+    p.rotary_rows = p.seqlen_new;
+    p.rotary_interleaved = rotary_interleaved;
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(by_dtype(k, [&](auto element) {
+    return sm80::run_kvcache_append<decltype(element)>(p, stream);
+  }));
+}
+
+}  // namespace
+
+}  // namespace flash_attn_ext::cuda
+
+TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
+  m.impl("fwd_kvcache", &flash_attn_ext::cuda::fwd_kvcache_cuda);
+  m.impl("kvcache_append", &flash_attn_ext::cuda::kvcache_append_cuda);
+}

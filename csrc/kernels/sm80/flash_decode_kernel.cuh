@@ -1,0 +1,530 @@
+// Decoding against a KV cache: one CTA per (batch row, block of packed query rows, KV head,
+// split of the keys), the query heads of a GQA group packed into the rows of one tile, the cache
+// read in place (contiguous entries, cache_batch_idx, or pages through block_table: any page
+// size), its lengths read on the device.  The split-KV scheme of FlashDecoding
+// (Dao et al. 2023, "Flash-Decoding for long-context inference"; FlashAttention-2's
+// flash_fwd_splitkv_kernel): with num_splits > 1 each CTA writes a normalised partial output and
+// its LSE, and the combine kernel merges them: out = sum_s exp(lse_s - lse) out_s,
+// lse = log sum_s exp(lse_s).
+//
+// Decoding is memory-bound (one query row per head against S keys), so the design aims at keys
+// in flight, not at tensor-core rate: the 4 warps of a CTA stream keys independently, each its
+// own 16-key tiles through its own cp.async ring (no CTA barrier in the key loop), with the
+// online softmax (running max and sum, rescale by exp(m_old - m_new)) of FlashAttention per
+// warp; the warps' (m, l, O) are merged through shared memory at the end.  QK^T and PV are
+// mma.sync m16n8k16 with fp32 accumulation: with packed GQA heads a key feeds up to 32 query
+// rows, which fp32 FMAs on the CUDA cores could not keep up with at the H200's bandwidth.
+//
+// Rows: packed row r of a (batch row, KV head) is query position i = r / group and query head
+// h = hk * group + r % group, group = heads_q / heads_kv.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/sm80/launch.h"
+#include "kernels/sm80/mma.h"
+#include "kernels/sm80/score.h"
+#include "kernels/sm80/tile.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flash_attn_ext::sm80 {
+
+// A float rounded to Element (explicit: torch builds with __CUDA_NO_*_CONVERSIONS__).
+template <typename Element>
+__device__ __forceinline__ Element from_float(float x) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
+
+template <int kHeadDim>
+struct DecodeTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // 16-row m-tiles per CTA: the O accumulator (kMT * kHeadDim / 2 floats per lane at 16 rows
+  // per m-tile) stays at 128 registers.
+  static constexpr int kMT = kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kRows = 16 * kMT;
+  static constexpr int kBlockN = 16;  // keys per warp step
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kTile = kBlockN * kHeadDim;  // elements of one K or V tile
+  static constexpr int kSmemQ = kRows * kHeadDim * 2;
+  static constexpr int kSmemRing = kWarps * kStages * 2 * kTile * 2;
+  // The merge: each warp's O in fp32, rows padded by 4 floats (bank spread), and its m and l.
+  static constexpr int kRedStride = kHeadDim + 4;
+  static constexpr int kSmemRed = kWarps * kRows * kRedStride * 4;
+  static constexpr int kSmemMain = kSmemRing > kSmemRed ? kSmemRing : kSmemRed;
+  static constexpr int kSmemStats = 3 * kWarps * kRows * 4;
+  static constexpr int kSmem = kSmemQ + kSmemMain + kSmemStats;
+  static_assert(kChunks <= 32 && 32 % kChunks == 0, "");
+};
+
+// Where batch row b's keys are, and whether its values obey the rules (DecodeParams).
+struct DecodeEntry {
+  int64_t entry;  // cache entry (contiguous caches)
+  int64_t start;  // first used cache row (leftpad)
+  int64_t len_k;  // used rows
+  bool ok;
+  __device__ __forceinline__ DecodeEntry(const DecodeParams& p, int64_t b) {
+    const int64_t seqlen = p.cache_seqlens[b];
+    const int64_t total = seqlen + p.seqlen_new;
+    start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+    entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    len_k = total - start;
+    ok = seqlen >= 0 && total <= p.seqlen_cache && start >= 0 && start <= total &&
+         (p.block_table != nullptr || (entry >= 0 && entry < p.num_entries)) &&
+         (p.seqlen_ro < 0 || seqlen + p.rotary_rows <= p.seqlen_ro);
+  }
+};
+
+// Element offset of cache row `row` of batch row b (paged: through its block table row `bt`).
+__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const int32_t* bt,
+                                                     int64_t entry, int64_t row,
+                                                     int64_t batch_stride, int64_t row_stride) {
+  if (bt == nullptr) return entry * batch_stride + row * row_stride;
+  const uint32_t r = static_cast<uint32_t>(row), ps = static_cast<uint32_t>(p.page_size);
+  const uint32_t page = r / ps;
+  return static_cast<int64_t>(bt[page]) * batch_stride + static_cast<int64_t>(r - page * ps) *
+                                                             row_stride;
+}
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
+    flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using T = DecodeTraits<kHeadDim>;
+  constexpr int kMT = T::kMT, kRows = T::kRows, kChunks = T::kChunks;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Element* s_q = reinterpret_cast<Element*>(smem);
+  Element* s_ring = reinterpret_cast<Element*>(smem + T::kSmemQ);
+  float* s_red = reinterpret_cast<float*>(smem + T::kSmemQ);  // after the key loop
+  float* s_m = reinterpret_cast<float*>(smem + T::kSmemQ + T::kSmemMain);
+  float* s_l = s_m + T::kWarps * kRows;
+  float* s_f = s_l + T::kWarps * kRows;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = static_cast<int>(p.heads_q / p.heads_kv);
+  const int rows_total = static_cast<int>(p.seqlen_q) * group;
+  const int m_blocks = (rows_total + kRows - 1) / kRows;
+  int64_t bid = blockIdx.x;
+  const int m_block = static_cast<int>(bid % m_blocks);
+  bid /= m_blocks;
+  const int split = static_cast<int>(bid % p.num_splits);
+  bid /= p.num_splits;
+  const int64_t hk = bid % p.heads_kv;
+  const int64_t b = bid / p.heads_kv;
+  const int row0 = m_block * kRows;
+
+  const DecodeEntry e(p, b);
+  bool ok = e.ok;
+  // Two batch rows appending into one entry would race: both are refused.
+  if (ok && p.cache_batch_idx != nullptr && p.seqlen_new > 0) {
+    for (int64_t o = tid; o < p.batch; o += T::kThreads)
+      if (o != b && p.cache_batch_idx[o] == e.entry) ok = false;
+  }
+  const int64_t len_k = ok ? e.len_k : 0;
+  const VisibleKeys vis(p.seqlen_q, len_k, p.window_left, p.window_right, true);
+  // The keys any row of this CTA sees, in 16-key blocks, and this split's share of them.
+  const int i_first = row0 / group;
+  const int i_last = ((row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1) / group;
+  const int64_t key_begin = vis.begin(i_first), key_end = vis.end(i_last);
+  const int64_t blk_begin = key_begin / T::kBlockN;
+  const int64_t blocks =
+      key_end > key_begin ? (key_end + T::kBlockN - 1) / T::kBlockN - blk_begin : 0;
+  const int64_t per_split = (blocks + p.num_splits - 1) / p.num_splits;
+  const int64_t my_begin = blk_begin + split * per_split;
+  int64_t my_end = my_begin + per_split;
+  if (my_end > blk_begin + blocks) my_end = blk_begin + blocks;
+  const int32_t* bt =
+      p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
+  if (ok && bt != nullptr && my_end > my_begin) {  // the pages this CTA reads must exist
+    const int64_t first = (e.start + my_begin * T::kBlockN) / p.page_size;
+    int64_t last_row = e.start + my_end * T::kBlockN - 1;
+    if (last_row > e.start + len_k - 1) last_row = e.start + len_k - 1;
+    for (int64_t pg = first + tid; pg <= last_row / p.page_size; pg += T::kThreads)
+      if (bt[pg] < 0 || bt[pg] >= p.num_entries) ok = false;
+  }
+  ok = __syncthreads_and(ok);
+
+  const bool splitting = p.num_splits > 1;
+  const float kNaN = __int_as_float(0x7fffffff);
+  // Writes row r's (normalised) output o[c], c < head_dim_v, and its LSE.
+  auto out_ptr_f = [&](int r) {  // split partial: (split, b, h, i, :)
+    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    return p.out_accum + (((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i) * p.head_dim_v;
+  };
+  auto lse_index = [&](int r) {
+    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    return ((splitting ? split * p.batch : 0) + b) * p.heads_q * p.seqlen_q + h * p.seqlen_q + i;
+  };
+  auto out_ptr_e = [&](int r) {
+    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    return static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
+           h * p.out_head_stride;
+  };
+  float* lse_out = splitting ? p.lse_accum : static_cast<float*>(p.softmax_lse);
+
+  if (!ok) {  // NaN: the caller's values broke a rule (DecodeParams)
+    for (int idx = tid; idx < kRows * kHeadDim; idx += T::kThreads) {
+      const int r = idx / kHeadDim, c = idx % kHeadDim;
+      if (row0 + r >= rows_total || c >= p.head_dim_v) continue;
+      if (splitting) {
+        out_ptr_f(r)[c] = kNaN;
+      } else {
+        out_ptr_e(r)[c] = from_float<Element>(kNaN);
+      }
+      if (c == 0) lse_out[lse_index(r)] = kNaN;
+    }
+    return;
+  }
+
+  // Q rows of this block (zero beyond the rows and the head dim).
+  {
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride;
+    for (int idx = tid; idx < kRows * kChunks; idx += T::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int gr = row0 + r;
+      const bool valid = gr < rows_total && c * 8 < p.head_dim;
+      const Element* src =
+          valid ? q + (gr / group) * p.q_row_stride + (hk * group + gr % group) * p.q_head_stride +
+                      c * 8
+                : q;
+      cp_async_16(smem_addr(s_q + swz<kChunks>(r, c)), src, valid);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  // Per lane: the visible keys [lo, hi) of its rows (mt, lane / 4 + 8 half), and their ALiBi
+  // slopes.
+  int lo[kMT][2], hi[kMT][2];
+  float slope[kMT][2];
+  int qpos[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int gr = row0 + mt * 16 + lane / 4 + 8 * half;
+      const int i = gr / group;
+      const bool row_ok = gr < rows_total;
+      lo[mt][half] = row_ok ? static_cast<int>(vis.begin(i)) : 0;
+      hi[mt][half] = row_ok ? static_cast<int>(vis.end(i)) : 0;
+      qpos[mt][half] = i;
+      slope[mt][half] = row_ok && p.alibi_slopes != nullptr
+                            ? static_cast<const float*>(
+                                  p.alibi_slopes)[b * p.alibi_batch_stride + hk * group + gr % group]
+                            : 0.f;
+    }
+  const ScoreFn score(p, b, hk * group, p.seqlen_q, len_k);
+  const int64_t alibi_off = len_k - p.seqlen_q;
+
+  float acc_o[kMT][kChunks][4];
+  zero(acc_o);
+  float row_m[kMT][2], row_l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_m[mt][half] = -INFINITY;
+      row_l[mt][half] = 0.f;
+    }
+
+  // This warp's blocks: my_begin + warp, + kWarps, ...
+  const int64_t first_blk = my_begin + warp;
+  const int my_count = first_blk < my_end
+                           ? static_cast<int>((my_end - first_blk + T::kWarps - 1) / T::kWarps)
+                           : 0;
+  Element* ring = s_ring + warp * T::kStages * 2 * T::kTile;
+  const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
+  const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
+  constexpr int kRowsPerCopy = 32 / kChunks;  // tile rows one warp-wide copy covers
+  const int my_chunk = lane % kChunks;
+  const bool chunk_ok = my_chunk * 8 < p.head_dim;
+  auto load = [&](int stage, int it) {
+    const int64_t key0 = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN;
+    Element* sk = ring + stage * 2 * T::kTile;
+    Element* sv = sk + T::kTile;
+#pragma unroll
+    for (int rr = 0; rr < T::kBlockN / kRowsPerCopy; ++rr) {
+      const int r = lane / kChunks + rr * kRowsPerCopy;
+      const int64_t key = key0 + r;
+      const bool valid = chunk_ok && key < len_k;
+      const Element* ks = k_base;
+      const Element* vs = v_base;
+      if (valid) {
+        const int64_t row = e.start + key;
+        ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride) +
+              my_chunk * 8;
+        vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride) +
+              my_chunk * 8;
+      }
+      cp_async_16(smem_addr(sk + swz<kChunks>(r, my_chunk)), ks, valid);
+      cp_async_16(smem_addr(sv + swz<kChunks>(r, my_chunk)), vs, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < my_count) load(s, s);
+    cp_async_commit();
+  }
+  const float scale_log2 = score.scale_log2;
+  for (int it = 0; it < my_count; ++it) {
+    if (it + T::kStages - 1 < my_count) load((it + T::kStages - 1) % T::kStages, it + T::kStages - 1);
+    cp_async_commit();
+    cp_async_wait<T::kStages - 1>();
+    __syncwarp();
+    const Element* sk = ring + (it % T::kStages) * 2 * T::kTile;
+    const Element* sv = sk + T::kTile;
+    float s_acc[kMT][2][4];
+    zero(s_acc);
+    gemm_ss<Element, kChunks, kMT, 2, kHeadDim>(s_acc, s_q, 0, sk, 0, lane);
+    const int key0 = static_cast<int>((first_blk + static_cast<int64_t>(it) * T::kWarps) *
+                                      T::kBlockN);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int key = key0 + 8 * j + 2 * (lane % 4) + c;
+            float& x = s_acc[mt][j][2 * half + c];
+            if (score.modified()) {
+              score.transform(x);
+              if (score.alibi)
+                x = fmaf(-slope[mt][half],
+                         fabsf(static_cast<float>(qpos[mt][half] + alibi_off - key)), x);
+              score.to_log2(x);
+            }
+            if (key < lo[mt][half] || key >= hi[mt][half]) x = -INFINITY;
+            mx = fmaxf(mx, x);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(row_m[mt][half], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float corr = exp2f((row_m[mt][half] - m_use) * scale_log2);
+        row_m[mt][half] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s_acc[mt][j][2 * half + c];
+            x = exp2f(fmaf(x, scale_log2, -m_use * scale_log2));
+            sum += x;
+          }
+        row_l[mt][half] = row_l[mt][half] * corr + sum;
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) {
+          acc_o[mt][j][2 * half] *= corr;
+          acc_o[mt][j][2 * half + 1] *= corr;
+        }
+      }
+    gemm_rs<Element, kChunks, kMT, T::kBlockN, kChunks>(acc_o, s_acc, sv, 0, 0, lane);
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // Merge the warps: m = max_w m_w, l = sum_w l_w exp(m_w - m), O = sum_w O_w exp(m_w - m) / l.
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = row_l[mt][half];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      row_l[mt][half] = l;
+    }
+  __syncthreads();  // every warp is out of its ring
+  float* red = s_red + warp * kRows * T::kRedStride;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 16 + lane / 4 + 8 * half;
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        *reinterpret_cast<float2*>(red + r * T::kRedStride + 8 * j + 2 * (lane % 4)) =
+            make_float2(acc_o[mt][j][2 * half], acc_o[mt][j][2 * half + 1]);
+      if (lane % 4 == 0) {
+        s_m[warp * kRows + r] = row_m[mt][half];
+        s_l[warp * kRows + r] = row_l[mt][half];
+      }
+    }
+  __syncthreads();
+  constexpr float kLn2 = 0.6931471805599453f;
+  if (tid < kRows) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) m = fmaxf(m, s_m[w * kRows + tid]);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w)
+      l += s_l[w * kRows + tid] * exp2f((s_m[w * kRows + tid] - m_use) * scale_log2);
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w)
+      s_f[w * kRows + tid] =
+          l > 0.f ? exp2f((s_m[w * kRows + tid] - m_use) * scale_log2) / l : 0.f;
+    if (row0 + tid < rows_total)
+      lse_out[lse_index(tid)] = l > 0.f ? (m_use * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kRows * kHeadDim / 2; idx += T::kThreads) {
+    const int r = idx / (kHeadDim / 2), c = 2 * (idx % (kHeadDim / 2));
+    if (row0 + r >= rows_total || c >= p.head_dim_v) continue;
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) {
+      const float f = s_f[w * kRows + r];
+      const float2 v = *reinterpret_cast<const float2*>(s_red + (w * kRows + r) * T::kRedStride + c);
+      o0 = fmaf(v.x, f, o0);
+      o1 = fmaf(v.y, f, o1);
+    }
+    if (splitting) {
+      *reinterpret_cast<float2*>(out_ptr_f(r) + c) = make_float2(o0, o1);
+    } else {
+      *reinterpret_cast<uint32_t*>(out_ptr_e(r) + c) = pack2<Element>(o0, o1);
+    }
+  }
+}
+
+// Merges the splits of one (b, h, i) row per warp (see the top of this file); rows of any NaN
+// split stay NaN, rows that saw no key get zeros and LSE -inf.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(128) flash_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int splits = p.num_splits;
+  float m = -INFINITY;
+  bool nan = false;
+  for (int s = lane; s < splits; s += 32) {
+    const float x = p.lse_accum[s * rows + row];
+    nan |= isnan(x);
+    m = fmaxf(m, x);
+  }
+  nan = __any_sync(0xffffffff, nan);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  float sum = 0.f;
+  if (m != -INFINITY) {
+    for (int s = lane; s < splits; s += 32) sum += expf(p.lse_accum[s * rows + row] - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  const float kNaN = __int_as_float(0x7fffffff);
+  const float lse = nan ? kNaN : (m == -INFINITY ? -INFINITY : m + logf(sum));
+  const int64_t h = (row / p.seqlen_q) % p.heads_q, b = row / (p.seqlen_q * p.heads_q),
+                i = row % p.seqlen_q;
+  if (lane == 0) static_cast<float*>(p.softmax_lse)[row] = lse;
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
+                 h * p.out_head_stride;
+  for (int c = lane; c < p.head_dim_v; c += 32) {
+    float o = 0.f;
+    if (nan) {
+      o = kNaN;
+    } else if (m != -INFINITY) {
+      for (int s = 0; s < splits; ++s) {
+        const float w = expf(p.lse_accum[s * rows + row] - lse);
+        o = fmaf(w, p.out_accum[(s * rows + row) * p.head_dim_v + c], o);
+      }
+    }
+    out[c] = from_float<Element>(o);
+  }
+}
+
+// The append: rows cache_seqlens[b] .. + seqlen_new of batch row b's entry (or pages) get k_new
+// / v_new, k_new rotated on its first rotary_dim channels at its positions (FlashAttention's
+// apply_rotary_emb: pairs (2i, 2i + 1) interleaved, else (i, i + rotary_dim / 2)), in fp32 with
+// each product rounded as PyTorch's elementwise ops round it.  Rows of a batch row whose values
+// break a rule are not written (the attention kernel returns NaN for them).  One CTA per
+// (batch row, new row).
+template <typename Element>
+__global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_constant__ DecodeParams p) {
+  const int64_t b = blockIdx.x / p.seqlen_new, i = blockIdx.x % p.seqlen_new;
+  const DecodeEntry e(p, b);
+  if (!e.ok) return;
+  const int64_t row = p.cache_seqlens[b] + i;
+  const int32_t* bt =
+      p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
+  if (bt != nullptr) {
+    const int32_t page = bt[row / p.page_size];
+    if (page < 0 || page >= p.num_entries) return;
+  }
+  const int64_t k_off = cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
+  const int64_t v_off = cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
+  const Element* kn = static_cast<const Element*>(p.k_new) + b * p.knew_batch_stride +
+                      i * p.knew_row_stride;
+  const Element* vn = static_cast<const Element*>(p.v_new) + b * p.vnew_batch_stride +
+                      i * p.vnew_row_stride;
+  Element* kc = const_cast<Element*>(static_cast<const Element*>(p.k)) + k_off;
+  Element* vc = const_cast<Element*>(static_cast<const Element*>(p.v)) + v_off;
+  const int64_t half = p.rotary_dim / 2;
+  const float* cos_row = p.rotary_cos != nullptr ? p.rotary_cos + row * half : nullptr;
+  const float* sin_row = p.rotary_sin != nullptr ? p.rotary_sin + row * half : nullptr;
+  for (int64_t idx = threadIdx.x; idx < p.heads_kv * p.head_dim; idx += blockDim.x) {
+    const int64_t h = idx / p.head_dim, c = idx % p.head_dim;
+    const Element* src = kn + h * p.knew_head_stride;
+    float x = to_float(src[c]);
+    if (cos_row != nullptr && c < p.rotary_dim) {
+      float x1, x2, cs, sn;
+      bool first;
+      if (p.rotary_interleaved) {
+        x1 = to_float(src[c & ~int64_t{1}]);
+        x2 = to_float(src[c | 1]);
+        cs = cos_row[c / 2];
+        sn = sin_row[c / 2];
+        first = (c & 1) == 0;
+      } else {
+        const int64_t a = c < half ? c : c - half;
+        x1 = to_float(src[a]);
+        x2 = to_float(src[a + half]);
+        cs = cos_row[a];
+        sn = sin_row[a];
+        first = c < half;
+      }
+      x = first ? __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn))
+                : __fadd_rn(__fmul_rn(x1, sn), __fmul_rn(x2, cs));
+    }
+    kc[h * p.k_head_stride + c] = from_float<Element>(x);
+  }
+  for (int64_t idx = threadIdx.x; idx < p.heads_kv * p.head_dim_v; idx += blockDim.x) {
+    const int64_t h = idx / p.head_dim_v, c = idx % p.head_dim_v;
+    vc[h * p.v_head_stride + c] = vn[h * p.vnew_head_stride + c];
+  }
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
+  using T = DecodeTraits<kHeadDim>;
+  const int64_t rows = p.seqlen_q * (p.heads_q / p.heads_kv);
+  const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
+  cudaError_t err = launch(flash_decode_kernel<Element, kHeadDim>,
+                           m_blocks * p.num_splits * p.heads_kv * p.batch, T::kThreads, T::kSmem,
+                           stream, p);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch(flash_decode_combine_kernel<Element, kHeadDim>,
+                (p.batch * p.heads_q * p.seqlen_q + 3) / 4, 128, 0, stream, p);
+}
+
+template <typename Element>
+cudaError_t launch_kvcache_append(const DecodeParams& p, cudaStream_t stream) {
+  return launch(kvcache_append_kernel<Element>, p.batch * p.seqlen_new, 128, 0, stream, p);
+}
+
+}  // namespace flash_attn_ext::sm80

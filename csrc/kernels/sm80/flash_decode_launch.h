@@ -1,0 +1,23 @@
+// The decode instantiations (flash_decode_hdim*_*.cu, one translation unit each): attention of
+// a few query rows against a KV cache (flash_decode_kernel.cuh).  Head dims are padded up to 64,
+// 128 or 256.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flash_attn_ext::sm80 {
+
+// Split-KV decode (and its combine kernel when p.num_splits > 1), on `stream`.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_decode(const DecodeParams& p, cudaStream_t stream);
+
+// The append of k_new / v_new (rotated) into the cache; defined in the head-dim-64 files.
+template <typename Element>
+cudaError_t run_kvcache_append(const DecodeParams& p, cudaStream_t stream);
+
+// Query rows (seqlen_q * heads_q / heads_kv packed) one decode CTA takes (DecodeTraits::kRows).
+constexpr int decode_block_rows(int head_dim) { return head_dim <= 64 ? 32 : 16; }
+
+}  // namespace flash_attn_ext::sm80

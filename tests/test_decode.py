@@ -1,0 +1,221 @@
+"""flash_attn_with_kvcache on the CUDA decode kernels (split-KV, GQA rows packed, the cache read
+in place, lengths read on the device): against a float32 reference of each batch row's
+attention by the error rule, for every cache layout and flag; values that break a rule give NaN
+rows and no memory error; no host synchronisation; CUDA-graph capture."""
+
+import itertools
+
+import pytest
+import torch
+
+import flash_attn_ext
+from flash_attn_ext import flash_attn_with_kvcache
+from reference import assert_error_rule, attention_ref
+
+HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+
+# (batch, seqlen_q, heads, heads_k, head_dim): GQA 4:1, MQA 32:1, rows past one tile, odd dims.
+SHAPES = [(3, 1, 8, 2, 128), (2, 1, 32, 1, 64), (2, 3, 6, 3, 256), (3, 2, 4, 4, 40),
+          (1, 1, 16, 8, 96), (2, 5, 12, 4, 72), (2, 1, 32, 1, 128)]
+LAYOUTS = ["plain", "paged16", "paged48", "leftpad", "batch_idx"]
+MODS = [{}, {"causal": True}, {"window_size": (5, 2)}, {"softcap": 30.0}, {"alibi": True},
+        {"causal": True, "window_size": (40, 0)}]
+SPLITS = [0, 1, 5]
+
+
+def _cache(batch, cache_len, heads_k, d, dtype, layout, gen):
+    """(k_cache, v_cache, kwargs, rows(b) -> (k, v) of entry b's cache as contiguous rows)."""
+    kw = {}
+    dense_k, dense_v = (torch.randn(batch + 1, cache_len, heads_k, d, generator=gen)
+                        .to("cuda", dtype) for _ in "kv")
+    entries = list(range(batch))
+    if layout == "batch_idx":
+        entries = [batch - b for b in range(batch)]  # reversed, entry 0 unused
+        kw["cache_batch_idx"] = torch.tensor(entries, dtype=torch.int32, device="cuda")
+    if layout.startswith("paged"):
+        page = int(layout[5:])
+        blocks = cache_len // page
+        perm = torch.randperm(batch * blocks, generator=gen)
+        k_pages, v_pages = (torch.empty(batch * blocks, page, heads_k, d, dtype=dtype,
+                                        device="cuda") for _ in "kv")
+        k_pages[perm.cuda()] = dense_k[:batch].reshape(batch * blocks, page, heads_k, d)
+        v_pages[perm.cuda()] = dense_v[:batch].reshape(batch * blocks, page, heads_k, d)
+        kw["block_table"] = perm.view(batch, blocks).to(torch.int32).cuda()
+        return k_pages, v_pages, kw, lambda b: (dense_k[b], dense_v[b])
+    return dense_k, dense_v, kw, lambda b: (dense_k[entries[b]], dense_v[entries[b]])
+
+
+CASES = [(shape, layout, MODS[i % len(MODS)], SPLITS[i % len(SPLITS)], dtype)
+         for i, (shape, layout, dtype) in enumerate(itertools.product(
+             SHAPES, LAYOUTS, [torch.bfloat16, torch.float16]))]
+
+
+@pytest.mark.parametrize("shape,layout,mods,num_splits,dtype", CASES)
+def test_decode_matches_the_reference(shape, layout, mods, num_splits, dtype):
+    batch, seqlen_q, heads, heads_k, d = shape
+    gen = torch.Generator().manual_seed(hash((shape, layout)) % 2**31)
+    cache_len = 336  # a multiple of both page sizes
+    k_cache, v_cache, kw, rows = _cache(batch, cache_len, heads_k, d, dtype, layout, gen)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=gen).to("cuda", dtype)
+    lens = torch.randint(0, cache_len + 1, (batch,), generator=gen)
+    lens[0] = cache_len  # a full cache
+    if batch > 2:
+        lens[1] = 0  # an empty one
+    leftpad = None
+    if layout == "leftpad":
+        leftpad = (lens * torch.rand(batch, generator=gen)).long()
+        kw["cache_leftpad"] = leftpad.to(torch.int32).cuda()
+    slopes = None
+    if mods.get("alibi"):
+        slopes = torch.rand(heads, generator=gen).cuda() * 0.3
+    flags = dict(causal=mods.get("causal", False), window_size=mods.get("window_size", (-1, -1)),
+                 softcap=mods.get("softcap", 0.0))
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens.to(torch.int32).cuda(), alibi_slopes=slopes,
+        num_splits=num_splits, return_softmax_lse=True, **flags, **kw)
+    assert out.shape == q.shape and lse.shape == (batch, heads, seqlen_q)
+    ref_flags = dict(causal=flags["causal"], window_left=flags["window_size"][0],
+                     window_right=flags["window_size"][1], softcap=flags["softcap"],
+                     alibi_slopes=slopes)
+    for b in range(batch):
+        lo = 0 if leftpad is None else int(leftpad[b])
+        kc, vc = rows(b)
+        keys, values = kc[None, lo:int(lens[b])], vc[None, lo:int(lens[b])]
+        true, true_lse = attention_ref(q[b:b + 1], keys, values, compute_dtype=torch.float32,
+                                       **ref_flags)
+        low, _ = attention_ref(q[b:b + 1], keys, values, compute_dtype=dtype, **ref_flags)
+        assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0, f"out[{b}]")
+        seen = torch.isfinite(true_lse)
+        assert torch.equal(torch.isfinite(lse[b:b + 1]), seen), "rows that see no key: lse -inf"
+        if seen.any():
+            assert (lse[b:b + 1][seen] - true_lse[seen]).abs().max().item() < 1e-2
+        assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+def test_append_and_rotary_equal_the_portable_route(paged, rotary):
+    # The same call on the decode route (no grad) and on the packed-sequence route (q requires
+    # grad, which only that route serves): the same caches after the append, outputs within the
+    # error rule of each other's reference.
+    torch.manual_seed(3)
+    batch, seqlen_q, new, heads, heads_k, d, page = 3, 2, 2, 8, 2, 64, 16
+    shape = (4 * batch, page, heads_k, d) if paged else (batch, 64, heads_k, d)
+    k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, new, heads_k, d, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    kw = dict(cache_seqlens=torch.tensor([5, 0, 60], dtype=torch.int32, device="cuda"),
+              causal=True, return_softmax_lse=True)
+    if paged:
+        kw["block_table"] = torch.randperm(4 * batch, device="cuda").view(batch, 4).int()
+    if rotary:
+        angles = torch.rand(70, 16, device="cuda") * 6
+        kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                  rotary_interleaved=rotary == "interleaved")
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    out, lse = flash_attn_with_kvcache(q, *caches[0], k, v, **kw)
+    out2, lse2 = flash_attn_with_kvcache(q.clone().requires_grad_(), *caches[1], k, v, **kw)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert (out.float() - out2.float()).abs().max().item() < 2e-2
+    assert (lse - lse2.detach()).abs().max().item() < 1e-3
+
+
+def test_values_that_break_a_rule_give_nan_rows_only():
+    # Read on the device, never on the host: a bad length, left pad, entry or page index makes
+    # that batch row NaN (no memory error, no effect on the other rows, no append to it).
+    torch.manual_seed(4)
+    batch, heads, heads_k, d = 4, 8, 2, 128
+    k_cache, v_cache = (torch.randn(batch, 64, heads_k, d, device="cuda", dtype=torch.float16)
+                        for _ in "kv")
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.float16)
+    good = torch.tensor([10, 20, 30, 40], dtype=torch.int32, device="cuda")
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good)
+
+    def check(bad_rows, **kw):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        torch.cuda.synchronize()
+        for b in range(batch):
+            if b in bad_rows:
+                assert torch.isnan(out[b]).all(), (kw, b)
+            else:
+                assert torch.equal(out[b], want[b]), (kw, b)
+
+    check({1}, cache_seqlens=torch.tensor([10, -3, 30, 40], dtype=torch.int32, device="cuda"))
+    check({2}, cache_seqlens=torch.tensor([10, 20, 65, 40], dtype=torch.int32, device="cuda"))
+    check({3}, cache_seqlens=torch.tensor([10, 20, 30, 2**40], device="cuda"))  # int64
+    check({0}, cache_seqlens=good,
+          cache_leftpad=torch.tensor([11, 0, 0, 0], dtype=torch.int32, device="cuda"))
+    check({0, 2}, cache_seqlens=good,
+          cache_batch_idx=torch.tensor([-1, 1, 4, 3], dtype=torch.int32, device="cuda"))
+    pages = k_cache.view(batch * 4, 16, heads_k, d), v_cache.view(batch * 4, 16, heads_k, d)
+    table = torch.arange(batch * 4, dtype=torch.int32, device="cuda").view(batch, 4)
+    table[1, 0] = 99
+    table[3, 3] = 99  # past row 40: never read, so row 3 stays good
+    out = flash_attn_with_kvcache(q, *pages, cache_seqlens=good, block_table=table)
+    assert torch.isnan(out[1]).all() and torch.equal(out[3], want[3])
+    # Two rows appending into one entry: both refused.
+    new = torch.randn(batch, 1, heads_k, d, device="cuda", dtype=torch.float16)
+    out = flash_attn_with_kvcache(
+        q, k_cache.clone(), v_cache.clone(), new, new, cache_seqlens=good,
+        cache_batch_idx=torch.tensor([0, 1, 1, 3], dtype=torch.int32, device="cuda"))
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[3]).all()
+    # Host-side values are still checked on the host.
+    with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new must be in"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=64)
+
+
+def test_a_call_never_synchronises_and_replays_in_a_cuda_graph():
+    torch.manual_seed(5)
+    batch, heads, heads_k, d, page = 2, 16, 4, 128, 64
+    k_pages, v_pages = (torch.randn(8, page, heads_k, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in "kv")
+    table = torch.randperm(8, device="cuda").view(batch, 4).int()
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+    new = torch.randn(batch, 1, heads_k, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([3, 100], dtype=torch.int32, device="cuda")
+    angles = torch.rand(256, 32, device="cuda")
+    kw = dict(cache_seqlens=lens, block_table=table, rotary_cos=angles.cos(),
+              rotary_sin=angles.sin(), causal=True)
+    flash_attn_with_kvcache(q, k_pages, v_pages, new, new, **kw)  # warm-up (kernel attributes)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash_attn_with_kvcache(q, k_pages, v_pages, new, new, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # Captured once, replayed for successive lengths: each replay equals an eager call.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, k_pages, v_pages, new, new, **kw)
+        with torch.cuda.graph(graph, stream=stream):
+            out = flash_attn_with_kvcache(q, k_pages, v_pages, new, new, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(3):
+        lens.copy_(torch.tensor([10 + step, 150 + step], dtype=torch.int32))
+        k_eager, v_eager = k_pages.clone(), v_pages.clone()
+        want = flash_attn_with_kvcache(q, k_eager, v_eager, new, new, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(k_pages, k_eager)
+
+
+def test_long_caches_split_over_the_sms():
+    # B = 1 and 64k keys: the heuristic splits the keys (many CTAs), the combine merges them;
+    # num_splits = 1 (one CTA per head) gives the same answer up to rounding.
+    torch.manual_seed(6)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 65536, 8, 128, device="cuda", dtype=torch.bfloat16)
+                        for _ in "kv")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True)
+    one, lse1 = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1,
+                                        return_softmax_lse=True)
+    true, true_lse = attention_ref(q, k_cache, v_cache, compute_dtype=torch.float32)
+    low, _ = attention_ref(q, k_cache, v_cache, compute_dtype=torch.bfloat16)
+    assert_error_rule(out, low.to(torch.bfloat16), true, 2.0, "split")
+    assert_error_rule(one, low.to(torch.bfloat16), true, 2.0, "one split")
+    assert (lse - true_lse).abs().max().item() < 1e-3
