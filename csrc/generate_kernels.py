@@ -82,7 +82,6 @@ namespace flash_attn_ext::sm80 {{
 
 template <>
 cudaError_t run_flash_decode<{element}, {d}>(const DecodeParams& p, cudaStream_t stream) {{
-  static_assert(DecodeTraits<{d}>::kRows == decode_block_rows({d}), "");
   return launch_flash_decode<{element}, {d}>(p, stream);
 }}
 {append}

@@ -21,7 +21,7 @@ namespace flash_attn_ext::cuda {
 
 namespace {
 
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = 128;  // = kMaxDecodeSplits, the combine kernel's limit
 
 // A 16-bit floating tensor the kernels read in place: 16-byte aligned rows of a contiguous
 // last dimension (the caches are never copied: the append writes into them).
@@ -115,6 +115,26 @@ int sm_count() {
   });
 }
 
+// Split-KV (FlashAttention-2's num_splits_heuristic, on our numbers): the split count whose
+// CTAs fill the GPU's slots (decode CTAs per SM: two up to head dim 128, where ~200 registers
+// per thread or ~100 KB of shared memory allow no more; one at 256, 136 KB) in whole waves best, the smallest one within 85% of the best wave efficiency (each
+// split adds a partial output to merge), each split at least 256 keys of the cache's capacity
+// (the lengths are not read on the host).
+int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int sms, int64_t head_dim) {
+  const int64_t slots = (head_dim > 128 ? 1 : 2) * std::max(sms, 1);
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (seqlen_cache + 255) / 256));
+  if (ctas >= slots || most == 1) return 1;
+  auto efficiency = [&](int64_t s) {
+    const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= most; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= most; ++s)
+    if (efficiency(s) >= 0.85 * best) return s;
+  return 1;
+}
+
 template <typename Fn>
 cudaError_t by_dtype(const at::Tensor& t, Fn fn) {
   return t.scalar_type() == at::kBFloat16 ? fn(__nv_bfloat16{}) : fn(__half{});
@@ -198,15 +218,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                       alibi_slopes->sizes());
     slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
   }
-  // Splits: enough CTAs for two per SM, each split at least 256 keys of the cache's capacity
-  // (no host read of the lengths), at most kMaxSplits.
-  const int64_t rows_per_cta = sm80::decode_block_rows(static_cast<int>(p.head_dim));
-  const int64_t ctas = batch * p.heads_kv * ((seqlen_q * (heads_q / p.heads_kv) + rows_per_cta - 1) / rows_per_cta);
-  int64_t splits = num_splits;
-  if (splits == 0) {
-    const int64_t want = (2 * std::max(sm_count(), 1) + ctas - 1) / ctas;
-    splits = std::min<int64_t>(want, (p.seqlen_cache + 255) / 256);
-  }
+  const int64_t rows = seqlen_q * (heads_q / p.heads_kv);
+  const int64_t rows_per_cta = sm80::decode_block_rows(static_cast<int>(p.head_dim), rows);
+  const int64_t ctas = batch * p.heads_kv * ((rows + rows_per_cta - 1) / rows_per_cta);
+  const int64_t splits = num_splits > 0 ? num_splits
+                                        : heuristic_splits(ctas, p.seqlen_cache, sm_count(),
+                                                                           p.head_dim);
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   at::Tensor out_accum, lse_accum;
   if (p.num_splits > 1) {

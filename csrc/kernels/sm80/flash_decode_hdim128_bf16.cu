@@ -7,7 +7,6 @@ namespace flash_attn_ext::sm80 {
 
 template <>
 cudaError_t run_flash_decode<__nv_bfloat16, 128>(const DecodeParams& p, cudaStream_t stream) {
-  static_assert(DecodeTraits<128>::kRows == decode_block_rows(128), "");
   return launch_flash_decode<__nv_bfloat16, 128>(p, stream);
 }
 

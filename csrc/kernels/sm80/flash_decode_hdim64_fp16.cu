@@ -7,7 +7,6 @@ namespace flash_attn_ext::sm80 {
 
 template <>
 cudaError_t run_flash_decode<__half, 64>(const DecodeParams& p, cudaStream_t stream) {
-  static_assert(DecodeTraits<64>::kRows == decode_block_rows(64), "");
   return launch_flash_decode<__half, 64>(p, stream);
 }
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/flash_decode_launch.h"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/mma.h"
 #include "kernels/sm80/score.h"
@@ -45,13 +46,13 @@ __device__ __forceinline__ Element from_float(float x) {
   }
 }
 
-template <int kHeadDim>
+// kMT_: 16-row m-tiles per CTA, 1 or 2 (decode_block_rows: 2 where a group's rows need them
+// and the O accumulator, kMT * kHeadDim / 2 floats per lane, fits in registers).
+template <int kHeadDim, int kMT_>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  // 16-row m-tiles per CTA: the O accumulator (kMT * kHeadDim / 2 floats per lane at 16 rows
-  // per m-tile) stays at 128 registers.
-  static constexpr int kMT = kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kMT = kMT_;
   static constexpr int kRows = 16 * kMT;
   static constexpr int kBlockN = 16;  // keys per warp step
   static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
@@ -65,7 +66,7 @@ struct DecodeTraits {
   static constexpr int kSmemMain = kSmemRing > kSmemRed ? kSmemRing : kSmemRed;
   static constexpr int kSmemStats = 3 * kWarps * kRows * 4;
   static constexpr int kSmem = kSmemQ + kSmemMain + kSmemStats;
-  static_assert(kChunks <= 32 && 32 % kChunks == 0, "");
+  static_assert(kChunks % 2 == 0 && kBlockN == 16, "the loads: one tile row per lane pair");
 };
 
 // Where batch row b's keys are, and whether its values obey the rules (DecodeParams).
@@ -97,10 +98,10 @@ __device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const
                                                              row_stride;
 }
 
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
+template <typename Element, int kHeadDim, int kMTiles>
+__global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     flash_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using T = DecodeTraits<kHeadDim>;
+  using T = DecodeTraits<kHeadDim, kMTiles>;
   constexpr int kMT = T::kMT, kRows = T::kRows, kChunks = T::kChunks;
   extern __shared__ __align__(128) unsigned char smem[];
   Element* s_q = reinterpret_cast<Element*>(smem);
@@ -246,29 +247,30 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
   Element* ring = s_ring + warp * T::kStages * 2 * T::kTile;
   const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
   const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
-  constexpr int kRowsPerCopy = 32 / kChunks;  // tile rows one warp-wide copy covers
-  const int my_chunk = lane % kChunks;
-  const bool chunk_ok = my_chunk * 8 < p.head_dim;
+  // Lane l copies tile row l % 16, chunks l / 16, + 2, + 4, ...: one row address per lane and
+  // tile (a page lookup at most), each 32-byte sector of a row read whole by one instruction.
+  const int my_row = lane % T::kBlockN, my_chunk0 = lane / T::kBlockN;
+  const int chunks = static_cast<int>(p.head_dim / 8);  // (a multiple of 8: the glue's rule)
   auto load = [&](int stage, int it) {
-    const int64_t key0 = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN;
+    const int64_t key = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN + my_row;
     Element* sk = ring + stage * 2 * T::kTile;
     Element* sv = sk + T::kTile;
+    const bool row_ok = key < len_k;
+    // One base per operand; chunk c is base + 8 c (an immediate offset).  A chunk not read
+    // (src-size 0: zero-filled, no access) keeps that address too.
+    const Element* ks = k_base + my_chunk0 * 8;
+    const Element* vs = v_base + my_chunk0 * 8;
+    if (row_ok) {
+      const int64_t row = e.start + key;
+      ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
+      vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
+    }
 #pragma unroll
-    for (int rr = 0; rr < T::kBlockN / kRowsPerCopy; ++rr) {
-      const int r = lane / kChunks + rr * kRowsPerCopy;
-      const int64_t key = key0 + r;
-      const bool valid = chunk_ok && key < len_k;
-      const Element* ks = k_base;
-      const Element* vs = v_base;
-      if (valid) {
-        const int64_t row = e.start + key;
-        ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride) +
-              my_chunk * 8;
-        vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride) +
-              my_chunk * 8;
-      }
-      cp_async_16(smem_addr(sk + swz<kChunks>(r, my_chunk)), ks, valid);
-      cp_async_16(smem_addr(sv + swz<kChunks>(r, my_chunk)), vs, valid);
+    for (int cc = 0; cc < kChunks / 2; ++cc) {
+      const int c = my_chunk0 + 2 * cc;
+      const bool valid = row_ok && c < chunks;
+      cp_async_16(smem_addr(sk + swz<kChunks>(my_row, c)), ks + 16 * cc, valid);
+      cp_async_16(smem_addr(sv + swz<kChunks>(my_row, c)), vs + 16 * cc, valid);
     }
   };
 
@@ -290,6 +292,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
     gemm_ss<Element, kChunks, kMT, 2, kHeadDim>(s_acc, s_q, 0, sk, 0, lane);
     const int key0 = static_cast<int>((first_blk + static_cast<int64_t>(it) * T::kWarps) *
                                       T::kBlockN);
+    float corr_all[kMT][2];
+    bool rescale = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -316,6 +320,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
         const float m_new = fmaxf(row_m[mt][half], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         const float corr = exp2f((row_m[mt][half] - m_use) * scale_log2);
+        corr_all[mt][half] = corr;
         row_m[mt][half] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -327,12 +332,21 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
             sum += x;
           }
         row_l[mt][half] = row_l[mt][half] * corr + sum;
-#pragma unroll
-        for (int j = 0; j < kChunks; ++j) {
-          acc_o[mt][j][2 * half] *= corr;
-          acc_o[mt][j][2 * half + 1] *= corr;
-        }
+        rescale |= corr != 1.f;
       }
+    // O is rescaled only when a row's maximum moved (warp-uniform branch): after the first
+    // tiles of a long cache it rarely does, and the multiplies were a sixth of the loop.
+    if (__any_sync(0xffffffff, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kChunks; ++j) {
+            acc_o[mt][j][2 * half] *= corr_all[mt][half];
+            acc_o[mt][j][2 * half + 1] *= corr_all[mt][half];
+          }
+    }
     gemm_rs<Element, kChunks, kMT, T::kBlockN, kChunks>(acc_o, s_acc, sv, 0, 0, lane);
     __syncwarp();
   }
@@ -403,12 +417,17 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim>::kThreads)
 }
 
 // Merges the splits of one (b, h, i) row per warp (see the top of this file); rows of any NaN
-// split stay NaN, rows that saw no key get zeros and LSE -inf.
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(128) flash_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+// split stay NaN, rows that saw no key get zeros and LSE -inf.  The weights exp(lse_s - lse)
+// go through shared memory so that the loads of out_accum are independent (unrolled, several
+// in flight per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).
+constexpr int kCombineWarps = 4, kMaxDecodeSplits = 128;
+template <typename Element>
+__global__ void __launch_bounds__(32 * kCombineWarps)
+    flash_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  __shared__ float s_w[kCombineWarps][kMaxDecodeSplits];
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
   if (row >= rows) return;
   const int splits = p.num_splits;
   float m = -INFINITY;
@@ -421,30 +440,40 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(const __grid_
   nan = __any_sync(0xffffffff, nan);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  const float m_use = m == -INFINITY ? 0.f : m;
   float sum = 0.f;
-  if (m != -INFINITY) {
-    for (int s = lane; s < splits; s += 32) sum += expf(p.lse_accum[s * rows + row] - m);
+  for (int s = lane; s < splits; s += 32) {
+    const float w = expf(p.lse_accum[s * rows + row] - m_use);  // 0 for an empty split
+    s_w[warp][s] = w;
+    sum += w;
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  __syncwarp();
   const float kNaN = __int_as_float(0x7fffffff);
-  const float lse = nan ? kNaN : (m == -INFINITY ? -INFINITY : m + logf(sum));
+  const float lse = nan ? kNaN : (m == -INFINITY ? -INFINITY : m_use + logf(sum));
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
   const int64_t h = (row / p.seqlen_q) % p.heads_q, b = row / (p.seqlen_q * p.heads_q),
                 i = row % p.seqlen_q;
   if (lane == 0) static_cast<float*>(p.softmax_lse)[row] = lse;
   Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
                  h * p.out_head_stride;
-  for (int c = lane; c < p.head_dim_v; c += 32) {
-    float o = 0.f;
-    if (nan) {
-      o = kNaN;
-    } else if (m != -INFINITY) {
-      for (int s = 0; s < splits; ++s) {
-        const float w = expf(p.lse_accum[s * rows + row] - lse);
-        o = fmaf(w, p.out_accum[(s * rows + row) * p.head_dim_v + c], o);
-      }
+  // Four channels per lane and load (head_dim_v is a multiple of 8: rows are 32-byte aligned).
+  for (int c = 4 * lane; c < p.head_dim_v; c += 128) {
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* src = p.out_accum + row * p.head_dim_v + c;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const float4 x = *reinterpret_cast<const float4*>(src + s * rows * p.head_dim_v);
+      const float w = s_w[warp][s];
+      o.x = fmaf(w, x.x, o.x);
+      o.y = fmaf(w, x.y, o.y);
+      o.z = fmaf(w, x.z, o.z);
+      o.w = fmaf(w, x.w, o.w);
     }
-    out[c] = from_float<Element>(o);
+    const float f = nan ? kNaN : inv;
+    *reinterpret_cast<uint32_t*>(out + c) = pack2<Element>(o.x * f, o.y * f);
+    *reinterpret_cast<uint32_t*>(out + c + 2) = pack2<Element>(o.z * f, o.w * f);
   }
 }
 
@@ -509,17 +538,31 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
   }
 }
 
-template <typename Element, int kHeadDim>
-cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
-  using T = DecodeTraits<kHeadDim>;
+template <typename Element, int kHeadDim, int kMT>
+cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream) {
+  using T = DecodeTraits<kHeadDim, kMT>;
   const int64_t rows = p.seqlen_q * (p.heads_q / p.heads_kv);
   const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
-  cudaError_t err = launch(flash_decode_kernel<Element, kHeadDim>,
-                           m_blocks * p.num_splits * p.heads_kv * p.batch, T::kThreads, T::kSmem,
-                           stream, p);
+  return launch(flash_decode_kernel<Element, kHeadDim, kMT>,
+                m_blocks * p.num_splits * p.heads_kv * p.batch, T::kThreads, T::kSmem, stream, p);
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
+  const int rows_per_cta = decode_block_rows(static_cast<int>(p.head_dim),
+                                             p.seqlen_q * (p.heads_q / p.heads_kv));
+  cudaError_t err;
+  if constexpr (kHeadDim <= 128) {
+    err = rows_per_cta == 32 ? launch_flash_decode_tiles<Element, kHeadDim, 2>(p, stream)
+                             : launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
+  } else {
+    err = launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
+  }
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  return launch(flash_decode_combine_kernel<Element, kHeadDim>,
-                (p.batch * p.heads_q * p.seqlen_q + 3) / 4, 128, 0, stream, p);
+  if (p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
+  return launch(flash_decode_combine_kernel<Element>,
+                (p.batch * p.heads_q * p.seqlen_q + kCombineWarps - 1) / kCombineWarps,
+                32 * kCombineWarps, 0, stream, p);
 }
 
 template <typename Element>

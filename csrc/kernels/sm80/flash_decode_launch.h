@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "params.h"
 
 namespace flash_attn_ext::sm80 {
@@ -17,7 +19,12 @@ cudaError_t run_flash_decode(const DecodeParams& p, cudaStream_t stream);
 template <typename Element>
 cudaError_t run_kvcache_append(const DecodeParams& p, cudaStream_t stream);
 
-// Query rows (seqlen_q * heads_q / heads_kv packed) one decode CTA takes (DecodeTraits::kRows).
-constexpr int decode_block_rows(int head_dim) { return head_dim <= 64 ? 32 : 16; }
+// Query rows one decode CTA takes (DecodeTraits::kRows) for `rows` = seqlen_q * heads_q /
+// heads_kv packed rows: 32 where there are more than 16 and the head dim is at most 128 (so a
+// 32-query-head MQA group reads its keys once), else 16 (a 16-row m-tile wastes less of the
+// MMAs on GQA groups of a few heads; at head dim 256 two m-tiles would not fit in registers).
+constexpr int decode_block_rows(int head_dim, int64_t rows) {
+  return head_dim <= 128 && rows > 16 ? 32 : 16;
+}
 
 }  // namespace flash_attn_ext::sm80
