@@ -1,14 +1,19 @@
 """Inference with a KV cache: FlashAttention-2's ``flash_attn_with_kvcache``.
 
 New keys/values are appended into the cache in place, q and the new keys optionally get a rotary
-embedding, and q attends to each batch entry's cached keys. The attention is the packed-sequence
-kernel (flash_attn_ext.varlen) reading the cache in place: sequence b is batch entry b's cache
-rows ``cache_leftpad[b] .. cache_seqlens[b] + seqlen_new``, given by cu_seqlens_k and
-seqused_k, so nothing of size (batch, seqlen_cache) is copied (but for ``cache_batch_idx``,
-which gathers the entries it names, and a paged cache, whose pages are gathered). CPU kernels,
-and on CUDA the portable kernels that serve packed sequences (not yet a decode-specialised
-kernel, split-KV or the Hopper kernels: issue 26); the lengths are checked on the host, so a
-CUDA call synchronises (not capturable in a CUDA graph).
+embedding, and q attends to each batch entry's cached keys.
+
+On CUDA (fp16/bf16, one head_dim that is a multiple of 8 up to 256, caches readable in place,
+no gradient wanted) the call runs on the decode kernels (csrc/kernels/sm80/
+flash_decode_kernel.cuh): split-KV with an LSE-combining kernel, the query heads of a GQA group
+packed into one tile, the cache read in place (contiguous entries, ``cache_batch_idx``, or pages
+of any size through ``block_table``), the append and the new keys' rotary embedding in one
+kernel.  The lengths, entries and pages are read on the device only, so a call never waits for
+the GPU and can be captured in a CUDA graph; values there that break a rule (a length outside
+the cache, an index out of range) make that batch row's out and softmax_lse NaN instead of
+raising (values given as Python ints are checked on the host).  Other calls, and every CPU call,
+run on the packed-sequence kernels (flash_attn_ext.varlen) over the cache in place, with the
+values checked on the host (a CUDA call then synchronises).
 """
 
 from __future__ import annotations
@@ -212,9 +217,11 @@ def flash_attn_with_kvcache(
         softmax_scale, causal (bottom-right over the used keys), window_size, softcap,
             alibi_slopes: as :func:`flash_attn_ext.flash_attn_func`.
         block_table: (batch, max_num_blocks) int32 or None: paged KV, entry b's cache is pages
-            block_table[b, 0], block_table[b, 1], ... of k_cache/v_cache (any page size;
-            gathered into a copy on the CPU).
-        num_splits: a CUDA scheduling hint (ignored on the CPU).
+            block_table[b, 0], block_table[b, 1], ... of k_cache/v_cache (any page size; read
+            in place by the CUDA decode kernels, gathered into a copy on the other routes).
+        num_splits: split-KV on the CUDA decode kernels: the keys of each (batch row, KV
+            head) split over this many CTAs (at most 128), 0 = a heuristic that fills the
+            GPU (ignored on the other routes).
         return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
 
     Returns:
@@ -225,6 +232,10 @@ def flash_attn_with_kvcache(
             without the kernels (naming the reason).
         ValueError: shapes, a cache too short for the append, bad lengths; flags that are not
             what flash_attn_func takes (e.g. causal not a bool); alibi_slopes requiring grad.
+            On the CUDA decode route, values held in CUDA tensors (cache_seqlens,
+            cache_leftpad, cache_batch_idx, block_table) are not read on the host: a batch row
+            whose values break these rules gets NaN out and softmax_lse rows instead, and two
+            batch rows appending into one shared page row are not detected.
     """
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
     window_size, _ = check_flags(causal, window_size, 0.0)

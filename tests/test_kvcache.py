@@ -127,6 +127,8 @@ def test_bad_appends_and_indices_raise_before_writing():
         (dict(k=new, v=new, cache_seqlens=1, rotary_cos=torch.ones(2, 8),
               rotary_sin=torch.ones(2, 8)), "seqlen_ro"),
         (dict(k=new, v=new, cache_seqlens=1, rotary_cos=torch.ones(16, 8)), "together"),
+        (dict(k=new, v=new, cache_seqlens=1, num_splits=-1), "num_splits must be an int >= 0"),
+        (dict(k=new, v=new, cache_seqlens=1, num_splits=2.0), "num_splits must be an int"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
