@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from timing import queued_ms, rotated
+from timing import graph_ms, queued_ms, rotated
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ext
@@ -74,33 +74,6 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
         times.sort()
         return times[len(times) // 2]
     return queued_ms(fn, warmup=0, reps=reps, groups=groups, host_us=host_us)
-
-
-def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Milliseconds per call of fn replayed from a captured CUDA graph: the GPU time alone, with
-    no host work between the kernels (median of 5 groups of `reps` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def backward_reading(fwd: Callable[[], object], fwd_bwd: Callable[[], object],

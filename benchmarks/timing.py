@@ -37,26 +37,27 @@ def queued_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, groups:
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 10, groups: int = 5) -> float:
-    """Median milliseconds per call of fn with the host out of the way: `reps` calls captured
-    in one CUDA graph (after a warm-up call on the capture stream), the graph replayed `groups`
-    times between events.  What a caller that captures its decode step (as inference servers
-    do) sees; raises RuntimeError where fn cannot be captured (a synchronising call)."""
+    """Milliseconds per call of fn replayed from a captured CUDA graph: the GPU time alone, with
+    no host work between the kernels (what a caller that captures its step, as inference
+    servers capture their decode step, sees); the median of `groups` groups of `reps` replays.
+    Raises RuntimeError where fn cannot be captured (a synchronising call)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
+        for _ in range(3):
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(groups):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        for _ in range(reps):
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / reps)
