@@ -4,7 +4,8 @@ New keys/values are appended into the cache in place, q and the new keys optiona
 embedding, and q attends to each batch entry's cached keys.
 
 On CUDA (fp16/bf16, one head_dim that is a multiple of 8 up to 256, caches readable in place,
-no gradient wanted) the call runs on the decode kernels (csrc/kernels/sm80/
+softmax_scale > 0, no gradient wanted, and above head dim 64 a GPU with ~140 KB of shared
+memory per block: _decode_kernel_serves) the call runs on the decode kernels (csrc/kernels/sm80/
 flash_decode_kernel.cuh): split-KV with an LSE-combining kernel, the query heads of a GQA group
 packed into one tile, the cache read in place (contiguous entries, ``cache_batch_idx``, or pages
 of any size through ``block_table``), the append and the new keys' rotary embedding in one
@@ -94,11 +95,20 @@ def _in_place(t: torch.Tensor) -> bool:
         all(t.shape[i] <= 1 or t.stride(i) % 8 == 0 for i in range(3))
 
 
-def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes) -> bool:
+# GPUs whose per-block shared memory (opt-in) holds the decode kernels above head dim 64 (up to
+# 137 KB at head dim 256; csrc/kernels/sm80/flash_decode_kernel.cuh, DecodeTraits::kSmem):
+# A100 and Orin (163 KB), H100/H200 and B200/B300 (227 KB); sm_86, sm_89 and sm_120 allow 99 KB.
+_LARGE_SMEM_CAPABILITIES = {(8, 0), (8, 7), (9, 0), (10, 0), (10, 3)}
+
+
+def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
+                          rotary_cos) -> bool:
     """Whether the CUDA decode kernels (split-KV, no host synchronisation) take the call: fp16
-    / bf16 on a GPU of compute capability 8.0 or newer, one head_dim (a multiple of 8, at most
-    256) for q, k and v, caches readable in place and no gradient wanted (the decode kernels
-    have no backward).  The other calls run on the packed-sequence kernels (varlen)."""
+    / bf16 on a GPU of compute capability 8.0 or newer (above head dim 64, one whose shared
+    memory holds them), one head_dim (a multiple of 8, at most 256) for q, k and v, caches
+    readable in place, a positive softmax_scale, float32 alibi_slopes on q's device, a
+    non-empty rotary table, and no gradient wanted (the decode kernels have no backward).  The
+    other calls run on the packed-sequence kernels (varlen), whose checks name what is wrong."""
     if q.device.type != "cuda" or q.dtype not in _DECODE_DTYPES or \
             k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return False
@@ -106,7 +116,15 @@ def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes) -> bool:
     if k_cache.shape[3] != head_dim or v_cache.shape[3] != head_dim or head_dim % 8 or \
             head_dim > 256 or not (_in_place(k_cache) and _in_place(v_cache)):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability[0] < 8 or (head_dim > 64 and capability not in _LARGE_SMEM_CAPABILITIES):
+        return False
+    if softmax_scale is not None and not softmax_scale > 0:
+        return False  # (the kernel's running maximum is on q.k, which a scale <= 0 reverses)
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or
+                                     alibi_slopes.device != q.device):
+        return False
+    if rotary_cos is not None and rotary_cos.shape[0] == 0:
         return False
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
@@ -312,7 +330,8 @@ def flash_attn_with_kvcache(
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     local = causal or window_size[0] >= 0 or window_size[1] >= 0
-    if _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes):
+    if _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
+                             rotary_cos):
         return _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

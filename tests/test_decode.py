@@ -46,15 +46,17 @@ def _cache(batch, cache_len, heads_k, d, dtype, layout, gen):
     return dense_k, dense_v, kw, lambda b: (dense_k[entries[b]], dense_v[entries[b]])
 
 
-CASES = [(shape, layout, MODS[i % len(MODS)], SPLITS[i % len(SPLITS)], dtype)
-         for i, (shape, layout, dtype) in enumerate(itertools.product(
-             SHAPES, LAYOUTS, [torch.bfloat16, torch.float16]))]
+# Every (shape, layout) once; flags, split counts and dtypes rotated through them so that each
+# flag meets each split count and both dtypes.
+CASES = [(i, shape, layout, MODS[i % len(MODS)], SPLITS[(i // 2) % len(SPLITS)],
+          (torch.bfloat16, torch.float16)[(i // len(MODS)) % 2])
+         for i, (shape, layout) in enumerate(itertools.product(SHAPES, LAYOUTS))]
 
 
-@pytest.mark.parametrize("shape,layout,mods,num_splits,dtype", CASES)
-def test_decode_matches_the_reference(shape, layout, mods, num_splits, dtype):
+@pytest.mark.parametrize("case,shape,layout,mods,num_splits,dtype", CASES)
+def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dtype):
     batch, seqlen_q, heads, heads_k, d = shape
-    gen = torch.Generator().manual_seed(hash((shape, layout)) % 2**31)
+    gen = torch.Generator().manual_seed(1000 + case)
     cache_len = 336  # a multiple of both page sizes
     k_cache, v_cache, kw, rows = _cache(batch, cache_len, heads_k, d, dtype, layout, gen)
     q = torch.randn(batch, seqlen_q, heads, d, generator=gen).to("cuda", dtype)
@@ -88,6 +90,7 @@ def test_decode_matches_the_reference(shape, layout, mods, num_splits, dtype):
         assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0, f"out[{b}]")
         seen = torch.isfinite(true_lse)
         assert torch.equal(torch.isfinite(lse[b:b + 1]), seen), "rows that see no key: lse -inf"
+        assert not torch.isnan(lse[b:b + 1]).any()
         if seen.any():
             assert (lse[b:b + 1][seen] - true_lse[seen]).abs().max().item() < 1e-2
         assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
@@ -133,14 +136,18 @@ def test_values_that_break_a_rule_give_nan_rows_only():
     good = torch.tensor([10, 20, 30, 40], dtype=torch.int32, device="cuda")
     want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good)
 
+    want3 = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good, num_splits=3)
+
     def check(bad_rows, **kw):
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
-        torch.cuda.synchronize()
-        for b in range(batch):
-            if b in bad_rows:
-                assert torch.isnan(out[b]).all(), (kw, b)
-            else:
-                assert torch.equal(out[b], want[b]), (kw, b)
+        for splits, expected in ((0, want), (3, want3)):  # (3: the combine kernel's NaN path)
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=splits,
+                                               return_softmax_lse=True, **kw)
+            torch.cuda.synchronize()
+            for b in range(batch):
+                if b in bad_rows:
+                    assert torch.isnan(out[b]).all() and torch.isnan(lse[b]).all(), (kw, b)
+                else:
+                    assert torch.equal(out[b], expected[b]), (kw, b)
 
     check({1}, cache_seqlens=torch.tensor([10, -3, 30, 40], dtype=torch.int32, device="cuda"))
     check({2}, cache_seqlens=torch.tensor([10, 20, 65, 40], dtype=torch.int32, device="cuda"))
@@ -155,13 +162,16 @@ def test_values_that_break_a_rule_give_nan_rows_only():
     table[3, 3] = 99  # past row 40: never read, so row 3 stays good
     out = flash_attn_with_kvcache(q, *pages, cache_seqlens=good, block_table=table)
     assert torch.isnan(out[1]).all() and torch.equal(out[3], want[3])
-    # Two rows appending into one entry: both refused.
+    # Two rows appending into one entry: both refused, and neither writes it.
     new = torch.randn(batch, 1, heads_k, d, device="cuda", dtype=torch.float16)
+    k_dup, v_dup = k_cache.clone(), v_cache.clone()
     out = flash_attn_with_kvcache(
-        q, k_cache.clone(), v_cache.clone(), new, new, cache_seqlens=good,
+        q, k_dup, v_dup, new, new, cache_seqlens=good,
         cache_batch_idx=torch.tensor([0, 1, 1, 3], dtype=torch.int32, device="cuda"))
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[3]).all()
+    assert torch.equal(k_dup[1], k_cache[1]) and torch.equal(v_dup[1], v_cache[1])
+    assert not torch.equal(k_dup[0], k_cache[0])  # (row 0 appended)
     # Host-side values are still checked on the host.
     with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new must be in"):
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=64)
@@ -215,7 +225,35 @@ def test_long_caches_split_over_the_sms():
     one, lse1 = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1,
                                         return_softmax_lse=True)
     true, true_lse = attention_ref(q, k_cache, v_cache, compute_dtype=torch.float32)
+    assert (lse1 - true_lse).abs().max().item() < 1e-3
     low, _ = attention_ref(q, k_cache, v_cache, compute_dtype=torch.bfloat16)
     assert_error_rule(out, low.to(torch.bfloat16), true, 2.0, "split")
     assert_error_rule(one, low.to(torch.bfloat16), true, 2.0, "one split")
     assert (lse - true_lse).abs().max().item() < 1e-3
+
+
+def test_inputs_the_kernels_must_not_mishandle():
+    # A misaligned q view (copied, not read with 16-byte copies), a softmax_scale <= 0 (not
+    # the decode kernels': their running maximum assumes a positive scale; the CUDA kernels
+    # refuse it by name), NaN in q (NaN out and NaN softmax_lse, also through the split merge).
+    torch.manual_seed(7)
+    k_cache, v_cache = (torch.randn(2, 200, 2, 128, device="cuda", dtype=torch.float16)
+                        for _ in "kv")
+    buf = torch.randn(2 * 8 * 128 + 4, device="cuda", dtype=torch.float16)
+    q = buf[4:].view(2, 1, 8, 128)
+    lens = torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+    want = flash_attn_with_kvcache(q.clone(), k_cache, v_cache, cache_seqlens=lens)
+    assert torch.equal(out, want)
+    for scale in (-0.1, 0.0):
+        with pytest.raises(NotImplementedError, match="positive scale"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                    softmax_scale=scale)
+    q_nan = q.clone()
+    q_nan[1, 0, 3, 5] = float("nan")
+    for splits in (1, 4):
+        out, lse = flash_attn_with_kvcache(q_nan, k_cache, v_cache, cache_seqlens=lens,
+                                           num_splits=splits, return_softmax_lse=True)
+        assert torch.isnan(out[1, 0, 3]).all() and torch.isnan(lse[1, 3]).all()
+        assert torch.isfinite(out[0]).all() and torch.isfinite(lse[0]).all()
+        assert torch.isfinite(out[1, 0, :3]).all() and torch.isfinite(lse[1, :3]).all()

@@ -170,11 +170,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                     window_left, ", ", window_right, ")");
   TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0 = heuristic), got ", num_splits);
   TORCH_CHECK_VALUE(seqlen_new >= 0 && rotary_rows >= 0, "seqlen_new and rotary_rows must be >= 0");
-  const at::Tensor q = q_in.stride(3) == 1 && q_in.stride(1) % 8 == 0 && q_in.stride(2) % 8 == 0 &&
-                               q_in.stride(0) % 8 == 0 &&
-                               reinterpret_cast<uintptr_t>(q_in.data_ptr()) % 16 == 0
-                           ? q_in
-                           : q_in.contiguous();
+  // q is read by 16-byte copies: a view that is not aligned so is copied (clone: contiguous()
+  // would return an already contiguous but misaligned view unchanged).
+  const bool q_aligned = q_in.stride(3) == 1 && q_in.stride(1) % 8 == 0 &&
+                         q_in.stride(2) % 8 == 0 && q_in.stride(0) % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(q_in.data_ptr()) % 16 == 0;
+  const at::Tensor q = q_aligned ? q_in : q_in.clone(at::MemoryFormat::Contiguous);
   at::Tensor out = new_output({batch, seqlen_q, heads_q, p.head_dim_v}, q.options());
   at::Tensor lse = new_output({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   if (batch == 0 || seqlen_q == 0 || heads_q == 0) return {out, lse};
@@ -192,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.out_head_stride = out.stride(2);
   p.softmax_scale = softmax_scale.has_value() ? *softmax_scale
                                               : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
-  TORCH_CHECK_VALUE(std::isfinite(p.softmax_scale), "softmax_scale must be finite, got ",
-                    p.softmax_scale);
+  TORCH_CHECK_VALUE(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0,
+                    "the decode kernels take a finite softmax_scale > 0, got ", p.softmax_scale);
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
                     "softcap must be finite and >= 0 (0 = off), got ", softcap);
   p.softcap = softcap;

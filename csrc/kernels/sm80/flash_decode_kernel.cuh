@@ -391,10 +391,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       l += s_l[w * kRows + tid] * exp2f((s_m[w * kRows + tid] - m_use) * scale_log2);
 #pragma unroll
     for (int w = 0; w < T::kWarps; ++w)
-      s_f[w * kRows + tid] =
-          l > 0.f ? exp2f((s_m[w * kRows + tid] - m_use) * scale_log2) / l : 0.f;
-    if (row0 + tid < rows_total)
-      lse_out[lse_index(tid)] = l > 0.f ? (m_use * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      s_f[w * kRows + tid] = l > 0.f    ? exp2f((s_m[w * kRows + tid] - m_use) * scale_log2) / l
+                             : isnan(l) ? l
+                                        : 0.f;
+    if (row0 + tid < rows_total)  // (NaN in the inputs: l is NaN, and so is the LSE)
+      lse_out[lse_index(tid)] = l > 0.f     ? (m_use * scale_log2 + log2f(l)) * kLn2
+                                : isnan(l) ? __int_as_float(0x7fffffff)
+                                           : -INFINITY;
   }
   __syncthreads();
   for (int idx = tid; idx < kRows * kHeadDim / 2; idx += T::kThreads) {
@@ -487,7 +490,12 @@ template <typename Element>
 __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_constant__ DecodeParams p) {
   const int64_t b = blockIdx.x / p.seqlen_new, i = blockIdx.x % p.seqlen_new;
   const DecodeEntry e(p, b);
-  if (!e.ok) return;
+  bool ok = e.ok;
+  if (ok && p.cache_batch_idx != nullptr) {  // two rows appending into one entry: neither
+    for (int64_t o = threadIdx.x; o < p.batch; o += blockDim.x)
+      if (o != b && p.cache_batch_idx[o] == e.entry) ok = false;
+  }
+  if (!__syncthreads_and(ok)) return;
   const int64_t row = p.cache_seqlens[b] + i;
   const int32_t* bt =
       p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
