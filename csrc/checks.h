@@ -11,6 +11,15 @@
 
 namespace flash_attn_ext {
 
+// The batch, row and head strides of a (batch, seqlen, heads, head_dim) tensor, into a params
+// struct's three fields.
+inline void set_strides(const at::Tensor& t, int64_t& batch_stride, int64_t& row_stride,
+                        int64_t& head_stride) {
+  batch_stride = t.stride(0);
+  row_stride = t.stride(1);
+  head_stride = t.stride(2);
+}
+
 struct AttnArgs {
   int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
   double softmax_scale;

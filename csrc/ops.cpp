@@ -248,18 +248,10 @@ void fill_fwd_params(FwdParams& p, const AttnArgs& a, const at::Tensor& q, const
   p.heads_kv = a.heads_kv;
   p.head_dim = a.head_dim;
   p.head_dim_v = a.head_dim_v;
-  p.q_batch_stride = q.stride(0);
-  p.q_row_stride = q.stride(1);
-  p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0);
-  p.k_row_stride = k.stride(1);
-  p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0);
-  p.v_row_stride = v.stride(1);
-  p.v_head_stride = v.stride(2);
-  p.out_batch_stride = out.stride(0);
-  p.out_row_stride = out.stride(1);
-  p.out_head_stride = out.stride(2);
+  set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  set_strides(out, p.out_batch_stride, p.out_row_stride, p.out_head_stride);
   p.softmax_scale = a.softmax_scale;
   p.softcap = softcap;
   p.window_left = a.window_left;
@@ -321,18 +313,10 @@ void fill_grad_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& dq
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  p.dout_batch_stride = dout.stride(0);
-  p.dout_row_stride = dout.stride(1);
-  p.dout_head_stride = dout.stride(2);
-  p.dq_batch_stride = dq.stride(0);
-  p.dq_row_stride = dq.stride(1);
-  p.dq_head_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0);
-  p.dk_row_stride = dk.stride(1);
-  p.dk_head_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0);
-  p.dv_row_stride = dv.stride(1);
-  p.dv_head_stride = dv.stride(2);
+  set_strides(dout, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride);
+  set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  set_strides(dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  set_strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
 }
 
 }  // namespace flash_attn_ext

@@ -49,16 +49,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
-def _int32(value, batch: int, device, name: str) -> torch.Tensor:
-    t = torch.as_tensor(value, device=device)
-    if t.dtype not in (torch.int32, torch.int64) or t.dim() > 1 or \
-            (t.dim() == 1 and t.numel() != batch):
+def _int32(value, batch: int, device, name: str, *, read_values: bool = True) -> torch.Tensor:
+    """value (an int or a (batch,) integer tensor) as a contiguous (batch,) int32 tensor on
+    device.  int64 values outside int32 raise ValueError where read_values (which reads a
+    device tensor's values on the host); without it they are clamped, for the decode kernels to
+    refuse (NaN rows), so that nothing waits for the GPU."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        if not read_values:
+            raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, "
+                             f"got {type(value).__name__}")
+        value = torch.as_tensor(value)
+    if isinstance(value, int):
+        if not -2**31 <= value < 2**31:
+            raise ValueError(f"{name} must fit in int32, got {value}")
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if value.dtype not in (torch.int32, torch.int64) or value.dim() > 1 or \
+            (value.dim() == 1 and value.numel() != batch):
         raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
-                         f"{t.dtype} of shape {tuple(t.shape)}")
-    if t.dtype == torch.int64 and t.numel() and \
-            bool(((t < -2**31) | (t >= 2**31)).any()):  # (the cast would wrap it)
-        raise ValueError(f"{name} must fit in int32, got {t.tolist()}")
-    return t.to(torch.int32).expand(batch).contiguous()
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    if value.dtype == torch.int64 and value.numel():
+        if not read_values:
+            value = value.clamp(-2**31, 2**31 - 1)
+        elif bool(((value < -2**31) | (value >= 2**31)).any()):  # (the cast would wrap it)
+            raise ValueError(f"{name} must fit in int32, got {value.tolist()}")
+    return value.to(device=device, dtype=torch.int32).expand(batch).contiguous()
 
 
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
@@ -132,36 +146,16 @@ def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale
     return True
 
 
-def _device_int32(value, batch: int, device, name: str) -> torch.Tensor:
-    """value (an int or a (batch,) integer tensor) as a contiguous (batch,) int32 tensor on
-    device, without reading a device tensor's values: an int is checked here, tensor values
-    by the kernels (int64 values beyond int32 are clamped, which the kernels then refuse)."""
-    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
-                         f"{type(value).__name__}")
-    if isinstance(value, int):
-        if not -2**31 <= value < 2**31:
-            raise ValueError(f"{name} must fit in int32, got {value}")
-        return torch.full((batch,), value, dtype=torch.int32, device=device)
-    if value.dtype not in (torch.int32, torch.int64) or value.dim() > 1 or \
-            (value.dim() == 1 and value.numel() != batch):
-        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
-                         f"{value.dtype} of shape {tuple(value.shape)}")
-    if value.dtype == torch.int64:
-        value = value.clamp(-2**31, 2**31 - 1)
-    return value.to(device=device, dtype=torch.int32).expand(batch).contiguous()
-
-
 def _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, local):
+            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, local,
+            seqlen_cache):
     """flash_attn_with_kvcache on the CUDA decode kernels (kernels/sm80/
     flash_decode_kernel.cuh): the append and the attention read the lengths, entries and pages
     on the device, so nothing here waits for the GPU (CUDA-graph capturable).  Values that
     break a rule give NaN rows instead of an error (see flash_attn_with_kvcache)."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
-    seqlen_cache = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache
@@ -170,11 +164,11 @@ def _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
                          f"{seqlen_cache}], got cache_seqlens={cache_seqlens} and "
                          f"seqlen_new={new}")
-    seqlens = _device_int32(cache_seqlens, batch, device, "cache_seqlens")
+    seqlens = _int32(cache_seqlens, batch, device, "cache_seqlens", read_values=False)
     entries = None if cache_batch_idx is None else \
-        _device_int32(cache_batch_idx, batch, device, "cache_batch_idx")
+        _int32(cache_batch_idx, batch, device, "cache_batch_idx", read_values=False)
     leftpad = None if cache_leftpad is None else \
-        _device_int32(cache_leftpad, batch, device, "cache_leftpad")
+        _int32(cache_leftpad, batch, device, "cache_leftpad", read_values=False)
     if block_table is not None:
         block_table = block_table.contiguous()
     rotary = rotary_cos is not None
@@ -330,17 +324,17 @@ def flash_attn_with_kvcache(
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    seqlen_cache = page * (block_table.shape[1] if block_table is not None else 1)
     if _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
                              rotary_cos):
         return _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                       return_softmax_lse, local)
+                       return_softmax_lse, local, seqlen_cache)
     if block_table is not None and block_table.numel() and \
             not bool(((block_table >= 0) & (block_table < k_cache.shape[0])).all()):
         raise ValueError(f"block_table entries must be page indices in [0, "
                          f"{k_cache.shape[0]}) (k_cache.shape[0])")
-    seqlen_cache = page * (block_table.shape[1] if block_table is not None else 1)
     seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
                      "cache_seqlens")
     leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,

@@ -71,12 +71,8 @@ void fill_cache_params(DecodeParams& p, const at::Tensor& q, const at::Tensor& k
   p.head_dim_v = v_cache.size(3);
   p.k = k_cache.data_ptr();
   p.v = v_cache.data_ptr();
-  p.k_batch_stride = k_cache.stride(0);
-  p.k_row_stride = k_cache.stride(1);
-  p.k_head_stride = k_cache.stride(2);
-  p.v_batch_stride = v_cache.stride(0);
-  p.v_row_stride = v_cache.stride(1);
-  p.v_head_stride = v_cache.stride(2);
+  set_strides(k_cache, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  set_strides(v_cache, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
   p.num_entries = k_cache.size(0);
   p.cache_seqlens = int32_rows(cache_seqlens, "cache_seqlens", batch, q);
   p.cache_batch_idx = int32_rows(cache_batch_idx, "cache_batch_idx", batch, q);
@@ -185,12 +181,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.softmax_lse = lse.data_ptr();
   p.seqlen_q = seqlen_q;
   p.heads_q = heads_q;
-  p.q_batch_stride = q.stride(0);
-  p.q_row_stride = q.stride(1);
-  p.q_head_stride = q.stride(2);
-  p.out_batch_stride = out.stride(0);
-  p.out_row_stride = out.stride(1);
-  p.out_head_stride = out.stride(2);
+  set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  set_strides(out, p.out_batch_stride, p.out_row_stride, p.out_head_stride);
   p.softmax_scale = softmax_scale.has_value() ? *softmax_scale
                                               : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   TORCH_CHECK_VALUE(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0,
@@ -269,12 +261,8 @@ void kvcache_append_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, c
   if (batch == 0 || p.seqlen_new == 0) return;
   p.k_new = k.data_ptr();
   p.v_new = v.data_ptr();
-  p.knew_batch_stride = k.stride(0);
-  p.knew_row_stride = k.stride(1);
-  p.knew_head_stride = k.stride(2);
-  p.vnew_batch_stride = v.stride(0);
-  p.vnew_row_stride = v.stride(1);
-  p.vnew_head_stride = v.stride(2);
+  set_strides(k, p.knew_batch_stride, p.knew_row_stride, p.knew_head_stride);
+  set_strides(v, p.vnew_batch_stride, p.vnew_row_stride, p.vnew_head_stride);
   at::Tensor cos, sin;
   if (rotary_cos.has_value()) {
     TORCH_CHECK_VALUE(rotary_sin.has_value() && rotary_cos->dim() == 2 &&

@@ -36,16 +36,6 @@
 
 namespace flash_attn_ext::sm80 {
 
-// A float rounded to Element (explicit: torch builds with __CUDA_NO_*_CONVERSIONS__).
-template <typename Element>
-__device__ __forceinline__ Element from_float(float x) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
-
 // kMT_: 16-row m-tiles per CTA, 1 or 2 (decode_block_rows: 2 where a group's rows need them
 // and the O accumulator, kMT * kHeadDim / 2 floats per lane, fits in registers).
 template <int kHeadDim, int kMT_>
@@ -66,7 +56,7 @@ struct DecodeTraits {
   static constexpr int kSmemMain = kSmemRing > kSmemRed ? kSmemRing : kSmemRed;
   static constexpr int kSmemStats = 3 * kWarps * kRows * 4;
   static constexpr int kSmem = kSmemQ + kSmemMain + kSmemStats;
-  static_assert(kChunks % 2 == 0 && kBlockN == 16, "the loads: one tile row per lane pair");
+  static_assert(kBlockN == 16, "the loads: 4 passes of 4 rows");
 };
 
 // Where batch row b's keys are, and whether its values obey the rules (DecodeParams).
@@ -124,6 +114,23 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int64_t b = bid / p.heads_kv;
   const int row0 = m_block * kRows;
 
+  // Q rows of this block (zero beyond the rows and the head dim), issued first: its copies run
+  // while the lengths and pages below are read (each a dependent global load).
+  {
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride;
+    for (int idx = tid; idx < kRows * kChunks; idx += T::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int gr = row0 + r;
+      const bool valid = gr < rows_total && c * 8 < p.head_dim;
+      const Element* src =
+          valid ? q + (gr / group) * p.q_row_stride + (hk * group + gr % group) * p.q_head_stride +
+                      c * 8
+                : q;
+      cp_async_16(smem_addr(s_q + swz<kChunks>(r, c)), src, valid);
+    }
+    cp_async_commit();
+  }
+
   const DecodeEntry e(p, b);
   bool ok = e.ok;
   // Two batch rows appending into one entry would race: both are refused.
@@ -174,6 +181,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   float* lse_out = splitting ? p.lse_accum : static_cast<float*>(p.softmax_lse);
 
   if (!ok) {  // NaN: the caller's values broke a rule (DecodeParams)
+    cp_async_wait<0>();
     for (int idx = tid; idx < kRows * kHeadDim; idx += T::kThreads) {
       const int r = idx / kHeadDim, c = idx % kHeadDim;
       if (row0 + r >= rows_total || c >= p.head_dim_v) continue;
@@ -187,23 +195,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     return;
   }
 
-  // Q rows of this block (zero beyond the rows and the head dim).
-  {
-    const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride;
-    for (int idx = tid; idx < kRows * kChunks; idx += T::kThreads) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const int gr = row0 + r;
-      const bool valid = gr < rows_total && c * 8 < p.head_dim;
-      const Element* src =
-          valid ? q + (gr / group) * p.q_row_stride + (hk * group + gr % group) * p.q_head_stride +
-                      c * 8
-                : q;
-      cp_async_16(smem_addr(s_q + swz<kChunks>(r, c)), src, valid);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-  }
+  // Q landed (its copies were issued before the checks, to overlap their loads).
+  cp_async_wait<0>();
+  __syncthreads();
 
   // Per lane: the visible keys [lo, hi) of its rows (mt, lane / 4 + 8 half), and their ALiBi
   // slopes.
@@ -247,30 +241,40 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   Element* ring = s_ring + warp * T::kStages * 2 * T::kTile;
   const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
   const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
-  // Lane l copies tile row l % 16, chunks l / 16, + 2, + 4, ...: one row address per lane and
-  // tile (a page lookup at most), each 32-byte sector of a row read whole by one instruction.
-  const int my_row = lane % T::kBlockN, my_chunk0 = lane / T::kBlockN;
+  // 8 lanes per tile row: lane l copies chunks l % 8 + 8 g of rows l / 8 + 4 i, so that each
+  // copy instruction reads 4 whole 128-byte lines (rows of one head are a cache row stride
+  // apart, 2 KB in a (B, S, 8, 128) cache).  The loads are L2-request-bound otherwise: with one
+  // row per lane pair an instruction touched one 32-byte sector in each of 16 lines, 4x the
+  // L2 requests per byte (ncu: L2 throughput 87%, DRAM 66%; docs/perf/decode.md).
+  constexpr int kRowLanes = 8, kRowsPerPass = 32 / kRowLanes;
+  constexpr int kPasses = T::kBlockN / kRowsPerPass, kGroups = kChunks / kRowLanes;
+  static_assert(kChunks % kRowLanes == 0, "head dims are padded to multiples of 64");
+  const int my_row0 = lane / kRowLanes, my_chunk0 = lane % kRowLanes;
   const int chunks = static_cast<int>(p.head_dim / 8);  // (a multiple of 8: the glue's rule)
   auto load = [&](int stage, int it) {
-    const int64_t key = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN + my_row;
+    const int64_t key0 = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN;
     Element* sk = ring + stage * 2 * T::kTile;
     Element* sv = sk + T::kTile;
-    const bool row_ok = key < len_k;
-    // One base per operand; chunk c is base + 8 c (an immediate offset).  A chunk not read
-    // (src-size 0: zero-filled, no access) keeps that address too.
-    const Element* ks = k_base + my_chunk0 * 8;
-    const Element* vs = v_base + my_chunk0 * 8;
-    if (row_ok) {
-      const int64_t row = e.start + key;
-      ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
-      vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
-    }
+#pragma unroll 1
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = my_row0 + kRowsPerPass * i;
+      const bool row_ok = key0 + r < len_k;
+      // One base per operand and row; group g is base + 64 g elements (an immediate offset).
+      // A chunk not read (src-size 0: zero-filled, no access) keeps that address too.
+      const Element* ks = k_base + my_chunk0 * 8;
+      const Element* vs = v_base + my_chunk0 * 8;
+      if (row_ok) {
+        const int64_t row = e.start + key0 + r;
+        ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
+        vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
+      }
 #pragma unroll
-    for (int cc = 0; cc < kChunks / 2; ++cc) {
-      const int c = my_chunk0 + 2 * cc;
-      const bool valid = row_ok && c < chunks;
-      cp_async_16(smem_addr(sk + swz<kChunks>(my_row, c)), ks + 16 * cc, valid);
-      cp_async_16(smem_addr(sv + swz<kChunks>(my_row, c)), vs + 16 * cc, valid);
+      for (int g = 0; g < kGroups; ++g) {
+        const int c = my_chunk0 + kRowLanes * g;
+        const bool valid = row_ok && c < chunks;
+        cp_async_16(smem_addr(sk + swz<kChunks>(r, c)), ks + 8 * kRowLanes * g, valid);
+        cp_async_16(smem_addr(sv + swz<kChunks>(r, c)), vs + 8 * kRowLanes * g, valid);
+      }
     }
   };
 

@@ -81,6 +81,16 @@ __device__ __forceinline__ float to_float(Element x) {
   }
 }
 
+// A float rounded to one 16-bit element (explicit, as to_float).
+template <typename Element>
+__device__ __forceinline__ Element from_float(float x) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
+
 // 16-byte global -> shared copy that bypasses registers; with !valid it writes 16 zero bytes.
 __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
