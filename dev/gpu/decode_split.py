@@ -29,7 +29,7 @@ def split(batch: int, seqlen: int, heads_kv: int, d: int, reps: int = 30) -> str
                     key=lambda e: e.time_range.start)
     durations, gaps = defaultdict(list), []
     for i, e in enumerate(events):
-        durations[e.name[:40]].append(e.time_range.elapsed_us())
+        durations[e.name.split("<")[0].split("::")[-1]].append(e.time_range.elapsed_us())
         if "combine" in e.name and i > 0:
             gaps.append(e.time_range.start - events[i - 1].time_range.end)
     parts = [f"{name} {sum(ts) / len(ts):7.1f} us" for name, ts in durations.items()]

@@ -56,7 +56,7 @@ struct DecodeTraits {
   static constexpr int kSmemMain = kSmemRing > kSmemRed ? kSmemRing : kSmemRed;
   static constexpr int kSmemStats = 3 * kWarps * kRows * 4;
   static constexpr int kSmem = kSmemQ + kSmemMain + kSmemStats;
-  static_assert(kBlockN == 16, "the loads: 4 passes of 4 rows");
+  static_assert(kBlockN == 16, "the loads: passes of 4 or 16 rows");
 };
 
 // Where batch row b's keys are, and whether its values obey the rules (DecodeParams).
@@ -246,9 +246,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   // apart, 2 KB in a (B, S, 8, 128) cache).  The loads are L2-request-bound otherwise: with one
   // row per lane pair an instruction touched one 32-byte sector in each of 16 lines, 4x the
   // L2 requests per byte (ncu: L2 throughput 87%, DRAM 66%; docs/perf/decode.md).
-  constexpr int kRowLanes = 8, kRowsPerPass = 32 / kRowLanes;
+  // At head dim 64 (128-byte rows) 2 lanes per row, 16 rows per instruction: 8 lanes per row
+  // measured up to 20% slower there where few warps share an SM (split calls; B = 64 gained
+  // 13%), most likely the longer address chain per tile of the 4 passes.
+  constexpr int kRowLanes = kChunks >= 16 ? 8 : 2, kRowsPerPass = 32 / kRowLanes;
   constexpr int kPasses = T::kBlockN / kRowsPerPass, kGroups = kChunks / kRowLanes;
-  static_assert(kChunks % kRowLanes == 0, "head dims are padded to multiples of 64");
+  static_assert(kChunks % kRowLanes == 0 && T::kBlockN % kRowsPerPass == 0, "");
   const int my_row0 = lane / kRowLanes, my_chunk0 = lane % kRowLanes;
   const int chunks = static_cast<int>(p.head_dim / 8);  // (a multiple of 8: the glue's rule)
   auto load = [&](int stage, int it) {
@@ -259,7 +262,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     for (int i = 0; i < kPasses; ++i) {
       const int r = my_row0 + kRowsPerPass * i;
       const bool row_ok = key0 + r < len_k;
-      // One base per operand and row; group g is base + 64 g elements (an immediate offset).
+      // One base per operand and row; group g is base + 8 kRowLanes g elements (an immediate
+      // offset).
       // A chunk not read (src-size 0: zero-filled, no access) keeps that address too.
       const Element* ks = k_base + my_chunk0 * 8;
       const Element* vs = v_base + my_chunk0 * 8;
