@@ -11,9 +11,11 @@ Cases (bf16, B * L = 16384 tokens, H = 2048 / d heads, SDPA's (B, H, L, d) layou
   alibi           ALiBi, causal (BLOOM, MPT): ours with alibi_slopes, FlexAttention with a
                   score_mod, SDPA with ALiBi and the causal mask as one (1, H, L, S) bf16 bias
   dropout         dropout_p = 0.1 causal: ours and SDPA's FLASH backend
-Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kernels), ours_sm80
-(the portable kernels), ours_no_blocks (masks: the Hopper kernels without the bias's block
-summary, reading it everywhere), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
+Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kernels: a boolean
+mask alone runs the Hopper kernels' mask variant), ours_sm80 (the portable kernels),
+ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
+everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
+variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
 and FlexAttention compiled (block mask or score_mod for the same function).  A backend that
 refuses a call is recorded with its error.
 
@@ -110,9 +112,15 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
             return ours(q, k, v, spec)
     ours_no_blocks.options = dict(sm90_bias_blocks=False)
 
+    def ours_as_bias(q, k, v, spec):  # the mask as 0 / -inf in fp32: the general variant
+        mask = spec["attn_mask"]
+        bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        return ours(q, k, v, dict(spec, attn_mask=bias))
+
     impls: Dict[str, Callable] = {"ours": ours, "ours_sm80": ours_sm80}
     if case in ("padding", "causal_padding"):
         impls["ours_no_blocks"] = ours_no_blocks
+        impls["ours_as_bias"] = ours_as_bias
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)

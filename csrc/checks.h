@@ -39,9 +39,11 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // The attention bias as an accumulator-type (float32, float64 for float64 inputs) view
 // expanded to (batch, heads_q, seqlen_q, seqlen_k): broadcast dimensions get stride 0, so only
 // the bias's own elements exist in memory; the keys' stride is 1 or 0 (a copy where needed).
-// Fills the bias fields of `p`.
+// A boolean mask (True = attend) becomes 0 / -inf at its own shape, or with keep_mask stays
+// the bytes it is (p.bias_is_mask: the Hopper kernels' mask variant).  Fills the bias fields of
+// `p`.
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
-                        FwdParams& p);
+                        FwdParams& p, bool keep_mask = false);
 
 // alibi_slopes (checked by check_attn_args: (heads_q,) or (batch, heads_q)) as a contiguous
 // accumulator-type tensor, pointed to by p.alibi_slopes with p.alibi_batch_stride (0 for one

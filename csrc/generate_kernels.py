@@ -18,11 +18,15 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_general)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_dropout.cu   ... with dropout alone
                                                           (run_flash_fwd_sm90_dropout)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_mask.cu      ... with a boolean mask
+                                                          alone (run_flash_fwd_sm90_mask)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_dropout.cu ... with dropout alone
                                                           (run_flash_bwd_sm90_dropout)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_mask.cu    ... with a boolean mask alone
+                                                          (run_flash_bwd_sm90_mask)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -104,7 +108,7 @@ namespace flash_attn_ext::sm90 {{
 template <>
 cudaError_t {entry}<{element}, {d}>(const FwdParams& p, cudaStream_t stream) {{
   return launch_flash_fwd_sm90_hdim<{element}, {d}, /*kPackGQA=*/{pack}, \
-/*kGeneral=*/{general}, /*kDropout=*/{dropout}>(p, stream);
+/*kGeneral=*/{general}, /*kDropout=*/{dropout}{mask}>(p, stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
@@ -120,7 +124,7 @@ template <>
 cudaError_t {entry}<{element}, {d}>(const BwdParams& p, float* stats, \
 cudaStream_t stream) {{
   return launch_flash_bwd_sm90<Sm90BwdTraits<{element}, {d}, /*kGeneral=*/{general}, \
-/*kDropout=*/{dropout}>>(p, stats, stream);
+/*kDropout=*/{dropout}{mask}>>(p, stats, stream);
 }}
 
 }}  // namespace flash_attn_ext::sm90
@@ -129,9 +133,11 @@ SM90_BWD_HEAD_DIMS = (64, 128)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
-                     ("_dropout", ", dropout alone"))
+                     ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
-                     ("_dropout", ", dropout alone"))
+                     ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"))
+# The kMask template argument, written only where it is true (the other files predate it).
+MASK_ARG = {True: ", /*kMask=*/true", False: ""}
 
 
 def kernel_files():
@@ -149,13 +155,15 @@ def kernel_files():
                     what=what, entry="run_flash_fwd_sm90" + suffix,
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
-                    dropout=str(suffix == "_dropout").lower(), **args)
+                    dropout=str(suffix == "_dropout").lower(),
+                    mask=MASK_ARG[suffix == "_mask"], **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),
-                        dropout=str(suffix == "_dropout").lower(), **args)
+                        dropout=str(suffix == "_dropout").lower(),
+                        mask=MASK_ARG[suffix == "_mask"], **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 

@@ -87,7 +87,12 @@ enum ScoreMod : int {
   kDropout = 4,   // dropout_p > 0
   kBiasGrad = 8,  // the bias needs a gradient (the backward writes dS out)
   kAlibi = 16,    // alibi_slopes
+  kMask = 32,     // the bias is a boolean mask (with kBias)
 };
+
+// A boolean mask and nothing else: the Hopper kernels' mask variant reads it as it is (every
+// other kernel gets it as an additive fp32 bias).
+constexpr bool mask_alone(int score_mods) { return score_mods == (kBias | kMask); }
 
 struct CallInfo {
   std::string dtype;  // "bf16", "fp16", "fp32", "fp64"
@@ -192,9 +197,13 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
 }
 
 // The name suffix of the Hopper kernels' variant a call runs on (forward and backward alike):
-// dropout alone, the general variant (softcap, a bias, ALiBi; dropout with them), or plain.
+// dropout alone, a boolean mask alone, the general variant (softcap, a bias, ALiBi; dropout
+// with them), or plain.
 inline const char* sm90_variant(const CallInfo& call) {
-  return call.score_mods == kDropout ? "_dropout" : call.general() ? "_general" : "";
+  return call.score_mods == kDropout     ? "_dropout"
+         : mask_alone(call.score_mods) ? "_mask"
+         : call.general()               ? "_general"
+                                        : "";
 }
 
 }  // namespace detail

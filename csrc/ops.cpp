@@ -181,9 +181,9 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK_VALUE(bias.dim() <= 4,
                       "attn_bias must have at most 4 dimensions (batch, num_heads, seqlen_q, "
                       "seqlen_k), got attn_bias.dim()=", bias.dim());
-    TORCH_CHECK_VALUE(at::isFloatingType(bias.scalar_type()),
-                      "attn_bias must be a floating tensor (additive), got dtype ",
-                      dtype_name(bias.scalar_type()));
+    TORCH_CHECK_VALUE(at::isFloatingType(bias.scalar_type()) || bias.scalar_type() == at::kBool,
+                      "attn_bias must be a floating tensor (additive) or a boolean mask (True = "
+                      "attend), got dtype ", dtype_name(bias.scalar_type()));
     TORCH_CHECK_VALUE(bias.device() == q.device(), "attn_bias must be on ", q.device(), ", got ",
                       bias.device());
     const int64_t full[4] = {a.batch, a.heads_q, a.seqlen_q, a.seqlen_k};
@@ -207,8 +207,14 @@ at::Tensor prepare_alibi(const std::optional<at::Tensor>& alibi_slopes, at::Scal
 }
 
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
-                        FwdParams& p) {
-  at::Tensor b = bias.to(acc_dtype);
+                        FwdParams& p, bool keep_mask) {
+  const bool mask = bias.scalar_type() == at::kBool;
+  at::Tensor b = !mask      ? bias.to(acc_dtype)
+                 : keep_mask ? bias
+                             : at::zeros(bias.sizes(), bias.options().dtype(acc_dtype))
+                                   .masked_fill_(bias.logical_not(),
+                                                 -std::numeric_limits<double>::infinity());
+  p.bias_is_mask = mask && keep_mask;
   // Keys unit-stride or broadcast (stride 0), which the Hopper kernels' bias reads assume: a
   // copy only for other strides (a broadcast key dimension stays one: copying it would
   // materialise every broadcast dimension, e.g. a (B, 1, L, 1) mask as B * H * L * S floats).

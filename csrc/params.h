@@ -32,6 +32,10 @@ struct FwdParams {
   // and softcap: scores = softcap(q k^T * scale) + bias.
   const void* attn_bias = nullptr;
   int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
+  // attn_bias is a boolean mask (1 byte per element, nonzero = attend; the same strides), read
+  // as it is by the Hopper kernels' mask variant only: every other kernel gets the additive
+  // fp32 form (the glue converts, prepare_bias).
+  bool bias_is_mask = false;
   // The Hopper kernels' summary of the bias by 64 x 64 blocks (kernels/sm90/bias_blocks.h: all 0,
   // all -inf, or mixed), indexed (batch, head, row / 64, key / 64) with these strides (0 where
   // the bias broadcasts); nullptr: none (every block read as mixed).
@@ -103,6 +107,20 @@ struct FwdParams {
   }
   // Those or dropout: the portable kernels' general variant (their plain one otherwise).
   bool general() const { return score_mods() || dropout; }
+  // A boolean mask and nothing else (no softcap, ALiBi or dropout): the Hopper kernels' mask
+  // variant.
+  bool mask_only() const {
+    return attn_bias != nullptr && bias_is_mask && softcap <= 0.0 && alibi_slopes == nullptr &&
+           !dropout;
+  }
+  // Whether a Hopper instantiation of these variant flags takes the call (kGeneral: softcap, an
+  // additive bias, ALiBi, dropout with them; kDropout: dropout alone; kMask: a boolean mask
+  // alone; none: plain attention).
+  bool sm90_variant_is(bool general_v, bool dropout_v, bool mask_v) const {
+    if (mask_v) return mask_only();
+    if (bias_is_mask) return false;
+    return general_v || (!score_mods() && dropout == dropout_v);
+  }
 };
 
 // Decoding against a KV cache (flash_attn_with_kvcache on CUDA; kernels/sm80/

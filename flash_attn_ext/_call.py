@@ -167,7 +167,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
         alibi_slopes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plans and runs one attention call on (B, L, H, D) tensors; returns (out, softmax_lse).
 
-    ``attn_bias``: additive float bias broadcastable to (B, H, L, S), or None;
+    ``attn_bias``: additive float bias or boolean mask (True = attend) broadcastable to
+    (B, H, L, S), or None;
     ``alibi_slopes``: (H,) or (B, H) (checked by check_alibi), or None.
     """
     check_transforms(q, k, v, dropout_p=dropout_p)

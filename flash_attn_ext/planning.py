@@ -147,13 +147,13 @@ def _smem_per_block(index: int) -> int:
 # sends each to the kernels that take it (the Hopper kernels' general variant: softcap, a bias
 # and ALiBi, with dropout or not; their dropout variant: dropout alone; the portable ones:
 # everything, the bias's gradient too).
-SOFTCAP, BIAS, DROPOUT, BIAS_GRAD, ALIBI = 1, 2, 4, 8, 16
+SOFTCAP, BIAS, DROPOUT, BIAS_GRAD, ALIBI, MASK = 1, 2, 4, 8, 16, 32
 
 
 def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tensor],
                alibi_slopes: Optional[torch.Tensor] = None) -> int:
     """The ScoreMod bits of a call (0: plain attention); BIAS_GRAD where the bias requires
-    grad while autograd records."""
+    grad while autograd records, MASK beside BIAS where it is a boolean mask."""
     # A dropout_p that rounds to 0 drops nothing (csrc/dropout.h's dropout_active: the kept
     # fraction is (1 - dropout_p) * 256 to the nearest integer, ties to even as Python's round,
     # over 256); the kernels then run without dropout, so the plan must not name their general
@@ -162,7 +162,7 @@ def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tenso
     mods = ((SOFTCAP if softcap > 0 else 0) | (DROPOUT if dropping else 0)
             | (ALIBI if alibi_slopes is not None else 0))
     if attn_bias is not None:
-        mods |= BIAS
+        mods |= BIAS | (MASK if attn_bias.dtype == torch.bool else 0)
         if attn_bias.requires_grad and torch.is_grad_enabled():
             mods |= BIAS_GRAD
     return mods

@@ -119,11 +119,12 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
                  key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SDPA's attn_mask as an additive bias broadcastable to (N, H, L, S).
 
-    A boolean mask (True = attend) becomes 0 / -inf in float32 (float64 for float64 queries) at
-    the mask's own shape; a float mask is the bias itself (and gets a gradient if it requires
-    one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.  With ``key`` (SDPA
-    layout), the mask's shape is checked against the call's (N, H, L, S) here, in the caller's
-    terms.
+    A boolean mask (True = attend) stays boolean: the kernels read it as it is (the Hopper
+    kernels' mask variant, a byte per element) or as 0 / -inf in the accumulator type (the
+    others; csrc/ops.cpp's prepare_bias); a float mask is the bias itself (and gets a gradient
+    if it requires one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.  With
+    ``key`` (SDPA layout), the mask's shape is checked against the call's (N, H, L, S) here, in
+    the caller's terms.
     """
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
@@ -150,11 +151,7 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
             dims = "(N, H, L, S)" if len(full) == 4 else "(N, L, S)"
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
                              f"to the attention's {dims} = {full}")
-    if attn_mask.dtype == torch.bool:
-        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
-        bias = bias.masked_fill(~attn_mask, float("-inf"))
-    elif attn_mask.is_floating_point():
+    if attn_mask.dtype == torch.bool or attn_mask.is_floating_point():
         bias = attn_mask
     else:
         raise ValueError(f"attn_mask must be a bool or floating tensor, got dtype "

@@ -84,7 +84,9 @@ def _attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_r
         visible = visible_keys(range(seqlen_q), seqlen_q, seqlen_k, window_left, window_right,
                                align_bottom_right, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
-    if attn_bias is not None:
+    if attn_bias is not None and attn_bias.dtype == torch.bool:  # a mask: True = attend
+        scores = scores.masked_fill(~attn_bias, float("-inf"))
+    elif attn_bias is not None:
         scores = scores + attn_bias.to(acc)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, align_bottom_right, acc)

@@ -48,6 +48,15 @@ def dropout_scale(dropout_p: float) -> float:
     return 256.0 / t if t > 0 else 0.0
 
 
+def additive(attn_bias, dtype):
+    """attn_bias in ``dtype``: a boolean mask (True = attend) as 0 / -inf, a float bias as it is
+    (its gradient kept)."""
+    if attn_bias.dtype == torch.bool:
+        return torch.zeros(attn_bias.shape, dtype=dtype, device=attn_bias.device).masked_fill(
+            ~attn_bias, float("-inf"))
+    return attn_bias.to(dtype)
+
+
 def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=False,
                   window_left=-1, window_right=-1, align_bottom_right=True, softcap=0.0,
                   attn_bias=None, alibi_slopes=None, compute_dtype=torch.float64,
@@ -69,7 +78,7 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     visible = visible_mask(seqlen_q, seqlen_k, causal, window_left, window_right,
                            align_bottom_right, q.device)
     if attn_bias is not None:
-        scores = scores + attn_bias.to(compute_dtype)
+        scores = scores + additive(attn_bias, compute_dtype)
     if alibi_slopes is not None:
         scores = scores + alibi_ref(alibi_slopes, seqlen_q, seqlen_k, align_bottom_right,
                                     compute_dtype)
@@ -129,7 +138,7 @@ def cancellation_scale(q, k, v, dout, **kw):
         if kw.get("softcap", 0.0) > 0:
             scores = kw["softcap"] * torch.tanh(scores / kw["softcap"])
         if kw.get("attn_bias") is not None:
-            scores = scores + kw["attn_bias"].detach().double()
+            scores = scores + additive(kw["attn_bias"].detach(), torch.float64)
         if kw.get("alibi_slopes") is not None:
             scores = scores + alibi_ref(kw["alibi_slopes"], qd.shape[1], kd.shape[1],
                                         kw.get("align_bottom_right", True), torch.float64)

@@ -402,6 +402,24 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
     # (the general variant does not pack: the bias tells the heads apart)
     assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
+
+
+def test_cuda_plan_names_the_mask_variant(monkeypatch):
+    # A boolean mask alone runs the Hopper kernels' mask variant, forward and backward, unpacked;
+    # with anything else beside it the general variant (the mask then as an fp32 bias), and
+    # score_mods marks a boolean attn_bias.
+    _pretend_hopper(monkeypatch)
+    q1, k = _CudaLike((2, 1, 32, 64)), _CudaLike((2, 9, 4, 64))
+    mask = planning.BIAS | planning.MASK
+    p = planning.plan(q1, k, k, mods=mask)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_mask",
+                                             "sm90_bwd_hdim64_bf16_mask")
+    for extra in (planning.SOFTCAP, planning.ALIBI, planning.DROPOUT):
+        assert planning.plan(q1, k, k, mods=mask | extra).kernel == "sm90_fwd_hdim64_bf16_general"
+    assert planning.plan(q1, k, k, mods=planning.BIAS).kernel == "sm90_fwd_hdim64_bf16_general"
+    m = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    assert planning.score_mods(0.0, 0.0, m) == mask
+    assert planning.score_mods(0.0, 0.0, m.float()) == planning.BIAS
     assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_attn_ext import explain, flash_attn_func, ops, planning
-from reference import assert_error_rule, attention_ref, cancellation_scale
+from reference import assert_error_rule, attention_ref, cancellation_scale, visible_mask
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.build_info()["cuda"]
@@ -113,7 +113,8 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
                          transposed=False, softcap=0.0, attn_bias=None, alibi_slopes=None):
     """Gradients of one call with the Hopper backward (the plan must name it) against an fp32
     reference, by the backward's error rule (3x the same computation's error in ``dtype``).
-    ``attn_bias``: an fp32 bias (no gradient) broadcastable to (batch, heads_q, L, S);
+    ``attn_bias``: an fp32 bias (no gradient) or a boolean mask broadcastable to (batch,
+    heads_q, L, S);
     ``alibi_slopes``: (heads_q,) or (batch, heads_q)."""
     head_dim_v = head_dim_v or head_dim
 
@@ -130,7 +131,9 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     mods = planning.score_mods(softcap, 0.0, attn_bias, alibi_slopes)
     plan = planning.plan(q, k, v, mods=mods)  # (the mask does not change the backward's kernel)
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
-    assert plan.backward_kernel.endswith("_general") == bool(mods), plan
+    variant = "_mask" if mods == planning.BIAS | planning.MASK else "_general" if mods else ""
+    assert plan.backward_kernel.endswith(variant) and \
+        plan.backward_kernel.count("_") == 3 + bool(variant), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right, softcap,
                         alibi_slopes, attn_bias)
@@ -242,6 +245,96 @@ def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_
     softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)
+
+
+def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
+    """(boolean mask, causal, window) of a mask-variant case.  "padding", "causal_padding",
+    "window_padding": score_mod_case's masks as booleans (the last batch entry sees no key);
+    "random": a dense (1, H, L, S) mask, about 70% visible, with every tenth row fully hidden;
+    "rows": a (B, 1, L, 1) mask expanded along the keys (stride 0: whole rows hidden);
+    "sliced": a key-padding mask cut from a wider one (row stride S + 3: odd, so its rows are
+    not 2-byte aligned)."""
+    if what == "random":
+        mask = torch.rand(1, heads_q, seqlen_q, seqlen_k, device="cuda") < 0.7
+        mask[:, :, ::10] = False
+        return mask, False, (-1, -1)
+    if what == "rows":
+        mask = torch.rand(batch, 1, seqlen_q, 1, device="cuda") < 0.8
+        return mask.expand(batch, 1, seqlen_q, seqlen_k), False, (-1, -1)
+    if what == "sliced":
+        lengths = torch.randint(1, seqlen_k + 4, (batch,), device="cuda")
+        wide = torch.arange(seqlen_k + 3, device="cuda") < lengths[:, None]
+        wide = wide[:, None, None, :].expand(batch, 1, seqlen_q, seqlen_k + 3).contiguous()
+        return wide[..., :seqlen_k], True, (-1, -1)
+    _, bias, causal, window, _ = score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q)
+    return bias == 0, causal, window
+
+
+MASKS = ["padding", "causal_padding", "window_padding", "random", "rows", "sliced"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("what", MASKS)
+def test_hopper_mask_variant_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, head_dim,
+                                                          what):
+    # A boolean mask alone, read as it is (a byte per score) by the Hopper forward's mask
+    # variant, with causal / window masks and GQA, against the fp32 reference; rows it empties
+    # give zeros and an LSE of -inf.
+    q, k, v = rand(3, seqlen_q, 4, head_dim, dtype=dtype), \
+        rand(3, seqlen_k, 2, head_dim, dtype=dtype), rand(3, seqlen_k, 2, head_dim, dtype=dtype)
+    mask, causal, window = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    plan = planning.plan(q, k, v, mods=planning.score_mods(0.0, 0.0, mask))
+    assert plan.kernel.startswith("sm90_fwd") and plan.kernel.endswith("_mask"), plan
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1], attn_bias=mask)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, 0.0, None, mask)
+    check_forward(out, lse, low_out, true_out, true_lse, f"out ({what})")
+    empty = ~(mask.expand(3, 4, seqlen_q, seqlen_k) & visible_mask(
+        seqlen_q, seqlen_k, causal, window[0], window[1], True, q.device)).any(-1)  # (B, H, L)
+    assert torch.equal(lse.isinf(), empty)
+    assert not out.transpose(1, 2)[empty].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("what", MASKS)
+def test_hopper_mask_variant_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q,
+                                                           seqlen_k, head_dim, what):
+    mask, causal, window = mask_case(what, 2, seqlen_q, seqlen_k, 4)
+    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
+                         window=window, attn_bias=mask)
+
+
+@pytest.mark.parametrize("what", ["causal_padding", "random"])
+def test_mask_variant_equals_the_mask_as_a_bias(kernel_opts, what):
+    # The same mask as a boolean (the mask variant, with and without the block summary) and as
+    # 0 / -inf in fp32 (the general variant): the forward bitwise equal where the summary is on
+    # for both (both skip the same tiles and compute the same scores), the gradients equal up
+    # to the order of the dQ additions.
+    q, k, v = rand(2, 700, 4, 128), rand(2, 700, 4, 128), rand(2, 700, 4, 128)
+    mask, causal, window = mask_case(what, 2, 700, 700, 4)
+    bias = torch.zeros(mask.shape, device="cuda").masked_fill(~mask, float("-inf"))
+    results = []
+    for attn_bias, blocks in ((mask, True), (mask, False), (bias, True)):
+        kernel_opts(sm90_bias_blocks=blocks)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, 0.0, None,
+                              attn_bias)
+        results.append((out.detach(), lse.detach(),
+                        torch.autograd.grad(out, leaves, torch.ones_like(out))))
+    (out1, lse1, g1), (out0, lse0, g0), (outb, lseb, gb) = results
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    torch.testing.assert_close(out1, outb, atol=2e-3, rtol=0)
+    for a, b, c in zip(g1, g0, gb):
+        assert not a.isnan().any()
+        for other in (b, c):
+            assert (a.float() - other.float()).abs().max().item() <= \
+                1e-2 * max(other.abs().max().item(), 1)
 
 
 def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():

@@ -138,9 +138,11 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 // The ScoreMod bits (kernel_select.h) of a call.
-int score_mods_of(double softcap, bool bias, double dropout_p, bool bias_grad, bool alibi) {
+int score_mods_of(double softcap, const std::optional<at::Tensor>& bias, double dropout_p,
+                  bool bias_grad, bool alibi) {
   // (A dropout_p that rounds to 0 drops nothing and the kernels run without dropout: dropout.h.)
-  return (softcap > 0.0 ? kSoftcap : 0) | (bias ? kBias : 0) |
+  const bool mask = bias.has_value() && bias->scalar_type() == at::kBool;
+  return (softcap > 0.0 ? kSoftcap : 0) | (bias.has_value() ? kBias : 0) | (mask ? kMask : 0) |
          (dropout_active(dropout_p) ? kDropout : 0) |
          (bias_grad ? kBiasGrad : 0) | (alibi ? kAlibi : 0);
 }
@@ -158,6 +160,11 @@ at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaSt
 
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  if (p.bias_is_mask) {  // (a boolean mask alone: kernel_select.h's mask_alone)
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_mask<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_mask<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_mask<Element, 256>(p, stream);
+  }
   if (p.score_mods()) {
     // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
@@ -181,6 +188,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 template <typename Element>
 cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
                          cudaStream_t stream) {
+  if (p.bias_is_mask) {  // (a boolean mask alone: kernel_select.h's mask_alone)
+    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_mask<Element, 64>(p, stats, stream);
+    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_mask<Element, 128>(p, stats, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.score_mods()) {
     // (softcap, bias, ALiBi and dropout with them: kernel_select.h keeps the rest off it)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_general<Element, 64>(p, stats, stream);
@@ -221,10 +233,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   TORCH_CHECK_VALUE(q_in.is_cuda(), "flash_attn_ext CUDA kernel got q on ", q_in.device());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const KernelOptions options = kernel_options();
-  const KernelChoice choice = select_for(
-      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, false,
-                                  alibi_slopes.has_value()),
-      deterministic, options);
+  const int mods = score_mods_of(softcap, attn_bias, dropout_p, false, alibi_slopes.has_value());
+  const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic, options);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
   at::Tensor out_padded =
@@ -238,8 +248,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     fill_fwd_params(p, a, q, k, v, out_padded, lse, softcap, align_bottom_right);
     p.head_dim = q.size(3);       // padded columns are zeros: they add nothing to q k^T
     p.head_dim_v = dv_padded;     // padded columns of out are sliced off below
+    // (a boolean mask as it is for the Hopper forward's mask variant, else 0 / -inf in fp32)
     const at::Tensor bias_view =
-        attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+        attn_bias.has_value()
+            ? prepare_bias(*attn_bias, a, at::kFloat, p,
+                           choice.fwd == FwdKernel::kSm90 && mask_alone(mods))
+            : at::Tensor();
     const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
     fill_dropout_params(p, dropout_p);
     if (p.dropout) take_philox_state(p, a.seqlen_k);
@@ -299,10 +313,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
-  const KernelChoice choice = select_for(
-      q_in, k_in, v_in, a, score_mods_of(softcap, attn_bias.has_value(), dropout_p, want_dbias,
-                                  alibi_slopes.has_value()),
-      deterministic, kernel_options());
+  TORCH_CHECK_VALUE(!(want_dbias && attn_bias->scalar_type() == at::kBool),
+                    "bias_requires_grad=True with a boolean attn_bias: a mask has no gradient");
+  const int mods =
+      score_mods_of(softcap, attn_bias, dropout_p, want_dbias, alibi_slopes.has_value());
+  const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic,
+                                         kernel_options());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
   const at::Tensor lse = softmax_lse.contiguous();
@@ -327,8 +343,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       fill_grad_params(p, dout, dq, dk, dv);
       p.head_dim = q.size(3);
       p.head_dim_v = v.size(3);
+      // (a boolean mask as it is for the Hopper backward's mask variant, else 0 / -inf in fp32)
       const at::Tensor bias_view =
-          attn_bias.has_value() ? prepare_bias(*attn_bias, a, at::kFloat, p) : at::Tensor();
+          attn_bias.has_value()
+              ? prepare_bias(*attn_bias, a, at::kFloat, p,
+                             choice.bwd == BwdKernel::kSm90 && mask_alone(mods))
+              : at::Tensor();
       const at::Tensor slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
       p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;
       const at::Tensor dlse = prepare_dlse(dsoftmax_lse, {a.batch, a.heads_q, a.seqlen_q}, q, p);
@@ -412,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
   // The rule refuses what no CUDA kernel serves (dtype, GPU, build), with its reasons.
-  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, false, dropout_p, false,
+  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
                                              alibi_slopes.has_value()),
              false, kernel_options());
   const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
@@ -459,7 +479,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
   check_packed_bwd_tensors(a, dout_in, out_in, softmax_lse, at::kFloat);
-  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, false, dropout_p, false,
+  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
                                              alibi_slopes.has_value()),
              true, kernel_options());
   const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);

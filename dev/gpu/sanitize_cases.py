@@ -2,9 +2,9 @@
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
-general variant; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd
-page sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break
-a rule).  `--decode`: only the decode calls.
+general variant, boolean masks on their mask variant; then flash_attn_with_kvcache on the
+decode kernels (contiguous, paged with odd page sizes, left padding, batch indices, appends
+with rotary, split-KV, rows whose values break a rule).  `--decode`: only the decode calls.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode]
 """
@@ -107,7 +107,13 @@ def main() -> None:
                (130, 200, 4, 2, 64, 64, False, (30, 4), False, 5.0, "alibi", 0.0),
                # Dropout (dropout.h's cells: lanes swap halves of Philox calls), with a mask.
                (300, 129, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "padding", 0.1),
-               (130, 200, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.3)]
+               (130, 200, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.3),
+               # A boolean mask alone: the mask variant (a byte per score in mixed blocks), the
+               # padding mask above as booleans, and a dense random one with an odd row stride.
+               (700, 700, 2, 1, 128, 128, False, (-1, -1), True, 0.0, "bool_padding", 0.0),
+               (400, 300, 2, 2, 64, 64, True, (-1, -1), True, 0.0, "bool_padding", 0.0),
+               (130, 201, 2, 2, 256, 256, False, (-1, -1), True, 0.0, "bool_random", 0.0),
+               (201, 129, 4, 2, 40, 40, False, (30, 4), True, 0.0, "bool_random", 0.0)]
     cases += general
     deterministic += [False] * len(general)
     runs += [(i, {"sm90_bwd": "on"}, False)
@@ -127,15 +133,19 @@ def run_case(case, deterministic, dev, dt, bias_grad=True):
     v = torch.randn(2, S, Hkv, Dv, device=dev, dtype=dt)
     bias = torch.randn(2, 1, L, S, device=dev) if has_bias is True else None
     slopes = torch.rand(2, H, device=dev) if has_bias == "alibi" else None
-    if has_bias == "padding":
+    if has_bias in ("padding", "bool_padding"):
         i, j = torch.arange(L, device=dev)[:, None], torch.arange(S, device=dev)[None, :]
         visible = (j <= i + S - L) & (j < torch.tensor([S * 2 // 3, 0], device=dev)[:, None, None])
         bias = torch.zeros(2, 1, L, S, device=dev).masked_fill(~visible[:, None], float("-inf"))
+        if has_bias == "bool_padding":
+            bias = visible[:, None]
+    if has_bias == "bool_random":
+        bias = torch.rand(2, H, L, S, device=dev) < 0.6
     out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, slopes,
                             bias, p)
     grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
                        window[0], window[1], br, softcap, slopes, bias, p, deterministic,
-                       bias is not None and bias_grad)
+                       bias is not None and bias.is_floating_point() and bias_grad)
     torch.cuda.synchronize()
     assert all(torch.isfinite(g).all() for g in grads if g.numel())
 

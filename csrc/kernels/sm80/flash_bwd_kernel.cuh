@@ -386,6 +386,7 @@ template <typename T>
 cudaError_t launch_flash_bwd(const BwdParams& p, float* delta, cudaStream_t stream) {
   using Element = typename T::Element;
   const bool general = p.general();
+  if (p.bias_is_mask) return cudaErrorInvalidValue;  // (the bias in fp32 only: prepare_bias)
   {
     // Plain attention: the 8-warp kernels of flash_bwd_lean.cuh, where their shared memory fits
     // (at head dim 64 with 64-row steps on GPUs with less shared memory; head dim 256 needs

@@ -253,6 +253,7 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   using Plain = FwdTraits<typename T::Element, T::kHeadDim,
                           T::kHeadDim <= 64 ? 128 : T::kBlockN, T::kMTiles>;
   static_assert(Plain::kBlockM == T::kBlockM, "one query-block grid for both variants");
+  if (p.bias_is_mask) return cudaErrorInvalidValue;  // (the bias in fp32 only: prepare_bias)
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   if (p.general())
     return launch(flash_fwd_kernel<T, true>, num_m_blocks * p.batch * p.heads_q, T::kThreads,

@@ -1,8 +1,10 @@
 // The bias summary of bias_blocks.h: one CTA per block, every thread testing its values, the
-// class by two CTA-wide votes.
+// class by two CTA-wide votes.  An additive fp32 bias: 0 visible, -inf masked; a boolean mask
+// (FwdParams::bias_is_mask): nonzero visible, zero masked.
 #include "kernels/sm90/bias_blocks.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace flash_attn_ext::sm90 {
 
@@ -12,6 +14,18 @@ namespace {
 __host__ __device__ int64_t own(int64_t size, int64_t stride) { return stride == 0 ? 1 : size; }
 int64_t blocks_of(int64_t n) { return (n + kBiasBlock - 1) / kBiasBlock; }
 
+template <typename Value>
+__device__ __forceinline__ void classify(Value x, bool& zero, bool& masked) {
+  if constexpr (std::is_same_v<Value, uint8_t>) {
+    zero &= x != 0;
+    masked &= x == 0;
+  } else {
+    zero &= x == 0.f;
+    masked &= x == -INFINITY;
+  }
+}
+
+template <typename Value>
 __global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, uint8_t* blocks,
                                                              int64_t row_blocks,
                                                              int64_t key_blocks) {
@@ -28,14 +42,12 @@ __global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, 
   const int64_t keys = p.bias_col_stride == 0                  ? 1
                        : p.seqlen_k - key0 < kBiasBlock ? p.seqlen_k - key0
                                                           : kBiasBlock;
-  const float* bias = static_cast<const float*>(p.attn_bias) + b * p.bias_batch_stride +
+  const Value* bias = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
                       h * p.bias_head_stride + row0 * p.bias_row_stride +
                       key0 * p.bias_col_stride;
   bool zero = true, masked = true;
   for (int64_t e = threadIdx.x; e < rows * keys; e += blockDim.x) {
-    const float x = bias[(e / keys) * p.bias_row_stride + (e % keys) * p.bias_col_stride];
-    zero &= x == 0.f;
-    masked &= x == -INFINITY;
+    classify(bias[(e / keys) * p.bias_row_stride + (e % keys) * p.bias_col_stride], zero, masked);
   }
   zero = __syncthreads_and(zero);
   masked = __syncthreads_and(masked);
@@ -60,10 +72,12 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream) {
   if (batch * heads * row_blocks * key_blocks == 0) return cudaSuccess;
   // Past the grid's limits: no summary (p.bias_blocks stays nullptr: every block is read).
   if (key_blocks > 0x7fffffff || row_blocks > 65535 || batch * heads > 65535) return cudaSuccess;
-  summarize_bias_kernel<<<dim3(static_cast<unsigned>(key_blocks),
-                               static_cast<unsigned>(row_blocks),
-                               static_cast<unsigned>(batch * heads)),
-                          256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
+  const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(row_blocks),
+                  static_cast<unsigned>(batch * heads));
+  if (p.bias_is_mask)
+    summarize_bias_kernel<uint8_t><<<grid, 256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
+  else
+    summarize_bias_kernel<float><<<grid, 256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   p.bias_blocks = blocks;

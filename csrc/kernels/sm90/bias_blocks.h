@@ -14,7 +14,8 @@
 
 namespace flash_attn_ext::sm90 {
 
-// A block's class: every value 0, every value -inf, or anything else (NaN included).
+// A block's class: every value 0, every value -inf, or anything else (NaN included); for a
+// boolean mask every value true (visible), every value false (masked), or both.
 enum BiasBlock : uint8_t { kBlockVisible = 0, kBlockMasked = 1, kBlockMixed = 2 };
 constexpr int kBiasBlock = 64;  // rows and keys per block
 
@@ -60,6 +61,14 @@ __device__ __forceinline__ bool bias_masks_tile(const FwdParams& p, int32_t b, i
   for (int r = 0; r < kRows / kBiasBlock; ++r)
     if (bias_tile_class<kKeys>(p, b, h, m0 + r * kBiasBlock, n0) != kBlockMasked) return false;
   return true;
+}
+
+// A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in
+// batch b (the caller keeps row in range).
+__device__ __forceinline__ const uint8_t* mask_row(const FwdParams& p, int32_t b, int32_t h,
+                                                   int64_t row) {
+  return static_cast<const uint8_t*>(p.attn_bias) + b * p.bias_batch_stride +
+         h * p.bias_head_stride + row * p.bias_row_stride;
 }
 #endif
 

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     int32_t h = hk * args.group, m = 0, done = 0;  // (done: steps computed, not skipped)
     for (int32_t t = 0; t < st.steps; ++t) {
       const int64_t m0 = static_cast<int64_t>(st.m_begin + m) * kM;
-      if (T::kGeneral && bias_masks_tile<kM, kN>(p, b, h, m0, n0)) {  // (the producer skips it)
+      if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, m0, n0)) {  // (the producer skips it)
         if (++m == st.m_blocks) {
           m = 0;
           ++h;
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
       // The bias's class on the step's rows and this warpgroup's 64 keys.
       int cls = kBlockMasked;
-      if constexpr (T::kGeneral) {
+      if constexpr (T::kSkipMasked) {
 #pragma unroll
         for (int r = 0; r < kM / kBiasBlock; ++r) {
           const int c = bias_tile_class<kBiasBlock>(p, b, h, m0 + r * kBiasBlock, n0 + 64 * me);
@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
                     static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
                     cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
-                    (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q);
+                    (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
+                    T::kMask ? mask_row(p, b, h, 0) : nullptr);
       pipe.consumer_release(state);
       ++state;
       if (++m == st.m_blocks) {

@@ -31,7 +31,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   // The bias's gradient is not in these kernels; softcap, a bias and ALiBi only in the general
   // variant, dropout there or in the dropout variant (which needs it).
   if (p.dbias_full != nullptr || p.cu_seqlens_q != nullptr ||
-      (!T::kGeneral && (p.score_mods() || p.dropout != T::kDropout)))
+      !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
   const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
   float* lse_log2 = stats;

@@ -153,6 +153,9 @@ struct BwdMainloop {
   // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0); drop: the
   // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV
   // takes P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O.
+  // The mask variant (T::kMask): mask_bh, the boolean mask at query row 0, key 0 of (b, h)
+  // (bias strides from fn), hides scores where it is false (P^T = 0), read a byte per score in
+  // steps whose class (cls) is mixed; all masked gives P^T = 0, all visible reads nothing.
   // (Issuing S^T a step ahead, under the previous step's dQ tail, measured no gain: the
   // other warpgroup's GEMMs already fill that gap; docs/perf/sm90_backward.md.)
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
@@ -161,7 +164,8 @@ struct BwdMainloop {
                                        float* dq_staging, int me, int tid,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
                                        int32_t rows_left, int32_t keys_left, int cls,
-                                       const sm80::DropoutFn& drop, int64_t drop_row_base) {
+                                       const sm80::DropoutFn& drop, int64_t drop_row_base,
+                                       const uint8_t* mask_bh) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     issue_s(acc_s, stage);
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -251,21 +255,48 @@ struct BwdMainloop {
       // each element its own basic block (a branch around its mask code), so ptxas could not
       // overlap one element's exp2 with the next ones' (ncu: those waits were the largest
       // block of stalls outside the GEMMs).
-      auto probs = [&](auto with_mask) {
-        const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
+      // The mask variant's mixed steps take a third copy, with the boolean mask (and the
+      // causal/window mask, hiding nothing where the step has none).
+      auto probs = [&](auto with_mask, auto with_bool) {
+        constexpr int kNever = 1 << 30;
+        const VisibleKeys::Relative::Thread hide =
+            !decltype(with_bool)::value || masked
+                ? rel.thread(key0, q0)
+                : VisibleKeys::Relative::Thread{-kNever, kNever, kNever};
+        // (keys unit-stride or broadcast: prepare_bias)
+        const bool per_key = fn.bias_col_stride != 0;
+        const uint8_t* mask_at =
+            decltype(with_bool)::value
+                ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
+                : nullptr;
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
           const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
           float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
           if constexpr (decltype(with_mask)::value)
             if (hide.hidden(key - key0, q - q0)) pr = 0.f;
+          if constexpr (decltype(with_bool)::value) {
+            // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
+            // the mask above)
+            const bool exists = q < rows_left && key < keys_left;
+            const uint8_t visible =
+                exists ? mask_at[(q - q0) * fn.bias_row_stride + (per_key ? key - key0 : 0)]
+                       : uint8_t{1};
+            pr = visible != 0 ? pr : 0.f;
+          }
           acc_s(i) = pr;
         }
       };
-      if (masked)
-        probs(cute::true_type{});
+      if (T::kMask && cls == kBlockMixed)
+        probs(cute::true_type{}, cute::true_type{});
+      else if (masked)
+        probs(cute::true_type{}, cute::false_type{});
       else
-        probs(cute::false_type{});
+        probs(cute::false_type{}, cute::false_type{});
+      if (T::kMask && cls == kBlockMasked) {
+        CUTE_UNROLL
+        for (int i = 0; i < kSVals; ++i) acc_s(i) = 0.f;
+      }
       // dV += P^T dO issued before dS^T is computed, so that the tensor cores work while this
       // warpgroup computes dS^T (issued after it, dV left them idle for that time).  With
       // dropout dV takes P^T Z / P(kept) (Z: the keep mask).

@@ -55,7 +55,7 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
     const int32_t m_block = st.m_begin + m;
     // A step whose rows the bias masks for the whole key block adds nothing: skipped (the
     // consumers skip the same).
-    if (T::kGeneral && bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
+    if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
                                                static_cast<int64_t>(n_block) * kN)) {
       if (++m == st.m_blocks) {
         m = 0;

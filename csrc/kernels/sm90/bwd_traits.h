@@ -24,7 +24,8 @@
 
 namespace flash_attn_ext::sm90 {
 
-template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false>
+template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false,
+          bool kMask_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
@@ -37,6 +38,13 @@ struct Sm90BwdTraits {
   static_assert(!(kGeneral && kDropout), "the general variant takes dropout itself");
   // Whether the kernel may drop probabilities (it reads the dropout parameters).
   static constexpr bool kMayDrop = kGeneral || kDropout;
+  // A boolean mask alone (BwdParams::bias_is_mask): the plain kernel's step, P^T = 0 where the
+  // mask hides a key, the mask read (a byte per score) only in steps whose block summary is
+  // mixed; steps it masks for the whole key block skipped.  Its own instantiation.
+  static constexpr bool kMask = kMask_;
+  static_assert(!(kMask && (kGeneral || kDropout)), "a mask alone");
+  // Whether steps the bias masks for the whole key block are skipped (bias_blocks.h).
+  static constexpr bool kSkipMasked = kGeneral || kMask;
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

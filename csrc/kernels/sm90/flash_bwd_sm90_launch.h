@@ -36,4 +36,9 @@ cudaError_t run_flash_bwd_sm90_general(const BwdParams& p, float* stats, cudaStr
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90_dropout(const BwdParams& p, float* stats, cudaStream_t stream);
 
+// The same for a boolean mask alone (p.bias_is_mask; no softcap, ALiBi or dropout), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_mask.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_mask(const BwdParams& p, float* stats, cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90

@@ -51,4 +51,9 @@ cudaError_t run_flash_fwd_sm90_general(const FwdParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_dropout(const FwdParams& p, cudaStream_t stream);
 
+// A boolean mask alone (p.bias_is_mask; no softcap, ALiBi or dropout; no GQA packing), defined
+// in flash_fwd_sm90_hdim<kHeadDim>_<dtype>_mask.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_mask(const FwdParams& p, cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90

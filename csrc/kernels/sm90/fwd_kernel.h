@@ -88,9 +88,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = threadIdx.x - 128;  // 0 .. 128 * kConsumers - 1 over the consumer warpgroups
   FwdMainloop<T> mainloop(ctid, sQ, sK, sVt);
-  // The exp2 domain's factor: softmax_scale * log2(e) for plain scores, log2(e) for softcapped
-  // or biased ones, which modify_scores has scaled (sm80::ScoreFn).
-  OnlineSoftmax<T> softmax(sm80::ScoreFn(p, 0, 0).scale_log2);
+  // The exp2 domain's factor: softmax_scale * log2(e) for plain scores (the mask variant's
+  // too: a mask only hides scores), log2(e) for softcapped or biased ones, which modify_scores
+  // has scaled (sm80::ScoreFn).
+  OnlineSoftmax<T> softmax(T::kMask ? static_cast<float>(p.softmax_scale) * sm80::ScoreFn::kLog2e
+                                    : sm80::ScoreFn(p, 0, 0).scale_log2);
   // This thread's two rows (row halves r and r + 8 of the accumulators), per tile.
   int32_t row_of[2];
   RowMask<T> mask(get<1>(mainloop.tScS(0)));
@@ -126,11 +128,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     clear(mainloop.tOrO);
 
-    // The key tile after n_block that this tile computes: in the general variant the next one
-    // that the bias does not mask for all of the tile's rows (the producer skips the same).
+    // The key tile after n_block that this tile computes: in the general and mask variants the
+    // next one that the bias does not mask for all of the tile's rows (the producer skips the
+    // same).
     auto next = [&](int n_block) {
       ++n_block;
-      if constexpr (T::kGeneral)
+      if constexpr (T::kSkipMasked)
         while (n_block < n_end && bias_masks_tile<kM, T::kBlockN>(p, b, h, m0,
                                                                    n_block * T::kBlockN))
           ++n_block;
@@ -154,9 +157,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // Dropout's row id of the (batch, head)'s row 0 (dropout.h).
       const TileDropout dropout{(static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
                                 row_of[0]};
+      // The mask variant's boolean mask at this (batch, head)'s key 0, row 0.
+      const uint8_t* mask_bh = T::kMask ? mask_row(p, b, h, 0) : nullptr;
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
                                     n_end, qs, &smem.barrier_q_empty[qs],
-                                    sm80::ScoreFn(p, b, h), score_rows, next, cls, dropout);
+                                    sm80::ScoreFn(p, b, h), score_rows, next, cls, dropout,
+                                    mask_bh);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -69,8 +69,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
   // Softcap, a bias and ALiBi only in the general variant, dropout there or in the dropout
   // variant (which needs it); no packed sequences.
-  if (p.cu_seqlens_q != nullptr ||
-      (!T::kGeneral && (p.score_mods() || p.dropout != T::kDropout)))
+  if (p.cu_seqlens_q != nullptr || !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
@@ -156,16 +155,17 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return sm80::launch(flash_fwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
 }
 
-// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout].cu)
+// What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout|_mask].cu)
 // launches: the traits of head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA
-// packing, plain, general (softcap, bias, ALiBi, dropout) or dropout alone.
+// packing, plain, general (softcap, bias, ALiBi, dropout), dropout alone or a boolean mask
+// alone.
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kMask = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                                              fwd_stages<kHeadDim>(),
                                              fwd_consumers<kHeadDim, kGeneral || kDropout>(),
-                                             kPackGQA, kGeneral, kDropout>>(p, stream);
+                                             kPackGQA, kGeneral, kDropout, kMask>>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

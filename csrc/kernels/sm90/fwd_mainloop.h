@@ -211,6 +211,44 @@ struct FwdMainloop {
       modify(cute::false_type{});
   }
 
+  // The mask variant (T::kMask): a boolean mask on S of the key tile whose first column of this
+  // thread is col0.  mask_bh: the mask at the (batch, head)'s row 0, key 0 (bias strides: keys
+  // unit-stride, or broadcast when per_key is false); rows: as modify_scores's.  `cls`, the
+  // mask's class on this warpgroup's rows and the tile (bias_blocks.h): all visible changes
+  // nothing, all masked gives -inf, mixed reads a byte per score (columns past seqlen_k read
+  // nothing: the mask hides them).  Hidden scores become -inf, which the softmax turns into 0.
+  __device__ __forceinline__ void mask_scores(const uint8_t* mask_bh, int64_t row_stride,
+                                              bool per_key, const int32_t (&rows)[2],
+                                              int32_t col0, int32_t seqlen_k, int cls) {
+    if (cls == kBlockVisible) return;
+    if (cls == kBlockMasked) {
+#pragma unroll
+      for (int i = 0; i < kSVals; ++i) tSrS(i) = -INFINITY;
+      return;
+    }
+    const int32_t limit = seqlen_k - col0;  // this thread's columns s_col(c) < limit exist
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint8_t* row = mask_bh + rows[r] * row_stride;
+      if (per_key) {
+        row += col0;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          const bool hidden = s_col(c) < limit && row[s_col(c)] == 0;
+          float& x = tSrS(s_index(r, c));
+          x = hidden ? -INFINITY : x;
+        }
+      } else {
+        const bool hidden = row[0] == 0;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          float& x = tSrS(s_index(r, c));
+          x = hidden ? -INFINITY : x;
+        }
+      }
+    }
+  }
+
   // A warpgroup whose 64 rows do not exist (warpgroup_idle) issues no GEMMs and no softmax; it
   // still waits for and releases every K/V stage and takes its pingpong turns, so the other
   // warpgroups' barriers count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192
@@ -253,6 +291,7 @@ struct FwdMainloop {
   // not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and cls(n_block),
   // the bias's class on this warpgroup's rows: modify_scores's (the general variant's);
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
+  // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
   template <typename Next, typename Class>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
@@ -262,12 +301,17 @@ struct FwdMainloop {
                                                int n_begin, int n_end, int qs,
                                                uint64_t* q_empty, const sm80::ScoreFn& fn,
                                                const int32_t (&score_rows)[2], const Next& next,
-                                               const Class& cls, const TileDropout& dropout) {
+                                               const Class& cls, const TileDropout& dropout,
+                                               const uint8_t* mask_bh) {
     float alpha[2];
     auto modify = [&](int n_block) {
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
                       static_cast<int32_t>(args.p.seqlen_k), cls(n_block));
+      if constexpr (T::kMask)
+        mask_scores(mask_bh, args.p.bias_row_stride, args.p.bias_col_stride != 0, score_rows,
+                    n_block * kN + mask.thread_col, static_cast<int32_t>(args.p.seqlen_k),
+                    cls(n_block));
     };
     // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
     // The dropout variant (T::kDropout) draws a tile's keep bits (keep) before waiting for its

@@ -63,13 +63,13 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
     const int32_t m0 = tc.m_block * kM - args.row_shift;
     const VisibleKeys::Block keys = visible_key_tiles(args, vis, m0, kM);
     int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
-    // The general variant: key tiles that the bias masks for all of the tile's rows are
-    // skipped (skip_tile; the consumers ask the same), the range narrowed to the others.
+    // The general and mask variants: key tiles that the bias masks for all of the tile's rows
+    // are skipped (skip_tile; the consumers ask the same), the range narrowed to the others.
     auto skip_tile = [&](int n_block) {
-      if constexpr (T::kGeneral) return bias_masks_tile<kM, kN>(p, b, h, m0, n_block * kN);
+      if constexpr (T::kSkipMasked) return bias_masks_tile<kM, kN>(p, b, h, m0, n_block * kN);
       return false;
     };
-    if constexpr (T::kGeneral) {
+    if constexpr (T::kSkipMasked) {
       while (n_begin < n_end && skip_tile(n_begin)) ++n_begin;
       while (n_end > n_begin && skip_tile(n_end - 1)) --n_end;
     }
@@ -120,7 +120,7 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
       copy(args.tma_q.with(*full), tQg, tQs);
     }
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
-      if (T::kGeneral && skip_tile(n_block)) continue;
+      if (T::kSkipMasked && skip_tile(n_block)) continue;
       if (n_block > n_begin) {
         pipe_k.producer_acquire(state);
         copy(args.tma_k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n_block),

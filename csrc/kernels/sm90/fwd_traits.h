@@ -42,7 +42,8 @@ using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
-          bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false>
+          bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
+          bool kMask_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
@@ -58,6 +59,14 @@ struct Sm90FwdTraits {
   static_assert(!(kDropout_ && (kGeneral_ || kPackGQA_)), "dropout alone, unpacked");
   // Whether the kernel may drop probabilities (it reads the dropout parameters).
   static constexpr bool kMayDrop = kGeneral || kDropout;
+  // A boolean mask alone (FwdParams::bias_is_mask): the plain kernel's scores and softmax, the
+  // mask read as it is (a byte per score) only in key tiles its block summary calls mixed,
+  // fully masked tiles skipped, fully visible ones run as plain attention.  Its own
+  // instantiation; unpacked (the mask may differ per query head).
+  static constexpr bool kMask = kMask_;
+  static_assert(!(kMask_ && (kGeneral_ || kDropout_ || kPackGQA_)), "a mask alone, unpacked");
+  // Whether key tiles the bias masks for the whole tile are skipped (bias_blocks.h).
+  static constexpr bool kSkipMasked = kGeneral || kMask;
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
