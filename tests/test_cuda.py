@@ -441,6 +441,25 @@ def _launched_kernels(fn):
     return [e.name for e in prof.events() if "_kernel" in e.name]
 
 
+def check_sm90_variants(plan, names):
+    """The Hopper kernels among the launched ``names`` are the variants the plan names: their
+    template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask>, Sm90BwdTraits<...,
+    kGeneral, kDropout, kMask>) against the names' suffixes."""
+    fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
+    assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
+    for flags, suffix in ((", true, false, false, false>", "_packgqa"),
+                          (", false, true, false, false>", "_general"),
+                          (", false, false, true, false>", "_dropout"),
+                          (", false, false, false, true>", "_mask")):
+        assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
+    bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
+    assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
+    for flags, suffix in ((", true, false, false>", "_general"),
+                          (", false, true, false>", "_dropout"),
+                          (", false, false, true>", "_mask")):
+        assert any(flags in n for n in bwd) == plan.backward_kernel.endswith(suffix), (plan, bwd)
+
+
 @pytest.mark.parametrize("case", [
     dict(head_dim=64), dict(head_dim=128, causal=True), dict(head_dim=256),
     dict(head_dim=40, seqlen_q=1, heads_q=32, heads_kv=4),     # decoding GQA: packed on sm_90
@@ -469,18 +488,9 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
     sm90 = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(sm90) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     assert any("flash_fwd_kernel" in n for n in names) == plan.kernel.startswith("sm80_fwd")
-    if sm90:  # (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout>)
-        for flags, suffix in ((", true, false, false>", "_packgqa"),
-                              (", false, true, false>", "_general"),
-                              (", false, false, true>", "_dropout")):
-            assert (flags in sm90[0]) == plan.kernel.endswith(suffix), (plan, sm90)
+    check_sm90_variants(plan, names)
     hopper_bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
-    assert bool(hopper_bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    if hopper_bwd:  # (Sm90BwdTraits<..., kGeneral, kDropout>)
-        assert (", true, false>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_general"), \
-            (plan, hopper_bwd)
-        assert (", false, true>" in hopper_bwd[0]) == plan.backward_kernel.endswith("_dropout"), \
-            (plan, hopper_bwd)
+    if hopper_bwd:
         assert any("convert_dq" in n for n in names), names
         assert not any("flash_bwd_dkdv" in n or "flash_bwd_dq" in n for n in names), names
         return
@@ -491,6 +501,27 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
         separate = any("flash_bwd_dq_lean_kernel" in n for n in names)
         assert separate == any("separate dQ kernel" in n for n in plan.notes), (plan, names)
         assert any("convert_dq" in n for n in names) == (not separate)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (64, True), (256, False)])
+def test_boolean_mask_runs_the_mask_variant(head_dim, causal):
+    # A boolean attn_mask alone: explain names the Hopper mask variant (the backward's up to
+    # head dim 128) and those are the kernels launched; the same mask as a float bias runs the
+    # general variant.
+    if torch.cuda.get_device_capability() != (9, 0) or not ops.build_info().get("sm90", False):
+        pytest.skip("needs an sm_90 GPU and a build with the Hopper kernels")
+    q, k, v = (torch.randn(2, 4, 300, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in "qkv")
+    mask = torch.rand(2, 1, 300, 300, device="cuda") < 0.8
+    if causal:
+        mask &= torch.ones(300, 300, dtype=torch.bool, device="cuda").tril()
+    for attn_mask, variant in ((mask, "_mask"), (torch.zeros(mask.shape, device="cuda")
+                                                 .masked_fill(~mask, float("-inf")), "_general")):
+        plan = flash_attn_ext.explain(q, k, v, attn_mask=attn_mask)
+        assert plan.kernel.endswith(variant), plan
+        names = _launched_kernels(lambda m=attn_mask: flash_attn_ext.scaled_dot_product_attention(
+            q, k, v, attn_mask=m).sum().backward())
+        check_sm90_variants(plan, names)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "sm80"])
