@@ -42,6 +42,13 @@ struct FwdParams {
   const uint8_t* bias_blocks = nullptr;
   int64_t blocks_batch_stride = 0, blocks_head_stride = 0, blocks_row_stride = 0,
           blocks_col_stride = 0;
+  // Beside it, per (batch, head) of the bias's own extent: for each 64-row block the span of
+  // 64-key blocks outside which all its blocks are masked, then for each 64-key block the span
+  // of row blocks likewise, as pairs (begin, ~end) (kernels/sm90/bias_blocks.h: bias_key_span,
+  // bias_row_span); ranges_key_offset: where the key blocks' pairs start.  nullptr with
+  // bias_blocks.
+  const uint32_t* bias_ranges = nullptr;
+  int64_t ranges_batch_stride = 0, ranges_head_stride = 0, ranges_key_offset = 0;
 
   // ALiBi (Press et al. 2022, arXiv:2108.12409; FlashAttention-2's definition): scores +=
   // -slope(b, h) * |i + off - j|, off as the mask's below (seqlen_k - seqlen_q bottom-right),

@@ -253,7 +253,8 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     "random": a dense (1, H, L, S) mask, about 70% visible, with every tenth row fully hidden;
     "rows": a (B, 1, L, 1) mask expanded along the keys (stride 0: whole rows hidden);
     "sliced": a key-padding mask cut from a wider one (row stride S + 3: odd, so its rows are
-    not 2-byte aligned)."""
+    not 2-byte aligned); "blockdiag": three packed sequences as one (L, S) block-diagonal causal
+    mask (whole tiles masked between visible ones, in both directions)."""
     if what == "random":
         mask = torch.rand(1, heads_q, seqlen_q, seqlen_k, device="cuda") < 0.7
         mask[:, :, ::10] = False
@@ -261,6 +262,13 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     if what == "rows":
         mask = torch.rand(batch, 1, seqlen_q, 1, device="cuda") < 0.8
         return mask.expand(batch, 1, seqlen_q, seqlen_k), False, (-1, -1)
+    if what == "blockdiag":
+        seg_q = torch.arange(seqlen_q, device="cuda") * 3 // seqlen_q
+        seg_k = torch.arange(seqlen_k, device="cuda") * 3 // seqlen_k
+        i = torch.arange(seqlen_q, device="cuda")[:, None]
+        j = torch.arange(seqlen_k, device="cuda")[None, :]
+        return (seg_q[:, None] == seg_k[None, :]) & (j * seqlen_q <= i * seqlen_k), False, \
+            (-1, -1)
     if what == "sliced":
         lengths = torch.randint(1, seqlen_k + 4, (batch,), device="cuda")
         wide = torch.arange(seqlen_k + 3, device="cuda") < lengths[:, None]
@@ -270,7 +278,7 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     return bias == 0, causal, window
 
 
-MASKS = ["padding", "causal_padding", "window_padding", "random", "rows", "sliced"]
+MASKS = ["padding", "causal_padding", "window_padding", "random", "rows", "sliced", "blockdiag"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

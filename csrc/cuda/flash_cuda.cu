@@ -153,7 +153,7 @@ int score_mods_of(double softcap, const std::optional<at::Tensor>& bias, double 
 // option sm90_bias_blocks off).
 at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaStream_t stream) {
   if (p.attn_bias == nullptr || !kernel_options().sm90_bias_blocks) return at::Tensor();
-  at::Tensor blocks = at::empty({sm90::bias_block_count(p)}, options.dtype(at::kByte));
+  at::Tensor blocks = at::empty({sm90::bias_summary_bytes(p)}, options.dtype(at::kByte));
   C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream));
   return blocks;
 }

@@ -27,7 +27,7 @@ __device__ __forceinline__ void classify(Value x, bool& zero, bool& masked) {
 
 template <typename Value>
 __global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, uint8_t* blocks,
-                                                             int64_t row_blocks,
+                                                             uint32_t* ranges, int64_t row_blocks,
                                                              int64_t key_blocks) {
   // blockIdx: x the key block, y the row block, z (batch, head) of the bias's own extent.
   const int64_t heads = own(p.heads_q, p.bias_head_stride);
@@ -51,20 +51,38 @@ __global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, 
   }
   zero = __syncthreads_and(zero);
   masked = __syncthreads_and(masked);
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     blocks[(bh * row_blocks + blockIdx.y) * key_blocks + blockIdx.x] =
         masked ? kBlockMasked : zero ? kBlockVisible : kBlockMixed;
+    if (!masked) {  // the spans (bias_key_span, bias_row_span): begin and ~end by atomicMin
+      uint32_t* row_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * blockIdx.y;
+      uint32_t* key_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * row_blocks +
+                           2 * blockIdx.x;
+      atomicMin(row_pair, blockIdx.x);
+      atomicMin(row_pair + 1, ~(blockIdx.x + 1));
+      atomicMin(key_pair, blockIdx.y);
+      atomicMin(key_pair + 1, ~(blockIdx.y + 1));
+    }
+  }
+}
+
+// The class bytes, rounded up to whole 32-bit words (the spans follow).
+int64_t class_bytes(const FwdParams& p) {
+  return (own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) *
+              blocks_of(own(p.seqlen_q, p.bias_row_stride)) *
+              blocks_of(own(p.seqlen_k, p.bias_col_stride)) + 3) / 4 * 4;
+}
+int64_t span_words(const FwdParams& p) {
+  return own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) * 2 *
+         (blocks_of(own(p.seqlen_q, p.bias_row_stride)) +
+          blocks_of(own(p.seqlen_k, p.bias_col_stride)));
 }
 
 }  // namespace
 
-int64_t bias_block_count(const FwdParams& p) {
-  return own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) *
-         blocks_of(own(p.seqlen_q, p.bias_row_stride)) *
-         blocks_of(own(p.seqlen_k, p.bias_col_stride));
-}
+int64_t bias_summary_bytes(const FwdParams& p) { return class_bytes(p) + 4 * span_words(p); }
 
-cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream) {
+cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream) {
   const int64_t batch = own(p.batch, p.bias_batch_stride);
   const int64_t heads = own(p.heads_q, p.bias_head_stride);
   const int64_t row_blocks = blocks_of(own(p.seqlen_q, p.bias_row_stride));
@@ -72,15 +90,26 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream) {
   if (batch * heads * row_blocks * key_blocks == 0) return cudaSuccess;
   // Past the grid's limits: no summary (p.bias_blocks stays nullptr: every block is read).
   if (key_blocks > 0x7fffffff || row_blocks > 65535 || batch * heads > 65535) return cudaSuccess;
+  uint8_t* blocks = summary;
+  uint32_t* ranges = reinterpret_cast<uint32_t*>(summary + class_bytes(p));
+  // (all bits set: begin past every block, end 0, until a block that is not all masked)
+  cudaError_t err = cudaMemsetAsync(ranges, 0xff, 4 * span_words(p), stream);
+  if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(batch * heads));
   if (p.bias_is_mask)
-    summarize_bias_kernel<uint8_t><<<grid, 256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
+    summarize_bias_kernel<uint8_t>
+        <<<grid, 256, 0, stream>>>(p, blocks, ranges, row_blocks, key_blocks);
   else
-    summarize_bias_kernel<float><<<grid, 256, 0, stream>>>(p, blocks, row_blocks, key_blocks);
-  const cudaError_t err = cudaGetLastError();
+    summarize_bias_kernel<float>
+        <<<grid, 256, 0, stream>>>(p, blocks, ranges, row_blocks, key_blocks);
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   p.bias_blocks = blocks;
+  p.bias_ranges = ranges;
+  p.ranges_key_offset = 2 * row_blocks;
+  p.ranges_head_stride = p.bias_head_stride == 0 ? 0 : 2 * (row_blocks + key_blocks);
+  p.ranges_batch_stride = p.bias_batch_stride == 0 ? 0 : heads * 2 * (row_blocks + key_blocks);
   p.blocks_col_stride = p.bias_col_stride == 0 ? 0 : 1;
   p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : key_blocks;
   p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : row_blocks * key_blocks;

@@ -19,14 +19,16 @@ namespace flash_attn_ext::sm90 {
 enum BiasBlock : uint8_t { kBlockVisible = 0, kBlockMasked = 1, kBlockMixed = 2 };
 constexpr int kBiasBlock = 64;  // rows and keys per block
 
-// Blocks of the summary of p's bias (prepare_bias's expanded view: stride 0 where it
-// broadcasts): one per (batch, head, row block, key block) of the bias's own extent (1 where it
-// broadcasts).
-int64_t bias_block_count(const FwdParams& p);
-// Summarises p's bias into `blocks` (bias_block_count(p) bytes) and points p.bias_blocks and its
-// strides at it; the kernel runs on `stream`.  A bias past the grid's limits (over 4M rows or
-// 65535 (batch, head) pairs of its own) gets no summary: p.bias_blocks stays nullptr.
-cudaError_t summarize_bias(FwdParams& p, uint8_t* blocks, cudaStream_t stream);
+// Bytes of the summary of p's bias (prepare_bias's expanded view: stride 0 where it
+// broadcasts): a class byte per (batch, head, row block, key block) of the bias's own extent (1
+// where it broadcasts), then the spans (FwdParams::bias_ranges): two 32-bit words per row block
+// and per key block of each (batch, head).
+int64_t bias_summary_bytes(const FwdParams& p);
+// Summarises p's bias into `summary` (bias_summary_bytes(p) bytes, 4-byte aligned) and points
+// p.bias_blocks, p.bias_ranges and their strides at it; the kernels run on `stream`.  A bias past
+// the grid's limits (over 4M rows or 65535 (batch, head) pairs of its own) gets no summary:
+// p.bias_blocks and p.bias_ranges stay nullptr.
+cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream);
 
 #if defined(__CUDACC__)
 // The class of rows [row0, row0 + 64) (row0 a multiple of 64) of head h in batch b against keys
@@ -61,6 +63,59 @@ __device__ __forceinline__ bool bias_masks_tile(const FwdParams& p, int32_t b, i
   for (int r = 0; r < kRows / kBiasBlock; ++r)
     if (bias_tile_class<kKeys>(p, b, h, m0 + r * kBiasBlock, n0) != kBlockMasked) return false;
   return true;
+}
+
+// Keys [begin, end) or rows [begin, end) (end <= begin: none).
+struct Span {
+  int64_t begin, end;
+};
+
+// The keys that rows [m0, m0 + kRows) of head h in batch b (m0 a multiple of 64) may see through
+// the bias: outside the span every 64 x 64 block of those rows is all masked (the summary's
+// spans; every key without a summary).  Rows below 0 or past seqlen_q count for nothing.
+template <int kRows>
+__device__ __forceinline__ Span bias_key_span(const FwdParams& p, int32_t b, int32_t h,
+                                              int64_t m0) {
+  if (p.bias_ranges == nullptr) return {0, p.seqlen_k};
+  const uint32_t* base = p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride;
+  uint32_t lo = 0xffffffffu, not_hi = 0xffffffffu;
+#pragma unroll
+  for (int r = 0; r < kRows / kBiasBlock; ++r) {
+    const int64_t row0 = m0 + r * kBiasBlock;
+    if (row0 < 0 || row0 >= p.seqlen_q) continue;
+    const uint32_t* pair = base + 2 * (p.bias_row_stride == 0 ? 0 : row0 / kBiasBlock);
+    lo = min(lo, pair[0]);
+    not_hi = min(not_hi, pair[1]);
+  }
+  const uint32_t hi = ~not_hi;
+  if (hi <= lo) return {0, 0};
+  if (p.bias_col_stride == 0) return {0, p.seqlen_k};  // (keys broadcast: one block for all)
+  const int64_t end = static_cast<int64_t>(hi) * kBiasBlock;
+  return {static_cast<int64_t>(lo) * kBiasBlock, end < p.seqlen_k ? end : p.seqlen_k};
+}
+
+// The rows of head h in batch b that keys [n0, n0 + kKeys) (n0 a multiple of 64) may be seen by
+// through the bias, as bias_key_span.
+template <int kKeys>
+__device__ __forceinline__ Span bias_row_span(const FwdParams& p, int32_t b, int32_t h,
+                                              int64_t n0) {
+  if (p.bias_ranges == nullptr) return {0, p.seqlen_q};
+  const uint32_t* base = p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride +
+                         p.ranges_key_offset;
+  uint32_t lo = 0xffffffffu, not_hi = 0xffffffffu;
+#pragma unroll
+  for (int j = 0; j < kKeys / kBiasBlock; ++j) {
+    const int64_t key0 = n0 + j * kBiasBlock;
+    if (key0 >= p.seqlen_k) continue;
+    const uint32_t* pair = base + 2 * (p.bias_col_stride == 0 ? 0 : key0 / kBiasBlock);
+    lo = min(lo, pair[0]);
+    not_hi = min(not_hi, pair[1]);
+  }
+  const uint32_t hi = ~not_hi;
+  if (hi <= lo) return {0, 0};
+  if (p.bias_row_stride == 0) return {0, p.seqlen_q};  // (rows broadcast: one block for all)
+  const int64_t end = static_cast<int64_t>(hi) * kBiasBlock;
+  return {static_cast<int64_t>(lo) * kBiasBlock, end < p.seqlen_q ? end : p.seqlen_q};
 }
 
 // A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int32_t hk = bhk % static_cast<int32_t>(p.heads_kv);
   const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  const BwdSteps st = bwd_steps(args, vis, n_block);
+  const BwdSteps st = bwd_steps(args, vis, n_block, b, hk);
 
   const int warp_group = threadIdx.x / 128;
   using Pipeline = typename T::Pipeline;

@@ -20,6 +20,7 @@
 
 #include <type_traits>
 
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/fwd_traits.h"
 
 namespace flash_attn_ext::sm90 {
@@ -160,19 +161,35 @@ struct Sm90BwdArgs {
 };
 
 // The query blocks a key block's steps visit, and its steps: (query head of the group, block)
-// pairs, the head outermost.
+// pairs, the head outermost.  With a bias summary (the general and mask variants) the rows are
+// narrowed to the span the bias lets see the key block, over the group's query heads (a
+// (B, 1, L, S) causal mask: without it every key block walked all query blocks, the masked ones
+// one skipped step each).
 struct BwdSteps {
   int32_t m_begin, m_blocks, steps;
 };
 template <typename T>
 __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
-                                              int32_t n_block) {
+                                              int32_t n_block, int32_t b, int32_t hk) {
   const BwdParams& p = args.p;
   const int64_t n0 = static_cast<int64_t>(n_block) * T::kBlockN;
   const int64_t n1 = n0 + T::kBlockN < p.seqlen_k ? n0 + T::kBlockN : p.seqlen_k;
   int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
   row_lo = row_lo < 0 ? 0 : row_lo;
   row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  if constexpr (T::kSkipMasked) {
+    int64_t lo = p.seqlen_q, hi = 0;
+    const int heads = p.ranges_head_stride == 0 ? 1 : args.group;
+    for (int g = 0; g < heads; ++g) {
+      const Span s = bias_row_span<T::kBlockN>(p, b, hk * args.group + g, n0);
+      if (s.end > s.begin) {
+        lo = s.begin < lo ? s.begin : lo;
+        hi = s.end > hi ? s.end : hi;
+      }
+    }
+    row_lo = lo > row_lo ? lo : row_lo;
+    row_hi = hi < row_hi ? hi : row_hi;
+  }
   BwdSteps s;
   s.m_begin = static_cast<int32_t>(row_lo / T::kBlockM);
   s.m_blocks = row_hi > row_lo

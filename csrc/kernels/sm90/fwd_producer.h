@@ -64,12 +64,20 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
     const VisibleKeys::Block keys = visible_key_tiles(args, vis, m0, kM);
     int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
     // The general and mask variants: key tiles that the bias masks for all of the tile's rows
-    // are skipped (skip_tile; the consumers ask the same), the range narrowed to the others.
+    // are skipped (skip_tile; the consumers ask the same), the range narrowed to the others:
+    // first to the summary's span for these rows (a (B, 1, L, S) causal mask, which the kernel
+    // does not know as causal, leaves the upper key tiles out in two reads, where testing tile
+    // by tile took a dependent global load per tile before the first TMA copy), then to tiles
+    // that skip_tile keeps at both ends (the consumers compute the first and the last tile).
     auto skip_tile = [&](int n_block) {
       if constexpr (T::kSkipMasked) return bias_masks_tile<kM, kN>(p, b, h, m0, n_block * kN);
       return false;
     };
     if constexpr (T::kSkipMasked) {
+      const Span span = bias_key_span<kM>(p, b, h, m0);
+      n_begin = max(n_begin, static_cast<int>(span.begin / kN));
+      n_end = min(n_end, static_cast<int>((span.end + kN - 1) / kN));
+      if (n_end < n_begin) n_end = n_begin;
       while (n_begin < n_end && skip_tile(n_begin)) ++n_begin;
       while (n_end > n_begin && skip_tile(n_end - 1)) --n_end;
     }
