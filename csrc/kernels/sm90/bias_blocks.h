@@ -70,6 +70,30 @@ struct Span {
   int64_t begin, end;
 };
 
+// The span that kBlocks consecutive 64-blocks along one dimension, from x0 (a multiple of 64;
+// blocks below 0 or at or past x_limit count for nothing), may see along the other, from their
+// (begin, ~end) pairs (summarize_bias); `broadcast`: the bias has one block along the first
+// dimension, `other_broadcast` along the other (a block seen then means all of it).
+template <int kBlocks>
+__device__ __forceinline__ Span bias_span(const uint32_t* pairs, bool broadcast, int64_t x0,
+                                          int64_t x_limit, bool other_broadcast,
+                                          int64_t other_limit) {
+  uint32_t lo = 0xffffffffu, not_hi = 0xffffffffu;
+#pragma unroll
+  for (int r = 0; r < kBlocks; ++r) {
+    const int64_t x = x0 + r * kBiasBlock;
+    if (x < 0 || x >= x_limit) continue;
+    const uint32_t* pair = pairs + 2 * (broadcast ? 0 : x / kBiasBlock);
+    lo = min(lo, pair[0]);
+    not_hi = min(not_hi, pair[1]);
+  }
+  const uint32_t hi = ~not_hi;
+  if (hi <= lo) return {0, 0};
+  if (other_broadcast) return {0, other_limit};
+  const int64_t end = static_cast<int64_t>(hi) * kBiasBlock;
+  return {static_cast<int64_t>(lo) * kBiasBlock, end < other_limit ? end : other_limit};
+}
+
 // The keys that rows [m0, m0 + kRows) of head h in batch b (m0 a multiple of 64) may see through
 // the bias: outside the span every 64 x 64 block of those rows is all masked (the summary's
 // spans; every key without a summary).  Rows below 0 or past seqlen_q count for nothing.
@@ -77,21 +101,9 @@ template <int kRows>
 __device__ __forceinline__ Span bias_key_span(const FwdParams& p, int32_t b, int32_t h,
                                               int64_t m0) {
   if (p.bias_ranges == nullptr) return {0, p.seqlen_k};
-  const uint32_t* base = p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride;
-  uint32_t lo = 0xffffffffu, not_hi = 0xffffffffu;
-#pragma unroll
-  for (int r = 0; r < kRows / kBiasBlock; ++r) {
-    const int64_t row0 = m0 + r * kBiasBlock;
-    if (row0 < 0 || row0 >= p.seqlen_q) continue;
-    const uint32_t* pair = base + 2 * (p.bias_row_stride == 0 ? 0 : row0 / kBiasBlock);
-    lo = min(lo, pair[0]);
-    not_hi = min(not_hi, pair[1]);
-  }
-  const uint32_t hi = ~not_hi;
-  if (hi <= lo) return {0, 0};
-  if (p.bias_col_stride == 0) return {0, p.seqlen_k};  // (keys broadcast: one block for all)
-  const int64_t end = static_cast<int64_t>(hi) * kBiasBlock;
-  return {static_cast<int64_t>(lo) * kBiasBlock, end < p.seqlen_k ? end : p.seqlen_k};
+  return bias_span<kRows / kBiasBlock>(
+      p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride,
+      p.bias_row_stride == 0, m0, p.seqlen_q, p.bias_col_stride == 0, p.seqlen_k);
 }
 
 // The rows of head h in batch b that keys [n0, n0 + kKeys) (n0 a multiple of 64) may be seen by
@@ -100,22 +112,9 @@ template <int kKeys>
 __device__ __forceinline__ Span bias_row_span(const FwdParams& p, int32_t b, int32_t h,
                                               int64_t n0) {
   if (p.bias_ranges == nullptr) return {0, p.seqlen_q};
-  const uint32_t* base = p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride +
-                         p.ranges_key_offset;
-  uint32_t lo = 0xffffffffu, not_hi = 0xffffffffu;
-#pragma unroll
-  for (int j = 0; j < kKeys / kBiasBlock; ++j) {
-    const int64_t key0 = n0 + j * kBiasBlock;
-    if (key0 >= p.seqlen_k) continue;
-    const uint32_t* pair = base + 2 * (p.bias_col_stride == 0 ? 0 : key0 / kBiasBlock);
-    lo = min(lo, pair[0]);
-    not_hi = min(not_hi, pair[1]);
-  }
-  const uint32_t hi = ~not_hi;
-  if (hi <= lo) return {0, 0};
-  if (p.bias_row_stride == 0) return {0, p.seqlen_q};  // (rows broadcast: one block for all)
-  const int64_t end = static_cast<int64_t>(hi) * kBiasBlock;
-  return {static_cast<int64_t>(lo) * kBiasBlock, end < p.seqlen_q ? end : p.seqlen_q};
+  return bias_span<kKeys / kBiasBlock>(
+      p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride + p.ranges_key_offset,
+      p.bias_col_stride == 0, n0, p.seqlen_k, p.bias_row_stride == 0, p.seqlen_q);
 }
 
 // A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in
