@@ -44,6 +44,9 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // `p`.
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p, bool keep_mask = false);
+// The backward's bias_requires_grad against attn_bias: a boolean mask has no gradient
+// (ValueError).
+void check_bias_grad(const std::optional<at::Tensor>& attn_bias, bool bias_requires_grad);
 
 // alibi_slopes (checked by check_attn_args: (heads_q,) or (batch, heads_q)) as a contiguous
 // accumulator-type tensor, pointed to by p.alibi_slopes with p.alibi_batch_stride (0 for one

@@ -206,14 +206,27 @@ at::Tensor prepare_alibi(const std::optional<at::Tensor>& alibi_slopes, at::Scal
   return slopes;
 }
 
+void check_bias_grad(const std::optional<at::Tensor>& attn_bias, bool bias_requires_grad) {
+  TORCH_CHECK_VALUE(!(bias_requires_grad && attn_bias.has_value() &&
+                      attn_bias->scalar_type() == at::kBool),
+                    "bias_requires_grad=True with a boolean attn_bias: a mask has no gradient");
+}
+
+// A boolean mask as 0 / -inf in `dtype`, converted at its own extent (size 1 where it is
+// expanded, stride 0) and expanded back, so that a broadcast stays one.
+at::Tensor additive_mask(const at::Tensor& mask, at::ScalarType dtype) {
+  at::Tensor own = mask;
+  for (int64_t d = 0; d < mask.dim(); ++d)
+    if (mask.stride(d) == 0 && mask.size(d) > 1) own = own.narrow(d, 0, 1);
+  return at::zeros(own.sizes(), own.options().dtype(dtype))
+      .masked_fill_(own.logical_not(), -std::numeric_limits<double>::infinity())
+      .expand(mask.sizes());
+}
+
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p, bool keep_mask) {
   const bool mask = bias.scalar_type() == at::kBool;
-  at::Tensor b = !mask      ? bias.to(acc_dtype)
-                 : keep_mask ? bias
-                             : at::zeros(bias.sizes(), bias.options().dtype(acc_dtype))
-                                   .masked_fill_(bias.logical_not(),
-                                                 -std::numeric_limits<double>::infinity());
+  at::Tensor b = !mask ? bias.to(acc_dtype) : keep_mask ? bias : additive_mask(bias, acc_dtype);
   p.bias_is_mask = mask && keep_mask;
   // Keys unit-stride or broadcast (stride 0), which the Hopper kernels' bias reads assume: a
   // copy only for other strides (a broadcast key dimension stays one: copying it would

@@ -124,6 +124,9 @@ struct FwdParams {
   // additive bias, ALiBi, dropout with them; kDropout: dropout alone; kMask: a boolean mask
   // alone; none: plain attention).
   bool sm90_variant_is(bool general_v, bool dropout_v, bool mask_v) const {
+    // (their bias reads take keys unit-stride or broadcast: prepare_bias)
+    if (attn_bias != nullptr && seqlen_k > 1 && bias_col_stride != 0 && bias_col_stride != 1)
+      return false;
     if (mask_v) return mask_only();
     if (bias_is_mask) return false;
     return general_v || (!score_mods() && dropout == dropout_v);

@@ -78,7 +78,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     alibi_slopes = call_kwargs.get("alibi_slopes")
     check_alibi(alibi_slopes, query)
     wl, wr = window
-    p = plan(query, key, value, scale, score_mods(softcap, dropout_p, attn_mask, alibi_slopes),
+    p = plan(query, key, value, scale,
+             score_mods(softcap, float(kernel_dropout), attn_mask, alibi_slopes),
              run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
     if p.kernel == "none":  # not a floating dtype: a call raises

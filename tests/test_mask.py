@@ -113,3 +113,33 @@ def test_mask_errors():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="bool or floating"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layout", ["rows_expanded", "keys_padding", "dense"])
+def test_boolean_attn_bias_of_the_op_equals_its_additive_form(layout):
+    # The op takes a boolean attn_bias (True = attend) itself: on the CPU (and every kernel but
+    # the Hopper mask variant) it becomes 0 / -inf at its own extent, an expanded (stride-0)
+    # dimension staying one; the result equals the additive form's, and a boolean mask has no
+    # gradient (bias_requires_grad=True is refused).
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 24, dtype=torch.float64) for n in (33, 50, 50))
+    if layout == "rows_expanded":
+        mask = (torch.rand(2, 1, 33, 1) < 0.7).expand(2, 1, 33, 50)
+    elif layout == "keys_padding":
+        mask = torch.arange(50)[None, None, None, :] < torch.tensor([50, 17])[:, None, None, None]
+    else:
+        mask = torch.rand(2, 4, 33, 50) < 0.6
+    bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    out, lse, _ = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, mask)
+    ref, ref_lse, _ = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, bias)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    grads = ops.bwd_op(dout, q, k, v, out, lse, torch.zeros(2, dtype=torch.int64), None, False,
+                       -1, -1, True, 0.0, None, mask, 0.0, False, False)
+    ref_grads = ops.bwd_op(dout, q, k, v, out, lse, torch.zeros(2, dtype=torch.int64), None,
+                           False, -1, -1, True, 0.0, None, bias, 0.0, False, False)
+    for a, b in zip(grads[:3], ref_grads[:3]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="a mask has no gradient"):
+        ops.bwd_op(dout, q, k, v, out, lse, torch.zeros(2, dtype=torch.int64), None, False, -1,
+                   -1, True, 0.0, None, mask, 0.0, False, True)

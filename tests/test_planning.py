@@ -402,6 +402,15 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
     # (the general variant does not pack: the bias tells the heads apart)
     assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
+    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
+    with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
+        assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
+    # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason
+    # (planned afresh, not from the cached plan of the same dtype and head dim).
+    huge = _CudaLike((1, planning.SM90_MAX_ROWS + 1, 1, 64))
+    p = planning.plan(huge, huge, huge)
+    assert p.kernel == "sm80_fwd_hdim64_bf16" and "32-bit" in str(p)
+    assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
 
 
 def test_cuda_plan_names_the_mask_variant(monkeypatch):
@@ -420,15 +429,6 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     m = torch.ones(1, 1, 1, 9, dtype=torch.bool)
     assert planning.score_mods(0.0, 0.0, m) == mask
     assert planning.score_mods(0.0, 0.0, m.float()) == planning.BIAS
-    assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
-    with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
-        assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"
-    # Rows past the Hopper kernel's 32-bit arithmetic: the portable kernel, with the reason
-    # (planned afresh, not from the cached plan of the same dtype and head dim).
-    huge = _CudaLike((1, planning.SM90_MAX_ROWS + 1, 1, 64))
-    p = planning.plan(huge, huge, huge)
-    assert p.kernel == "sm80_fwd_hdim64_bf16" and "32-bit" in str(p)
-    assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
 
 
 @pytest.mark.parametrize("cap,smem,head_dim,mods,text", [

@@ -254,7 +254,10 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     "rows": a (B, 1, L, 1) mask expanded along the keys (stride 0: whole rows hidden);
     "sliced": a key-padding mask cut from a wider one (row stride S + 3: odd, so its rows are
     not 2-byte aligned); "blockdiag": three packed sequences as one (L, S) block-diagonal causal
-    mask (whole tiles masked between visible ones, in both directions)."""
+    mask (whole tiles masked between visible ones, in both directions); "perhead": a (B, H, L, S)
+    mask whose structure differs per head and batch entry (head h sees a causal band of keys
+    shifted by h * L / 4 and cut at a per-batch length; some heads see nothing in some rows),
+    so that each head's block spans differ (the GQA group's union in the backward)."""
     if what == "random":
         mask = torch.rand(1, heads_q, seqlen_q, seqlen_k, device="cuda") < 0.7
         mask[:, :, ::10] = False
@@ -262,6 +265,13 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     if what == "rows":
         mask = torch.rand(batch, 1, seqlen_q, 1, device="cuda") < 0.8
         return mask.expand(batch, 1, seqlen_q, seqlen_k), False, (-1, -1)
+    if what == "perhead":
+        i = torch.arange(seqlen_q, device="cuda")[:, None]
+        j = torch.arange(seqlen_k, device="cuda")[None, :]
+        shift = (torch.arange(heads_q, device="cuda") * max(seqlen_k // 4, 1))[:, None, None]
+        band = (j >= shift) & (j - shift <= i * seqlen_k // seqlen_q)  # (H, L, S)
+        lengths = torch.randint(1, seqlen_k + 1, (batch,), device="cuda")
+        return band[None] & (j < lengths[:, None, None, None]), False, (-1, -1)
     if what == "blockdiag":
         seg_q = torch.arange(seqlen_q, device="cuda") * 3 // seqlen_q
         seg_k = torch.arange(seqlen_k, device="cuda") * 3 // seqlen_k
@@ -278,7 +288,8 @@ def mask_case(what, batch, seqlen_q, seqlen_k, heads_q):
     return bias == 0, causal, window
 
 
-MASKS = ["padding", "causal_padding", "window_padding", "random", "rows", "sliced", "blockdiag"]
+MASKS = ["padding", "causal_padding", "window_padding", "random", "rows", "sliced", "blockdiag",
+         "perhead"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -321,15 +332,18 @@ def test_hopper_mask_variant_backward_meets_the_error_rule(hopper_bwd, dtype, se
 @pytest.mark.parametrize("what", ["causal_padding", "random"])
 def test_mask_variant_equals_the_mask_as_a_bias(kernel_opts, what):
     # The same mask as a boolean (the mask variant, with and without the block summary) and as
-    # 0 / -inf in fp32 (the general variant): the forward bitwise equal where the summary is on
-    # for both (both skip the same tiles and compute the same scores), the gradients equal up
-    # to the order of the dQ additions.
+    # 0 / -inf in fp32 (the general variant, with its own exp2 form): the mask variant's
+    # forward bitwise equal with and without the summary (a skipped tile adds exact zeros), the
+    # general variant's within rounding; the gradients equal up to the order of the dQ
+    # additions.
     q, k, v = rand(2, 700, 4, 128), rand(2, 700, 4, 128), rand(2, 700, 4, 128)
     mask, causal, window = mask_case(what, 2, 700, 700, 4)
     bias = torch.zeros(mask.shape, device="cuda").masked_fill(~mask, float("-inf"))
     results = []
     for attn_bias, blocks in ((mask, True), (mask, False), (bias, True)):
         kernel_opts(sm90_bias_blocks=blocks)
+        plan = planning.plan(q, k, v, mods=planning.score_mods(0.0, 0.0, attn_bias))
+        assert plan.kernel.endswith("_mask" if attn_bias is mask else "_general"), plan
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out, lse, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, 0.0, None,
                               attn_bias)

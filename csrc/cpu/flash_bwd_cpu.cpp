@@ -294,6 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dq = new_output_like(q);
   at::Tensor dk = new_output_like(k);
   at::Tensor dv = new_output_like(v);
+  check_bias_grad(attn_bias, bias_requires_grad);
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
   at::Tensor dbias_full = want_dbias ? at::zeros({a.batch, a.heads_q, a.seqlen_q, a.seqlen_k},
                                                  q.options().dtype(lse_dtype(q.scalar_type())))

@@ -313,8 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   check_bwd_tensors(a, dout_in, out_in, softmax_lse, q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const bool want_dbias = attn_bias.has_value() && bias_requires_grad;
-  TORCH_CHECK_VALUE(!(want_dbias && attn_bias->scalar_type() == at::kBool),
-                    "bias_requires_grad=True with a boolean attn_bias: a mask has no gradient");
+  check_bias_grad(attn_bias, bias_requires_grad);
   const int mods =
       score_mods_of(softcap, attn_bias, dropout_p, want_dbias, alibi_slopes.has_value());
   const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic,

@@ -1,8 +1,8 @@
 // A summary of an attention bias by blocks of 64 rows x 64 keys (FwdParams::bias_blocks), so
-// that the Hopper kernels' general variant skips what a mask's structure makes unnecessary:
-// key tiles that a bias masks for every row of a tile are neither loaded nor computed, and
-// tiles where the bias is 0 throughout run without reading it (FlexAttention's block mask does
-// the same for its mask functions).  One pass over the bias per call (bias_blocks.cu), before
+// that the Hopper kernels' general and mask variants skip what a mask's structure makes
+// unnecessary: key tiles that a bias masks for every row of a tile are neither loaded nor
+// computed, and tiles where the bias is 0 (a boolean mask true) throughout run without reading
+// it (FlexAttention's block mask does the same for its mask functions).  One pass over the bias per call (bias_blocks.cu), before
 // the kernel.
 #pragma once
 

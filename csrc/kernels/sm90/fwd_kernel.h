@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (!q_issued) issue_q_packed<T>(args, sQ, ctid, me, m0, b, h);
         finish_q_packed<T>(me);
       }
-      // The general variant's rows of the bias (past seqlen_q: the last row's, discarded).
+      // The general and mask variants' rows of the bias (past seqlen_q: the last row's,
+      // discarded).
       const int32_t last_row = static_cast<int32_t>(p.seqlen_q) - 1;
       const int32_t score_rows[2] = {min(row_of[0], last_row), min(row_of[1], last_row)};
       // The bias's class on this warpgroup's 64 rows, per key tile (bias_blocks.h).

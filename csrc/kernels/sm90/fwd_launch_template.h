@@ -67,8 +67,9 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
-  // Softcap, a bias and ALiBi only in the general variant, dropout there or in the dropout
-  // variant (which needs it); no packed sequences.
+  // Softcap, an additive bias and ALiBi only in the general variant, dropout there or in the
+  // dropout variant (which needs it), a boolean mask alone only in the mask variant
+  // (FwdParams::sm90_variant_is); no packed sequences.
   if (p.cu_seqlens_q != nullptr || !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;

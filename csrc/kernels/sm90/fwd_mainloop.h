@@ -287,9 +287,9 @@ struct FwdMainloop {
   // Key tiles [n_begin, n_end) of a tile (n_begin < n_end) into O, m and l; Q in buffer qs.
   // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
   // K/V pipeline state after the tile's stages.  next(n_block): the key tile after n_block
-  // that the tile computes (n_block + 1, or in the general variant the next one the bias does
-  // not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and cls(n_block),
-  // the bias's class on this warpgroup's rows: modify_scores's (the general variant's);
+  // that the tile computes (n_block + 1, or in the general and mask variants the next one the
+  // bias does not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and
+  // cls(n_block), the bias's class on this warpgroup's rows: modify_scores's (the general variant's);
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
   template <typename Next, typename Class>
