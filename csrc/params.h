@@ -33,8 +33,8 @@ struct FwdParams {
   const void* attn_bias = nullptr;
   int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
   // attn_bias is a boolean mask (1 byte per element, nonzero = attend; the same strides), read
-  // as it is by the Hopper kernels' mask variant only: every other kernel gets the additive
-  // fp32 form (the glue converts, prepare_bias).
+  // as it is by the CPU kernels and the Hopper kernels' mask variant: the other CUDA kernels
+  // get the additive fp32 form (the glue converts, prepare_bias).
   bool bias_is_mask = false;
   // The Hopper kernels' summary of the bias by 64 x 64 blocks (kernels/sm90/bias_blocks.h: all 0,
   // all -inf, or mixed), indexed (batch, head, row / 64, key / 64) with these strides (0 where

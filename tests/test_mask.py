@@ -117,10 +117,10 @@ def test_mask_errors():
 
 @pytest.mark.parametrize("layout", ["rows_expanded", "keys_padding", "dense"])
 def test_boolean_attn_bias_of_the_op_equals_its_additive_form(layout):
-    # The op takes a boolean attn_bias (True = attend) itself: on the CPU (and every kernel but
-    # the Hopper mask variant) it becomes 0 / -inf at its own extent, an expanded (stride-0)
-    # dimension staying one; the result equals the additive form's, and a boolean mask has no
-    # gradient (bias_requires_grad=True is refused).
+    # The op takes a boolean attn_bias (True = attend) itself: the CPU kernels read its bytes
+    # through its strides (an expanded, stride-0 dimension staying one), hiding the scores the
+    # additive 0 / -inf form hides: the result equals that form's bitwise, and a boolean mask
+    # has no gradient (bias_requires_grad=True is refused).
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, n, 4, 24, dtype=torch.float64) for n in (33, 50, 50))
     if layout == "rows_expanded":

@@ -314,7 +314,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   fill_dropout_params(p, dropout_p);
   read_seed(p, rng_state);
   const at::Tensor bias_view = attn_bias.has_value()
-                                   ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
+                                   ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p,
+                                                  /*keep_mask=*/true)
                                    : at::Tensor();
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   p.dbias_full = want_dbias ? dbias_full.data_ptr() : nullptr;

@@ -79,6 +79,18 @@ inline void add_bias(T* S, int64_t rows, int64_t cols, int64_t ld, const T* bias
     for (int64_t c = 0; c < cols; ++c) S[r * ld + c] += bias[r * row_stride + c * col_stride];
 }
 
+// S = -inf where a boolean mask (FwdParams::bias_is_mask: a byte per element, 0 = hidden) hides
+// the key, for a (rows x cols) tile; strides as add_bias's.  The same scores as adding its
+// 0 / -inf form, without that fp32 copy of the mask.
+template <typename T>
+inline void apply_bool_mask(T* S, int64_t rows, int64_t cols, int64_t ld, const uint8_t* mask,
+                            int64_t row_stride, int64_t col_stride) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      if (mask[r * row_stride + c * col_stride] == 0) S[r * ld + c] = neg_inf;
+}
+
 // ALiBi: S -= slope * |dist0 + r - c| for a (rows x cols) tile, dist0 = i0 + offset - j0 (the
 // distance i + offset - j at the tile's first element; params.h).
 template <typename T>
@@ -111,9 +123,14 @@ inline void finish_scores(T* S, int64_t mq, int64_t nk, const FwdParams& p,
                           T* dtanh = nullptr) {
   if (p.softcap > 0.0) apply_softcap(S, mq, nk, kBlockK, static_cast<T>(p.softcap), dtanh);
   if (p.attn_bias != nullptr) {
-    const T* bias = static_cast<const T*>(p.attn_bias) + b * p.bias_batch_stride +
-                    h * p.bias_head_stride + i0 * p.bias_row_stride + j0 * p.bias_col_stride;
-    add_bias(S, mq, nk, kBlockK, bias, p.bias_row_stride, p.bias_col_stride);
+    const int64_t at = b * p.bias_batch_stride + h * p.bias_head_stride + i0 * p.bias_row_stride +
+                       j0 * p.bias_col_stride;
+    if (p.bias_is_mask)
+      apply_bool_mask(S, mq, nk, kBlockK, static_cast<const uint8_t*>(p.attn_bias) + at,
+                      p.bias_row_stride, p.bias_col_stride);
+    else
+      add_bias(S, mq, nk, kBlockK, static_cast<const T*>(p.attn_bias) + at, p.bias_row_stride,
+               p.bias_col_stride);
   }
   if (p.alibi_slopes != nullptr) {
     const T slope = static_cast<const T*>(p.alibi_slopes)[b * p.alibi_batch_stride + h];

@@ -236,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
   fill_dropout_params(p, dropout_p);
   draw_seed(p, rng_state);
   const at::Tensor bias_view = attn_bias.has_value()
-                                   ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p)
+                                   ? prepare_bias(*attn_bias, a, lse_dtype(q.scalar_type()), p,
+                                                  /*keep_mask=*/true)
                                    : at::Tensor();
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flash_fwd_cpu",
