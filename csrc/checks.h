@@ -40,8 +40,8 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // expanded to (batch, heads_q, seqlen_q, seqlen_k): broadcast dimensions get stride 0, so only
 // the bias's own elements exist in memory; the keys' stride is 1 or 0 (a copy where needed).
 // A boolean mask (True = attend) becomes 0 / -inf at its own shape, or with keep_mask stays
-// the bytes it is (p.bias_is_mask: the CPU kernels, the Hopper kernels' mask variant).  Fills the bias fields of
-// `p`.
+// the bytes it is (p.bias_is_mask: the CPU kernels, the Hopper kernels' mask variant).  Fills
+// the bias fields of `p`.
 at::Tensor prepare_bias(const at::Tensor& bias, const AttnArgs& a, at::ScalarType acc_dtype,
                         FwdParams& p, bool keep_mask = false);
 // The backward's bias_requires_grad against attn_bias: a boolean mask has no gradient

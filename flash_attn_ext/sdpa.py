@@ -119,9 +119,9 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
                  key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SDPA's attn_mask as an additive bias broadcastable to (N, H, L, S).
 
-    A boolean mask (True = attend) stays boolean: the kernels read it as it is (the Hopper
-    kernels' mask variant, a byte per element) or as 0 / -inf in the accumulator type (the
-    others; csrc/ops.cpp's prepare_bias); a float mask is the bias itself (and gets a gradient
+    A boolean mask (True = attend) stays boolean: the kernels read it as it is (the CPU kernels
+    and the Hopper kernels' mask variant, a byte per element) or as 0 / -inf in fp32 (the other
+    CUDA kernels; csrc/ops.cpp's prepare_bias); a float mask is the bias itself (and gets a gradient
     if it requires one).  For 3-D inputs a 3-D (N, L, S) mask gets the head dimension.  With
     ``key`` (SDPA layout), the mask's shape is checked against the call's (N, H, L, S) here, in
     the caller's terms.

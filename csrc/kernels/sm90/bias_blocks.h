@@ -2,8 +2,8 @@
 // that the Hopper kernels' general and mask variants skip what a mask's structure makes
 // unnecessary: key tiles that a bias masks for every row of a tile are neither loaded nor
 // computed, and tiles where the bias is 0 (a boolean mask true) throughout run without reading
-// it (FlexAttention's block mask does the same for its mask functions).  One pass over the bias per call (bias_blocks.cu), before
-// the kernel.
+// it (FlexAttention's block mask does the same for its mask functions).  One pass over the bias
+// per call (bias_blocks.cu), before the kernel.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -289,7 +289,8 @@ struct FwdMainloop {
   // K/V pipeline state after the tile's stages.  next(n_block): the key tile after n_block
   // that the tile computes (n_block + 1, or in the general and mask variants the next one the
   // bias does not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and
-  // cls(n_block), the bias's class on this warpgroup's rows: modify_scores's (the general variant's);
+  // cls(n_block), the bias's class on this warpgroup's rows: modify_scores's (the general
+  // variant's);
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
   template <typename Next, typename Class>
