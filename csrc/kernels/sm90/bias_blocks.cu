@@ -1,6 +1,14 @@
-// The bias summary of bias_blocks.h: one CTA per block, every thread testing its values, the
-// class by two CTA-wide votes.  An additive fp32 bias: 0 visible, -inf masked; a boolean mask
-// (FwdParams::bias_is_mask): nonzero visible, zero masked.
+// The bias summary of bias_blocks.h: a warp per 64 x 64 block, eight blocks along the keys per
+// CTA, each lane reading 16 bytes of a row at a time (or, for a bias that is not unit-stride
+// and 16-byte aligned, two keys of every row), the class by two warp votes.  An additive fp32
+// bias: 0 visible, -inf masked; a boolean mask (FwdParams::bias_is_mask): nonzero visible,
+// zero masked.
+//
+// Why this shape: a (B, 1, L, S) mask is B * L * S values (64 MB at B = 4, L = S = 4k), read
+// before the forward and again before the backward, so the pass must run at memory speed.
+// One CTA per block, its index split by two 64-bit divisions per value, cost the causal +
+// padding forward ~0.3 ms (a third of it); a warp per block reading a byte per lane took
+// 101 us on the H200 (0.63 TB/s); docs/perf/sm90_score_mods.md has the measurements.
 #include "kernels/sm90/bias_blocks.h"
 
 #include <cmath>
@@ -10,9 +18,24 @@ namespace flash_attn_ext::sm90 {
 
 namespace {
 
-// The bias's own extent along a dimension: 1 where it broadcasts (stride 0).
-__host__ __device__ int64_t own(int64_t size, int64_t stride) { return stride == 0 ? 1 : size; }
-int64_t blocks_of(int64_t n) { return (n + kBiasBlock - 1) / kBiasBlock; }
+constexpr int kWarpsPerCta = 8;  // key blocks per CTA
+
+// The summary's extent: the bias's own (1 where it broadcasts, stride 0) batch and heads, and
+// its 64-blocks of rows and keys.
+struct SummaryShape {
+  int64_t batch, heads, row_blocks, key_blocks;
+  explicit SummaryShape(const FwdParams& p)
+      : batch(own(p.batch, p.bias_batch_stride)),
+        heads(own(p.heads_q, p.bias_head_stride)),
+        row_blocks(blocks_of(own(p.seqlen_q, p.bias_row_stride))),
+        key_blocks(blocks_of(own(p.seqlen_k, p.bias_col_stride))) {}
+  static int64_t own(int64_t size, int64_t stride) { return stride == 0 ? 1 : size; }
+  static int64_t blocks_of(int64_t n) { return (n + kBiasBlock - 1) / kBiasBlock; }
+  int64_t blocks() const { return batch * heads * row_blocks * key_blocks; }
+  // The class bytes, rounded up to whole 32-bit words (the spans follow them).
+  int64_t class_bytes() const { return (blocks() + 3) / 4 * 4; }
+  int64_t span_words() const { return batch * heads * 2 * (row_blocks + key_blocks); }
+};
 
 template <typename Value>
 __device__ __forceinline__ void classify(Value x, bool& zero, bool& masked) {
@@ -25,95 +48,126 @@ __device__ __forceinline__ void classify(Value x, bool& zero, bool& masked) {
   }
 }
 
+// Sixteen bytes of values at once: a boolean mask's 16 values (zero bytes found by the usual
+// word trick), or four floats.
 template <typename Value>
-__global__ void __launch_bounds__(256) summarize_bias_kernel(const FwdParams p, uint8_t* blocks,
-                                                             uint32_t* ranges, int64_t row_blocks,
-                                                             int64_t key_blocks) {
-  // blockIdx: x the key block, y the row block, z (batch, head) of the bias's own extent.
-  const int64_t heads = own(p.heads_q, p.bias_head_stride);
+__device__ __forceinline__ void classify16(const uint4& x, bool& zero, bool& masked) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<Value, uint8_t>) {
+      zero &= ((w[i] - 0x01010101u) & ~w[i] & 0x80808080u) == 0;  // no byte is 0
+      masked &= w[i] == 0;
+    } else {
+      classify(__uint_as_float(w[i]), zero, masked);
+    }
+  }
+}
+
+template <typename Value>
+__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
+    const FwdParams p, uint8_t* blocks, uint32_t* ranges, int64_t row_blocks,
+    int64_t key_blocks) {
+  // This warp's block: key block blockIdx.x * kWarpsPerCta + warp, row block blockIdx.y,
+  // (batch, head) blockIdx.z of the bias's own extent.
+  const int lane = threadIdx.x % 32;
+  const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  if (key_block >= key_blocks) return;  // (the whole warp)
+  const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
   const int64_t bh = blockIdx.z, b = bh / heads, h = bh % heads;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
-  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBiasBlock;
+  const int64_t key0 = key_block * kBiasBlock;
   // Rows and keys of the block that exist (one where the bias broadcasts along them: all its
   // rows or keys are that one).
-  const int64_t rows = p.bias_row_stride == 0                  ? 1
-                       : p.seqlen_q - row0 < kBiasBlock ? p.seqlen_q - row0
-                                                          : kBiasBlock;
-  const int64_t keys = p.bias_col_stride == 0                  ? 1
-                       : p.seqlen_k - key0 < kBiasBlock ? p.seqlen_k - key0
-                                                          : kBiasBlock;
-  const Value* bias = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
-                      h * p.bias_head_stride + row0 * p.bias_row_stride +
-                      key0 * p.bias_col_stride;
+  const int64_t rows_left = p.seqlen_q - row0, keys_left = p.seqlen_k - key0;
+  const int64_t rows = p.bias_row_stride == 0       ? 1
+                       : rows_left < kBiasBlock ? rows_left
+                                                : kBiasBlock;
+  const int64_t keys = p.bias_col_stride == 0       ? 1
+                       : keys_left < kBiasBlock ? keys_left
+                                                : kBiasBlock;
+  const Value* row_ptr = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
+                         h * p.bias_head_stride + row0 * p.bias_row_stride +
+                         key0 * p.bias_col_stride;
   bool zero = true, masked = true;
-  for (int64_t e = threadIdx.x; e < rows * keys; e += blockDim.x) {
-    classify(bias[(e / keys) * p.bias_row_stride + (e % keys) * p.bias_col_stride], zero, masked);
+  // Whole rows of 64 unit-stride keys, 16-byte aligned: 16 bytes per lane and load (a
+  // boolean mask's row is four lanes' loads, a warp reads eight rows at once); else two values
+  // per lane and row (keys lane and lane + 32).
+  constexpr int kPerVec = 16 / sizeof(Value), kLanesPerRow = kBiasBlock / kPerVec;
+  const bool vectors = keys == kBiasBlock && p.bias_col_stride == 1 &&
+                       reinterpret_cast<uintptr_t>(row_ptr) % 16 == 0 &&
+                       (rows == 1 || (p.bias_row_stride * sizeof(Value)) % 16 == 0);
+  if (vectors) {
+    const Value* ptr = row_ptr + (lane / kLanesPerRow) * p.bias_row_stride +
+                       (lane % kLanesPerRow) * kPerVec;
+    const int64_t step = (32 / kLanesPerRow) * p.bias_row_stride;
+#pragma unroll 8
+    for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
+      classify16<Value>(*reinterpret_cast<const uint4*>(ptr), zero, masked);
+  } else {
+    const bool has0 = lane < keys, has1 = lane + 32 < keys;  // this lane's keys
+    const int64_t off0 = lane * p.bias_col_stride, off1 = (lane + 32) * p.bias_col_stride;
+#pragma unroll 8
+    for (int64_t r = 0; r < rows; ++r, row_ptr += p.bias_row_stride) {
+      if (has0) classify(row_ptr[off0], zero, masked);
+      if (has1) classify(row_ptr[off1], zero, masked);
+    }
   }
-  zero = __syncthreads_and(zero);
-  masked = __syncthreads_and(masked);
-  if (threadIdx.x == 0) {
-    blocks[(bh * row_blocks + blockIdx.y) * key_blocks + blockIdx.x] =
+  zero = __all_sync(0xffffffffu, zero);
+  masked = __all_sync(0xffffffffu, masked);
+  if (lane == 0) {
+    blocks[(bh * row_blocks + blockIdx.y) * key_blocks + key_block] =
         masked ? kBlockMasked : zero ? kBlockVisible : kBlockMixed;
     if (!masked) {  // the spans (bias_key_span, bias_row_span): begin and ~end by atomicMin
+      const uint32_t kb = static_cast<uint32_t>(key_block);
       uint32_t* row_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * blockIdx.y;
-      uint32_t* key_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * row_blocks +
-                           2 * blockIdx.x;
-      atomicMin(row_pair, blockIdx.x);
-      atomicMin(row_pair + 1, ~(blockIdx.x + 1));
+      uint32_t* key_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * row_blocks + 2 * kb;
+      atomicMin(row_pair, kb);
+      atomicMin(row_pair + 1, ~(kb + 1));
       atomicMin(key_pair, blockIdx.y);
       atomicMin(key_pair + 1, ~(blockIdx.y + 1));
     }
   }
 }
 
-// The class bytes, rounded up to whole 32-bit words (the spans follow).
-int64_t class_bytes(const FwdParams& p) {
-  return (own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) *
-              blocks_of(own(p.seqlen_q, p.bias_row_stride)) *
-              blocks_of(own(p.seqlen_k, p.bias_col_stride)) + 3) / 4 * 4;
-}
-int64_t span_words(const FwdParams& p) {
-  return own(p.batch, p.bias_batch_stride) * own(p.heads_q, p.bias_head_stride) * 2 *
-         (blocks_of(own(p.seqlen_q, p.bias_row_stride)) +
-          blocks_of(own(p.seqlen_k, p.bias_col_stride)));
-}
-
 }  // namespace
 
-int64_t bias_summary_bytes(const FwdParams& p) { return class_bytes(p) + 4 * span_words(p); }
+int64_t bias_summary_bytes(const FwdParams& p) {
+  const SummaryShape s(p);
+  return s.class_bytes() + 4 * s.span_words();
+}
 
 cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream) {
-  const int64_t batch = own(p.batch, p.bias_batch_stride);
-  const int64_t heads = own(p.heads_q, p.bias_head_stride);
-  const int64_t row_blocks = blocks_of(own(p.seqlen_q, p.bias_row_stride));
-  const int64_t key_blocks = blocks_of(own(p.seqlen_k, p.bias_col_stride));
-  if (batch * heads * row_blocks * key_blocks == 0) return cudaSuccess;
+  const SummaryShape s(p);
+  if (s.blocks() == 0) return cudaSuccess;
   // Past the grid's limits: no summary (p.bias_blocks stays nullptr: every block is read).
-  if (key_blocks > 0x7fffffff || row_blocks > 65535 || batch * heads > 65535) return cudaSuccess;
+  if (s.key_blocks > 0x7fffffffLL || s.row_blocks > 65535 || s.batch * s.heads > 65535)
+    return cudaSuccess;
   uint8_t* blocks = summary;
-  uint32_t* ranges = reinterpret_cast<uint32_t*>(summary + class_bytes(p));
+  uint32_t* ranges = reinterpret_cast<uint32_t*>(summary + s.class_bytes());
   // (all bits set: begin past every block, end 0, until a block that is not all masked)
-  cudaError_t err = cudaMemsetAsync(ranges, 0xff, 4 * span_words(p), stream);
+  cudaError_t err = cudaMemsetAsync(ranges, 0xff, 4 * s.span_words(), stream);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(row_blocks),
-                  static_cast<unsigned>(batch * heads));
+  const dim3 grid(static_cast<unsigned>((s.key_blocks + kWarpsPerCta - 1) / kWarpsPerCta),
+                  static_cast<unsigned>(s.row_blocks), static_cast<unsigned>(s.batch * s.heads));
   if (p.bias_is_mask)
-    summarize_bias_kernel<uint8_t>
-        <<<grid, 256, 0, stream>>>(p, blocks, ranges, row_blocks, key_blocks);
+    summarize_bias_kernel<uint8_t><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+        p, blocks, ranges, s.row_blocks, s.key_blocks);
   else
-    summarize_bias_kernel<float>
-        <<<grid, 256, 0, stream>>>(p, blocks, ranges, row_blocks, key_blocks);
+    summarize_bias_kernel<float><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+        p, blocks, ranges, s.row_blocks, s.key_blocks);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  const int64_t kb = s.key_blocks, rb = s.row_blocks;
   p.bias_blocks = blocks;
   p.bias_ranges = ranges;
-  p.ranges_key_offset = 2 * row_blocks;
-  p.ranges_head_stride = p.bias_head_stride == 0 ? 0 : 2 * (row_blocks + key_blocks);
-  p.ranges_batch_stride = p.bias_batch_stride == 0 ? 0 : heads * 2 * (row_blocks + key_blocks);
+  p.ranges_key_offset = 2 * rb;
+  p.ranges_head_stride = p.bias_head_stride == 0 ? 0 : 2 * (rb + kb);
+  p.ranges_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * 2 * (rb + kb);
   p.blocks_col_stride = p.bias_col_stride == 0 ? 0 : 1;
-  p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : key_blocks;
-  p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : row_blocks * key_blocks;
-  p.blocks_batch_stride = p.bias_batch_stride == 0 ? 0 : heads * row_blocks * key_blocks;
+  p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : kb;
+  p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : rb * kb;
+  p.blocks_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * rb * kb;
   return cudaSuccess;
 }
 

@@ -96,12 +96,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
       float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
-      // The bias's class on the step's rows and this warpgroup's 64 keys.
+      // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
+      // uniform registers: here, before the step's wait, their latency is covered, and the
+      // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,
+      // 112 -> 316 bytes at head dim 128.)
       int cls = kBlockMasked;
       if constexpr (T::kSkipMasked) {
 #pragma unroll
         for (int r = 0; r < kM / kBiasBlock; ++r) {
-          const int c = bias_tile_class<kBiasBlock>(p, b, h, m0 + r * kBiasBlock, n0 + 64 * me);
+          const int c = bias_block_class(p, b, h, m0 + r * kBiasBlock, n0 + 64 * me);
           cls = r == 0 || c == cls ? c : kBlockMixed;
         }
       }

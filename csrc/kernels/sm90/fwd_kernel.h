@@ -139,6 +139,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           ++n_block;
       return n_block;
     };
+    // The bias's classes on the tile's rows, per key tile (bias_blocks.h).
+    const WarpTileBlocks<kM / kBiasBlock, T::kBlockN / kBiasBlock> blocks(p, b, h, m0);
     if (n_begin < n_end && idle) {
       state = FwdMainloop<T>::idle_tile(pipe_k, pipe_v, state, ring, n_begin, n_end,
                                         &smem.barrier_q_empty[qs], next);
@@ -151,10 +153,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // discarded).
       const int32_t last_row = static_cast<int32_t>(p.seqlen_q) - 1;
       const int32_t score_rows[2] = {min(row_of[0], last_row), min(row_of[1], last_row)};
-      // The bias's class on this warpgroup's 64 rows, per key tile (bias_blocks.h).
-      auto cls = [&](int n_block) {
-        return bias_tile_class<T::kBlockN>(p, b, h, m0 + 64 * me, n_block * T::kBlockN);
-      };
       // Dropout's row id of the (batch, head)'s row 0 (dropout.h).
       const TileDropout dropout{(static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
                                 row_of[0]};
@@ -162,8 +160,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const uint8_t* mask_bh = T::kMask ? mask_row(p, b, h, 0) : nullptr;
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
                                     n_end, qs, &smem.barrier_q_empty[qs],
-                                    sm80::ScoreFn(p, b, h), score_rows, next, cls, dropout,
-                                    mask_bh);
+                                    sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
+                                    dropout, mask_bh);
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -288,12 +288,13 @@ struct FwdMainloop {
   // Releases the Q buffer (q_empty) after the wait that covers the last Q K^T.  Returns the
   // K/V pipeline state after the tile's stages.  next(n_block): the key tile after n_block
   // that the tile computes (n_block + 1, or in the general and mask variants the next one the
-  // bias does not mask for the whole tile; n_end - 1 is computed).  fn, score_rows and
-  // cls(n_block), the bias's class on this warpgroup's rows: modify_scores's (the general
-  // variant's);
+  // bias does not mask for the whole tile; n_end - 1 is computed).  blocks: the bias's
+  // WarpTileBlocks of the tile (bias_blocks.h), whose row class `me` (this warpgroup's rows)
+  // per key tile modify_scores and mask_scores take; fn, score_rows: modify_scores's (the
+  // general variant's);
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
-  template <typename Next, typename Class>
+  template <typename Next, typename Blocks>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
                                                PipelineState state,
@@ -302,17 +303,40 @@ struct FwdMainloop {
                                                int n_begin, int n_end, int qs,
                                                uint64_t* q_empty, const sm80::ScoreFn& fn,
                                                const int32_t (&score_rows)[2], const Next& next,
-                                               const Class& cls, const TileDropout& dropout,
+                                               const Blocks& blocks, int me,
+                                               const TileDropout& dropout,
                                                const uint8_t* mask_bh) {
     float alpha[2];
-    auto modify = [&](int n_block) {
+    // The general and mask variants walk the key tiles with the summary one tile ahead: the
+    // classes of the tile after this one are loaded (WarpTileBlocks) before this tile's waits
+    // and tested after its softmax, so their latency runs under the GEMMs.  (Loaded where they were
+    // used, after the wait for S and at the loop's end, the dependent loads stood between
+    // Q K^T and the softmax and before each tile's first wait: the mask variant with a mask
+    // that hides nothing ran 28% slower than the plain kernel.)
+    constexpr bool kSkip = T::kGeneral || T::kMask;
+    auto ahead = [&](int n_block) {
+      return kSkip && n_block < n_end ? blocks.load(args.p, n_block) : int{kBlockMasked};
+    };
+    // After tile n_block whose successor's classes are in `after`: the next tile the bias does
+    // not mask for every row (next(), tile by tile, for the rare run of such tiles), and its
+    // classes in `after`.
+    auto advance = [&](int n_block, int& after) {
+      int n = n_block + 1;
+      if constexpr (kSkip) {
+        if (n < n_end && Blocks::all_masked(after)) {
+          n = next(n);
+          after = ahead(n);
+        }
+      }
+      return n;
+    };
+    auto modify = [&](int n_block, int c) {
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
-                      static_cast<int32_t>(args.p.seqlen_k), cls(n_block));
+                      static_cast<int32_t>(args.p.seqlen_k), c);
       if constexpr (T::kMask)
         mask_scores(mask_bh, args.p.bias_row_stride, args.p.bias_col_stride != 0, score_rows,
-                    n_block * kN + mask.thread_col, static_cast<int32_t>(args.p.seqlen_k),
-                    cls(n_block));
+                    n_block * kN + mask.thread_col, static_cast<int32_t>(args.p.seqlen_k), c);
     };
     // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
     // The dropout variant (T::kDropout) draws a tile's keep bits (keep) before waiting for its
@@ -350,6 +374,8 @@ struct FwdMainloop {
     };
     // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
     // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
+    int c = kSkip ? Blocks::row_class(blocks.load(args.p, n_begin), me) : int{kBlockMixed};
+    int after = ahead(n_begin + 1);
     pipe_k.consumer_wait(state);
     issue_qk(state.index(), qs);  // outside the ring (see PingpongRing)
     ring.open_ring();
@@ -358,14 +384,18 @@ struct FwdMainloop {
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(state);
     if (n_begin + 1 == n_end) release_q(q_empty);
-    modify(n_begin);
+    modify(n_begin, c);
     softmax.step(tSrS, mask, n_begin, alpha);
     drop(n_begin);
     drop_kept(kept);
     convert_p();
     auto prev = state;
     ++state;
-    for (int n_block = next(n_begin); n_block < n_end; n_block = next(n_block)) {
+    for (int n_block = advance(n_begin, after); n_block < n_end;) {
+      if constexpr (kSkip) {
+        c = Blocks::row_class(after, me);
+        after = ahead(n_block + 1);
+      }
       pipe_k.consumer_wait(state);
       pipe_v.consumer_wait(prev);
       ring.turn_begin();
@@ -377,7 +407,7 @@ struct FwdMainloop {
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(state);
       if (n_block + 1 == n_end) release_q(q_empty);
-      modify(n_block);
+      modify(n_block, c);
       softmax.step(tSrS, mask, n_block, alpha);
       drop(n_block);
       drop_kept(kept);
@@ -410,6 +440,7 @@ struct FwdMainloop {
       convert_p();
       prev = state;
       ++state;
+      n_block = advance(n_block, after);
     }
     pipe_v.consumer_wait(prev);
     ring.turn_begin();
