@@ -1,6 +1,7 @@
 // The bias summary of bias_blocks.h: a warp per 64 x 64 block, eight blocks along the keys per
-// CTA, each lane reading 16 bytes of a row at a time (or, for a bias that is not unit-stride
-// and 16-byte aligned, two keys of every row), the class by two warp votes.  An additive fp32
+// CTA, each lane reading 16 bytes of a row at a time where the block's 64 keys are whole,
+// unit-stride and 16-byte aligned in every row (else two keys of every row), the class by two
+// warp votes.  An additive fp32
 // bias: 0 visible, -inf masked; a boolean mask (FwdParams::bias_is_mask): nonzero visible,
 // zero masked.
 //

@@ -46,8 +46,11 @@ __device__ __forceinline__ int bias_block_class(const FwdParams& p, int32_t b, i
 
 // Whether the bias masks key tile [n0, n0 + kKeys) for every row of [m0, m0 + kRows) (m0 a
 // multiple of 64): such a tile adds nothing (P = 0) and is skipped by producer and consumers
-// alike (both ask this, so they walk the same tiles).  One thread's question (the producers',
-// the backward's consumers'); the forward's consumer warps ask WarpTileBlocks.
+// alike (both ask it, so they walk the same tiles).  One thread's question (the producers',
+// the backward's consumers', the forward's consumers' walk over a run of such tiles and
+// idle_tile); the forward's consumer warps ask the same of each next tile through
+// WarpTileBlocks, which must keep bias_block_class's rule: if the two ever disagreed, producer
+// and consumers would walk different tiles and the K/V pipeline would hang.
 template <int kRows, int kKeys>
 __device__ __forceinline__ bool bias_masks_tile(const FwdParams& p, int32_t b, int32_t h,
                                                 int64_t m0, int64_t n0) {
@@ -63,7 +66,8 @@ __device__ __forceinline__ bool bias_masks_tile(const FwdParams& p, int32_t b, i
 }
 
 // The classes of the kRowBlocks x kKeyBlocks blocks of a query tile's key tiles (rows from m0,
-// key tile n: keys from n * 64 kKeyBlocks; as bias_block_class), held by a warp: lane
+// key tile n: keys from n * 64 * kKeyBlocks; the rule of bias_block_class, which it repeats
+// with the address split into a per-lane base and a per-tile step), held by a warp: lane
 // r * kKeyBlocks + j loads block (r, j) of a key tile (load), and the questions are answered
 // by two votes (all_masked, row_class).  Every lane of the warp loads and asks.  Why: a class
 // is the same for the whole warp, so one thread's load goes to a uniform register at once
