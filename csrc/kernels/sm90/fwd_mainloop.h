@@ -313,7 +313,7 @@ struct FwdMainloop {
     // used, after the wait for S and at the loop's end, the dependent loads stood between
     // Q K^T and the softmax and before each tile's first wait: the mask variant with a mask
     // that hides nothing ran 28% slower than the plain kernel.)
-    constexpr bool kSkip = T::kGeneral || T::kMask;
+    constexpr bool kSkip = T::kSkipMasked;  // (the general and mask variants)
     auto ahead = [&](int n_block) {
       return kSkip && n_block < n_end ? blocks.load(args.p, n_block) : int{kBlockMasked};
     };
