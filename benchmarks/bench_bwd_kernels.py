@@ -6,7 +6,7 @@ FlashAttention way: 2.5 x 4 * B * H * L^2 * d, halved when causal), then each ke
 in one backward (torch.profiler), in microseconds and as TFLOP/s-equivalents of the whole
 backward's FLOPs.  --sm90-bwd auto off: ours under each value of the kernel option sm90_bwd in
 turn, in the same process (rows "ours" for auto, "ours-off", "ours-on"): the Hopper backward
-against the portable one.
+against the portable one.  --deterministic: also ours with deterministic=True ("ours-det").
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
 --sm80-forward: also time the portable (sm80) forward (kernel_options(force_portable=True)) and SDPA
@@ -30,17 +30,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_attn_ext
 
 
-def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",)):
+def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",),
+                 deterministic: bool = False):
     """name -> zero-argument backward of a fixed forward graph (retain_graph): ours (under each
-    value of the kernel option sm90_bwd), SDPA's FLASH and cuDNN backends."""
+    value of the kernel option sm90_bwd; with ``deterministic`` also "ours-det", the default
+    choice with deterministic=True), SDPA's FLASH and cuDNN backends."""
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in "qkv")
     dout = torch.randn_like(q)
 
-    def ours(choice):
+    def ours(choice, det=False):
         with flash_attn_ext.kernel_options(sm90_bwd=choice):
-            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
+            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, deterministic=det)
 
         def backward():
             with flash_attn_ext.kernel_options(sm90_bwd=choice):
@@ -56,6 +58,7 @@ def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",))
 
     return flops, {
         **{"ours" if c == "auto" else f"ours-{c}": ours(c) for c in sm90_bwd},
+        **({"ours-det": ours("auto", True)} if deterministic else {}),
         "flash": lambda: torch.autograd.grad(out_flash, (qt, kt, vt), dout_t,
                                              retain_graph=True),
         "cudnn": lambda: torch.autograd.grad(out_cudnn, (qt, kt, vt), dout_t,
@@ -99,12 +102,15 @@ def main() -> None:
     parser.add_argument("--sm90-bwd", choices=["auto", "on", "off"], nargs="+",
                         default=["auto"], help="values of the kernel option sm90_bwd to time ours "
                         "under, in turn (off: the portable backward)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time ours with deterministic=True (row ours-det)")
     args = parser.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in causals:
-                flops, fns = backward_fns(d, seqlen, causal, tuple(args.sm90_bwd))
+                flops, fns = backward_fns(d, seqlen, causal, tuple(args.sm90_bwd),
+                                          args.deterministic)
                 if args.sm80_forward and not args.ncu:
                     ours_ms, flash_ms = forward_ms(d, seqlen, causal)
                     print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} sm80  fwd "

@@ -61,7 +61,9 @@ enum class BwdKernel : int { kNone = 0, kSm80FourWarp = 1, kSm80EightWarp = 2, k
 // How the 8-warp backward forms dQ: a separate dQ kernel (bitwise reproducible), fp32 atomics
 // from the dK/dV kernel, or bulk reductions of whole dQ tiles from it (sm_90).  The Hopper
 // backward adds dQ with fp32 atomics (kAtomic).
-enum class DqPath : int { kSeparate = 0, kAtomic = 1, kBulk = 2 };
+// kOrdered: the Hopper backward's dQ tiles added in a fixed order of key blocks (bitwise
+// reproducible; kernels/sm90/bwd_dq.h).
+enum class DqPath : int { kSeparate = 0, kAtomic = 1, kBulk = 2, kOrdered = 3 };
 
 struct BuildInfo {
   bool cuda = false;      // CUDA kernels compiled in
@@ -332,9 +334,6 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (d > 128)
       why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward has "
                     "head dims up to 128");
-    if (call.deterministic)
-      why.push_back("deterministic=True or torch.use_deterministic_algorithms(True): the "
-                    "Hopper backward's dQ accumulation is not ordered");
     if (call.score_mods & kBiasGrad)
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");
@@ -342,6 +341,13 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (why.empty()) {
       c.bwd = BwdKernel::kSm90;
       c.dq = DqPath::kAtomic;
+      if (call.deterministic) {
+        c.dq = DqPath::kOrdered;
+        c.notes.push_back("backward dQ added in a fixed order of key blocks (a counter per "
+                          "query block), because deterministic=True or "
+                          "torch.use_deterministic_algorithms(True): bitwise-reproducible "
+                          "gradients");
+      }
       c.bwd_name = "sm90_bwd" + suffix + detail::sm90_variant(call);
       return c;
     }

@@ -237,6 +237,16 @@ struct BwdParams : FwdParams {
   bool bwd_eight_warp = false;
   // With dq_accum: dQ by sm_90 bulk reductions of whole tiles (else per-lane fp32 atomics).
   bool dq_bulk = false;
+  // The Hopper backward with deterministic=True: one int32 counter per (batch, query head,
+  // 64-row query block), dq_semaphore_count(...) of them, zeroed; each query block's dQ tiles
+  // are added in a fixed order of key blocks (kernels/sm90/bwd_dq.h).  nullptr: in the order
+  // the CTAs get there (not bitwise reproducible).
+  int32_t* dq_semaphore = nullptr;
 };
+
+// Counters of BwdParams::dq_semaphore: one per 64 query rows of dq_accum_rows(seqlen_q).
+constexpr int64_t dq_semaphore_count(int64_t batch, int64_t seqlen_q, int64_t heads_q) {
+  return batch * heads_q * (dq_accum_rows(seqlen_q) / 64);
+}
 
 }  // namespace flash_attn_ext

@@ -44,16 +44,20 @@ def test_explain_layouts_and_errors():
 
 
 def test_deterministic_backward_note(monkeypatch):
-    # deterministic on sm_90: the Hopper backward gives way to the 8-warp one (its dQ adds are
-    # unordered), whose dQ moves to the separate dQ kernel: a note for each; none where the
-    # 4-warp kernels serve the call (they have no other).
+    # deterministic on sm_90: the Hopper backward adds dQ in a fixed order (a note says so);
+    # where the 8-warp portable backward serves the call (head dim 256) its dQ moves to the
+    # separate dQ kernel (a note); none where the 4-warp kernels serve it (they have no other).
     _pretend_hopper(monkeypatch)
     q = _CudaLike((2, 100, 4, 128))
     plain = planning.plan(q, q, q)
     assert plain.notes == () and plain.backward_kernel == "sm90_bwd_hdim128_bf16"
     noted = planning.plan(q, q, q, deterministic=True)
-    assert noted.backward_kernel == "sm80_bwd_hdim128_bf16" and len(noted.notes) == 2
-    assert "not ordered" in noted.notes[0] and "separate dQ kernel" in noted.notes[1]
+    assert noted.backward_kernel == "sm90_bwd_hdim128_bf16" and len(noted.notes) == 1
+    assert "fixed order of key blocks" in noted.notes[0]
+    q256 = _CudaLike((2, 100, 4, 256))
+    portable = planning.plan(q256, q256, q256, deterministic=True)
+    assert portable.backward_kernel == "sm80_bwd_hdim256_bf16"
+    assert "separate dQ kernel" in portable.notes[-1]
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

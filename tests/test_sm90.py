@@ -54,13 +54,18 @@ def test_explain_names_the_deterministic_dq_path():
     q = rand(2, 100, 4, 128)
     assert explain(q, q, q, layout="blhd").notes == ()
     p = explain(q, q, q, layout="blhd", deterministic=True)
-    assert p.backward_kernel == "sm80_bwd_hdim128_bf16" and len(p.notes) == 2
-    assert "not ordered" in p.notes[0] and "separate dQ kernel" in p.notes[1]
+    assert p.backward_kernel == "sm90_bwd_hdim128_bf16" and len(p.notes) == 1
+    assert "fixed order of key blocks" in p.notes[0]
     torch.use_deterministic_algorithms(True)
     try:
-        assert "separate dQ kernel" in explain(q, q, q).notes[1]
+        assert "fixed order of key blocks" in explain(q, q, q).notes[0]
     finally:
         torch.use_deterministic_algorithms(False)
+    # Head dim 256 has no Hopper backward: the portable one, its separate dQ kernel.
+    q = rand(2, 100, 4, 256)
+    p = explain(q, q, q, layout="blhd", deterministic=True)
+    assert p.backward_kernel == "sm80_bwd_hdim256_bf16"
+    assert "separate dQ kernel" in p.notes[-1]
 
 
 def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
@@ -110,12 +115,14 @@ def hopper_bwd(kernel_opts):
 
 def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
                          head_dim_v=None, causal=False, window=(-1, -1), bottom_right=True,
-                         transposed=False, softcap=0.0, attn_bias=None, alibi_slopes=None):
+                         transposed=False, softcap=0.0, attn_bias=None, alibi_slopes=None,
+                         deterministic=False):
     """Gradients of one call with the Hopper backward (the plan must name it) against an fp32
     reference, by the backward's error rule (3x the same computation's error in ``dtype``).
     ``attn_bias``: an fp32 bias (no gradient) or a boolean mask broadcastable to (batch,
     heads_q, L, S);
-    ``alibi_slopes``: (heads_q,) or (batch, heads_q)."""
+    ``alibi_slopes``: (heads_q,) or (batch, heads_q);
+    ``deterministic``: dQ added in a fixed order (the plan must say so)."""
     head_dim_v = head_dim_v or head_dim
 
     def make(seqlen, heads, d):
@@ -129,16 +136,22 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
               align_bottom_right=bottom_right, softcap=softcap, attn_bias=attn_bias,
               alibi_slopes=alibi_slopes)
     mods = planning.score_mods(softcap, 0.0, attn_bias, alibi_slopes)
-    plan = planning.plan(q, k, v, mods=mods)  # (the mask does not change the backward's kernel)
+    # (the mask does not change the backward's kernel)
+    plan = planning.plan(q, k, v, mods=mods, deterministic=deterministic)
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
+    assert deterministic == any("fixed order" in n for n in plan.notes), plan
     variant = "_mask" if mods == planning.BIAS | planning.MASK else "_general" if mods else ""
     assert plan.backward_kernel.endswith(variant) and \
         plan.backward_kernel.count("_") == 3 + bool(variant), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], bottom_right, softcap,
-                        alibi_slopes, attn_bias)
+                        alibi_slopes, attn_bias, deterministic=deterministic)
     dout = torch.randn_like(out)
-    ours = torch.autograd.grad(out, leaves, dout)
+    ours = torch.autograd.grad(out, leaves, dout, retain_graph=deterministic)
+    if deterministic:  # bit for bit, run after run
+        for _ in range(3):
+            again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+            assert all(torch.equal(a, b) for a, b in zip(again, ours))
     leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     true_out, _ = attention_ref(*leaves32, compute_dtype=torch.float32, **kw)
     true_g = torch.autograd.grad(true_out, leaves32, dout.float())
@@ -173,6 +186,68 @@ def test_hopper_backward_gqa_mqa_strides_and_value_dims(hopper_bwd, heads_q, hea
     # storage seen as (B, L, H, d); a value head dim unlike the query's.
     hopper_backward_case(torch.bfloat16, 2, 577, 700, heads_q, heads_kv, head_dim, head_dim_v,
                          causal=True, transposed=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1000, 1000),
+                                               (2048, 1023), (1023, 2048)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("causal,window,bottom_right", [
+    (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
+    (False, (100, 7), True), (False, (-1, 300), True)])
+def test_hopper_deterministic_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q,
+                                                            seqlen_k, head_dim, causal, window,
+                                                            bottom_right):
+    # deterministic=True on the Hopper backward: dQ tiles added in a fixed order of key blocks
+    # (rotated without a mask, descending with one), every order's turn count exercised by
+    # windows, both causal alignments, L != S and odd lengths; GQA (4 query heads per KV head).
+    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 8, 2, head_dim, causal=causal,
+                         window=window, bottom_right=bottom_right, deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("what", ["plain", "causal", "window", "softcap", "causal_padding_mask",
+                                  "padding_bias", "dropout", "dropout_softcap"])
+def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
+    # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
+    # dropout), on a shape with many key blocks per query block (16 at L = 2k) and enough CTAs
+    # to fill the GPU (B * H_kv * 16 = 256): the order in which CTAs reach a query block varies
+    # from run to run, so an unordered add would show.  Equal to the unordered backward up to
+    # the fp32 summation order.
+    batch, seqlen, heads_q, heads_kv = 4, 2048, 8, 4
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    k, v = (torch.randn(batch, seqlen, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=gen) for _ in "kv")
+    dout = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
+                       generator=gen)
+    window = (300, 100) if what == "window" else (-1, -1)
+    softcap, dropout_p, bias = 20.0 if "softcap" in what else 0.0, 0.1 * ("dropout" in what), None
+    if "mask" in what or "bias" in what:
+        lengths = torch.tensor([seqlen, 1500, 700, 1], device="cuda")
+        visible = (torch.arange(seqlen, device="cuda") < lengths[:, None])[:, None, None, :]
+        if "causal" in what:
+            i = torch.arange(seqlen, device="cuda")[:, None]
+            visible = visible & (torch.arange(seqlen, device="cuda")[None, :] <= i)
+        bias = visible if "mask" in what else \
+            torch.zeros(visible.shape, device="cuda").masked_fill(~visible, -1e4)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def grads(deterministic):
+        torch.manual_seed(5)  # (the same dropout mask every run)
+        out, _, _ = ops.fwd(*leaves, None, what == "causal", window[0], window[1], True,
+                            softcap, None, bias, dropout_p, deterministic)
+        return torch.autograd.grad(out, leaves, dout)
+
+    mods = planning.score_mods(softcap, dropout_p, bias, None)
+    plan = planning.plan(q, k, v, mods=mods, deterministic=True)
+    assert plan.backward_kernel.startswith("sm90_bwd") and "fixed order" in plan.notes[-1], plan
+    first = grads(True)
+    for _ in range(10):
+        assert all(torch.equal(a, b) for a, b in zip(grads(True), first))
+    for a, b in zip(grads(False), first):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
 
 
 def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):

@@ -298,7 +298,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 // flash_bwd_lean.cuh where they fit, which, unless `deterministic` or
 // torch.use_deterministic_algorithms(True), add dQ into an fp32 buffer from the dK/dV kernel
 // (bulk reductions on sm_90, atomics elsewhere: dq's last bits vary from run to run).
-// Everything else, and deterministic calls: a separate dQ kernel, bitwise reproducible.
+// Everything else, and deterministic calls: a separate dQ kernel, bitwise reproducible.  The
+// Hopper backward (kernels/sm90) adds dQ by bulk reductions, in a fixed order when
+// deterministic.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
@@ -374,6 +376,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                                                   a.seqlen_q)},
                                      lse.options());
         p.dq_accum = dq_accum.data_ptr<float>();
+        // deterministic: dQ added in a fixed order, counted per query block (zeroed).
+        at::Tensor dq_semaphore;
+        if (choice.dq == DqPath::kOrdered) {
+          dq_semaphore = at::zeros({dq_semaphore_count(a.batch, a.seqlen_q, a.heads_q)},
+                                   lse.options().dtype(at::kInt));
+          p.dq_semaphore = dq_semaphore.data_ptr<int32_t>();
+        }
         float* stats_ptr = stats.data_ptr<float>();
         const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)

@@ -15,7 +15,7 @@
 
 #include "checks.h"
 #include "kernels/sm80/flash_decode_launch.h"
-#include "kernels/sm80/launch.h"  // per_device_cached
+#include "kernels/sm80/launch.h"  // per_device_cached, multiprocessor_count
 
 namespace flash_attn_ext::cuda {
 
@@ -103,14 +103,6 @@ int major_version() {
                : 0;
   });
 }
-int sm_count() {
-  return sm80::per_device_cached([](int device) {
-    int v = 0;
-    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? v
-                                                                                              : 0;
-  });
-}
-
 // Split-KV (FlashAttention-2's num_splits_heuristic, on our numbers): the split count whose
 // CTAs fill the GPU's slots (decode CTAs per SM: two up to head dim 128, where ~200 registers
 // per thread or ~100 KB of shared memory allow no more; one at 256, 136 KB) in whole waves best, the smallest one within 85% of the best wave efficiency (each
@@ -214,9 +206,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   const int64_t rows = seqlen_q * (heads_q / p.heads_kv);
   const int64_t rows_per_cta = sm80::decode_block_rows(static_cast<int>(p.head_dim), rows);
   const int64_t ctas = batch * p.heads_kv * ((rows + rows_per_cta - 1) / rows_per_cta);
-  const int64_t splits = num_splits > 0 ? num_splits
-                                        : heuristic_splits(ctas, p.seqlen_cache, sm_count(),
-                                                                           p.head_dim);
+  const int64_t splits =
+      num_splits > 0 ? num_splits
+                     : heuristic_splits(ctas, p.seqlen_cache, sm80::multiprocessor_count(),
+                                        p.head_dim);
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   at::Tensor out_accum, lse_accum;
   if (p.num_splits > 1) {

@@ -47,6 +47,17 @@ inline int max_smem_optin_per_block() {
   });
 }
 
+// Streaming multiprocessors of the current device, queried once per device (0 if the query
+// fails).
+inline int multiprocessor_count() {
+  return per_device_cached([](int device) {
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
+               ? sms
+               : 0;
+  });
+}
+
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for `kernel` on the current device, once.
 inline cudaError_t opt_in_smem(const void* kernel, int bytes) {
   static std::mutex mutex;

@@ -1,8 +1,18 @@
 // The Hopper backward's dQ path: each step's dQ tile (fp32, this CTA's keys' share) is staged
-// in shared memory and added to the fp32 dQ buffer by one bulk reduction per warpgroup
-// (cp.reduce.async.bulk .add.f32, FlashAttention-3's way), then a small kernel converts the
-// buffer to dq.  Per-lane REDs (red.global.add.v2.f32, 32 per thread and step) left the
-// consumers waiting on the L1TEX queue: 30% of their stall cycles at head dim 128 (ncu).
+// in shared memory and added to the fp32 dQ buffer by bulk reductions (cp.reduce.async.bulk
+// .add.f32, FlashAttention-3's way), then a small kernel converts the buffer to dq.  Per-lane
+// REDs (red.global.add.v2.f32, 32 per thread and step) left the consumers waiting on the L1TEX
+// queue: 30% of their stall cycles at head dim 128 (ncu).
+//
+// Two ways to add:
+//   * as the CTAs get there (default): thread 0 of each consumer warpgroup issues its part's
+//     reduction; the fp32 sums' order, hence dq's last bits, vary from run to run.
+//   * in a fixed order (deterministic=True: p.dq_semaphore): a writer warp of the producer
+//     warpgroup adds both parts once the key blocks before this one, in the order
+//     Sm90BwdArgs::dq_order fixes, have added theirs to the query block (one counter per
+//     (batch, query head, query block), FlashAttention-3's deterministic backward), then counts
+//     itself in.  The consumers only stage and go on; they wait for the writer only when they
+//     stage the next step before it has read this one.
 //
 // Buffer layout (p.dq_accum, dq_accum_floats of them): (batch, heads_q, dq_accum_rows(seqlen_q)
 // / kBlockM tiles, tile), a tile being each consumer warpgroup's part in turn, each part its
@@ -15,15 +25,49 @@
 #include <cstdint>
 
 #include "kernels/sm80/flash_bwd_lean.cuh"  // bulk_reduce_add_f32, bulk_wait_all, fence_proxy
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_traits.h"
+#include "mask.h"
 
 namespace flash_attn_ext::sm90 {
+
+// Named barriers (CUTLASS's user ids; the mainloop has 0 and 1 + warpgroup): a consumer
+// warpgroup's part staged (full) and read by the writer (empty), + the warpgroup.
+constexpr int kDqFullBarrier = 3, kDqEmptyBarrier = 5;
+constexpr int kDqWriterThreads = 32;  // the writer warp
+
+// Global-memory order between CTAs for the ordered adds: the counter read with acquire and
+// bumped with release; the proxy fences order the bulk reductions (the async proxy) with them.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ int32_t load_acquire(const int32_t* ptr) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(int32_t* ptr, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+// Spins until *ptr >= target.  A wait of a minute means an order that cannot complete (a
+// defect): the kernel traps (an error the caller sees) rather than hanging the GPU.
+__device__ __forceinline__ void wait_at_least(const int32_t* ptr, int32_t target) {
+  if (load_acquire(ptr) >= target) return;
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (load_acquire(ptr) < target) {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 60ull * 1000000000ull) __trap();
+  }
+}
 
 template <typename T>
 struct BwdDq {
   static constexpr int kM = T::kBlockM, kD = T::kHeadDim;
   // Floats of one warpgroup's part of a tile.
   static constexpr int kPartFloats = kM * kD / T::kConsumers;
+  static constexpr int kBarrierThreads = 128 + kDqWriterThreads;
 
   // The first float of tile m_block of (b, h) in the buffer.
   __host__ __device__ static int64_t tile_offset(const BwdParams& p, int64_t b, int64_t h,
@@ -31,32 +75,133 @@ struct BwdDq {
     return ((b * p.heads_q + h) * dq_accum_rows(p.seqlen_q) + m_block * kM) * kD;
   }
 
-  // Warpgroup `me`'s dQ accumulators (acc: kPartFloats / 128 floats per thread, fragment order)
-  // added to its part of the tile at gmem_tile.  staging: this warpgroup's kPartFloats floats
-  // of shared memory, free once the previous step's reduction has read it (its issuing thread,
-  // tid 0 of the warpgroup, waits for that first).
+  // This thread's dQ accumulators (kPartFloats / 128 floats, fragment order) into the staging.
   template <typename Acc>
-  __device__ __forceinline__ static void add(const Acc& acc, float* staging, float* gmem_tile,
-                                             int me, int tid) {
+  __device__ __forceinline__ static void stage(const Acc& acc, float* staging, int tid) {
     constexpr int kVals = decltype(size(acc))::value;
     static_assert(kVals * 128 == kPartFloats && kVals % 4 == 0, "");
-    if (tid == 0) sm80::bulk_wait_all<true>();
-    cutlass::arch::NamedBarrier::sync(128, 1 + me);
     CUTE_UNROLL
     for (int j = 0; j < kVals / 4; ++j)
       *reinterpret_cast<float4*>(staging + 4 * (j * 128 + tid)) =
           make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
     sm80::fence_proxy_async_smem();  // visible to the bulk copy (the async proxy)
+  }
+
+  // Warpgroup `me`'s dQ accumulators (acc) added to its part of the tile at gmem_tile.
+  // staging: this warpgroup's kPartFloats floats of shared memory.  Unordered: free once the
+  // previous step's reduction has read it (its issuing thread, tid 0 of the warpgroup, waits
+  // for that first), then issued by tid 0.  Ordered: handed to the writer (run_bwd_dq_writer),
+  // after its read of the previous step's (not before this warpgroup's first step: `first`).
+  template <typename Acc>
+  __device__ __forceinline__ static void add(const Acc& acc, float* staging, float* gmem_tile,
+                                             int me, int tid, bool ordered, bool first) {
+    if (ordered) {
+      if (!first) cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
+      stage(acc, staging, tid);
+      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kDqFullBarrier + me);
+      return;
+    }
+    if (tid == 0) sm80::bulk_wait_all<true>();
+    cutlass::arch::NamedBarrier::sync(128, 1 + me);
+    stage(acc, staging, tid);
     cutlass::arch::NamedBarrier::sync(128, 1 + me);
     if (tid == 0)
       sm80::bulk_reduce_add_f32(gmem_tile + me * kPartFloats, cast_smem_ptr_to_uint(staging),
                                 kPartFloats * sizeof(float));
   }
-  // Before the CTA ends (its shared memory goes): the issuing thread's reductions done.
-  __device__ __forceinline__ static void drain(int tid) {
-    if (tid == 0) sm80::bulk_wait_all<false>();
+  // Before the CTA ends (its shared memory goes): the reductions have read the staging.
+  // Unordered: the issuing thread waits; ordered (after at least one step): the writer's read
+  // of the last step's staging (its last arrival on the empty barrier).
+  __device__ __forceinline__ static void drain(int me, int tid, bool ordered) {
+    if (ordered)
+      cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
+    else if (tid == 0)
+      sm80::bulk_wait_all<false>();
   }
 };
+
+// The place of key block n_block among those adding to query block m_block (of every query
+// head), in the order of Sm90BwdArgs::dq_order: how many add before it.
+template <typename T>
+__device__ __forceinline__ int32_t dq_turn(const Sm90BwdArgs<T>& args, const BwdSteps& st,
+                                           int32_t n_block, int32_t m_block) {
+  constexpr int kM = T::kBlockM, kN = T::kBlockN;
+  const BwdParams& p = args.p;
+  if (args.dq_order == kDqDescending) {
+    // (Built here from the kernel parameters rather than held: the writer has 24 registers.)
+    const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                          p.align_bottom_right);
+    // The key blocks reaching a query block are those holding a key one of its rows sees
+    // (bwd_steps, without a bias's narrowing): a run of blocks, the last holding the last
+    // row's last visible key.  The highest adds first.
+    const int64_t m0 = static_cast<int64_t>(m_block) * kM;
+    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    return static_cast<int32_t>((vis.end(last) - 1) / kN) - n_block;
+  }
+  // kDqRotated: all N key blocks reach all M query blocks, block j first s_j = floor(j M / N)
+  // and block (s_j + u) mod M at its step u.  Those reaching m_block at an earlier step add
+  // first; of two reaching it at the same step (M < N), the lower key block.
+  // (32-bit: the launcher takes this order only where M * N < 2^31.)
+  const int32_t M = st.m_blocks, N = args.num_n_blocks, s = st.rot;
+  auto upto = [&](int32_t x) {  // key blocks j with s_j <= x (x >= -1): j < (x + 1) N / M
+    const int32_t c = ((x + 1) * N + M - 1) / M;
+    return c < N ? c : N;
+  };
+  const int32_t u = m_block >= s ? m_block - s : m_block - s + M;  // this key block's step
+  const int32_t earlier = s + u < M ? upto(s + u) - upto(s) : N - upto(s) + upto(s + u - M);
+  return earlier + n_block - upto(s - 1);
+}
+
+// The dQ writer (ordered adds, bwd_kernel.h: warp 1 of the producer warpgroup): per step, waits
+// for its turn at the step's query block (the counter), adds both consumer warpgroups' staged
+// parts, frees the staging once read, counts itself in once the adds are in global memory.
+// Steps the consumers skip (a bias masks the whole key block) add nothing but count in.
+template <typename T>
+__device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
+                                                  typename T::SharedStorage& smem,
+                                                  const BwdSteps& st, int32_t n_block,
+                                                  int32_t b, int32_t hk) {
+  using Dq = BwdDq<T>;
+  constexpr int kM = T::kBlockM, kN = T::kBlockN;
+  const BwdParams& p = args.p;
+  const bool leader = threadIdx.x % 32 == 0;
+  const int64_t counters_per_head = dq_accum_rows(p.seqlen_q) / 64;
+  BwdStepWalk w{hk * args.group};
+  for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
+    const int32_t h = w.h, m_block = w.m_block(st);
+    int32_t* counter =
+        p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block;
+    if (leader) {
+      wait_at_least(counter, dq_turn(args, st, n_block, m_block));
+      fence_proxy_async_global();
+    }
+    __syncwarp();
+    if (!(T::kSkipMasked &&
+          bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
+                                  static_cast<int64_t>(n_block) * kN))) {
+      float* tile = p.dq_accum + Dq::tile_offset(p, b, h, m_block);
+      CUTE_UNROLL
+      for (int me = 0; me < T::kConsumers; ++me) {
+        cutlass::arch::NamedBarrier::sync(Dq::kBarrierThreads, kDqFullBarrier + me);
+        if (leader)
+          sm80::bulk_reduce_add_f32(tile + me * Dq::kPartFloats,
+                                    cast_smem_ptr_to_uint(smem.dq.data() + me * Dq::kPartFloats),
+                                    Dq::kPartFloats * sizeof(float));
+      }
+      if (leader) sm80::bulk_wait_all<true>();
+      __syncwarp();
+      CUTE_UNROLL
+      for (int me = 0; me < T::kConsumers; ++me)
+        cutlass::arch::NamedBarrier::arrive(Dq::kBarrierThreads, kDqEmptyBarrier + me);
+      if (leader) sm80::bulk_wait_all<false>();
+    }
+    if (leader) {
+      fence_proxy_async_global();
+      add_release(counter, 1);
+    }
+    __syncwarp();
+  }
+}
 
 // dq (Element, like q) from the buffer: one CTA of 128 * kConsumers threads per (tile, batch,
 // head); thread t reads the fragments consumer thread t wrote (all loads first: one load in

@@ -1,7 +1,8 @@
 // The Hopper backward's __global__ function (bwd_traits.h has the algorithm): the CTA's set-up,
 // then each warpgroup's role.
 //   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
-//     issues the TMA loads (bwd_producer.h).
+//     issues the TMA loads (bwd_producer.h); with dQ added in a fixed order, its warp 1 adds
+//     dQ (bwd_dq.h: run_bwd_dq_writer).
 //   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h (its dQ through
 //     bwd_dq.h), at the end dK and dV stored from registers.
 #pragma once
@@ -29,8 +30,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
   // Key block fastest: the CTAs running at once share a few heads' Q and dO (L2), and under a
-  // causal mask each head's longest blocks (the first keys) start first.
-  const int32_t n_block = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
+  // causal mask each head's longest blocks (the first keys) start first.  With dQ added in
+  // descending key-block order, the highest first (a CTA waits only for CTAs launched before
+  // it: bwd_traits.h, kDqDescending).
+  const int32_t n_index = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
+  const int32_t n_block =
+      args.dq_order == kDqDescending ? args.num_n_blocks - 1 - n_index : n_index;
   const int32_t bhk = static_cast<int32_t>(blockIdx.x / args.num_n_blocks);
   const int32_t b = bhk / static_cast<int32_t>(p.heads_kv);
   const int32_t hk = bhk % static_cast<int32_t>(p.heads_kv);
@@ -58,10 +63,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
 
+  const bool dq_ordered = args.dq_order != kDqAnyOrder;
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, sQ, sdO, sK, sV);
+    else if (threadIdx.x / 32 == 1 && dq_ordered && st.steps > 0)
+      run_bwd_dq_writer<T>(args, smem, st, n_block, b, hk);
     return;
   }
 
@@ -81,21 +89,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int me = ctid / 128, tid = ctid % 128;  // consumer warpgroup, its thread
     float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
-    int32_t h = hk * args.group, m = 0, done = 0;  // (done: steps computed, not skipped)
-    for (int32_t t = 0; t < st.steps; ++t) {
-      const int64_t m0 = static_cast<int64_t>(st.m_begin + m) * kM;
-      if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, m0, n0)) {  // (the producer skips it)
-        if (++m == st.m_blocks) {
-          m = 0;
-          ++h;
-        }
-        continue;
-      }
+    BwdStepWalk w{hk * args.group};
+    int32_t done = 0;  // steps computed, not skipped
+    for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
+      const int32_t h = w.h;
+      const int64_t m0 = static_cast<int64_t>(w.m_block(st)) * kM;
+      if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, m0, n0))
+        continue;  // (the producer skips it; the dQ writer counts it in)
       // Masked unless every key of the block is visible to every row of the step.
       const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, st.m_begin + m);
+      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, w.m_block(st));
       // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
       // uniform registers: here, before the step's wait, their latency is covered, and the
       // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,
@@ -109,20 +114,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
       pipe.consumer_wait(state);
-      mainloop.step(smem, state.index(), done++ & 1, masked, rel, scale, scale_log2, dq_tile,
+      mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2, dq_tile,
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
                     static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
                     cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
                     (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
-                    T::kMask ? mask_row(p, b, h, 0) : nullptr);
+                    T::kMask ? mask_row(p, b, h, 0) : nullptr, dq_ordered, done == 0);
+      ++done;
       pipe.consumer_release(state);
       ++state;
-      if (++m == st.m_blocks) {
-        m = 0;
-        ++h;
-      }
     }
-    BwdDq<T>::drain(tid);
+    if (done > 0 || !dq_ordered) BwdDq<T>::drain(me, tid, dq_ordered);
   }
   mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

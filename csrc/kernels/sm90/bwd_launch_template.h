@@ -1,7 +1,7 @@
 // The Hopper backward's host side: the statistics pass (D, lse * log2(e), the dQ buffer zeroed:
 // the portable backward's delta kernel with padded rows), TMA descriptors, one CTA per (key
 // block, batch, KV head) of flash_bwd_sm90_kernel (bwd_kernel.h), then the dQ buffer converted
-// to dq (bwd_dq.h).
+// to dq (bwd_dq.h).  With p.dq_semaphore (zeroed by the caller) dQ is added in a fixed order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -55,6 +55,18 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   using TileQ = Shape<Int<T::kBlockM>, Int<kD>>;
   using TileK = Shape<Int<T::kBlockN>, Int<kD>>;
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  // dQ in a fixed order (deterministic=True): rotated where every key block reaches every query
+  // block and a (batch, KV head)'s CTAs can all be resident at once (one CTA per SM: a CTA may
+  // wait for any other of its group), else descending (a CTA waits only for CTAs launched
+  // before it).
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  int32_t dq_order = kDqAnyOrder;
+  if (p.dq_semaphore != nullptr)
+    dq_order = p.window_left < 0 && p.window_right < 0 &&
+                       num_n_blocks <= sm80::multiprocessor_count() &&
+                       num_m_blocks * num_n_blocks < 0x7fffffffLL
+                   ? kDqRotated
+                   : kDqDescending;
   Sm90BwdArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{},
                     gmem(p.q, p.seqlen_q, p.head_dim, p.heads_q, p.batch, p.q_row_stride,
@@ -77,14 +89,14 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
       delta,
       static_cast<int32_t>(pitch),
       static_cast<int32_t>(num_n_blocks),
-      static_cast<int32_t>(p.heads_q / p.heads_kv)};
+      static_cast<int32_t>(p.heads_q / p.heads_kv),
+      dq_order};
   const int64_t ctas = num_n_blocks * p.batch * p.heads_kv;
   if (ctas > 0x7fffffffLL) return cudaErrorInvalidValue;
   if (ctas > 0) {
     err = sm80::launch(flash_bwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
     if (err != cudaSuccess) return err;
   }
-  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   return sm80::launch(flash_bwd_sm90_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q,
                       128 * T::kConsumers, 0, stream, p, static_cast<int32_t>(num_m_blocks));
 }

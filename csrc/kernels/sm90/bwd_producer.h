@@ -50,19 +50,14 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
   }
 
   auto state = cutlass::make_producer_start_state<Pipeline>();
-  int32_t h = hk * args.group, m = 0;  // step (query head, block index minus m_begin)
-  for (int32_t t = 0; t < st.steps; ++t) {
-    const int32_t m_block = st.m_begin + m;
+  BwdStepWalk w{hk * args.group};
+  for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
+    const int32_t h = w.h, m_block = w.m_block(st);
     // A step whose rows the bias masks for the whole key block adds nothing: skipped (the
     // consumers skip the same).
     if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
-                                               static_cast<int64_t>(n_block) * kN)) {
-      if (++m == st.m_blocks) {
-        m = 0;
-        ++h;
-      }
+                                               static_cast<int64_t>(n_block) * kN))
       continue;
-    }
     Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
@@ -79,10 +74,6 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
     SM90_BULK_COPY_G2S::copy(args.lse_log2 + stat, full, smem.lse_log2[stage], T::kStatBytes);
     SM90_BULK_COPY_G2S::copy(args.delta + stat, full, smem.delta[stage], T::kStatBytes);
     ++state;
-    if (++m == st.m_blocks) {
-      m = 0;
-      ++h;
-    }
   }
   // No copy may outlive the CTA: the consumers' waits on every stage cover that (each step's
   // stage is waited for before the CTA ends).

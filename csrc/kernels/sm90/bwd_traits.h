@@ -158,7 +158,20 @@ struct Sm90BwdArgs {
   int32_t stats_pitch;
   int32_t num_n_blocks;
   int32_t group;  // heads_q / heads_kv
+  // The order in which the key blocks add their dQ tiles to a query block (bwd_dq.h): kDqAnyOrder
+  // (as the CTAs get there), or with p.dq_semaphore kDqDescending / kDqRotated.
+  int32_t dq_order;
 };
+
+// Sm90BwdArgs::dq_order.  kDqDescending: the CTA of key block n is blockIdx n_blocks - 1 - n of
+// its (batch, KV head), and at every query block the highest key block adds first: under a
+// causal mask or a window a higher key block reaches a query block at an earlier step of its
+// own (it starts further down), so in steady state nobody waits.  kDqRotated (no mask, all of a
+// (batch, KV head)'s CTAs resident at once): key block n starts at query block floor(n M / N)
+// (M query blocks, N key blocks) and wraps around, and at every query block the key blocks add
+// in the order they reach it; without the rotation every key block would reach query block 0
+// at its first step and wait for all others in turn.
+constexpr int32_t kDqAnyOrder = 0, kDqDescending = 1, kDqRotated = 2;
 
 // The query blocks a key block's steps visit, and its steps: (query head of the group, block)
 // pairs, the head outermost.  With a bias summary (the general and mask variants) the rows are
@@ -167,6 +180,22 @@ struct Sm90BwdArgs {
 // one skipped step each).
 struct BwdSteps {
   int32_t m_begin, m_blocks, steps;
+  int32_t rot;  // kDqRotated: the first step's block is m_begin + rot (else 0)
+};
+// The walk over a key block's steps, shared by the producer, the consumers and the dQ writer:
+// (query head h, block index i before the rotation).
+struct BwdStepWalk {
+  int32_t h, i = 0;
+  __device__ __forceinline__ int32_t m_block(const BwdSteps& st) const {
+    const int32_t r = i + st.rot;
+    return st.m_begin + (r >= st.m_blocks ? r - st.m_blocks : r);
+  }
+  __device__ __forceinline__ void next(const BwdSteps& st) {
+    if (++i == st.m_blocks) {
+      i = 0;
+      ++h;
+    }
+  }
 };
 template <typename T>
 __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
@@ -177,7 +206,9 @@ __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const 
   int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
   row_lo = row_lo < 0 ? 0 : row_lo;
   row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
-  if constexpr (T::kSkipMasked) {
+  // (Not with an ordered dQ: the writer's turn at a query block counts the key blocks whose
+  // steps reach it by the mask's rows alone, bwd_dq.h.)
+  if (T::kSkipMasked && args.dq_order == kDqAnyOrder) {
     int64_t lo = p.seqlen_q, hi = 0;
     const int heads = p.ranges_head_stride == 0 ? 1 : args.group;
     for (int g = 0; g < heads; ++g) {
@@ -196,6 +227,10 @@ __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const 
                    ? static_cast<int32_t>((row_hi + T::kBlockM - 1) / T::kBlockM - s.m_begin)
                    : 0;
   s.steps = s.m_blocks * args.group;
+  s.rot = args.dq_order == kDqRotated
+              ? static_cast<int32_t>(static_cast<int64_t>(n_block) * s.m_blocks /
+                                     args.num_n_blocks)
+              : 0;
   return s;
 }
 

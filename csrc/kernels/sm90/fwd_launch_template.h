@@ -17,17 +17,6 @@
 
 namespace flash_attn_ext::sm90 {
 
-// Streaming multiprocessors of the current device (queried once per device).
-inline cudaError_t sm_count(int* count) {
-  *count = sm80::per_device_cached([](int device) {
-    int sms = 0;
-    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
-               ? sms
-               : 0;
-  });
-  return *count > 0 ? cudaSuccess : cudaErrorInvalidDevice;
-}
-
 // Host side: TMA descriptors for q, k, v (the caller guarantees 16-byte aligned rows and strides),
 // the tile counter zeroed, then min(tiles, SMs) persistent CTAs on `stream`.
 template <typename T>
@@ -119,9 +108,9 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (num_tiles == 0) return cudaSuccess;
   if (num_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
   args.num_tiles = static_cast<int32_t>(num_tiles);
-  int sms = 0;
-  cudaError_t err = sm_count(&sms);
-  if (err != cudaSuccess) return err;
+  const int sms = sm80::multiprocessor_count();
+  if (sms <= 0) return cudaErrorInvalidDevice;
+  cudaError_t err = cudaSuccess;
   // Tile order (see tile_coord).  Two consumer warpgroups (head dims 128, 256) without a mask:
   // one (batch, head) pair per section, i.e. all query blocks of a head back to back, so the
   // CTAs running at once share few heads' K and V and L2 serves them: measured at d=128 L=2k,
