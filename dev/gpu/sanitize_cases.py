@@ -2,7 +2,8 @@
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
-general variant, boolean masks on their mask variant; then flash_attn_with_kvcache on the
+general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
+order; then flash_attn_with_kvcache on the
 decode kernels (contiguous, paged with odd page sizes, left padding, batch indices, appends
 with rotary, split-KV, rows whose values break a rule).  `--decode`: only the decode calls.
 
@@ -118,6 +119,15 @@ def main() -> None:
     deterministic += [False] * len(general)
     runs += [(i, {"sm90_bwd": "on"}, False)
              for i in range(len(cases) - len(general), len(cases))]
+    # deterministic=True on the Hopper backward (the dQ writer warp and its barriers): a window
+    # (descending order), no mask (rotated), the general and the mask variants.
+    ordered = [(300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, False, 0.0),
+               (129, 300, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.0),
+               (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.1),
+               (700, 700, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "bool_padding", 0.0)]
+    cases += ordered
+    deterministic += [True] * len(ordered)
+    runs += [(i, {}, False) for i in range(len(cases) - len(ordered), len(cases))]
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
