@@ -3,9 +3,9 @@ synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causa
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
 general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
-order; then flash_attn_with_kvcache on the
-decode kernels (contiguous, paged with odd page sizes, left padding, batch indices, appends
-with rotary, split-KV, rows whose values break a rule).  `--decode`: only the decode calls.
+order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
+sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
+rule).  `--decode`: only the decode calls.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode]
 """
