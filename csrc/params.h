@@ -47,8 +47,11 @@ struct FwdParams {
   // of row blocks likewise, as pairs (begin, ~end) (kernels/sm90/bias_blocks.h: bias_key_span,
   // bias_row_span); ranges_key_offset: where the key blocks' pairs start.  nullptr with
   // bias_blocks.
+  // After them, for each 64-row block the longest run of key blocks that are all visible (all
+  // 0 / all true), as a pair (begin, end) at ranges_visible_offset (bias_visible_tiles).
   const uint32_t* bias_ranges = nullptr;
-  int64_t ranges_batch_stride = 0, ranges_head_stride = 0, ranges_key_offset = 0;
+  int64_t ranges_batch_stride = 0, ranges_head_stride = 0, ranges_key_offset = 0,
+          ranges_visible_offset = 0;
 
   // ALiBi (Press et al. 2022, arXiv:2108.12409; FlashAttention-2's definition): scores +=
   // -slope(b, h) * |i + off - j|, off as the mask's below (seqlen_k - seqlen_q bottom-right),

@@ -35,7 +35,10 @@ struct SummaryShape {
   int64_t blocks() const { return batch * heads * row_blocks * key_blocks; }
   // The class bytes, rounded up to whole 32-bit words (the spans follow them).
   int64_t class_bytes() const { return (blocks() + 3) / 4 * 4; }
-  int64_t span_words() const { return batch * heads * 2 * (row_blocks + key_blocks); }
+  // Per (batch, head): the row blocks' key spans, the key blocks' row spans, the row blocks'
+  // visible runs, two words each.
+  int64_t pair_words() const { return 2 * (2 * row_blocks + key_blocks); }
+  int64_t span_words() const { return batch * heads * pair_words(); }
 };
 
 template <typename Value>
@@ -121,13 +124,63 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
         masked ? kBlockMasked : zero ? kBlockVisible : kBlockMixed;
     if (!masked) {  // the spans (bias_key_span, bias_row_span): begin and ~end by atomicMin
       const uint32_t kb = static_cast<uint32_t>(key_block);
-      uint32_t* row_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * blockIdx.y;
-      uint32_t* key_pair = ranges + bh * 2 * (row_blocks + key_blocks) + 2 * row_blocks + 2 * kb;
+      uint32_t* row_pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * blockIdx.y;
+      uint32_t* key_pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * row_blocks +
+                           2 * kb;
       atomicMin(row_pair, kb);
       atomicMin(row_pair + 1, ~(kb + 1));
       atomicMin(key_pair, blockIdx.y);
       atomicMin(key_pair + 1, ~(blockIdx.y + 1));
     }
+  }
+}
+
+// Each row block's longest run of visible key blocks (bias_visible_tiles), from the classes:
+// a warp per (row block, batch * head) of the bias's own extent, 32 key blocks per vote,
+// the runs followed across votes by the lowest set bits.  Written as (begin, end); (0, 0)
+// where no block is visible.
+__global__ void __launch_bounds__(32) visible_runs_kernel(const uint8_t* blocks, uint32_t* ranges,
+                                                          int64_t row_blocks,
+                                                          int64_t key_blocks) {
+  const int lane = threadIdx.x;
+  const int64_t bh = blockIdx.y, rb = blockIdx.x;
+  const uint8_t* row = blocks + (bh * row_blocks + rb) * key_blocks;
+  int64_t run_begin = -1, best_begin = 0, best_end = 0;  // run_begin: an open run's start
+  auto close = [&](int64_t end) {
+    if (end - run_begin > best_end - best_begin) {
+      best_begin = run_begin;
+      best_end = end;
+    }
+    run_begin = -1;
+  };
+  for (int64_t base = 0; base < key_blocks; base += 32) {
+    const int64_t kb = base + lane;
+    uint32_t bits = __ballot_sync(0xffffffffu, kb < key_blocks && row[kb] == kBlockVisible);
+    const int64_t valid = key_blocks - base < 32 ? key_blocks - base : 32;
+    int pos = 0;  // the next bit of this vote to look at
+    while (pos < valid) {
+      const uint32_t rest = pos == 0 ? bits : bits >> pos;
+      if (run_begin < 0) {  // find the next visible block
+        if (rest == 0) break;
+        pos += __ffs(rest) - 1;
+        run_begin = base + pos;
+      } else {  // find the run's end: the next block that is not visible
+        const uint32_t gaps = pos == 0 ? ~bits : ~bits >> pos;
+        if (gaps == 0) break;
+        const int end = pos + __ffs(gaps) - 1;
+        if (end >= valid) break;
+        close(base + end);
+        pos = end;
+      }
+    }
+  }
+  if (run_begin >= 0) close(key_blocks);
+  if (lane == 0) {
+    uint32_t* pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * (row_blocks +
+                                                                            key_blocks) +
+                     2 * rb;
+    pair[0] = static_cast<uint32_t>(best_begin);
+    pair[1] = static_cast<uint32_t>(best_end);
   }
 }
 
@@ -159,12 +212,18 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream) 
         p, blocks, ranges, s.row_blocks, s.key_blocks);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  visible_runs_kernel<<<dim3(static_cast<unsigned>(s.row_blocks),
+                             static_cast<unsigned>(s.batch * s.heads)),
+                        32, 0, stream>>>(blocks, ranges, s.row_blocks, s.key_blocks);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   const int64_t kb = s.key_blocks, rb = s.row_blocks;
   p.bias_blocks = blocks;
   p.bias_ranges = ranges;
   p.ranges_key_offset = 2 * rb;
-  p.ranges_head_stride = p.bias_head_stride == 0 ? 0 : 2 * (rb + kb);
-  p.ranges_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * 2 * (rb + kb);
+  p.ranges_visible_offset = 2 * (rb + kb);
+  p.ranges_head_stride = p.bias_head_stride == 0 ? 0 : s.pair_words();
+  p.ranges_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * s.pair_words();
   p.blocks_col_stride = p.bias_col_stride == 0 ? 0 : 1;
   p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : kb;
   p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : rb * kb;

@@ -88,9 +88,14 @@ struct WarpTileBlocks {
   const uint8_t* lane_blocks = nullptr;
   int fixed = kBlockMixed;
   int32_t lane_key0 = 0, step = 0;
+  // Key tiles in which the bias hides nothing from the asking warp's rows
+  // (bias_visible_tiles): those need no load or vote.
+  int32_t visible_begin = 0, visible_end = 0;
 
   __device__ __forceinline__ WarpTileBlocks(const FwdParams& p, int32_t b, int32_t h,
-                                            int64_t m0) {
+                                            int64_t m0, int32_t visible_begin_ = 0,
+                                            int32_t visible_end_ = 0)
+      : visible_begin(visible_begin_), visible_end(visible_end_) {
     const int lane = threadIdx.x % 32, r = lane / kKeyBlocks, j = lane % kKeyBlocks;
     const int64_t row0 = m0 + r * kBiasBlock;
     lane_key0 = j * kBiasBlock;
@@ -100,6 +105,9 @@ struct WarpTileBlocks {
     if (lane >= kBlocks || row0 < 0 || row0 >= p.seqlen_q) return;
     lane_blocks = p.bias_blocks + b * p.blocks_batch_stride + h * p.blocks_head_stride +
                   row0 / kBiasBlock * p.blocks_row_stride + j * p.blocks_col_stride;
+  }
+  __device__ __forceinline__ bool visible(int n_block) const {
+    return n_block >= visible_begin && n_block < visible_end;
   }
   // This lane's class in key tile n_block.
   __device__ __forceinline__ int load(const FwdParams& p, int n_block) const {
@@ -175,6 +183,31 @@ __device__ __forceinline__ Span bias_row_span(const FwdParams& p, int32_t b, int
   return bias_span<kKeys / kBiasBlock>(
       p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride + p.ranges_key_offset,
       p.bias_col_stride == 0, n0, p.seqlen_k, p.bias_row_stride == 0, p.seqlen_q);
+}
+
+// The key tiles of kKeys keys (tile n: keys [n kKeys, (n + 1) kKeys)) in which row block
+// [row0, row0 + 64) of head h in batch b (row0 a multiple of 64, in [0, seqlen_q)) sees every
+// key through the bias: tiles inside the longest run of all-visible 64 x 64 blocks of its row
+// (visible_runs_kernel).  A kernel runs them as plain attention without asking the summary
+// tile by tile.  No bias: every tile; a bias without a summary: none.
+template <int kKeys>
+__device__ __forceinline__ Span bias_visible_tiles(const FwdParams& p, int32_t b, int32_t h,
+                                                   int64_t row0) {
+  static_assert(kKeys % kBiasBlock == 0, "");
+  constexpr int64_t kAll = int64_t{1} << 40;
+  if (p.attn_bias == nullptr) return {0, kAll};
+  if (p.bias_ranges == nullptr) return {0, 0};
+  const uint32_t* pair = p.bias_ranges + b * p.ranges_batch_stride + h * p.ranges_head_stride +
+                         p.ranges_visible_offset +
+                         2 * (p.bias_row_stride == 0 ? 0 : row0 / kBiasBlock);
+  const int64_t begin = pair[0], end = pair[1];
+  if (end <= begin) return {0, 0};
+  if (p.bias_col_stride == 0) return {0, kAll};  // one block for all keys, visible
+  // Whole tiles only, except that a run reaching the last key block covers the last tile
+  // (keys past seqlen_k are never visible: the kernels mask them on their own).
+  const int64_t key_blocks = (p.seqlen_k + kBiasBlock - 1) / kBiasBlock;
+  return {(begin * kBiasBlock + kKeys - 1) / kKeys,
+          end >= key_blocks ? kAll : end * kBiasBlock / kKeys};
 }
 
 // A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in

@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       return n_block;
     };
     // The bias's classes on the tile's rows, per key tile (bias_blocks.h).
-    const WarpTileBlocks<kM / kBiasBlock, T::kBlockN / kBiasBlock> blocks(p, b, h, m0);
+    const WarpTileBlocks<kM / kBiasBlock, T::kBlockN / kBiasBlock> blocks(
+        p, b, h, m0, info.visible_begin[me], info.visible_end[me]);
     if (n_begin < n_end && idle) {
       state = FwdMainloop<T>::idle_tile(pipe_k, pipe_v, state, ring, n_begin, n_end,
                                         &smem.barrier_q_empty[qs], next);

@@ -314,8 +314,10 @@ struct FwdMainloop {
     // Q K^T and the softmax and before each tile's first wait: the mask variant with a mask
     // that hides nothing ran 28% slower than the plain kernel.)
     constexpr bool kSkip = T::kSkipMasked;  // (the general and mask variants)
+    // (Tiles in the warpgroup's visible run need neither the classes nor a vote.)
     auto ahead = [&](int n_block) {
-      return kSkip && n_block < n_end ? blocks.load(args.p, n_block) : int{kBlockMasked};
+      return kSkip && n_block < n_end && !blocks.visible(n_block) ? blocks.load(args.p, n_block)
+                                                                  : int{kBlockMasked};
     };
     // After tile n_block whose successor's classes are in `after`: the next tile the bias does
     // not mask for every row (next(), tile by tile, for the rare run of such tiles), and its
@@ -323,7 +325,7 @@ struct FwdMainloop {
     auto advance = [&](int n_block, int& after) {
       int n = n_block + 1;
       if constexpr (kSkip) {
-        if (n < n_end && Blocks::all_masked(after)) {
+        if (n < n_end && !blocks.visible(n) && Blocks::all_masked(after)) {
           n = next(n);
           after = ahead(n);
         }
@@ -374,7 +376,9 @@ struct FwdMainloop {
     };
     // Intra-warpgroup overlap (FlashAttention-3, section 3.2): tile n's Q K^T is issued
     // together with tile n-1's P V, and this tile's softmax runs while P V is still in flight.
-    int c = kSkip ? Blocks::row_class(blocks.load(args.p, n_begin), me) : int{kBlockMixed};
+    int c = !kSkip                    ? int{kBlockMixed}
+            : blocks.visible(n_begin) ? int{kBlockVisible}
+                                      : Blocks::row_class(blocks.load(args.p, n_begin), me);
     int after = ahead(n_begin + 1);
     pipe_k.consumer_wait(state);
     issue_qk(state.index(), qs);  // outside the ring (see PingpongRing)
@@ -393,7 +397,7 @@ struct FwdMainloop {
     ++state;
     for (int n_block = advance(n_begin, after); n_block < n_end;) {
       if constexpr (kSkip) {
-        c = Blocks::row_class(after, me);
+        c = blocks.visible(n_block) ? int{kBlockVisible} : Blocks::row_class(after, me);
         after = ahead(n_block + 1);
       }
       pipe_k.consumer_wait(state);

@@ -81,6 +81,21 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
       while (n_begin < n_end && skip_tile(n_begin)) ++n_begin;
       while (n_end > n_begin && skip_tile(n_end - 1)) --n_end;
     }
+    // Each warpgroup's key tiles that the bias hides nothing of (bias_visible_tiles), read
+    // here, before the waits below, so that their latency runs under them.
+    int32_t visible_begin[T::kConsumers], visible_end[T::kConsumers];
+#pragma unroll
+    for (int w = 0; w < T::kConsumers; ++w) {
+      visible_begin[w] = visible_end[w] = 0;
+      if constexpr (T::kSkipMasked) {
+        const int64_t row0 = m0 + 64 * w;
+        if (row0 >= 0 && row0 < p.seqlen_q) {
+          const Span run = bias_visible_tiles<kN>(p, b, h, row0);
+          visible_begin[w] = static_cast<int32_t>(run.begin < n_end ? run.begin : n_end);
+          visible_end[w] = static_cast<int32_t>(run.end < n_end ? run.end : n_end);
+        }
+      }
+    }
     // Rows below 0 (a partial first block) are out of the tensor: TMA fills them with zeros.
     // (Unused when packed: the consumers load Q.)
     Tensor gQ = local_tile(domain_offset(make_coord(-args.row_shift, 0), mQ(_, _, h, b)),
@@ -118,6 +133,8 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
       const VisibleKeys::Block wg_keys = visible_key_tiles(args, vis, m0 + 64 * w, 64);
       info.interior_begin[w] = static_cast<int32_t>(wg_keys.interior_begin);
       info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
+      info.visible_begin[w] = visible_begin[w];
+      info.visible_end[w] = visible_end[w];
     }
     publish_tile(smem.info[iter & 1], info);  // released by the barrier arrive below
     if constexpr (T::kPackGQA) {  // the consumers load their rows of Q themselves

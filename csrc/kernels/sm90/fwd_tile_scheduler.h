@@ -27,6 +27,9 @@ struct TileInfo {
   int32_t n_begin, n_end;  // key tiles [n_begin, n_end) hold every key a row of it sees
   // Keys [interior_begin, interior_end) are visible to every row of warpgroup w's 64 rows.
   int32_t interior_begin[kConsumers], interior_end[kConsumers];
+  // The general and mask variants: key tiles [visible_begin, visible_end) are visible through
+  // the bias to every row of warpgroup w's 64 rows (bias_visible_tiles).
+  int32_t visible_begin[kConsumers], visible_end[kConsumers];
 };
 
 // Tile t -> (query block, batch * heads_q + head), heads_q being the tile heads (the KV heads
