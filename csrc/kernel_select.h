@@ -60,9 +60,9 @@ enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 }
 enum class BwdKernel : int { kNone = 0, kSm80FourWarp = 1, kSm80EightWarp = 2, kSm90 = 3 };
 // How the 8-warp backward forms dQ: a separate dQ kernel (bitwise reproducible), fp32 atomics
 // from the dK/dV kernel, or bulk reductions of whole dQ tiles from it (sm_90).  The Hopper
-// backward adds dQ with fp32 atomics (kAtomic).
-// kOrdered: the Hopper backward's dQ tiles added in a fixed order of key blocks (bitwise
-// reproducible; kernels/sm90/bwd_dq.h).
+// backward adds whole dQ tiles by bulk reductions: kAtomic for it means in the order the CTAs
+// get there, kOrdered in a fixed order of key blocks (bitwise reproducible;
+// kernels/sm90/bwd_dq.h).
 enum class DqPath : int { kSeparate = 0, kAtomic = 1, kBulk = 2, kOrdered = 3 };
 
 struct BuildInfo {
@@ -130,6 +130,10 @@ struct KernelChoice {
 };
 
 namespace detail {
+
+// Why a call wants bitwise-reproducible gradients, as the notes say it.
+constexpr const char* kDeterministicWhy =
+    "deterministic=True or torch.use_deterministic_algorithms(True)";
 
 inline std::string join(const std::vector<std::string>& parts, const char* sep) {
   std::string out;
@@ -343,10 +347,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       c.dq = DqPath::kAtomic;
       if (call.deterministic) {
         c.dq = DqPath::kOrdered;
-        c.notes.push_back("backward dQ added in a fixed order of key blocks (a counter per "
-                          "query block), because deterministic=True or "
-                          "torch.use_deterministic_algorithms(True): bitwise-reproducible "
-                          "gradients");
+        c.notes.push_back(std::string("backward dQ added in a fixed order of key blocks (a "
+                                      "counter per query block), because ") +
+                          detail::kDeterministicWhy + ": bitwise-reproducible gradients");
       }
       c.bwd_name = "sm90_bwd" + suffix + detail::sm90_variant(call);
       return c;
@@ -366,10 +369,11 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     c.bwd = BwdKernel::kSm80EightWarp;
     if (call.deterministic) {
       c.dq = DqPath::kSeparate;
-      c.notes.push_back("backward dQ on the separate dQ kernel, not accumulated in the dK/dV "
-                        "pass, because deterministic=True or torch.use_deterministic_algorithms"
-                        "(True): bitwise-reproducible gradients at ~0.75x the default "
-                        "backward's speed");
+      c.notes.push_back(std::string("backward dQ on the separate dQ kernel, not accumulated "
+                                    "in the dK/dV pass, because ") +
+                        detail::kDeterministicWhy +
+                        ": bitwise-reproducible gradients at ~0.75x the default backward's "
+                        "speed");
     } else {
       const bool bulk = device.major == 9 && d <= 128 && !options.bwd_atomic_dq &&
                         arch_runs_on(build.archs, device.major, device.minor, true);

@@ -240,16 +240,19 @@ struct BwdParams : FwdParams {
   bool bwd_eight_warp = false;
   // With dq_accum: dQ by sm_90 bulk reductions of whole tiles (else per-lane fp32 atomics).
   bool dq_bulk = false;
-  // The Hopper backward with deterministic=True: one int32 counter per (batch, query head,
-  // 64-row query block), dq_semaphore_count(...) of them, zeroed; each query block's dQ tiles
+  // The Hopper backward with deterministic=True: int32 counters, dq_semaphores_per_head(...)
+  // per (batch, query head), zeroed, the kernel's query block m_block at index m_block (its
+  // blocks have 64 or 128 rows: at 128 half of them go unused); each query block's dQ tiles
   // are added in a fixed order of key blocks (kernels/sm90/bwd_dq.h).  nullptr: in the order
   // the CTAs get there (not bitwise reproducible).
   int32_t* dq_semaphore = nullptr;
 };
 
-// Counters of BwdParams::dq_semaphore: one per 64 query rows of dq_accum_rows(seqlen_q).
+// Counters of BwdParams::dq_semaphore per (batch, query head): one per 64 query rows of
+// dq_accum_rows(seqlen_q), the smallest query block; and in all.
+constexpr int64_t dq_semaphores_per_head(int64_t seqlen_q) { return dq_accum_rows(seqlen_q) / 64; }
 constexpr int64_t dq_semaphore_count(int64_t batch, int64_t seqlen_q, int64_t heads_q) {
-  return batch * heads_q * (dq_accum_rows(seqlen_q) / 64);
+  return batch * heads_q * dq_semaphores_per_head(seqlen_q);
 }
 
 }  // namespace flash_attn_ext

@@ -207,13 +207,15 @@ def test_hopper_deterministic_backward_meets_the_error_rule(hopper_bwd, dtype, s
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("what", ["plain", "causal", "window", "softcap", "causal_padding_mask",
+                                  "causal_flag_padding_mask", "window_padding_bias",
                                   "padding_bias", "dropout", "dropout_softcap"])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
     # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
     # dropout), on a shape with many key blocks per query block (16 at L = 2k) and enough CTAs
     # to fill the GPU (B * H_kv * 16 = 256): the order in which CTAs reach a query block varies
     # from run to run, so an unordered add would show.  Equal to the unordered backward up to
-    # the fp32 summation order.
+    # the fp32 summation order.  (The causal flag and windows take the descending order, the
+    # rest the rotated one; with a padding mask beside them, steps the bias skips count in.)
     batch, seqlen, heads_q, heads_kv = 4, 2048, 8, 4
     gen = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
@@ -222,12 +224,13 @@ def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_
                         generator=gen) for _ in "kv")
     dout = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
                        generator=gen)
-    window = (300, 100) if what == "window" else (-1, -1)
+    window = (300, 100) if what.startswith("window") else (-1, -1)
+    causal = what in ("causal", "causal_flag_padding_mask")
     softcap, dropout_p, bias = 20.0 if "softcap" in what else 0.0, 0.1 * ("dropout" in what), None
     if "mask" in what or "bias" in what:
         lengths = torch.tensor([seqlen, 1500, 700, 1], device="cuda")
         visible = (torch.arange(seqlen, device="cuda") < lengths[:, None])[:, None, None, :]
-        if "causal" in what:
+        if what == "causal_padding_mask":
             i = torch.arange(seqlen, device="cuda")[:, None]
             visible = visible & (torch.arange(seqlen, device="cuda")[None, :] <= i)
         bias = visible if "mask" in what else \
@@ -236,8 +239,8 @@ def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_
 
     def grads(deterministic):
         torch.manual_seed(5)  # (the same dropout mask every run)
-        out, _, _ = ops.fwd(*leaves, None, what == "causal", window[0], window[1], True,
-                            softcap, None, bias, dropout_p, deterministic)
+        out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, softcap, None,
+                            bias, dropout_p, deterministic)
         return torch.autograd.grad(out, leaves, dout)
 
     mods = planning.score_mods(softcap, dropout_p, bias, None)
@@ -245,6 +248,28 @@ def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_
     assert plan.backward_kernel.startswith("sm90_bwd") and "fixed order" in plan.notes[-1], plan
     first = grads(True)
     for _ in range(10):
+        assert all(torch.equal(a, b) for a, b in zip(grads(True), first))
+    for a, b in zip(grads(False), first):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+
+
+def test_hopper_deterministic_backward_beyond_one_cta_per_sm():
+    # More key blocks per (batch, KV head) than an H200 has SMs (133 > 132) and no mask: the
+    # rotated order could wait for a CTA that is not resident, so the launcher takes the
+    # descending one, every key block starting at query block 0.  Bitwise reproducible, equal to
+    # the unordered backward up to the fp32 summation order.
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 17000, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 17000, 1, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in "kv")
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def grads(deterministic):
+        out = flash_attn_func(*leaves, deterministic=deterministic)
+        return torch.autograd.grad(out, leaves, dout)
+    first = grads(True)
+    for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(grads(True), first))
     for a, b in zip(grads(False), first):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()

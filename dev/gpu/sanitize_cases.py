@@ -5,9 +5,10 @@ the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the H
 general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
 order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
 sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
-rule).  `--decode`: only the decode calls.
+rule).  `--decode`: only the decode calls; `--ordered`: only the deterministic Hopper
+backward's calls.
 
-    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode]
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered]
 """
 
 import sys
@@ -128,10 +129,13 @@ def main() -> None:
     cases += ordered
     deterministic += [True] * len(ordered)
     runs += [(i, {}, False) for i in range(len(cases) - len(ordered), len(cases))]
+    if "--ordered" in sys.argv:  # only those (synccheck, racecheck: their barriers)
+        runs = runs[-len(ordered):]
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
-    print(f"sanitize_cases: {len(runs)} cases and {decode_cases()} decode calls ran")
+    decode = decode_cases() if "--ordered" not in sys.argv else 0
+    print(f"sanitize_cases: {len(runs)} cases and {decode} decode calls ran")
 
 
 def run_case(case, deterministic, dev, dt, bias_grad=True):

@@ -31,8 +31,9 @@
 
 namespace flash_attn_ext::sm90 {
 
-// Named barriers (CUTLASS's user ids; the mainloop has 0 and 1 + warpgroup): a consumer
-// warpgroup's part staged (full) and read by the writer (empty), + the warpgroup.
+// Named barriers (CUTLASS's user ids; the mainloop's dS barrier has 0, the unordered add 1 +
+// warpgroup): a consumer warpgroup's part staged (full) and read by the writer (empty), + the
+// warpgroup (BwdDq checks that they fit).
 constexpr int kDqFullBarrier = 3, kDqEmptyBarrier = 5;
 constexpr int kDqWriterThreads = 32;  // the writer warp
 
@@ -50,7 +51,9 @@ __device__ __forceinline__ void add_release(int32_t* ptr, int32_t v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
 // Spins until *ptr >= target.  A wait of a minute means an order that cannot complete (a
-// defect): the kernel traps (an error the caller sees) rather than hanging the GPU.
+// defect, or the rotated order with fewer SMs free than it assumed: bwd_launch_template.h): the
+// kernel traps rather than hanging the GPU (the error is sticky: the process's CUDA context
+// is lost, as after an illegal memory access).
 __device__ __forceinline__ void wait_at_least(const int32_t* ptr, int32_t target) {
   if (load_acquire(ptr) >= target) return;
   uint64_t start;
@@ -68,6 +71,11 @@ struct BwdDq {
   // Floats of one warpgroup's part of a tile.
   static constexpr int kPartFloats = kM * kD / T::kConsumers;
   static constexpr int kBarrierThreads = 128 + kDqWriterThreads;
+  static_assert(kDqEmptyBarrier >= kDqFullBarrier + T::kConsumers &&
+                    kDqEmptyBarrier + T::kConsumers +
+                            static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) <=
+                        16,
+                "the dQ writer's named barriers overlap or exceed the hardware's 16");
 
   // The first float of tile m_block of (b, h) in the buffer.
   __host__ __device__ static int64_t tile_offset(const BwdParams& p, int64_t b, int64_t h,
@@ -141,7 +149,8 @@ __device__ __forceinline__ int32_t dq_turn(const Sm90BwdArgs<T>& args, const Bwd
   // kDqRotated: all N key blocks reach all M query blocks, block j first s_j = floor(j M / N)
   // and block (s_j + u) mod M at its step u.  Those reaching m_block at an earlier step add
   // first; of two reaching it at the same step (M < N), the lower key block.
-  // (32-bit: the launcher takes this order only where M * N < 2^31.)
+  // (32-bit: the launcher takes this order only where M * (N + 1) < 2^31, upto's largest
+  // product.)
   const int32_t M = st.m_blocks, N = args.num_n_blocks, s = st.rot;
   auto upto = [&](int32_t x) {  // key blocks j with s_j <= x (x >= -1): j < (x + 1) N / M
     const int32_t c = ((x + 1) * N + M - 1) / M;
@@ -165,7 +174,7 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
   constexpr int kM = T::kBlockM, kN = T::kBlockN;
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
-  const int64_t counters_per_head = dq_accum_rows(p.seqlen_q) / 64;
+  const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
   BwdStepWalk w{hk * args.group};
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
     const int32_t h = w.h, m_block = w.m_block(st);

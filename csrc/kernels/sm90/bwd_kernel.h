@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   // Key block fastest: the CTAs running at once share a few heads' Q and dO (L2), and under a
   // causal mask each head's longest blocks (the first keys) start first.  With dQ added in
-  // descending key-block order, the highest first (a CTA waits only for CTAs launched before
-  // it: bwd_traits.h, kDqDescending).
+  // descending key-block order, the highest first, the shortest under a causal mask (a CTA
+  // waits only for CTAs launched before it: bwd_traits.h, kDqDescending).
   const int32_t n_index = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
   const int32_t n_block =
       args.dq_order == kDqDescending ? args.num_n_blocks - 1 - n_index : n_index;

@@ -57,14 +57,17 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   const int64_t num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   // dQ in a fixed order (deterministic=True): rotated where every key block reaches every query
   // block and a (batch, KV head)'s CTAs can all be resident at once (one CTA per SM: a CTA may
-  // wait for any other of its group), else descending (a CTA waits only for CTAs launched
-  // before it).
+  // wait for any other of its group; this assumes the GPU's SMs free for this kernel, not
+  // taken by a concurrent one or an SM-limited context), else descending (a CTA waits only for
+  // CTAs launched before it).  Descending where every key block starts at query block 0 (no
+  // mask beyond 16.9k keys, a window open to the right) puts each key block a writer step
+  // behind the next higher one at the start: not measured.
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   int32_t dq_order = kDqAnyOrder;
   if (p.dq_semaphore != nullptr)
     dq_order = p.window_left < 0 && p.window_right < 0 &&
                        num_n_blocks <= sm80::multiprocessor_count() &&
-                       num_m_blocks * num_n_blocks < 0x7fffffffLL
+                       num_m_blocks * (num_n_blocks + 1) < 0x7fffffffLL
                    ? kDqRotated
                    : kDqDescending;
   Sm90BwdArgs<T> args{

@@ -165,8 +165,10 @@ struct Sm90BwdArgs {
 
 // Sm90BwdArgs::dq_order.  kDqDescending: the CTA of key block n is blockIdx n_blocks - 1 - n of
 // its (batch, KV head), and at every query block the highest key block adds first: under a
-// causal mask or a window a higher key block reaches a query block at an earlier step of its
-// own (it starts further down), so in steady state nobody waits.  kDqRotated (no mask, all of a
+// causal mask (or a window closed to the right) a higher key block reaches a query block at
+// an earlier step of its own (it starts further down), so in steady state nobody waits.
+// (Where all start at query block 0, each waits a writer step for the next higher one at the
+// start.)  The shortest key blocks of a causal mask then launch first, not the longest.  kDqRotated (no mask, all of a
 // (batch, KV head)'s CTAs resident at once): key block n starts at query block floor(n M / N)
 // (M query blocks, N key blocks) and wraps around, and at every query block the key blocks add
 // in the order they reach it; without the rotation every key block would reach query block 0
