@@ -36,13 +36,17 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
             explained as written; softcap, attn_mask, alibi_slopes and dropout_p pick the
-            Hopper kernels' general variant on sm_90 GPUs, and ``deterministic=True`` (or
-            torch.use_deterministic_algorithms(True)) adds a note where it moves the CUDA
-            backward's dQ to its slower, bitwise-reproducible kernel.
+            Hopper kernels' general variant on sm_90 GPUs, and ``deterministic=True`` (with
+            ``layout="blhd"``, as flash_attn_func takes it; in either layout
+            torch.use_deterministic_algorithms(True)) adds a note where the CUDA backward's dQ
+            becomes bitwise reproducible: added in a fixed order on the Hopper backward, a
+            separate dQ kernel on the 8-warp portable one.
 
     Returns:
         A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
-        ``fused`` and ``reasons`` (why it falls back, empty when fused).
+        ``fused`` and ``reasons`` (why it falls back, empty when fused), ``backward_fused``
+        and ``backward_reasons`` (the same for the backward), ``notes`` (why a fused but
+        slower kernel serves the call, or how its dQ is formed).
 
     Raises:
         ValueError: unknown layout, or shapes/dtypes the kernels reject (the same checks as a

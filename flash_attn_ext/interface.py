@@ -66,11 +66,14 @@ def flash_attn_func(
             kernels add only slope * j, which softmax cancels but softmax_lse does not).  No
             gradient flows to the slopes: slopes that require grad raise ValueError.
         deterministic: with True (or under torch.use_deterministic_algorithms(True)) gradients
-            are bitwise reproducible run to run.  With False, plain attention (no softcap, mask
-            or dropout) on CUDA's 8-warp backward kernels (every head dim on sm_90; up to 128
-            on sm_80) uses FlashAttention-2's single backward kernel, which adds dq with fp32
-            atomics (faster; dq's last bits vary with the summation order); everything else,
-            and the CPU, is reproducible either way.
+            are bitwise reproducible run to run.  With False, the CUDA backwards that add dq
+            into an fp32 buffer from many CTAs do so in the order the CTAs get there (faster;
+            dq's last bits vary with the summation order): the Hopper backward on sm_90 at
+            head dims up to 128 (every variant: masks, softcap, ALiBi, dropout), and plain
+            attention on the 8-warp portable kernels.  With True the Hopper backward adds in
+            a fixed order (0.91-1.02x its default speed on an H200) and the 8-warp kernels
+            take a separate dq kernel (0.64-0.78x).  The 4-warp kernels and the CPU are
+            reproducible either way.
         return_attn_probs: FlashAttention-2's argument (its 11th positional one, as here), for
             code written against it: with True the call returns (out, softmax_lse, None); the
             attention probabilities are never stored, so the third item is None.

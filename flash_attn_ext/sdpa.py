@@ -50,6 +50,9 @@ def scaled_dot_product_attention(
         strict: raise instead of falling back to an unfused path (see
             :func:`flash_attn_ext.explain`).
 
+    Gradients are bitwise reproducible under ``torch.use_deterministic_algorithms(True)``
+    (read at each call; see ``deterministic`` in :func:`flash_attn_ext.flash_attn_func`).
+
     Returns:
         (N, H, L, Ev) (or (N, L, Ev)) in query's dtype, a transposed view of a (N, L, H, Ev) buffer.
 

@@ -110,8 +110,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             :func:`flash_attn_ext.flash_attn_func`, per sequence; causal and windows aligned
             bottom-right within each sequence (query i of a sequence of L queries and S keys
             sees key j <= i + S - L).
-        deterministic: accepted for FlashAttention-2 compatibility (the CPU backward is
-            deterministic).
+        deterministic: accepted for FlashAttention-2 compatibility and ignored: the packed
+            backward is bitwise reproducible on the CPU and on CUDA (the 4-warp kernels and
+            their separate dQ kernel).
         return_attn_probs: also return softmax_lse (num_heads, total_q), differentiable
             (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
