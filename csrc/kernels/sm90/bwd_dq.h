@@ -25,7 +25,6 @@
 #include <cstdint>
 
 #include "kernels/sm80/flash_bwd_lean.cuh"  // bulk_reduce_add_f32, bulk_wait_all, fence_proxy
-#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "mask.h"
 
@@ -171,7 +170,6 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
                                                   const BwdSteps& st, int32_t n_block,
                                                   int32_t b, int32_t hk) {
   using Dq = BwdDq<T>;
-  constexpr int kM = T::kBlockM, kN = T::kBlockN;
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
   const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
@@ -185,9 +183,7 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
       fence_proxy_async_global();
     }
     __syncwarp();
-    if (!(T::kSkipMasked &&
-          bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
-                                  static_cast<int64_t>(n_block) * kN))) {
+    if (!bwd_step_skipped<T>(p, b, h, m_block, n_block)) {
       float* tile = p.dq_accum + Dq::tile_offset(p, b, h, m_block);
       CUTE_UNROLL
       for (int me = 0; me < T::kConsumers; ++me) {

@@ -92,15 +92,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     BwdStepWalk w{hk * args.group};
     int32_t done = 0;  // steps computed, not skipped
     for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
-      const int32_t h = w.h;
-      const int64_t m0 = static_cast<int64_t>(w.m_block(st)) * kM;
-      if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, m0, n0))
-        continue;  // (the producer skips it; the dQ writer counts it in)
+      const int32_t h = w.h, m_block = w.m_block(st);
+      if (bwd_step_skipped<T>(p, b, h, m_block, n_block)) continue;
+      const int64_t m0 = static_cast<int64_t>(m_block) * kM;
       // Masked unless every key of the block is visible to every row of the step.
       const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, w.m_block(st));
+      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, m_block);
       // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
       // uniform registers: here, before the step's wait, their latency is covered, and the
       // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,

@@ -53,11 +53,7 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
   BwdStepWalk w{hk * args.group};
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
     const int32_t h = w.h, m_block = w.m_block(st);
-    // A step whose rows the bias masks for the whole key block adds nothing: skipped (the
-    // consumers skip the same).
-    if (T::kSkipMasked && bias_masks_tile<kM, kN>(p, b, h, static_cast<int64_t>(m_block) * kM,
-                                               static_cast<int64_t>(n_block) * kN))
-      continue;
+    if (bwd_step_skipped<T>(p, b, h, m_block, n_block)) continue;
     Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),

@@ -199,6 +199,18 @@ struct BwdStepWalk {
     }
   }
 };
+// Whether step (query head h, query block m_block) of key block n_block adds nothing because
+// the bias masks the whole block for its rows (the general and mask variants).  The producer
+// and the consumers skip it and the dQ writer counts it in without adding: one rule, since a
+// disagreement would hang the pipeline or miscount a query block's turns.
+template <typename T>
+__device__ __forceinline__ bool bwd_step_skipped(const BwdParams& p, int32_t b, int32_t h,
+                                                 int32_t m_block, int32_t n_block) {
+  return T::kSkipMasked &&
+         bias_masks_tile<T::kBlockM, T::kBlockN>(p, b, h,
+                                                 static_cast<int64_t>(m_block) * T::kBlockM,
+                                                 static_cast<int64_t>(n_block) * T::kBlockN);
+}
 template <typename T>
 __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
                                               int32_t n_block, int32_t b, int32_t hk) {
