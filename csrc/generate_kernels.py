@@ -20,6 +20,8 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_dropout)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_mask.cu      ... with a boolean mask
                                                           alone (run_flash_fwd_sm90_mask)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen.cu    ... on packed sequences
+                                                          (run_flash_fwd_sm90_varlen)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -133,11 +135,14 @@ SM90_BWD_HEAD_DIMS = (64, 128)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
-                     ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"))
+                     ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
+                     ("_varlen", ", packed sequences"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"))
-# The kMask template argument, written only where it is true (the other files predate it).
+# The kMask and kVarlen template arguments, written only where one is true (the other files
+# predate them).
 MASK_ARG = {True: ", /*kMask=*/true", False: ""}
+VARLEN_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true", False: ""}
 
 
 def kernel_files():
@@ -156,7 +161,8 @@ def kernel_files():
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
                     dropout=str(suffix == "_dropout").lower(),
-                    mask=MASK_ARG[suffix == "_mask"], **args)
+                    mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"],
+                    **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(

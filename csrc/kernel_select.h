@@ -113,6 +113,10 @@ struct CallInfo {
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
+  // Packed sequences (the varlen ops; q, k, v described as (1, total, heads, head_dim)): the
+  // Hopper forward's varlen instantiation takes plain attention, the backward runs on the
+  // 4-warp kernels with the separate dQ kernel.
+  bool packed = false;
 };
 
 struct KernelChoice {
@@ -303,15 +307,22 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   if (hopper) {
     if (hopper_why.empty()) {
       c.fwd = FwdKernel::kSm90;
+      // (packed sequences: tiles of unequal lengths whatever the mask)
       c.sm90_schedule = options.sm90_schedule != Sm90Schedule::kAuto ? options.sm90_schedule
-                        : call.unequal_tiles ? Sm90Schedule::kDynamic
-                                             : Sm90Schedule::kStatic;
+                        : call.unequal_tiles || call.packed ? Sm90Schedule::kDynamic
+                                                            : Sm90Schedule::kStatic;
+      if (call.packed && call.score_mods != 0) {
+        c.fwd = FwdKernel::kSm80;
+        c.notes.push_back("forward on the portable sm80 kernels, not the Hopper one, because the "
+                          "Hopper forward takes packed sequences (cu_seqlens) without softcap, "
+                          "alibi_slopes and dropout only");
+      }
     } else {
       c.notes.push_back("forward and backward on the portable sm80 kernels, not the Hopper "
                         "ones, because " + detail::join(hopper_why, "; "));
     }
   }
-  if (c.fwd == FwdKernel::kSm90 && call.known) {
+  if (c.fwd == FwdKernel::kSm90 && call.known && !call.packed) {
     const int64_t seqlen_q = call.q.size[1], heads_q = call.q.size[2], heads_kv = call.k.size[2];
     bool pack = false;
     if (heads_q != heads_kv && !call.general()) {  // (the general variant does not pack)
@@ -324,9 +335,22 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     if (pack) c.fwd = FwdKernel::kSm90PackGqa;
   }
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
-               (c.fwd == FwdKernel::kSm90PackGqa                   ? "_packgqa"
-                : c.fwd == FwdKernel::kSm90                         ? detail::sm90_variant(call)
-                                                                    : "");
+               (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa"
+                : c.fwd != FwdKernel::kSm90      ? ""
+                : call.packed                    ? "_varlen"
+                                                 : detail::sm90_variant(call));
+
+  // Packed sequences: the 4-warp backward with its separate dQ kernel (per-sequence offsets;
+  // bitwise reproducible).
+  if (call.packed) {
+    c.bwd = BwdKernel::kSm80FourWarp;
+    c.dq = DqPath::kSeparate;
+    c.bwd_name = "sm80_bwd" + suffix;
+    c.notes.push_back("backward on the 4-warp sm80 kernels with the separate dQ kernel, "
+                      "because neither the Hopper backward nor the 8-warp kernels take packed "
+                      "sequences (cu_seqlens) yet");
+    return c;
+  }
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
   // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits

@@ -12,6 +12,13 @@ namespace flash_attn_ext {
 
 constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
 
+// One query block of one packed sequence (FwdParams::sm90_varlen_tiles): sequence b's rows
+// q0 .. q0 + len_q of q / out and keys k0 .. k0 + len_k of k / v (len_k = seqused_k[b] where
+// given), its block m_block (rows m_block * block_m ..).  32 bytes: two 16-byte loads.
+struct alignas(16) VarlenTile {
+  int32_t b, m_block, q0, k0, len_q, len_k, unused0, unused1;
+};
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -96,6 +103,14 @@ struct FwdParams {
   const int32_t* cu_seqlens_k = nullptr;
   const int32_t* seqused_k = nullptr;
   int64_t total_q = 0;
+  int64_t total_k = 0;  // rows of k and v (packed sequences)
+  // The Hopper forward on packed sequences: its tiles, one VarlenTile per query block of
+  // sm90_varlen_block_m rows that a sequence has (none for an empty sequence), in the order the
+  // CTAs take them, each for all heads_q query heads (tile t: entry t / heads_q, head
+  // t % heads_q).  Built on the host from the offsets it has read (the glue); a device array.
+  const VarlenTile* sm90_varlen_tiles = nullptr;
+  int32_t sm90_varlen_entries = 0;
+  int32_t sm90_varlen_block_m = 0;
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
   // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;

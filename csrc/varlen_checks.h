@@ -22,6 +22,7 @@ struct Packed {
   at::Tensor cu_q_host, cu_k_host, used_k_host;
   int64_t batch = 0;    // number of sequences
   int64_t total_q = 0;  // rows of q
+  int64_t total_k = 0;  // rows of k and v
 };
 
 inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -118,6 +119,7 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                         "] (sequence ", b, "'s keys)");
   }
   pk.total_q = q.size(0);
+  pk.total_k = k.size(0);
   return pk;
 }
 

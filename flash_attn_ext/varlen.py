@@ -6,10 +6,14 @@ k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is rows ``cu_seqlens_q[b
 cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of k and v (int32
 offsets). Each sequence attends only to its own keys, with FlashAttention-2's semantics (causal
 and windows bottom-right aligned per sequence). The kernels are the dense ones, reading each
-sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h) and on CUDA the
-portable ones (kernels/sm80, block_info.h's SeqInfo; not yet the Hopper kernels, issue 26).
-The offsets are checked on the host: on CUDA that copies them (one synchronisation per call;
-not capturable in a CUDA graph).
+sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
+the Hopper forward's varlen instantiation for plain attention (causal, windows and GQA
+included; its tiles come from a table of every sequence's query blocks that the host builds
+from the offsets, heaviest first) and the portable backward; elsewhere, and with softcap,
+ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
+stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
+checked on the host: on CUDA that copies them (one synchronisation per call; not capturable
+in a CUDA graph).
 
 This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
 ``bwd_varlen`` op, recomputation from out and softmax_lse).

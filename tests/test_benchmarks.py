@@ -163,6 +163,19 @@ def test_bench_packed_times_both_routes(cpu_bench):
     assert "seqs=  3" in line and line.count("TFLOP/s") == 2
 
 
+def test_bench_varlen_times_packed_and_dense(cpu_bench):
+    import bench_varlen
+
+    equal = bench_varlen.time_point(16, [40, 40], True, heads=4, heads_kv=2, device="cpu",
+                                    reps=1)
+    assert set(equal) == {"varlen", "varlen_sm80", "dense"}
+    assert all(fwd > 0 and both > 0 for fwd, both in equal.values())
+    uneven = bench_varlen.time_point(16, [30, 50], False, heads=4, heads_kv=2, device="cpu",
+                                     reps=1)
+    assert set(uneven) == {"varlen", "varlen_sm80"}  # no dense batch holds uneven lengths
+    assert bench_varlen.flops([30, 50], 16, 4, True) == (30**2 + 50**2) * 4 * 4 * 16 / 2
+
+
 def test_bench_decode_times_every_implementation(cpu_bench):
     import bench_decode
 

@@ -443,14 +443,15 @@ def _launched_kernels(fn):
 
 def check_sm90_variants(plan, names):
     """The Hopper kernels among the launched ``names`` are the variants the plan names: their
-    template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask>, Sm90BwdTraits<...,
-    kGeneral, kDropout, kMask>) against the names' suffixes."""
+    template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen>,
+    Sm90BwdTraits<..., kGeneral, kDropout, kMask>) against the names' suffixes."""
     fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false>", "_packgqa"),
-                          (", false, true, false, false>", "_general"),
-                          (", false, false, true, false>", "_dropout"),
-                          (", false, false, false, true>", "_mask")):
+    for flags, suffix in ((", true, false, false, false, false>", "_packgqa"),
+                          (", false, true, false, false, false>", "_general"),
+                          (", false, false, true, false, false>", "_dropout"),
+                          (", false, false, false, true, false>", "_mask"),
+                          (", false, false, false, false, true>", "_varlen")):
         assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
     bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)

@@ -305,24 +305,30 @@ def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, **flags)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_cuda_each_sequence_under_the_error_rule(case, dtype):
-    # The CPU test's geometry on the CUDA kernels, longer (several query and key blocks, partial
-    # ones), head dim 40 (padded), GQA, rows past the last offset.
+def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, case,
+                                    tail=(0, 0), grads=True):
+    """Packed sequences on the CUDA kernels against the float64 reference of each sequence, out
+    and softmax_lse (and the gradients) under the error rule, with PyTorch's error in ``dtype``
+    sequence by sequence as the yardstick; rows past the last offset left alone.  Returns the
+    names of the CUDA kernels launched."""
     case = dict(case)
-    lens_q, lens_k = [5, 0, 200, 1, 130], [7, 3, 150, 9, 130]
-    q64, k64, v64, cq, ck = _packed(lens_q, lens_k, 4, 2, 40, 40, torch.float64, tail=(2, 3))
+    q64, k64, v64, cq, ck = _packed(lens_q, lens_k, heads, heads_kv, d, d, torch.float64,
+                                    tail=tail)
     q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in (q64, k64, v64))
     alibi = case.pop("alibi", None)
     slopes = None if alibi is None else \
-        torch.rand(*((5,) if alibi == "batch_head" else ()), 4, dtype=torch.float64)
+        torch.rand(*((len(lens_q),) if alibi == "batch_head" else ()), heads,
+                   dtype=torch.float64)
     gpu = dict(alibi_slopes=None if slopes is None else slopes.float().cuda(), **case)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k),
-                                         return_attn_probs=True, **gpu)
+    result = {}
+
+    def run():
+        result["out"], result["lse"], _ = flash_attn_varlen_func(
+            q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k), return_attn_probs=True,
+            **gpu)
+    names = _launched_kernels(run)
+    out, lse = result["out"], result["lse"]
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
     wl, wr = case.pop("window_size", (-1, -1))
     ref_kw = dict(window_left=wl, window_right=wr, **case)
     true, true_lse, true_grads = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(),
@@ -338,16 +344,103 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype):
         o, _ = attention_ref(leaves[0][rq][None], leaves[1][rk][None], leaves[2][rk][None],
                              alibi_slopes=s, compute_dtype=dtype, **ref_kw)
         low[rq] = o[0]
-    low_grads = torch.autograd.grad(low, leaves, dout.cpu(), allow_unused=True)
     assert_error_rule(out.cpu(), low, true, 2.0, "out")
     finite = torch.isfinite(true_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     assert (lse.cpu().double()[finite] - true_lse[finite]).abs().max().item() < 1e-3
-    for name, g, lo, t in zip(("dq", "dk", "dv"), grads, low_grads, true_grads):
-        lo = torch.zeros_like(t, dtype=dtype) if lo is None else lo
-        assert_error_rule(g.cpu(), lo, t, 3.0, name)
-    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # the tail: left alone
-    assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
+    if tail[0]:
+        assert torch.equal(out[-tail[0]:], torch.zeros_like(out[-tail[0]:]))  # left alone
+    if grads:
+        ours = torch.autograd.grad(out, (q, k, v), dout)
+        low_grads = torch.autograd.grad(low, leaves, dout.cpu(), allow_unused=True)
+        for name, g, lo, t in zip(("dq", "dk", "dv"), ours, low_grads, true_grads):
+            lo = torch.zeros_like(t, dtype=dtype) if lo is None else lo
+            assert_error_rule(g.cpu(), lo, t, 3.0, name)
+        if tail[1]:
+            assert torch.equal(ours[1][-tail[1]:], torch.zeros_like(ours[1][-tail[1]:]))
+    return names
+
+
+def _launched_kernels(fn):
+    """Names of the CUDA kernels that ``fn`` launches (torch.profiler, demangled)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "_kernel" in e.name]
+
+
+def _on_sm90():
+    info = flash_attn_ext.ops.build_info()
+    return (HAS_CUDA and info.get("sm90", False)
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cuda_each_sequence_under_the_error_rule(case, dtype):
+    # The CPU test's geometry on the CUDA kernels, longer (several query and key blocks, partial
+    # ones), head dim 40 (padded), GQA, rows past the last offset.
+    _cuda_case_under_the_error_rule([5, 0, 200, 1, 130], [7, 3, 150, 9, 130], 4, 2, 40, dtype,
+                                    case, tail=(2, 3))
+
+
+# The Hopper forward's varlen instantiation (plain attention: causal and windows per sequence).
+VARLEN_SM90 = ", false, false, false, false, true>"
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+@pytest.mark.parametrize("head_dim", [40, 59, 72, 128, 256])
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(50, 7))],
+                         ids=str)
+def test_sm90_forward_takes_packed_sequences(case, head_dim):
+    # Lengths 1, 17, 0, 113, 1023, 300 queries against 1, 40, 5, 113, 1000, 129 keys: a single
+    # row, L < S, an empty sequence, L = S, several query blocks with a partial last one (192
+    # rows at head dims up to 64, 128 above; idle warpgroups), L > S (causal rows that see
+    # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel,
+    # the backward the portable one reading its softmax_lse.
+    dtype = torch.bfloat16 if head_dim != 72 else torch.float16
+    names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
+                                            [1, 40, 5, 113, 1000, 129], 6, 2, head_dim, dtype,
+                                            case, tail=(3, 2), grads=head_dim in (72, 256))
+    hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
+    assert hopper and all(VARLEN_SM90 in n for n in hopper), names
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
+    # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first
+    # table), seqused_k leaving some keys unused, equal to the portable kernels' answer within
+    # the error rule's float32 tolerance; softcap stays on the portable forward.
+    gen = torch.Generator().manual_seed(0)
+    lens_q = torch.randint(0, 300, (300,), generator=gen).tolist()
+    lens_k = torch.randint(1, 300, (300,), generator=gen).tolist()
+    used = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens_k]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 4, 128, 128, torch.bfloat16)
+    q, k, v = (t.detach().cuda() for t in (q, k, v))
+    args = (q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
+    kw = dict(causal=True, seqused_k=torch.tensor(used, dtype=torch.int32).cuda(),
+              return_attn_probs=True)
+    result = {}
+
+    def run():
+        result["hopper"] = flash_attn_varlen_func(*args, **kw)
+    names = _launched_kernels(run)
+    assert any(VARLEN_SM90 in n for n in names), names
+    out, lse, _ = result["hopper"]
+    kernel_opts(force_portable=True)
+    ref_out, ref_lse, _ = flash_attn_varlen_func(*args, **kw)
+    kernel_opts(force_portable=False)
+    # (both round fp32 results to bf16: at most an ulp or two apart)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+    names = _launched_kernels(lambda: flash_attn_varlen_func(*args, softcap=5.0))
+    assert not any("flash_fwd_sm90_kernel" in n for n in names), names
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
@@ -394,3 +487,27 @@ def test_cuda_seqused_k_and_bad_input():
                                ck.cuda(), 90, 90)
     with pytest.raises(ValueError, match="is not supported on"):
         flash_attn_varlen_func(q.float(), k.float(), v.float(), cq.cuda(), ck.cuda(), 90, 90)
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_varlen_sequences_stay_apart(head_dim):
+    # The Hopper forward reads whole tiles: a sequence's last key tile and last query block run
+    # into the next sequence.  NaN and inf there must not reach the first sequence's output
+    # (its keys past the end are masked, their values zeroed before P V, its rows past the end
+    # not stored).
+    lens = [100, 50, 7]
+    q, k, v, cq, ck = _packed(lens, lens, 2, 2, head_dim, head_dim, torch.bfloat16)
+    q, k, v = (t.detach().cuda() for t in (q, k, v))
+    args = (cq.cuda(), ck.cuda(), max(lens), max(lens))
+    clean = flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True)
+    for t in (q, k, v):
+        t[100:150, 0] = float("nan")
+        t[100:150, 1] = float("inf")
+    names = _launched_kernels(lambda: flash_attn_varlen_func(q, k, v, *args))
+    assert any(VARLEN_SM90 in n for n in names), names
+    out, lse, _ = flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True)
+    assert torch.equal(out[:100], clean[0][:100]) and torch.equal(out[150:], clean[0][150:])
+    assert torch.equal(lse[:, :100], clean[1][:, :100])
+    assert torch.equal(lse[:, 150:], clean[1][:, 150:])

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "dropout.h"
@@ -19,6 +21,7 @@
 #include "kernels/sm80/flash_fwd_launch.h"
 #include "kernels/sm80/launch.h"  // max_smem_optin_per_block (what the launchers test)
 #include "kernel_select.h"
+#include "mask.h"
 #include "varlen_checks.h"
 #ifdef FLASH_ATTN_EXT_SM90
 #include "kernels/sm90/bias_blocks.h"
@@ -115,7 +118,7 @@ TensorDesc describe(const at::Tensor& t) {
 // (flash_attn_ext's Python layer sends such calls to its fallback and reports them).
 KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttnArgs& a, int score_mods, bool deterministic,
-                        const KernelOptions& options) {
+                        const KernelOptions& options, bool packed = false) {
   CallInfo call;
   call.dtype = q.scalar_type() == at::kBFloat16 ? "bf16"
                : q.scalar_type() == at::kHalf   ? "fp16"
@@ -131,6 +134,7 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
   call.score_mods = score_mods;
   call.unequal_tiles = a.window_left >= 0 || a.window_right >= 0;
   call.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
+  call.packed = packed;
   KernelChoice c = select_cuda_kernels(this_build(), current_device_info(), call, options);
   TORCH_CHECK_NOT_IMPLEMENTED(c.fused, "no flash_attn_ext CUDA kernel serves this call: ",
                               detail::join(c.reasons, "; "));
@@ -180,6 +184,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_packgqa<Element, 64>(p, stream);
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_packgqa<Element, 128>(p, stream);
     return sm90::run_flash_fwd_sm90_packgqa<Element, 256>(p, stream);
+  }
+  if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_varlen<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_varlen<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_varlen<Element, 256>(p, stream);
   }
   if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
   if (head_dim <= 128) return sm90::run_flash_fwd_sm90<Element, 128>(p, stream);
@@ -414,17 +423,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 }
 
 // Packed sequences (FlashAttention-2's varlen: the fwd_varlen / bwd_varlen ops, schemas in
-// cpu/flash_fwd_cpu.cpp): the portable kernels (sm80, also on sm_90), each CTA placing its
-// sequence by params.h's cu_seqlens (kernels/sm80/block_info.h: SeqInfo); the backward on the
-// 4-warp kernels with the separate dQ kernel.  The Hopper kernels do not take packed sequences
-// yet.  Checks as on the CPU (varlen_checks.h: the offsets are read on the host).
+// cpu/flash_fwd_cpu.cpp): on sm_90 the Hopper forward's varlen instantiation for plain
+// attention (its tiles from a table of every sequence's query blocks: sm90_varlen_tiles),
+// elsewhere the portable kernels, each CTA placing its sequence by params.h's cu_seqlens
+// (kernels/sm80/block_info.h: SeqInfo); the backward on the 4-warp kernels with the separate dQ
+// kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the offsets are read on the
+// host).
 void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   make_packed(p, pk, max_seqlen_q, max_seqlen_k);
   p.cu_seqlens_q = pk.cu_q.data_ptr<int32_t>();
   p.cu_seqlens_k = pk.cu_k.data_ptr<int32_t>();
   p.seqused_k = pk.used_k.defined() ? pk.used_k.data_ptr<int32_t>() : nullptr;
   p.total_q = pk.total_q;
+  p.total_k = pk.total_k;
 }
+
+#ifdef FLASH_ATTN_EXT_SM90
+// The Hopper forward's tiles for packed sequences (FwdParams::sm90_varlen_tiles), from the
+// offsets check_packed read on the host: every query block of block_m rows of every non-empty
+// sequence, so that no CTA visits a block past its sequence's end.  The heaviest blocks (most
+// key tiles: under a causal mask the last blocks of the longest sequences) first, as the dense
+// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  Copied to
+// the device from pinned memory on the call's stream; the caller keeps the tensor until the
+// launch is queued.
+at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
+                             const at::Tensor& q) {
+  const int block_m = sm90::fwd_block_m_of(kernel_dim);
+  const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
+  const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
+  const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
+  std::vector<std::pair<int64_t, VarlenTile>> tiles;
+  for (int64_t b = 0; b < pk.batch; ++b) {
+    const int32_t len_q = cu_q[b + 1] - cu_q[b];
+    const int32_t len_k = used_k != nullptr ? used_k[b] : cu_k[b + 1] - cu_k[b];
+    const VisibleKeys vis(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
+    for (int32_t m = 0; m * static_cast<int64_t>(block_m) < len_q; ++m) {
+      const VisibleKeys::Block keys = vis.block(int64_t{m} * block_m, block_m, len_q, 128);
+      tiles.push_back({keys.n_end - keys.n_begin,
+                       {static_cast<int32_t>(b), m, cu_q[b], cu_k[b], len_q, len_k, 0, 0}});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+              "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
+  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(tiles.size()) * kInts},
+                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
+  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
+  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+  p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
+  p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
+  p.sm90_varlen_block_m = block_m;
+  return device;
+}
+#endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -439,10 +493,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
-  // The rule refuses what no CUDA kernel serves (dtype, GPU, build), with its reasons.
-  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
-                                             alibi_slopes.has_value()),
-             false, kernel_options());
+  // The rule refuses what no CUDA kernel serves (dtype, GPU, build), with its reasons, and
+  // picks the forward.
+  const KernelOptions options = kernel_options();
+  const KernelChoice choice =
+      select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
+                                                 alibi_slopes.has_value()),
+                 false, options, /*packed=*/true);
   const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
   const int64_t dv_padded = v.size(3);
   // Rows outside every sequence: out 0, lse -inf.
@@ -462,9 +519,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     p.rng_state = rng_state.data_ptr<int64_t>();
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(q.scalar_type() == at::kBFloat16
-                       ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
-                       : run_fwd<__half>(kernel_dim, p, stream));
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    cudaError_t err;
+#ifdef FLASH_ATTN_EXT_SM90
+    if (choice.fwd == FwdKernel::kSm90) {
+      const at::Tensor tiles = sm90_varlen_tiles(p, pk, kernel_dim, q);
+      at::Tensor tile_counter;  // the scheduler's scratch (zeroed by the launcher)
+      if (choice.sm90_schedule == Sm90Schedule::kDynamic) {
+        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int32_t>();
+      }
+      if (choice.sm90_schedule == Sm90Schedule::kTile)
+        p.max_ctas = std::numeric_limits<int32_t>::max();
+      err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
+                 : run_fwd_sm90<__half>(kernel_dim, p, stream);
+    } else
+#endif
+    {
+      err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+                 : run_fwd<__half>(kernel_dim, p, stream);
+    }
+    C10_CUDA_CHECK(err);
   }
   at::Tensor out = dv_padded == a.head_dim_v ? out_padded
                                              : out_padded.narrow(3, 0, a.head_dim_v).contiguous();

@@ -5,8 +5,10 @@ the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the H
 general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
 order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
 sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
-rule).  `--decode`: only the decode calls; `--ordered`: only the deterministic Hopper
-backward's calls.
+rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's varlen
+instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).  `--decode`: only
+the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--varlen`:
+only the packed sequences.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered]
 """
@@ -54,7 +56,37 @@ def decode_cases() -> int:
     return calls
 
 
+def varlen_cases() -> int:
+    """flash_attn_varlen_func calls, forward and backward; returns how many ran."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    calls = 0
+    for lens_q, lens_k, heads, heads_k, d, kw in [
+            ([1, 17, 0, 113, 300], [1, 40, 5, 113, 129], 4, 2, 40, dict(causal=True)),
+            ([130, 7, 260], [200, 7, 100], 2, 2, 128, dict(window_size=(50, 7))),
+            ([70, 0, 129], [129, 3, 65], 2, 1, 256, dict()),
+            ([300, 5], [300, 64], 2, 2, 64, dict(causal=True, used=[250, 64]))]:
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device=dev,
+                                   dtype=torch.int32) for n in (lens_q, lens_k))
+        q = torch.randn(sum(lens_q) + 3, heads, d, device=dev, dtype=dt, requires_grad=True)
+        k, v = (torch.randn(sum(lens_k) + 2, heads_k, d, device=dev, dtype=dt,
+                            requires_grad=True) for _ in "kv")
+        kw = dict(kw)
+        used = kw.pop("used", None)
+        if used is not None:
+            kw["seqused_k"] = torch.tensor(used, device=dev, dtype=torch.int32)
+        out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q),
+                                                    max(lens_k), **kw)
+        out.backward(torch.randn_like(out))
+        calls += 1
+    torch.cuda.synchronize()
+    return calls
+
+
 def main() -> None:
+    if "--varlen" in sys.argv:
+        print(f"sanitize_cases: {varlen_cases()} packed-sequence calls ran")
+        return
     if "--decode" in sys.argv:
         print(f"sanitize_cases: {decode_cases()} decode calls ran")
         return
@@ -135,7 +167,9 @@ def main() -> None:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
     decode = decode_cases() if "--ordered" not in sys.argv else 0
-    print(f"sanitize_cases: {len(runs)} cases and {decode} decode calls ran")
+    packed = varlen_cases() if "--ordered" not in sys.argv else 0
+    print(f"sanitize_cases: {len(runs)} cases, {decode} decode and {packed} packed-sequence "
+          "calls ran")
 
 
 def run_case(case, deterministic, dev, dt, bias_grad=True):

@@ -31,6 +31,17 @@ constexpr int fwd_consumers() {
   return kHeadDim <= 64 && !kMayDrop ? 3 : 2;
 }
 
+// Query rows per tile of the plain kernel (64 per consumer warpgroup): the packed-sequence
+// tile table's block size (FwdParams::sm90_varlen_block_m).
+template <int kHeadDim>
+constexpr int fwd_block_m() {
+  return 64 * fwd_consumers<kHeadDim>();
+}
+inline int fwd_block_m_of(int64_t head_dim) {
+  return head_dim <= 64 ? fwd_block_m<64>() : head_dim <= 128 ? fwd_block_m<128>()
+                                                              : fwd_block_m<256>();
+}
+
 // Defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>.cu for Element = __half / __nv_bfloat16.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream);
@@ -55,5 +66,11 @@ cudaError_t run_flash_fwd_sm90_dropout(const FwdParams& p, cudaStream_t stream);
 // in flash_fwd_sm90_hdim<kHeadDim>_<dtype>_mask.cu.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_mask(const FwdParams& p, cudaStream_t stream);
+
+// Packed sequences (p.cu_seqlens_q, p.sm90_varlen_tiles of fwd_block_m<kHeadDim>() rows;
+// plain attention: causal and windows per sequence, GQA unpacked), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_varlen.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_varlen(const FwdParams& p, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::sm90

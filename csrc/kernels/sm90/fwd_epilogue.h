@@ -38,23 +38,25 @@ struct FwdEpilogue {
   }
 
   // Tile row `row`'s sequence position and query head (packed: from its tile row) in tile head
-  // h, or false for a row past the tile's rows (rows below 0 belong to idle warpgroups, which
-  // do not get here).
-  __device__ __forceinline__ bool row_head(int32_t row, int h, int32_t& pos,
+  // h, or false for a row past the tile's rows_q (rows below 0 belong to idle warpgroups,
+  // which do not get here).
+  __device__ __forceinline__ bool row_head(int32_t row, int h, int32_t rows_q, int32_t& pos,
                                            int32_t& head) const {
     pos = row_position(args, row);
     head = T::kPackGQA ? h * args.group + (row - pos * args.group) : h;
-    return row < args.rows_q;
+    return row < rows_q;
   }
 
   // The tile's O (tOrO, coordinates tOcO) and LSE of this thread's rows (row_of: its two row
   // halves' tile rows; thread_col: its first column, 0 for the thread that writes the LSE),
-  // tile rows from m0, batch b, tile head h.  l is reduced over the row's threads first
+  // tile rows from m0, batch b, tile head h, rows_q rows (Sm90FwdArgs::rows_q; a packed
+  // sequence's len_q, its rows from row q0 of out).  l is reduced over the row's threads first
   // (softmax.finalize).
   template <typename TensorO, typename CoordO>
   __device__ __forceinline__ void store(const TensorO& tOrO, const CoordO& tOcO,
                                         OnlineSoftmax<T>& softmax, const int32_t (&row_of)[2],
-                                        int32_t thread_col, int32_t m0, int b, int h) {
+                                        int32_t thread_col, int32_t m0, int b, int h,
+                                        int32_t q0, int32_t rows_q) {
     const FwdParams& p = args.p;
     float inv_l[2];
     bool empty[2];
@@ -66,7 +68,7 @@ struct FwdEpilogue {
       }
     }
     // (Each instantiation has one of the two shared-memory paths.)
-    const bool tma_store_o = !T::kPackGQA && args.tma_store_o;
+    const bool tma_store_o = !T::kPackGQA && !T::kVarlen && args.tma_store_o;
     const bool o_row_stores = T::kPackGQA && args.o_row_stores;
     if (tma_store_o || o_row_stores) {
       constexpr int kOCols = T::kOCols;
@@ -88,9 +90,10 @@ struct FwdEpilogue {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int32_t pos, head;
-        if (!row_head(row_of[r], h, pos, head)) continue;
+        if (!row_head(row_of[r], h, rows_q, pos, head)) continue;
         Element* o_row = static_cast<Element*>(p.out) + b * p.out_batch_stride +
-                         head * p.out_head_stride + pos * p.out_row_stride;
+                         head * p.out_head_stride +
+                         static_cast<int64_t>(T::kVarlen ? q0 + pos : pos) * p.out_row_stride;
 #pragma unroll
         for (int c = 0; c < kOVals / 2; c += 2) {
           const int col = get<1>(tOcO(s_index(r, c)));
@@ -105,9 +108,11 @@ struct FwdEpilogue {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         int32_t pos, head;
-        if (row_head(row_of[r], h, pos, head)) {
-          static_cast<float*>(p.softmax_lse)[(b * p.heads_q + head) * p.seqlen_q + pos] =
-              softmax.lse(r, empty[r]);
+        if (row_head(row_of[r], h, rows_q, pos, head)) {
+          // (packed sequences: (heads_q, total_q))
+          const int64_t at = T::kVarlen ? head * p.total_q + q0 + pos
+                                        : (b * p.heads_q + head) * p.seqlen_q + pos;
+          static_cast<float*>(p.softmax_lse)[at] = softmax.lse(r, empty[r]);
         }
       }
     }
@@ -155,7 +160,8 @@ struct FwdEpilogue {
       const int c = ctid % 128 + 128 * i, rr = c / kRowChunks, k = c % kRowChunks;
       const int col = chunk * kOCols + k * 8;
       int32_t pos, head;
-      if (!row_head(m0 + 64 * me + rr, h, pos, head) || col >= p.head_dim_v) continue;
+      if (!row_head(m0 + 64 * me + rr, h, args.rows_q, pos, head) || col >= p.head_dim_v)
+        continue;
       const uint4 v = *reinterpret_cast<const uint4*>(
           base + rr * 128 + (k / 8) * 8192 + (((k % 8) ^ (rr % 8)) * 16));
       *reinterpret_cast<uint4*>(static_cast<Element*>(p.out) + b * p.out_batch_stride +

@@ -116,14 +116,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int32_t m_block = info.m_block, b = info.b, h = info.h;
     const int32_t m0 = m_block * kM - args.row_shift;  // this tile's first row (see row_shift)
     const int n_begin = info.n_begin, n_end = info.n_end;
-    const bool idle = warpgroup_idle<T::kConsumers>(args, m0, me);
+    // Packed sequences: the tile's sequence (its q0 and len_q stay live for the epilogue) and
+    // the masks over its own lengths.
+    TileSeq seq{0, 0, args.rows_q, 0};
+    VisibleKeys tile_vis = vis;
+    if constexpr (T::kVarlen) {
+      seq = {info.seq.q0, info.seq.k0, info.seq.len_q, info.seq.len_k};
+      tile_vis = VisibleKeys(seq.len_q, seq.len_k, p.window_left, p.window_right,
+                             p.align_bottom_right);
+    }
+    const bool idle = warpgroup_idle<T::kConsumers>(seq.len_q, m0, me);
     // Key tiles unmasked for this warpgroup's own 64 rows (the producer's TileInfo).
     mask.interior_begin = info.interior_begin[me];
     mask.interior_end = info.interior_end[me];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_of[r] = m0 + get<0>(mainloop.tScS(2 * r));
-      mask.set_row(args, vis, r, row_of[r]);
+      mask.set_row(args, tile_vis, r, row_of[r]);
       softmax.reset(r);
     }
     clear(mainloop.tOrO);
@@ -162,7 +171,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
                                     n_end, qs, &smem.barrier_q_empty[qs],
                                     sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
-                                    dropout, mask_bh);
+                                    dropout, mask_bh, seq.len_k, smem.v.data());
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {
@@ -175,7 +184,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                                  q_phase<kQStages>(iter + 1));
       if (next_info.tile >= 0) {
         const int32_t next_m0 = next_info.m_block * kM - args.row_shift;
-        const bool next_idle = warpgroup_idle<T::kConsumers>(args, next_m0, me);
+        const bool next_idle = warpgroup_idle<T::kConsumers>(args.rows_q, next_m0, me);
         if (!next_idle && next_info.n_begin < next_info.n_end) {
           issue_q_packed<T>(args, sQ, ctid, me, next_m0, next_info.b, next_info.h);
           q_issued = true;
@@ -187,7 +196,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
 
     if (idle) continue;  // no row of this warpgroup exists
-    epilogue.store(mainloop.tOrO, mainloop.tOcO, softmax, row_of, mask.thread_col, m0, b, h);
+    // With one Q buffer the tile's info slot is rewritten only after this tile's epilogue (see
+    // publish_tile): read the sequence again rather than keep it live across the main loop
+    // (at head dim 256 that spilled 100 bytes more).
+    if constexpr (T::kVarlen && kQStages == 1) {
+      seq.q0 = info.seq.q0;
+      seq.len_q = info.seq.len_q;
+    }
+    epilogue.store(mainloop.tOrO, mainloop.tOcO, softmax, row_of, mask.thread_col, m0, b, h,
+                   seq.q0, seq.len_q);
   }
   epilogue.drain();
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -36,19 +36,25 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                        GmemStride(stride_of(rows, row_stride), _1{},
                                   stride_of(heads, head_stride), stride_of(batch, batch_stride)));
   };
+  // Packed sequences: the packed tensors as one batch of total_q / total_k rows (a tile reads
+  // at its sequence's offsets).
+  constexpr bool varlen = T::kVarlen;
+  const int64_t rows_q_all = varlen ? p.total_q : p.seqlen_q;
+  const int64_t rows_k_all = varlen ? p.total_k : p.seqlen_k;
+  const int64_t batch = varlen ? 1 : p.batch;
   Sm90FwdArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.q, p.seqlen_q, p.head_dim, p.heads_q, p.batch, p.q_row_stride,
+                    gmem(p.q, rows_q_all, p.head_dim, p.heads_q, batch, p.q_row_stride,
                          p.q_head_stride, p.q_batch_stride),
                     take<0, 2>(typename T::SmemLayoutQ{}),
                     Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.k, p.seqlen_k, p.head_dim, p.heads_kv, p.batch, p.k_row_stride,
+                    gmem(p.k, rows_k_all, p.head_dim, p.heads_kv, batch, p.k_row_stride,
                          p.k_head_stride, p.k_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.v, p.seqlen_k, p.head_dim_v, p.heads_kv, p.batch, p.v_row_stride,
+                    gmem(p.v, rows_k_all, p.head_dim_v, p.heads_kv, batch, p.v_row_stride,
                          p.v_head_stride, p.v_batch_stride),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
@@ -58,8 +64,13 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
   // Softcap, an additive bias and ALiBi only in the general variant, dropout there or in the
   // dropout variant (which needs it), a boolean mask alone only in the mask variant
-  // (FwdParams::sm90_variant_is); no packed sequences.
-  if (p.cu_seqlens_q != nullptr || !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
+  // (FwdParams::sm90_variant_is); packed sequences only in the varlen instantiation, with a
+  // tile table of its query blocks.
+  if ((p.cu_seqlens_q != nullptr) != varlen ||
+      !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
+    return cudaErrorInvalidValue;
+  if (varlen && (p.sm90_varlen_tiles == nullptr || p.sm90_varlen_block_m != T::kBlockM ||
+                 rows_q_all > kMaxRows || rows_k_all > kMaxRows))
     return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
@@ -81,7 +92,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                         aligned(p.seqlen_q, p.out_row_stride) &&
                         aligned(p.heads_q, p.out_head_stride) &&
                         aligned(p.batch, p.out_batch_stride);
-  args.tma_store_o = !direct && !pack && o_aligned;
+  args.tma_store_o = !direct && !pack && !varlen && o_aligned;
   args.o_row_stores = !direct && pack && o_aligned;
   if (args.tma_store_o) {
     args.tma_o = make_tma_copy(SM90_TMA_STORE{},
@@ -100,11 +111,15 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Only with three consumers: the idle path (for warpgroups without rows) exists only there.
   // p.sm90_row_shift = false (KernelOptions::sm90_row_shift, experimental: to compare the
   // two in one build) keeps the partial block last.
-  if (T::kConsumers == 3 && p.sm90_row_shift && p.window_left < 0 && p.window_right >= 0) {
+  if (T::kConsumers == 3 && !varlen && p.sm90_row_shift && p.window_left < 0 &&
+      p.window_right >= 0) {
     args.row_shift = static_cast<int32_t>(
         (static_cast<int64_t>(args.num_m_blocks) * T::kBlockM - rows_q) / 64 * 64);
   }
-  const int64_t num_tiles = static_cast<int64_t>(args.num_m_blocks) * p.batch * tile_heads;
+  // (packed sequences: the table's query blocks, each for every query head)
+  const int64_t num_tiles =
+      varlen ? static_cast<int64_t>(p.sm90_varlen_entries) * tile_heads
+             : static_cast<int64_t>(args.num_m_blocks) * p.batch * tile_heads;
   if (num_tiles == 0) return cudaSuccess;
   if (num_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
   args.num_tiles = static_cast<int32_t>(num_tiles);
@@ -150,12 +165,13 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // packing, plain, general (softcap, bias, ALiBi, dropout), dropout alone or a boolean mask
 // alone.
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
-          bool kDropout = false, bool kMask = false>
+          bool kDropout = false, bool kMask = false, bool kVarlen = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_sm90<Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
-                                             fwd_stages<kHeadDim>(),
-                                             fwd_consumers<kHeadDim, kGeneral || kDropout>(),
-                                             kPackGQA, kGeneral, kDropout, kMask>>(p, stream);
+  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(), fwd_stages<kHeadDim>(),
+                          fwd_consumers<kHeadDim, kGeneral || kDropout>(), kPackGQA, kGeneral,
+                          kDropout, kMask, kVarlen>;
+  static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
+  return launch_flash_fwd_sm90<T>(p, stream);
 }
 
 }  // namespace flash_attn_ext::sm90

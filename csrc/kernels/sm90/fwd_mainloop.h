@@ -249,6 +249,24 @@ struct FwdMainloop {
     }
   }
 
+  // Packed sequences: rows [first_row, kN) of V stage `stage` (keys past the sequence's end:
+  // the next sequence's values, or TMA's zeros past the tensor) become zeros before the last
+  // key tile's P V, which weighs them 0 but would carry a NaN or inf there through (0 * inf).
+  // Each consumer warpgroup zeroes them before its own P V: they all write the same zeros, and
+  // the producer refills the stage only after every warpgroup released it.
+  __device__ __forceinline__ static void zero_v_rows(Element* v_smem, int stage, int first_row,
+                                                     int me) {
+    Tensor sV = make_tensor(make_smem_ptr(v_smem), typename T::SmemLayoutKV{});
+    constexpr int kChunks = kD / 8;  // 16-byte chunks per row (contiguous under the swizzle)
+#pragma unroll 1
+    for (int i = threadIdx.x % 128; i < (kN - first_row) * kChunks; i += 128) {
+      const int r = first_row + i / kChunks, col = (i % kChunks) * 8;
+      *reinterpret_cast<uint4*>(&sV(r, col, stage)) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before wgmma reads
+    warpgroup_sync<T>(me);
+  }
+
   // A warpgroup whose 64 rows do not exist (warpgroup_idle) issues no GEMMs and no softmax; it
   // still waits for and releases every K/V stage and takes its pingpong turns, so the other
   // warpgroups' barriers count as usual.  (At head dim 64, seqlen 1024 = 5 1/3 tiles of 192
@@ -294,6 +312,7 @@ struct FwdMainloop {
   // general variant's);
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
+  // key_limit, v_smem: packed sequences' keys and the V ring (zero_v_rows); unused elsewhere.
   template <typename Next, typename Blocks>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
@@ -305,7 +324,8 @@ struct FwdMainloop {
                                                const int32_t (&score_rows)[2], const Next& next,
                                                const Blocks& blocks, int me,
                                                const TileDropout& dropout,
-                                               const uint8_t* mask_bh) {
+                                               const uint8_t* mask_bh, int32_t key_limit = 0,
+                                               Element* v_smem = nullptr) {
     float alpha[2];
     // The general and mask variants walk the key tiles with the summary one tile ahead: the
     // classes of the tile after this one are loaded (WarpTileBlocks) before this tile's waits
@@ -447,6 +467,10 @@ struct FwdMainloop {
       n_block = advance(n_block, after);
     }
     pipe_v.consumer_wait(prev);
+    if constexpr (T::kVarlen) {  // (the last tile is n_end - 1: the plain kernel skips none)
+      const int32_t first_row = key_limit - (n_end - 1) * kN;  // > 0: n_end covers key_limit
+      if (first_row < kN) zero_v_rows(v_smem, prev.index(), first_row, me);
+    }
     ring.turn_begin();
     issue_pv(prev.index());
     ring.turn_end(true);

@@ -16,21 +16,26 @@ namespace flash_attn_ext::sm90 {
 // arguments (packed GQA: the rows of a group's heads share positions).
 template <typename T>
 __device__ __forceinline__ void row_positions(const Sm90FwdArgs<T>& args, int32_t row,
-                                              int32_t rows, int32_t& first, int32_t& count) {
-  const int32_t lo = max(row, 0), hi = min(row + rows, args.rows_q);
+                                              int32_t rows, int32_t rows_q, int32_t& first,
+                                              int32_t& count) {
+  const int32_t lo = max(row, 0), hi = min(row + rows, rows_q);
   first = row_position(args, lo);
   count = hi > lo ? row_position(args, hi - 1) + 1 - first : 0;
 }
 
 // The key tiles of kBlockN keys that tile rows [m0, m0 + rows) see (VisibleKeys::Block): the
-// producer's, per tile (the loop bounds) and per consumer warpgroup (its interior).
+// producer's, per tile (the loop bounds) and per consumer warpgroup (its interior).  rows_q:
+// the rows the tiles count over (Sm90FwdArgs::rows_q), seqlen_q: the query positions
+// (FwdParams::seqlen_q); a packed sequence's len_q for both.
 template <typename T>
 __device__ __forceinline__ VisibleKeys::Block visible_key_tiles(const Sm90FwdArgs<T>& args,
                                                                 const VisibleKeys& vis,
-                                                                int32_t m0, int32_t rows) {
+                                                                int32_t m0, int32_t rows,
+                                                                int32_t rows_q,
+                                                                int64_t seqlen_q) {
   int32_t pos0, npos;
-  row_positions(args, m0, rows, pos0, npos);
-  return vis.block(pos0, npos, args.p.seqlen_q, T::kBlockN);
+  row_positions(args, m0, rows, rows_q, pos0, npos);
+  return vis.block(pos0, npos, seqlen_q, T::kBlockN);
 }
 
 // One consumer thread's mask: per-tile bounds of its two rows (row halves r and r + 8 of

@@ -28,15 +28,19 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
                                              int num_m_blocks, int group, SmemQ& sQ, SmemKV& sK,
                                              SmemKV& sV) {
   using Pipeline = typename T::Pipeline;
-  using Info = TileInfo<T::kConsumers>;
+  using Info = TileInfo<T::kConsumers, T::kVarlen>;
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kQStages = T::kQStages;
   const FwdParams& p = args.p;
-  const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
-  const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
-  const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
-                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  // (packed sequences: the whole packed tensors, one batch; a tile reads at its offsets)
+  const int32_t rows_q = static_cast<int32_t>(T::kVarlen ? p.total_q : p.seqlen_q);
+  const int32_t rows_k = static_cast<int32_t>(T::kVarlen ? p.total_k : p.seqlen_k);
+  const int32_t batch = static_cast<int32_t>(T::kVarlen ? 1 : p.batch);
+  const GmemShape shape_q(rows_q, static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_q), batch);
+  const GmemShape shape_k(rows_k, static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_kv), batch);
+  const GmemShape shape_v(rows_k, static_cast<int32_t>(p.head_dim_v),
+                          static_cast<int32_t>(p.heads_kv), batch);
   Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
   Tensor mK = args.tma_k.get_tma_tensor(shape_k);
   Tensor mV = args.tma_v.get_tma_tensor(shape_v);
@@ -53,15 +57,30 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
     }
     // A tile's head: the KV head when packed, else the query head.
     const int32_t tile_heads = static_cast<int32_t>(T::kPackGQA ? p.heads_kv : p.heads_q);
-    const TileCoord tc = tile_coord(tile, num_m_blocks, args.heads_per_section,
-                                    args.num_sections,
-                                    static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
+    TileCoord tc;
+    // Packed sequences: the tile's sequence, and the masks over its own lengths.
+    TileSeq seq{0, 0, args.rows_q, static_cast<int32_t>(p.seqlen_k)};
+    VisibleKeys tile_vis = vis;
+    if constexpr (T::kVarlen) {
+      const VarlenTile e = p.sm90_varlen_tiles[tile / tile_heads];
+      tc = {e.m_block, e.b, tile % tile_heads};
+      seq = {e.q0, e.k0, e.len_q, e.len_k};
+      tile_vis = VisibleKeys(e.len_q, e.len_k, p.window_left, p.window_right,
+                             p.align_bottom_right);
+    } else {
+      tc = tile_coord(tile, num_m_blocks, args.heads_per_section, args.num_sections,
+                      static_cast<int32_t>(p.batch) * tile_heads, tile_heads);
+    }
     const int b = tc.b, h = tc.h;
     const int hk = T::kPackGQA ? h : h / group;
+    // The tile's rows and query positions (a packed sequence's own).
+    const int32_t tile_rows = seq.len_q;
+    const int64_t positions = T::kVarlen ? seq.len_q : p.seqlen_q;
     // This tile's first row (negative in a partial first block: see Sm90FwdArgs::row_shift)
     // and the key tiles its existing rows' positions see.
     const int32_t m0 = tc.m_block * kM - args.row_shift;
-    const VisibleKeys::Block keys = visible_key_tiles(args, vis, m0, kM);
+    const VisibleKeys::Block keys = visible_key_tiles(args, tile_vis, m0, kM, tile_rows,
+                                                      positions);
     int n_begin = static_cast<int>(keys.n_begin), n_end = static_cast<int>(keys.n_end);
     // The general and mask variants: key tiles that the bias masks for all of the tile's rows
     // are skipped (skip_tile; the consumers ask the same), the range narrowed to the others:
@@ -97,12 +116,23 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
       }
     }
     // Rows below 0 (a partial first block) are out of the tensor: TMA fills them with zeros.
-    // (Unused when packed: the consumers load Q.)
-    Tensor gQ = local_tile(domain_offset(make_coord(-args.row_shift, 0), mQ(_, _, h, b)),
+    // (Unused when packed: the consumers load Q.)  A packed sequence's tiles start at its
+    // offsets; rows and keys past its end belong to the next sequence (or lie past the tensor,
+    // zeros): the mask hides those keys, the epilogue does not store those rows.
+    const int qb = T::kVarlen ? 0 : b;
+    Tensor gQ = local_tile(domain_offset(make_coord(T::kVarlen ? seq.q0 : -args.row_shift, 0),
+                                         mQ(_, _, h, qb)),
                            Shape<Int<kM>, Int<kD>>{}, make_coord(tc.m_block, 0));
-    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{},
-                           make_coord(_, 0));  // (kN, kD, n)
-    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+    auto key_tiles = [&](auto& mKV) {  // (kN, kD, n)
+      if constexpr (T::kVarlen) {
+        return local_tile(domain_offset(make_coord(seq.k0, 0), mKV(_, _, hk, 0)),
+                          Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      } else {
+        return local_tile(mKV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      }
+    };
+    Tensor gK = key_tiles(mK);
+    Tensor gV = key_tiles(mV);
     auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{},
                                     group_modes<0, 2>(sQ(_, _, q_stage<kQStages>(iter))),
                                     group_modes<0, 2>(gQ));
@@ -130,12 +160,14 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
       // warpgroup w's own 64 rows: a key tile straddling another warpgroup's diagonal needs
       // no mask there (under a causal mask 1-2 masked key tiles per warpgroup, not 2-3)
       // (no rows: an idle warpgroup, which reads neither)
-      const VisibleKeys::Block wg_keys = visible_key_tiles(args, vis, m0 + 64 * w, 64);
+      const VisibleKeys::Block wg_keys =
+          visible_key_tiles(args, tile_vis, m0 + 64 * w, 64, tile_rows, positions);
       info.interior_begin[w] = static_cast<int32_t>(wg_keys.interior_begin);
       info.interior_end[w] = static_cast<int32_t>(wg_keys.interior_end);
       info.visible_begin[w] = visible_begin[w];
       info.visible_end[w] = visible_end[w];
     }
+    if constexpr (T::kVarlen) info.seq = seq;
     publish_tile(smem.info[iter & 1], info);  // released by the barrier arrive below
     if constexpr (T::kPackGQA) {  // the consumers load their rows of Q themselves
       cutlass::arch::ClusterTransactionBarrier::arrive(&smem.barrier_q[0]);

@@ -20,7 +20,7 @@ struct TileCoord {
 // What the producer tells the consumers about a tile, with its Q load: its coordinates and its
 // key tiles (so that the consumers' tile start and epilogue, which nothing overlaps, do no
 // integer divisions or 64-bit bound arithmetic: measured ~1,400 cycles per tile and warpgroup).
-template <int kConsumers>
+template <int kConsumers, bool kVarlen = false>
 struct TileInfo {
   int32_t tile;  // -1: no more tiles
   int32_t m_block, b, h;
@@ -30,6 +30,16 @@ struct TileInfo {
   // The general and mask variants: key tiles [visible_begin, visible_end) are visible through
   // the bias to every row of warpgroup w's 64 rows (bias_visible_tiles).
   int32_t visible_begin[kConsumers], visible_end[kConsumers];
+};
+
+// A packed sequence's rows in q / out and keys in k / v, and how many (a VarlenTile's).
+struct TileSeq {
+  int32_t q0, k0, len_q, len_k;
+};
+// Packed sequences (Sm90FwdTraits::kVarlen): the tile's sequence too.
+template <int kConsumers>
+struct TileInfo<kConsumers, true> : TileInfo<kConsumers, false> {
+  TileSeq seq;
 };
 
 // Tile t -> (query block, batch * heads_q + head), heads_q being the tile heads (the KV heads
@@ -65,12 +75,13 @@ __device__ __forceinline__ int32_t next_tile(const Args& args, int32_t tile) {
 }
 
 // Whether warpgroup `me`'s 64 rows of the tile starting at row m0 do not exist (below 0 in a
-// partial first block, or past rows_q): such a warpgroup issues no GEMMs and no softmax
-// (FwdMainloop::idle_tile).  Only with three consumers (192-row tiles, which power-of-two
-// lengths never fill): at head dim 256 the extra code path made the main loop spill.
-template <int kConsumers, typename Args>
-__device__ __forceinline__ bool warpgroup_idle(const Args& args, int32_t m0, int me) {
-  return kConsumers == 3 && (m0 + 64 * me < 0 || m0 + 64 * me >= args.rows_q);
+// partial first block, or past rows_q: Sm90FwdArgs::rows_q, a packed sequence's len_q): such a
+// warpgroup issues no GEMMs and no softmax (FwdMainloop::idle_tile).  Only with three
+// consumers (192-row tiles, which power-of-two lengths never fill): at head dim 256 the extra
+// code path made the main loop spill.
+template <int kConsumers>
+__device__ __forceinline__ bool warpgroup_idle(int32_t rows_q, int32_t m0, int me) {
+  return kConsumers == 3 && (m0 + 64 * me < 0 || m0 + 64 * me >= rows_q);
 }
 
 // The handoff of tiles and Q buffers through shared memory.  Tile iter's Q buffer and the phase
@@ -101,10 +112,8 @@ __device__ __forceinline__ void wait_q_free(uint64_t* barrier_q_empty, int iter)
 // acquires).  It writes only after every consumer released the Q of tile iter - kQStages,
 // i.e. (kQStages <= 2) after they read this slot's previous info (tile iter - 2's, read at
 // that tile's start).
-template <int kConsumers>
-__device__ __forceinline__ void publish_tile(TileInfo<kConsumers>& slot,
-                                             const TileInfo<kConsumers>& info) {
-  using Info = TileInfo<kConsumers>;
+template <typename Info>
+__device__ __forceinline__ void publish_tile(Info& slot, const Info& info) {
   volatile int32_t* dst = reinterpret_cast<volatile int32_t*>(&slot);
   const int32_t* src = reinterpret_cast<const int32_t*>(&info);
 #pragma unroll
@@ -114,9 +123,9 @@ __device__ __forceinline__ void publish_tile(TileInfo<kConsumers>& slot,
 
 // Consumer side: wait until tile iter is announced (and, unpacked, its Q landed), then read its
 // TileInfo.  CUTLASS's wait has no memory clobber: the info is read after it.
-template <int kConsumers>
-__device__ __forceinline__ const volatile TileInfo<kConsumers>& wait_tile(
-    uint64_t* barrier_q, const TileInfo<kConsumers>& slot, int phase) {
+template <typename Info>
+__device__ __forceinline__ const volatile Info& wait_tile(uint64_t* barrier_q, const Info& slot,
+                                                          int phase) {
   cutlass::arch::ClusterTransactionBarrier::wait(barrier_q, phase);
   asm volatile("" ::: "memory");
   return slot;

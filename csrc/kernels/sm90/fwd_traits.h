@@ -43,7 +43,7 @@ using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false>
+          bool kMask_ = false, bool kVarlen_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
@@ -67,6 +67,14 @@ struct Sm90FwdTraits {
   static_assert(!(kMask_ && (kGeneral_ || kDropout_ || kPackGQA_)), "a mask alone, unpacked");
   // Whether key tiles the bias masks for the whole tile are skipped (bias_blocks.h).
   static constexpr bool kSkipMasked = kGeneral || kMask;
+  // Packed sequences (FlashAttention-2's varlen; FwdParams::cu_seqlens_q): tiles come from the
+  // host's table (FwdParams::sm90_varlen_tiles), each a query block of one sequence, which
+  // carries its offsets and lengths to the consumers (TileInfo's seq); q, k and v are read at
+  // the sequence's offsets and O is stored from registers (a TMA store of a whole block would
+  // write into the next sequence's rows).  Its own instantiation, plain attention only.
+  static constexpr bool kVarlen = kVarlen_;
+  static_assert(!(kVarlen_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_)),
+                "packed sequences: plain attention");
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
@@ -169,7 +177,7 @@ struct Sm90FwdTraits {
     // thread is done with that Q and its tile.
     alignas(8) uint64_t barrier_q[kQStages];
     alignas(8) uint64_t barrier_q_empty[kQStages];
-    TileInfo<kConsumers> info[2];         // tile i's in info[i % 2] (fwd_tile_scheduler.h)
+    TileInfo<kConsumers, kVarlen> info[2];  // tile i's in info[i % 2] (fwd_tile_scheduler.h)
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
