@@ -511,3 +511,11 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
     assert torch.equal(out[:100], clean[0][:100]) and torch.equal(out[150:], clean[0][150:])
     assert torch.equal(lse[:, :100], clean[1][:, :100])
     assert torch.equal(lse[:, 150:], clean[1][:, 150:])
+    # max_seqlen_q/k only bound the lengths from above: far larger ones change nothing.
+    big = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), 10**9, 10**9)
+    assert torch.equal(big, out)
+    # No sequence with a query row (rows past the last offset only): nothing to launch.
+    none = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out, lse, _ = flash_attn_varlen_func(q, k, v, none, ck[:3].cuda(), 1, 100,
+                                         return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())

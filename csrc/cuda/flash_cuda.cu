@@ -458,7 +458,8 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
     const int32_t len_k = used_k != nullptr ? used_k[b] : cu_k[b + 1] - cu_k[b];
     const VisibleKeys vis(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
     for (int32_t m = 0; m * static_cast<int64_t>(block_m) < len_q; ++m) {
-      const VisibleKeys::Block keys = vis.block(int64_t{m} * block_m, block_m, len_q, 128);
+      const VisibleKeys::Block keys =
+          vis.block(int64_t{m} * block_m, block_m, len_q, kernel_dim <= 128 ? 128 : 64);
       tiles.push_back({keys.n_end - keys.n_begin,
                        {static_cast<int32_t>(b), m, cu_q[b], cu_k[b], len_q, len_k, 0, 0}});
     }

@@ -69,14 +69,20 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if ((p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
-  if (varlen && (p.sm90_varlen_tiles == nullptr || p.sm90_varlen_block_m != T::kBlockM ||
-                 rows_q_all > kMaxRows || rows_k_all > kMaxRows))
+  // (no table where no sequence has a query row: nothing to launch, below)
+  if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
+                 p.sm90_varlen_block_m != T::kBlockM || rows_q_all > kMaxRows ||
+                 rows_k_all > kMaxRows))
     return cudaErrorInvalidValue;
   const int64_t group = p.heads_q / p.heads_kv;
   args.group = static_cast<int32_t>(group);
   constexpr bool pack = T::kPackGQA;
-  const int64_t rows_q = pack ? p.seqlen_q * group : p.seqlen_q;
-  if ((pack && group <= 1) || rows_q > kMaxRows || p.seqlen_k > kMaxRows)
+  // (packed sequences: max_seqlen_q / max_seqlen_k may exceed the tensors; the kernel's row
+  // arithmetic is bounded by the totals, checked above)
+  const int64_t rows_q = pack ? p.seqlen_q * group
+                         : varlen ? std::min(p.seqlen_q, rows_q_all)
+                                  : p.seqlen_q;
+  if ((pack && group <= 1) || rows_q > kMaxRows || (!varlen && p.seqlen_k > kMaxRows))
     return cudaErrorInvalidValue;
   const int64_t tile_heads = pack ? p.heads_kv : p.heads_q;
   args.rows_q = static_cast<int32_t>(rows_q);
