@@ -232,6 +232,84 @@ cudaError_t run_bwd(int64_t head_dim, const BwdParams& p, float* delta, cudaStre
   return sm80::run_flash_bwd<Element, 256>(p, delta, stream);
 }
 
+#ifdef FLASH_ATTN_EXT_SM90
+// The Hopper forward's tiles for packed sequences (FwdParams::sm90_varlen_tiles), from the
+// offsets check_packed read on the host: every query block of block_m rows of every non-empty
+// sequence, so that no CTA visits a block past its sequence's end.  The heaviest blocks (most
+// key tiles: under a causal mask the last blocks of the longest sequences) first, as the dense
+// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  Copied to
+// the device from pinned memory on the call's stream; the caller keeps the tensor until the
+// launch is queued.
+at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
+                             const at::Tensor& q) {
+  const int block_m = sm90::fwd_block_m_of(kernel_dim);
+  const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
+  const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
+  const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
+  std::vector<std::pair<int64_t, VarlenTile>> tiles;
+  for (int64_t b = 0; b < pk.batch; ++b) {
+    const int32_t len_q = cu_q[b + 1] - cu_q[b];
+    const int32_t len_k = used_k != nullptr ? used_k[b] : cu_k[b + 1] - cu_k[b];
+    const VisibleKeys vis(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
+    for (int32_t m = 0; m * static_cast<int64_t>(block_m) < len_q; ++m) {
+      const VisibleKeys::Block keys =
+          vis.block(int64_t{m} * block_m, block_m, len_q, kernel_dim <= 128 ? 128 : 64);
+      tiles.push_back({keys.n_end - keys.n_begin,
+                       {static_cast<int32_t>(b), m, cu_q[b], cu_k[b], len_q, len_k, 0, 0}});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+              "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
+  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(tiles.size()) * kInts},
+                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
+  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
+  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+  p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
+  p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
+  p.sm90_varlen_block_m = block_m;
+  return device;
+}
+#endif
+
+// The forward as the rule chose it (choice.fwd): the Hopper kernel with its scheduler's scratch,
+// the process's kernel options and, for packed sequences (`packed`), the tile table (else the
+// bias's block summary), or the portable kernel; on the current stream.
+void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdParams& p,
+                 const at::Tensor& q, const Packed* packed) {
+  const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  cudaError_t err;
+#ifdef FLASH_ATTN_EXT_SM90
+  if (choice.fwd == FwdKernel::kSm90 || choice.fwd == FwdKernel::kSm90PackGqa) {
+    at::Tensor tile_counter;  // the scheduler's scratch (zeroed by its launcher)
+    if (choice.sm90_schedule == Sm90Schedule::kDynamic) {
+      tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+      p.tile_counter = tile_counter.data_ptr<int32_t>();
+    }
+    if (choice.sm90_schedule == Sm90Schedule::kTile)
+      p.max_ctas = std::numeric_limits<int32_t>::max();
+    p.heads_per_section = options.sm90_section_pairs;
+    p.sm90_row_shift = options.sm90_row_shift;
+    p.sm90_direct_epilogue = options.sm90_direct_epilogue;
+    p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
+    const at::Tensor extra = packed != nullptr ? sm90_varlen_tiles(p, *packed, kernel_dim, q)
+                                               : summarize_bias(p, q.options(), stream);
+    err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
+               : run_fwd_sm90<__half>(kernel_dim, p, stream);
+  } else
+#endif
+  {
+    err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
+               : run_fwd<__half>(kernel_dim, p, stream);
+  }
+  C10_CUDA_CHECK(err);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
@@ -267,33 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     fill_dropout_params(p, dropout_p);
     if (p.dropout) take_philox_state(p, a.seqlen_k);
     p.rng_state = rng_state.data_ptr<int64_t>();
-    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const bool bf16 = q.scalar_type() == at::kBFloat16;
-    cudaError_t err;
-#ifdef FLASH_ATTN_EXT_SM90
-    at::Tensor tile_counter;  // the Hopper kernel's scheduler scratch (zeroed by its launcher)
-    if (choice.fwd == FwdKernel::kSm90 || choice.fwd == FwdKernel::kSm90PackGqa) {
-      if (choice.sm90_schedule == Sm90Schedule::kDynamic) {
-        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-        p.tile_counter = tile_counter.data_ptr<int32_t>();
-      }
-      if (choice.sm90_schedule == Sm90Schedule::kTile)
-        p.max_ctas = std::numeric_limits<int32_t>::max();
-      p.heads_per_section = options.sm90_section_pairs;
-      p.sm90_row_shift = options.sm90_row_shift;
-      p.sm90_direct_epilogue = options.sm90_direct_epilogue;
-      p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
-      const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
-      err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd_sm90<__half>(kernel_dim, p, stream);
-    } else
-#endif
-    {
-      err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd<__half>(kernel_dim, p, stream);
-    }
-    C10_CUDA_CHECK(err);
+    run_forward(choice, options, p, q, nullptr);
   } else {
     rng_state.zero_();  // no kernel runs for an empty output
   }
@@ -438,49 +490,6 @@ void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t ma
   p.total_k = pk.total_k;
 }
 
-#ifdef FLASH_ATTN_EXT_SM90
-// The Hopper forward's tiles for packed sequences (FwdParams::sm90_varlen_tiles), from the
-// offsets check_packed read on the host: every query block of block_m rows of every non-empty
-// sequence, so that no CTA visits a block past its sequence's end.  The heaviest blocks (most
-// key tiles: under a causal mask the last blocks of the longest sequences) first, as the dense
-// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  Copied to
-// the device from pinned memory on the call's stream; the caller keeps the tensor until the
-// launch is queued.
-at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
-                             const at::Tensor& q) {
-  const int block_m = sm90::fwd_block_m_of(kernel_dim);
-  const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
-  const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
-  const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
-  std::vector<std::pair<int64_t, VarlenTile>> tiles;
-  for (int64_t b = 0; b < pk.batch; ++b) {
-    const int32_t len_q = cu_q[b + 1] - cu_q[b];
-    const int32_t len_k = used_k != nullptr ? used_k[b] : cu_k[b + 1] - cu_k[b];
-    const VisibleKeys vis(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
-    for (int32_t m = 0; m * static_cast<int64_t>(block_m) < len_q; ++m) {
-      const VisibleKeys::Block keys =
-          vis.block(int64_t{m} * block_m, block_m, len_q, kernel_dim <= 128 ? 128 : 64);
-      tiles.push_back({keys.n_end - keys.n_begin,
-                       {static_cast<int32_t>(b), m, cu_q[b], cu_k[b], len_q, len_k, 0, 0}});
-    }
-  }
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
-  TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-              "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
-  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(tiles.size()) * kInts},
-                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
-  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
-  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
-  p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
-  p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
-  p.sm90_varlen_block_m = block_m;
-  return device;
-}
-#endif
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -518,29 +527,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     fill_dropout_params(p, dropout_p);
     if (p.dropout) take_philox_state(p, max_seqlen_k);
     p.rng_state = rng_state.data_ptr<int64_t>();
-    const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const bool bf16 = q.scalar_type() == at::kBFloat16;
-    cudaError_t err;
-#ifdef FLASH_ATTN_EXT_SM90
-    if (choice.fwd == FwdKernel::kSm90) {
-      const at::Tensor tiles = sm90_varlen_tiles(p, pk, kernel_dim, q);
-      at::Tensor tile_counter;  // the scheduler's scratch (zeroed by the launcher)
-      if (choice.sm90_schedule == Sm90Schedule::kDynamic) {
-        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-        p.tile_counter = tile_counter.data_ptr<int32_t>();
-      }
-      if (choice.sm90_schedule == Sm90Schedule::kTile)
-        p.max_ctas = std::numeric_limits<int32_t>::max();
-      err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd_sm90<__half>(kernel_dim, p, stream);
-    } else
-#endif
-    {
-      err = bf16 ? run_fwd<__nv_bfloat16>(kernel_dim, p, stream)
-                 : run_fwd<__half>(kernel_dim, p, stream);
-    }
-    C10_CUDA_CHECK(err);
+    run_forward(choice, options, p, q, &pk);
   }
   at::Tensor out = dv_padded == a.head_dim_v ? out_padded
                                              : out_padded.narrow(3, 0, a.head_dim_v).contiguous();
