@@ -10,7 +10,8 @@ instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).  `--d
 the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--varlen`:
 only the packed sequences.
 
-    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered]
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered |
+        --varlen]
 """
 
 import sys
