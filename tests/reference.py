@@ -194,3 +194,13 @@ def assert_bwd_fake_strides_match(bwd_op, args) -> None:
     for name, g, f in zip("qkv", real, fake):
         assert [st for st, n in zip(g.stride(), g.shape) if n > 1] == \
             [st for st, n in zip(f.stride(), f.shape) if n > 1], (name, g.stride(), f.stride())
+
+
+def launched_kernels(fn) -> list:
+    """Names of the CUDA kernels that ``fn`` launches (torch.profiler, demangled): which
+    kernel a call ran, for the tests that assert it."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "_kernel" in e.name]

@@ -13,6 +13,7 @@ from reference import (
     assert_error_rule,
     attention_ref,
     cancellation_scale,
+    launched_kernels,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -432,15 +433,6 @@ def test_fp16_gradients_with_large_score_gradients():
         assert (a.float() - r).abs().max().item() <= 1e-2 * r.abs().max().item() + 1e-3, name
 
 
-def _launched_kernels(fn):
-    """Names of the CUDA kernels that ``fn`` launches (torch.profiler, demangled)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "_kernel" in e.name]
-
-
 def check_sm90_variants(plan, names):
     """The Hopper kernels among the launched ``names`` are the variants the plan names: their
     template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen>,
@@ -485,7 +477,7 @@ def test_explain_names_the_kernels_the_glue_launches(case, kernel_opts):
     k, v = (torch.randn(2, 257, heads_kv, d, device="cuda", dtype=torch.bfloat16,
                         requires_grad=True) for _ in "kv")
     plan = flash_attn_ext.explain(q, k, v, layout="blhd", **case)
-    names = _launched_kernels(lambda: flash_attn_func(q, k, v, **case).sum().backward())
+    names = launched_kernels(lambda: flash_attn_func(q, k, v, **case).sum().backward())
     sm90 = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(sm90) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     assert any("flash_fwd_kernel" in n for n in names) == plan.kernel.startswith("sm80_fwd")
@@ -520,7 +512,7 @@ def test_boolean_mask_runs_the_mask_variant(head_dim, causal):
                                                  .masked_fill(~mask, float("-inf")), "_general")):
         plan = flash_attn_ext.explain(q, k, v, attn_mask=attn_mask)
         assert plan.kernel.endswith(variant), plan
-        names = _launched_kernels(lambda m=attn_mask: flash_attn_ext.scaled_dot_product_attention(
+        names = launched_kernels(lambda m=attn_mask: flash_attn_ext.scaled_dot_product_attention(
             q, k, v, attn_mask=m).sum().backward())
         check_sm90_variants(plan, names)
 

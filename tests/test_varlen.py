@@ -9,7 +9,7 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
-from reference import assert_error_rule, attention_ref
+from reference import assert_error_rule, attention_ref, launched_kernels
 
 HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
@@ -326,7 +326,7 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
         result["out"], result["lse"], _ = flash_attn_varlen_func(
             q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k), return_attn_probs=True,
             **gpu)
-    names = _launched_kernels(run)
+    names = launched_kernels(run)
     out, lse = result["out"], result["lse"]
     dout = torch.randn_like(out)
     wl, wr = case.pop("window_size", (-1, -1))
@@ -359,15 +359,6 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
         if tail[1]:
             assert torch.equal(ours[1][-tail[1]:], torch.zeros_like(ours[1][-tail[1]:]))
     return names
-
-
-def _launched_kernels(fn):
-    """Names of the CUDA kernels that ``fn`` launches (torch.profiler, demangled)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "_kernel" in e.name]
 
 
 def _on_sm90():
@@ -438,14 +429,14 @@ def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
 
     def run():
         result["hopper"] = flash_attn_varlen_func(*args, **kw)
-    names = _launched_kernels(run)
+    names = launched_kernels(run)
     assert any(VARLEN_SM90 in n for n in names), names
     out, lse, _ = result["hopper"]
     kernel_opts(force_portable=True)
 
     def reference():
         result["portable"] = flash_attn_varlen_func(*args, **kw)
-    names = _launched_kernels(reference)
+    names = launched_kernels(reference)
     assert names and not any("flash_fwd_sm90_kernel" in n for n in names), names
     ref_out, ref_lse, _ = result["portable"]
     kernel_opts(force_portable=False)
@@ -454,7 +445,7 @@ def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
-    names = _launched_kernels(lambda: flash_attn_varlen_func(*args, softcap=5.0))
+    names = launched_kernels(lambda: flash_attn_varlen_func(*args, softcap=5.0))
     assert not any("flash_fwd_sm90_kernel" in n for n in names), names
 
 
@@ -520,7 +511,7 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
     for t in (q, k, v):
         t[100:150, 0] = float("nan")
         t[100:150, 1] = float("inf")
-    names = _launched_kernels(lambda: flash_attn_varlen_func(q, k, v, *args))
+    names = launched_kernels(lambda: flash_attn_varlen_func(q, k, v, *args))
     assert any(VARLEN_SM90 in n for n in names), names
     out, lse, _ = flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True)
     assert torch.equal(out[:100], clean[0][:100]) and torch.equal(out[150:], clean[0][150:])
