@@ -340,15 +340,37 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                 : call.packed                    ? "_varlen"
                                                  : detail::sm90_variant(call));
 
-  // Packed sequences: the 4-warp backward with its separate dQ kernel (per-sequence offsets;
-  // bitwise reproducible).
+  // Packed sequences: the Hopper backward's varlen instantiation for plain attention up to
+  // head dim 128 (dQ added in any order), else the 4-warp backward with its separate dQ kernel
+  // (per-sequence offsets; bitwise reproducible).
   if (call.packed) {
+    std::vector<std::string> why;
+    if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
+      if (d > 128)
+        why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward has "
+                      "head dims up to 128");
+      if (call.score_mods != 0)
+        why.push_back("the Hopper backward takes packed sequences without softcap, "
+                      "alibi_slopes and dropout only");
+      if (call.deterministic)
+        why.push_back(std::string(detail::kDeterministicWhy) +
+                      ": its packed-sequence backward adds dQ in any order");
+      if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
+      if (why.empty()) {
+        c.bwd = BwdKernel::kSm90;
+        c.dq = DqPath::kAtomic;
+        c.bwd_name = "sm90_bwd" + suffix + "_varlen";
+        return c;
+      }
+    }
     c.bwd = BwdKernel::kSm80FourWarp;
     c.dq = DqPath::kSeparate;
     c.bwd_name = "sm80_bwd" + suffix;
-    c.notes.push_back("backward on the 4-warp sm80 kernels with the separate dQ kernel, "
-                      "because neither the Hopper backward nor the 8-warp kernels take packed "
-                      "sequences (cu_seqlens) yet");
+    c.notes.push_back(std::string("backward on the 4-warp sm80 kernels with the separate dQ "
+                                  "kernel, ") +
+                      (why.empty() ? "because the 8-warp kernels do not take packed sequences "
+                                     "(cu_seqlens)"
+                                   : "not the Hopper one, because " + detail::join(why, "; ")));
     return c;
   }
 

@@ -89,7 +89,8 @@ pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tupl
                                     const std::string& dtype, std::optional<double> softmax_scale,
                                     int64_t head_dim, int64_t head_dim_v,
                                     const std::optional<std::vector<int64_t>>& layout,
-                                    int score_mods, bool unequal_tiles, bool deterministic) {
+                                    int score_mods, bool unequal_tiles, bool deterministic,
+                                    bool packed) {
   using namespace flash_attn_ext;
   BuildInfo b;
   b.cuda = build["cuda"].cast<bool>();
@@ -117,6 +118,7 @@ pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tupl
   call.score_mods = score_mods;
   call.unequal_tiles = unequal_tiles;
   call.deterministic = deterministic;
+  call.packed = packed;
   const KernelChoice c = select_cuda_kernels(b, d, call, kernel_options());
   pybind11::tuple reasons = pybind11::cast(c.reasons), notes = pybind11::cast(c.notes);
   return pybind11::make_tuple(c.fused, pybind11::tuple(reasons), c.fwd_name, c.bwd_name,
@@ -212,7 +214,9 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("device"), pybind11::arg("dtype"), pybind11::arg("softmax_scale"),
         pybind11::arg("head_dim"), pybind11::arg("head_dim_v"), pybind11::arg("layout"),
         pybind11::arg("score_mods"), pybind11::arg("unequal_tiles"), pybind11::arg("deterministic"),
-        "The CUDA glue's kernel choice (csrc/kernel_select.h) for a described call: "
+        pybind11::arg("packed") = false,
+        "The CUDA glue's kernel choice (csrc/kernel_select.h) for a described call "
+        "(packed: packed sequences, the varlen ops): "
         "(fused, reasons, forward kernel, backward kernel, notes).");
   m.def("kernel_options", &get_kernel_options, "The process's kernel options (a dict).");
   m.def("set_kernel_options", &set_kernel_options, pybind11::arg("values"),

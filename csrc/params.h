@@ -12,11 +12,14 @@ namespace flash_attn_ext {
 
 constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
 
-// One query block of one packed sequence (FwdParams::sm90_varlen_tiles): sequence b's rows
+// One block of one packed sequence (FwdParams::sm90_varlen_tiles): sequence b's rows
 // q0 .. q0 + len_q of q / out and keys k0 .. k0 + len_k of k / v (len_k = seqused_k[b] where
-// given), its block m_block (rows m_block * block_m ..).  32 bytes: two 16-byte loads.
+// given), its block `block`: in the forward a query block (rows block * block_m ..), in the
+// backward a key block (keys block * 128 ..).  row_base: the backward's first row of the
+// sequence in its padded per-row scratch (BwdParams::sm90_varlen_rows; 0 in the forward).
+// 32 bytes: two 16-byte loads.
 struct alignas(16) VarlenTile {
-  int32_t b, m_block, q0, k0, len_q, len_k, unused0, unused1;
+  int32_t b, block, q0, k0, len_q, len_k, row_base, unused;
 };
 
 struct FwdParams {
@@ -261,6 +264,14 @@ struct BwdParams : FwdParams {
   // are added in a fixed order of key blocks (kernels/sm90/bwd_dq.h).  nullptr: in the order
   // the CTAs get there (not bitwise reproducible).
   int32_t* dq_semaphore = nullptr;
+  // The Hopper backward on packed sequences (sm90_varlen_tiles: one entry per key block of
+  // every sequence with keys): its per-row scratch (statistics, fp32 dQ) holds each sequence's
+  // rows from a multiple of 128 (VarlenTile::row_base), sm90_varlen_padded_q rows per head in
+  // all; sm90_varlen_rows describes them, two int32 per 128 padded rows: the packed row of q
+  // its first row holds and how many of its rows hold one (0 .. 128; the rest are padding).
+  // Built on the host from the offsets it read (the glue); device arrays.
+  const int32_t* sm90_varlen_rows = nullptr;
+  int64_t sm90_varlen_padded_q = 0;
 };
 
 // Counters of BwdParams::dq_semaphore per (batch, query head): one per 64 query rows of

@@ -9,8 +9,9 @@ and windows bottom-right aligned per sequence). The kernels are the dense ones, 
 sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
 the Hopper forward's varlen instantiation for plain attention (causal, windows and GQA
 included; its tiles come from a table of every sequence's query blocks that the host builds
-from the offsets, heaviest first) and the portable backward; elsewhere, and with softcap,
-ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
+from the offsets, heaviest first) and the Hopper backward's (head dims up to 128, unless
+deterministic; its CTAs from a table of every sequence's key blocks); elsewhere, and with
+softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
 checked on the host: on CUDA that copies them (one synchronisation per call; not capturable
 in a CUDA graph).
@@ -38,7 +39,8 @@ bwd_varlen_op = torch.ops.flash_attn_ext.bwd_varlen.default
 @torch.library.register_fake("flash_attn_ext::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=False, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None):
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None,
+                     deterministic=False):
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))
@@ -49,22 +51,24 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, softmax_scale=None, causal=False, window_left=-1,
                      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     seqused_k=None, dsoftmax_lse=None):
+                     seqused_k=None, dsoftmax_lse=None, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
-_FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p")
+_FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p",
+          "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, alibi_slopes, dropout_p, seqused_k) = inputs
+     window_left, window_right, softcap, alibi_slopes, dropout_p, seqused_k,
+     *deterministic) = inputs
     out, softmax_lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state,
                           alibi_slopes, seqused_k)
     ctx.sizes = (max_seqlen_q, max_seqlen_k)
     ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
-                                  dropout_p)))
+                                  dropout_p, bool(deterministic and deterministic[0]))))
     # softmax_lse is differentiable (its gradient enters bwd_varlen as dsoftmax_lse, folded
     # into delta); gradients of outputs nobody used arrive as None, not as zeros.
     ctx.mark_non_differentiable(rng_state)
@@ -81,8 +85,8 @@ def _backward(ctx, dout, dsoftmax_lse, drng_state):
     dq, dk, dv = bwd_varlen_op(dout, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.sizes,
                                rng_state, f["softmax_scale"], f["causal"], f["window_left"],
                                f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"],
-                               seqused_k, dsoftmax_lse)
-    return dq, dk, dv, *([None] * 12)
+                               seqused_k, dsoftmax_lse, f["deterministic"])
+    return dq, dk, dv, *([None] * 13)
 
 
 torch.library.register_autograd("flash_attn_ext::fwd_varlen", _backward,
@@ -114,9 +118,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             :func:`flash_attn_ext.flash_attn_func`, per sequence; causal and windows aligned
             bottom-right within each sequence (query i of a sequence of L queries and S keys
             sees key j <= i + S - L).
-        deterministic: accepted for FlashAttention-2 compatibility and ignored: the packed
-            backward is bitwise reproducible on the CPU and on CUDA (the 4-warp kernels and
-            their separate dQ kernel).
+        deterministic: bitwise-reproducible gradients (also under
+            ``torch.use_deterministic_algorithms(True)``). The CPU backward and CUDA's portable
+            one always are; on sm_90 the default is the Hopper backward, whose dQ is added in
+            the order the CTAs get there (its last bits vary from run to run), and
+            ``deterministic=True`` takes the portable backward instead (slower).
         return_attn_probs: also return softmax_lse (num_heads, total_q), differentiable
             (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
@@ -154,12 +160,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_bool(deterministic, "deterministic")
     check_bool(return_attn_probs, "return_attn_probs")
     check_alibi_grad(alibi_slopes)
-    del deterministic
     window_left, window_right = (int(w) for w in window_size)
     out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                         int(max_seqlen_k), softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,
-                                        float(dropout_p), seqused_k)
+                                        float(dropout_p), seqused_k, bool(deterministic))
     return (out, softmax_lse, None) if return_attn_probs else out
 
 

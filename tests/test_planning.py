@@ -524,3 +524,35 @@ def test_a_dropout_p_that_rounds_to_zero_is_no_score_mod():
     assert planning.score_mods(0.0, 1 / 512, None) == 0
     assert planning.score_mods(0.0, 0.0025, None) == planning.DROPOUT
     assert planning.score_mods(0.0, 0.1, None) == planning.DROPOUT
+
+
+def test_packed_sequences_rule(kernel_opts):
+    # Packed sequences (the varlen ops) on an H200: the Hopper varlen forward and backward for
+    # plain attention up to head dim 128; a deterministic call, a larger head dim, softcap /
+    # ALiBi / dropout and sm90_bwd="off" take the portable backward, the note saying why; on
+    # sm_80 the 4-warp kernels, the note saying why not the 8-warp ones.
+    build = {"cuda": True, "sm90": True, "cuda_archs": "8.0;9.0a"}
+
+    def rule(head_dim=128, mods=0, deterministic=False, device=(9, 0, 232448)):
+        fused, reasons, fwd, bwd, notes = flash_attn_ext.ops._C.select_cuda_kernels(
+            build, device, "bf16", None, head_dim, head_dim, None, mods, False, deterministic,
+            packed=True)
+        assert fused, reasons
+        return fwd, bwd, notes
+
+    assert rule() == ("sm90_fwd_hdim128_bf16_varlen", "sm90_bwd_hdim128_bf16_varlen", ())
+    assert rule(head_dim=40)[1] == "sm90_bwd_hdim64_bf16_varlen"
+    for kw, text in ((dict(deterministic=True), "deterministic=True"),
+                     (dict(head_dim=256), "head dims up to 128"),
+                     (dict(mods=planning.SOFTCAP), "without softcap"),
+                     (dict(mods=planning.DROPOUT), "without softcap")):
+        _, bwd, notes = rule(**kw)
+        assert bwd == f"sm80_bwd_hdim{kw.get('head_dim', 128)}_bf16", (kw, bwd)
+        assert any(text in n and "not the Hopper one" in n for n in notes), (kw, notes)
+    kernel_opts(sm90_bwd="off")
+    _, bwd, notes = rule()
+    assert bwd == "sm80_bwd_hdim128_bf16" and any("sm90_bwd='off'" in n for n in notes)
+    kernel_opts(sm90_bwd="auto")
+    fwd, bwd, notes = rule(device=(8, 0, 166912))
+    assert (fwd, bwd) == ("sm80_fwd_hdim128_bf16", "sm80_bwd_hdim128_bf16")
+    assert any("8-warp kernels do not take packed sequences" in n for n in notes), notes

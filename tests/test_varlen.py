@@ -4,6 +4,8 @@ kernels' answer for equal lengths (dropout included); the checks; torch.compile.
 portable kernels) the same geometry in bf16/fp16 under the error rule, and the dense portable
 kernels' bits for equal lengths, dropout included."""
 
+import re
+
 import pytest
 import torch
 
@@ -310,7 +312,8 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
     """Packed sequences on the CUDA kernels against the float64 reference of each sequence, out
     and softmax_lse (and the gradients) under the error rule, with PyTorch's error in ``dtype``
     sequence by sequence as the yardstick; rows past the last offset left alone.  Returns the
-    names of the CUDA kernels launched."""
+    names of the CUDA kernels the forward launched and those the backward launched (empty
+    without ``grads``)."""
     case = dict(case)
     q64, k64, v64, cq, ck = _packed(lens_q, lens_k, heads, heads_kv, d, d, torch.float64,
                                     tail=tail)
@@ -350,15 +353,21 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
     assert (lse.cpu().double()[finite] - true_lse[finite]).abs().max().item() < 1e-3
     if tail[0]:
         assert torch.equal(out[-tail[0]:], torch.zeros_like(out[-tail[0]:]))  # left alone
+    bwd_names = []
     if grads:
-        ours = torch.autograd.grad(out, (q, k, v), dout)
+        def backward():
+            result["grads"] = torch.autograd.grad(out, (q, k, v), dout)
+        bwd_names = launched_kernels(backward)
+        ours = result["grads"]
         low_grads = torch.autograd.grad(low, leaves, dout.cpu(), allow_unused=True)
         for name, g, lo, t in zip(("dq", "dk", "dv"), ours, low_grads, true_grads):
             lo = torch.zeros_like(t, dtype=dtype) if lo is None else lo
             assert_error_rule(g.cpu(), lo, t, 3.0, name)
         if tail[1]:
             assert torch.equal(ours[1][-tail[1]:], torch.zeros_like(ours[1][-tail[1]:]))
-    return names
+        if tail[0]:
+            assert torch.equal(ours[0][-tail[0]:], torch.zeros_like(ours[0][-tail[0]:]))
+    return names, bwd_names
 
 
 def _on_sm90():
@@ -371,6 +380,12 @@ def _on_sm90():
 VARLEN_SM90 = ", false, false, false, false, true>"
 
 
+def _hopper_bwd_varlen(names):
+    """Whether the Hopper backward's varlen instantiation (its last flag, kVarlen) ran."""
+    return any("flash_bwd_sm90_kernel" in n and re.search(r"Sm90BwdTraits<[^>]*, true>", n)
+               for n in names)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -381,13 +396,16 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype, portable, kernel_o
     # dispatcher picks (on an H200 the Hopper varlen forward for plain, causal and window
     # cases) and on the portable ones.
     kernel_opts(force_portable=portable)
-    names = _cuda_case_under_the_error_rule([5, 0, 200, 1, 130], [7, 3, 150, 9, 130], 4, 2, 40,
-                                            dtype, case, tail=(2, 3))
+    names, bwd_names = _cuda_case_under_the_error_rule([5, 0, 200, 1, 130], [7, 3, 150, 9, 130],
+                                                       4, 2, 40, dtype, case, tail=(2, 3))
     plain = "softcap" not in case and "alibi" not in case
-    assert any(VARLEN_SM90 in n for n in names) == (plain and not portable and _on_sm90()), \
-        names
+    hopper = plain and not portable and _on_sm90()
+    assert any(VARLEN_SM90 in n for n in names) == hopper, names
     assert any("flash_fwd_sm90_kernel" in n for n in names) == \
         any(VARLEN_SM90 in n for n in names), names
+    # (the backward likewise: the Hopper varlen backward for plain attention)
+    assert _hopper_bwd_varlen(bwd_names) == hopper, bwd_names
+    assert any("flash_bwd_sm90_kernel" in n for n in bwd_names) == hopper, bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
@@ -400,51 +418,64 @@ def test_sm90_forward_takes_packed_sequences(case, head_dim):
     # row, L < S, an empty sequence, L = S, several query blocks with a partial last one (192
     # rows at head dims up to 64, 128 above; idle warpgroups), L > S (causal rows that see
     # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel,
-    # the backward the portable one reading its softmax_lse.
+    # and so is the backward up to head dim 128 (256: the portable one, reading the Hopper
+    # forward's softmax_lse).
     dtype = torch.bfloat16 if head_dim != 72 else torch.float16
-    names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
-                                            [1, 40, 5, 113, 1000, 129], 6, 2, head_dim, dtype,
-                                            case, tail=(3, 2), grads=head_dim in (72, 256))
+    names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
+                                                       [1, 40, 5, 113, 1000, 129], 6, 2,
+                                                       head_dim, dtype, case, tail=(3, 2))
     hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert hopper and all(VARLEN_SM90 in n for n in hopper), names
+    assert _hopper_bwd_varlen(bwd_names) == (head_dim <= 128), bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
 def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
     # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first
-    # table), seqused_k leaving some keys unused, equal to the portable kernels' answer within
-    # 1e-2 (absolute and relative: a bf16 rounding or two apart); softcap stays on the portable
-    # forward.
+    # table; in the backward a table of key blocks, most CTAs a sequence's last), seqused_k
+    # leaving some keys unused (their gradients zero), GQA 4:2, equal to the portable kernels'
+    # answer within 1e-2 (absolute and relative: a bf16 rounding or two apart), forward and
+    # gradients; softcap stays on the portable forward.
     gen = torch.Generator().manual_seed(0)
     lens_q = torch.randint(0, 300, (300,), generator=gen).tolist()
     lens_k = torch.randint(1, 300, (300,), generator=gen).tolist()
     used = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens_k]
-    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 4, 128, 128, torch.bfloat16)
-    q, k, v = (t.detach().cuda() for t in (q, k, v))
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, 128, 128, torch.bfloat16)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     args = (q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
     kw = dict(causal=True, seqused_k=torch.tensor(used, dtype=torch.int32).cuda(),
               return_attn_probs=True)
     result = {}
 
-    def run():
-        result["hopper"] = flash_attn_varlen_func(*args, **kw)
-    names = launched_kernels(run)
-    assert any(VARLEN_SM90 in n for n in names), names
-    out, lse, _ = result["hopper"]
+    def run(key):
+        def call():
+            out, lse, _ = flash_attn_varlen_func(*args, **kw)
+            result[key] = (out, lse, torch.autograd.grad(out, (q, k, v), dout))
+        return call
+    names = launched_kernels(run("hopper"))
+    assert any(VARLEN_SM90 in n for n in names) and _hopper_bwd_varlen(names), names
+    out, lse, grads = result["hopper"]
     kernel_opts(force_portable=True)
-
-    def reference():
-        result["portable"] = flash_attn_varlen_func(*args, **kw)
-    names = launched_kernels(reference)
-    assert names and not any("flash_fwd_sm90_kernel" in n for n in names), names
-    ref_out, ref_lse, _ = result["portable"]
+    names = launched_kernels(run("portable"))
+    assert names and not any("_sm90_" in n for n in names), names
+    ref_out, ref_lse, ref_grads = result["portable"]
     kernel_opts(force_portable=False)
     # (both round fp32 results to bf16: at most an ulp or two apart)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+    unused = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(used):
+        unused[int(ck[b]):int(ck[b]) + n] = False
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        # (sums over up to 300 rows in fp32 in another order, rounded to bf16)
+        torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2, msg=name)
+        if name != "dq":
+            assert torch.equal(g[unused], torch.zeros_like(g[unused])), name
     names = launched_kernels(lambda: flash_attn_varlen_func(*args, softcap=5.0))
     assert not any("flash_fwd_sm90_kernel" in n for n in names), names
 
@@ -525,3 +556,77 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
     out, lse, _ = flash_attn_varlen_func(q, k, v, none, ck[:3].cuda(), 1, 100,
                                          return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
+    # The Hopper backward reads whole tiles too: a sequence's last key block and last query
+    # block run into the next sequence.  NaN and inf in that sequence's q, k, v and dout must
+    # not reach the other sequences' gradients (rows past the end are zeroed in shared memory
+    # before the GEMMs: 0 * NaN would carry them through P^T dO, dS^T Q and dS K).  dK / dV are
+    # stored from registers (the same bits twice); dQ is added in any order (the last bits
+    # may differ, so a tolerance).
+    lens_q, lens_k = [100, 50, 7], [90, 50, 30]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, head_dim, head_dim, torch.bfloat16)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    args = (cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
+
+    def grads(q_in, k_in, v_in, d):
+        out = flash_attn_varlen_func(q_in, k_in, v_in, *args, causal=causal)
+        return torch.autograd.grad(out, (q_in, k_in, v_in), d)
+    clean = grads(q, k, v, dout)
+    bad_q, bad_k = slice(100, 150), slice(90, 140)
+    poisoned = []
+    for t, rows in ((q, bad_q), (k, bad_k), (v, bad_k), (dout, bad_q)):
+        t = t.detach().clone()
+        t[rows, 0] = float("nan")
+        t[rows, 1] = float("inf")
+        poisoned.append(t)
+    pq, pk, pv, pd = poisoned
+    pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
+    names = launched_kernels(lambda: grads(pq, pk, pv, pd))
+    assert _hopper_bwd_varlen(names), names
+    dirty = grads(pq, pk, pv, pd)
+    for name, c, g, rows in zip(("dq", "dk", "dv"), clean, dirty, (bad_q, bad_k, bad_k)):
+        keep = torch.ones(c.shape[0], dtype=torch.bool, device="cuda")
+        keep[rows] = False
+        assert torch.isfinite(g[keep]).all(), name
+        if name == "dq":
+            torch.testing.assert_close(g[keep], c[keep], atol=1e-2, rtol=1e-2)
+        else:
+            assert torch.equal(g[keep], c[keep]), name
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+def test_sm90_varlen_deterministic_takes_the_portable_backward():
+    # The Hopper varlen backward adds dQ in any order; deterministic=True (and
+    # torch.use_deterministic_algorithms) take the portable backward, bitwise reproducible.
+    lens = [300, 5, 129]
+    q, k, v, cq, ck = _packed(lens, lens, 4, 4, 128, 128, torch.bfloat16)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+
+    def grads(**kw):
+        out = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens), max(lens),
+                                     causal=True, **kw)
+        return torch.autograd.grad(out, (q, k, v), dout)
+    result = {}
+    names = launched_kernels(lambda: result.setdefault("first", grads(deterministic=True)))
+    assert not any("flash_bwd_sm90_kernel" in n for n in names), names
+    for _ in range(3):
+        again = grads(deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, result["first"]))
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        names = launched_kernels(grads)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert not any("flash_bwd_sm90_kernel" in n for n in names), names
+    names = launched_kernels(grads)
+    assert _hopper_bwd_varlen(names), names

@@ -334,7 +334,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
     int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse,
+    bool /*deterministic: this backward is*/) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,

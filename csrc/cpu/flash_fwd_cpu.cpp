@@ -252,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cpu(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    double dropout_p, const std::optional<at::Tensor>& seqused_k) {
+    double dropout_p, const std::optional<at::Tensor>& seqused_k, bool /*deterministic*/) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -289,23 +289,27 @@ TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
   // v (total_k, H_kv, Dv); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (keys:
   // cu_seqlens_k), int32; max_seqlen_q/k at least the longest; seqused_k (batch,) int32: only
   // the first seqused_k[b] keys of sequence b are used (FlashAttention's).  Causal bottom-right
-  // per sequence (over the keys used).  Returns (out (total_q, H, Dv), softmax_lse (H, total_q), rng_state); rows outside
-  // every sequence get out = 0, lse = -inf and zero gradients.  CPU and CUDA kernels (on CUDA
-  // the portable ones).  bwd_varlen's dsoftmax_lse: the gradient flowing into softmax_lse
-  // ((H, total_q) like it, or None), folded into delta as the dense bwd op does.
+  // per sequence (over the keys used).  Returns (out (total_q, H, Dv), softmax_lse (H,
+  // total_q), rng_state); rows outside every sequence get out = 0, lse = -inf and zero
+  // gradients.  CPU and CUDA kernels.  bwd_varlen's dsoftmax_lse: the gradient flowing into
+  // softmax_lse ((H, total_q) like it, or None), folded into delta as the dense bwd op does.
+  // deterministic (or torch.use_deterministic_algorithms(True)): bitwise-reproducible
+  // gradients (on sm_90 the portable backward instead of the Hopper one, whose dQ adds come
+  // in any order); the forward takes it only to hand it to the backward (autograd).
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool causal=False, "
       "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
-      "float dropout_p=0.0, Tensor? seqused_k=None) -> (Tensor out, Tensor softmax_lse, "
-      "Tensor rng_state)",
+      "float dropout_p=0.0, Tensor? seqused_k=None, bool deterministic=False) -> (Tensor out, "
+      "Tensor softmax_lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
       "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
-      "float dropout_p=0.0, Tensor? seqused_k=None, Tensor? dsoftmax_lse=None) -> "
+      "float dropout_p=0.0, Tensor? seqused_k=None, Tensor? dsoftmax_lse=None, "
+      "bool deterministic=False) -> "
       "(Tensor dq, Tensor dk, Tensor dv)");
 }
 

@@ -213,6 +213,11 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_dropout<Element, 128>(p, stats, stream);
     return cudaErrorInvalidValue;
   }
+  if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
+    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_varlen<Element, 64>(p, stats, stream);
+    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_varlen<Element, 128>(p, stats, stream);
+    return cudaErrorInvalidValue;
+  }
   if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
   if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
   return cudaErrorInvalidValue;  // kernel_select.h sends larger head dims elsewhere
@@ -271,6 +276,62 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
   p.sm90_varlen_block_m = block_m;
+  return device;
+}
+
+// The Hopper backward's tables for packed sequences, from the offsets check_packed read on the
+// host (params.h: BwdParams::sm90_varlen_rows, FwdParams::sm90_varlen_tiles): each sequence's
+// rows of the per-row scratch start at a multiple of 128 (row_base), described per 128 rows;
+// then every key block of 128 keys of every sequence with keys, the heaviest (most query rows
+// that see it: under a causal mask the first blocks of the longest sequences) first, so that
+// the CTAs launched last are short.  One pinned int32 buffer (the key blocks, then the rows)
+// copied to the device on the call's stream; the caller keeps the tensor until the launch is
+// queued.
+at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q) {
+  constexpr int kBlockN = 128, kRowBlock = 128;
+  const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
+  const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
+  const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
+  std::vector<std::pair<int64_t, VarlenTile>> tiles;
+  std::vector<int32_t> rows;  // (first packed row, rows) per 128 padded rows
+  int64_t row_base = 0;
+  for (int64_t b = 0; b < pk.batch; ++b) {
+    const int32_t len_q = cu_q[b + 1] - cu_q[b];
+    const int32_t len_k = used_k != nullptr ? used_k[b] : cu_k[b + 1] - cu_k[b];
+    const VisibleKeys vis(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
+    for (int32_t n = 0; int64_t{n} * kBlockN < len_k; ++n) {
+      const int64_t n0 = int64_t{n} * kBlockN, n1 = std::min<int64_t>(n0 + kBlockN, len_k);
+      const int64_t lo = std::max<int64_t>(vis.first_row(n0), 0);
+      const int64_t hi = std::min<int64_t>(vis.row_limit(n1), len_q);
+      tiles.push_back({std::max<int64_t>(hi - lo, 0),
+                       {static_cast<int32_t>(b), n, cu_q[b], cu_k[b], len_q, len_k,
+                        static_cast<int32_t>(row_base), 0}});
+    }
+    for (int32_t r = 0; r < len_q; r += kRowBlock) {
+      rows.push_back(cu_q[b] + r);
+      rows.push_back(std::min(kRowBlock, len_q - r));
+    }
+    row_base += (int64_t{len_q} + kRowBlock - 1) / kRowBlock * kRowBlock;
+  }
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  TORCH_CHECK(static_cast<int64_t>(tiles.size()) * std::max<int64_t>(p.heads_kv, 1) <=
+                      std::numeric_limits<int32_t>::max() &&
+                  row_base <= std::numeric_limits<int32_t>::max() - kRowBlock,
+              "flash_attn_ext: too many key blocks or rows for the Hopper backward: ",
+              tiles.size(), " key blocks, ", row_base, " padded rows");
+  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
+  const int64_t tile_ints = static_cast<int64_t>(tiles.size()) * kInts;
+  at::Tensor host = at::empty({tile_ints + static_cast<int64_t>(rows.size())},
+                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
+  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
+  std::copy(rows.begin(), rows.end(), host.data_ptr<int32_t>() + tile_ints);
+  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+  p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
+  p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
+  p.sm90_varlen_rows = device.data_ptr<int32_t>() + tile_ints;
+  p.sm90_varlen_padded_q = row_base;
   return device;
 }
 #endif
@@ -478,7 +539,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 // cpu/flash_fwd_cpu.cpp): on sm_90 the Hopper forward's varlen instantiation for plain
 // attention (its tiles from a table of every sequence's query blocks: sm90_varlen_tiles),
 // elsewhere the portable kernels, each CTA placing its sequence by params.h's cu_seqlens
-// (kernels/sm80/block_info.h: SeqInfo); the backward on the 4-warp kernels with the separate dQ
+// (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90 the Hopper backward's
+// varlen instantiation for plain attention (a table of every sequence's key blocks:
+// sm90_bwd_varlen_tables), unless deterministic; else the 4-warp kernels with the separate dQ
 // kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the offsets are read on the
 // host).
 void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t max_seqlen_k) {
@@ -495,7 +558,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    double dropout_p, const std::optional<at::Tensor>& seqused_k) {
+    double dropout_p, const std::optional<at::Tensor>& seqused_k, bool /*deterministic*/) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -541,7 +604,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     int64_t max_seqlen_k, const at::Tensor& rng_state, std::optional<double> softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse,
+    bool deterministic) {
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -550,9 +614,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
   check_packed_bwd_tensors(a, dout_in, out_in, softmax_lse, at::kFloat);
-  select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
-                                             alibi_slopes.has_value()),
-             true, kernel_options());
+  const KernelChoice choice =
+      select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
+                                                 alibi_slopes.has_value()),
+                 deterministic, kernel_options(), /*packed=*/true);
   const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
   const at::Tensor out = kernel_ready(last_dim_contiguous(out_in).unsqueeze(0));
   const at::Tensor dout = kernel_ready(last_dim_contiguous(dout_in).unsqueeze(0));
@@ -581,13 +646,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       p.philox_seed_ptr = rng_state.data_ptr<int64_t>();
       p.philox_offset_ptr = p.philox_seed_ptr + 1;
     }
-    p.bwd_eight_warp = false;  // the 4-warp kernels and the separate dQ kernel
-    at::Tensor delta = at::empty({a.heads_q, a.seqlen_q}, lse.options());
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(q.scalar_type() == at::kBFloat16
-                       ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta.data_ptr<float>(), stream)
-                       : run_bwd<__half>(kernel_dim, p, delta.data_ptr<float>(), stream));
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+#ifdef FLASH_ATTN_EXT_SM90
+    if (choice.bwd == BwdKernel::kSm90) {
+      // The key-block table and the padded rows, then fp32 scratch in those rows: the
+      // accumulated dQ and the statistics (lse * log2(e), D).
+      const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q);
+      at::Tensor dq_accum = at::empty(
+          {a.heads_q, p.sm90_varlen_padded_q, dq_accum_cols(kernel_dim)}, lse.options());
+      at::Tensor stats = at::empty({2, a.heads_q, p.sm90_varlen_padded_q}, lse.options());
+      p.dq_accum = dq_accum.data_ptr<float>();
+      C10_CUDA_CHECK(bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats.data_ptr<float>(),
+                                                        stream)
+                          : run_bwd_sm90<__half>(kernel_dim, p, stats.data_ptr<float>(), stream));
+    } else
+#endif
+    {
+      p.bwd_eight_warp = false;  // the 4-warp kernels and the separate dQ kernel
+      at::Tensor delta = at::empty({a.heads_q, a.seqlen_q}, lse.options());
+      C10_CUDA_CHECK(bf16 ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta.data_ptr<float>(), stream)
+                          : run_bwd<__half>(kernel_dim, p, delta.data_ptr<float>(), stream));
+    }
   }
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
 }

@@ -5,7 +5,7 @@ the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the H
 general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
 order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
 sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
-rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's varlen
+rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and backward's varlen
 instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).  `--decode`: only
 the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--varlen`:
 only the packed sequences.

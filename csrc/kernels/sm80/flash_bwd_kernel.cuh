@@ -87,7 +87,7 @@ struct BwdTraits {
 template <typename Element, int kTpr>
 __global__ void __launch_bounds__(256)
     flash_bwd_delta_kernel(const BwdParams p, float* delta, float4* zero, int64_t zero_quads,
-                           int64_t pitch, float* lse_log2_out) {
+                           int64_t pitch, float* lse_log2_out, const int32_t* row_blocks) {
   static_assert(kTpr >= 1 && kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "");
   const int tid = static_cast<int>(threadIdx.x);
   for (int64_t i = int64_t(blockIdx.x) * 256 + tid; i < zero_quads; i += int64_t(gridDim.x) * 256)
@@ -96,14 +96,21 @@ __global__ void __launch_bounds__(256)
   const int t = tid % kTpr;
   const bool valid = row_id < p.batch * p.heads_q * pitch;
   const int64_t i = row_id % pitch, bh = row_id / pitch;
-  const bool in_seq = valid && i < p.seqlen_q;
+  // The row of out / dout / softmax_lse that scratch row i holds: i itself, or with row_blocks
+  // (packed sequences' padded rows, BwdParams::sm90_varlen_rows) the one its 128-row block maps.
+  bool in_seq = valid && i < p.seqlen_q;
+  int64_t src = i;
+  if (row_blocks != nullptr && valid) {
+    in_seq = i % 128 < row_blocks[2 * (i / 128) + 1];
+    src = row_blocks[2 * (i / 128)] + i % 128;
+  }
   float sum = 0.f;
   if (in_seq) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
     const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
-                    i * p.out_row_stride + h * p.out_head_stride;
+                    src * p.out_row_stride + h * p.out_head_stride;
     const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
-                    i * p.dout_row_stride + h * p.dout_head_stride;
+                    src * p.dout_row_stride + h * p.dout_head_stride;
     for (int c = t * 8; c < p.head_dim_v; c += kTpr * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
@@ -116,7 +123,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int s = kTpr / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
   if (valid && t == 0) {
-    const int64_t row = bh * p.seqlen_q + i;  // in (batch, heads_q, seqlen_q) tensors
+    const int64_t row = bh * p.seqlen_q + src;  // in (batch, heads_q, seqlen_q) tensors
     const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);
     delta[row_id] = !in_seq ? 0.f : dlse == nullptr ? sum : sum - dlse[row];
     if (lse_log2_out != nullptr)
@@ -131,22 +138,24 @@ __global__ void __launch_bounds__(256)
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int64_t zero_floats,
                              cudaStream_t stream, int64_t pitch = -1,
-                             float* lse_log2_out = nullptr) {
+                             float* lse_log2_out = nullptr,
+                             const int32_t* row_blocks = nullptr) {
   constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRowsPerCta = 256 / kTpr;
   // Packed sequences: D row by row over all total_q rows of each head, which is this kernel's
   // dense form for one batch entry of total_q rows (batch strides are 0; the statistics are
   // (heads_q, total_q), as this layout; rows outside every sequence get a D nothing reads).
   BwdParams rows_of = p;
+  // With row_blocks (the Hopper backward's padded rows): `pitch` of them per head.
   if (p.cu_seqlens_q != nullptr) {
     rows_of.batch = 1;
     rows_of.seqlen_q = p.total_q;
-    pitch = p.total_q;
+    if (row_blocks == nullptr) pitch = p.total_q;
   }
   if (pitch < 0) pitch = rows_of.seqlen_q;
   const int64_t rows = rows_of.batch * rows_of.heads_q * pitch;
   return launch(flash_bwd_delta_kernel<Element, kTpr>, (rows + kRowsPerCta - 1) / kRowsPerCta,
                 256, 0, stream, rows_of, delta, reinterpret_cast<float4*>(zero), zero_floats / 4,
-                pitch, lse_log2_out);
+                pitch, lse_log2_out, row_blocks);
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.

@@ -15,8 +15,10 @@
 //     stage the next step before it has read this one.
 //
 // Buffer layout (p.dq_accum, dq_accum_floats of them): (batch, heads_q, dq_accum_rows(seqlen_q)
-// / kBlockM tiles, tile), a tile being each consumer warpgroup's part in turn, each part its
-// threads' accumulators in wgmma fragment order: float4 chunk j of thread t at float
+// / kBlockM tiles, tile) (packed sequences: (heads_q, padded rows / kBlockM tiles, tile);
+// bwd_traits.h's bwd_scratch_row gives a tile's first row, times the head dim its offset), a
+// tile being each consumer warpgroup's part in turn, each part its threads' accumulators in
+// wgmma fragment order: float4 chunk j of thread t at float
 // 4 * (j * 128 + t) (a warp's 16-byte stores then cover 512 contiguous bytes: no bank
 // conflicts).  The conversion maps fragment positions back to (row, column) with the same
 // TiledMmadQ partition.
@@ -75,12 +77,6 @@ struct BwdDq {
                             static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) <=
                         16,
                 "the dQ writer's named barriers overlap or exceed the hardware's 16");
-
-  // The first float of tile m_block of (b, h) in the buffer.
-  __host__ __device__ static int64_t tile_offset(const BwdParams& p, int64_t b, int64_t h,
-                                                 int64_t m_block) {
-    return ((b * p.heads_q + h) * dq_accum_rows(p.seqlen_q) + m_block * kM) * kD;
-  }
 
   // This thread's dQ accumulators (kPartFloats / 128 floats, fragment order) into the staging.
   template <typename Acc>
@@ -184,7 +180,7 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
     }
     __syncwarp();
     if (!bwd_step_skipped<T>(p, b, h, m_block, n_block)) {
-      float* tile = p.dq_accum + Dq::tile_offset(p, b, h, m_block);
+      float* tile = p.dq_accum + bwd_scratch_row(args, b, h, BwdSeq{}, m_block) * T::kHeadDim;
       CUTE_UNROLL
       for (int me = 0; me < T::kConsumers; ++me) {
         cutlass::arch::NamedBarrier::sync(Dq::kBarrierThreads, kDqFullBarrier + me);
@@ -209,7 +205,7 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
 }
 
 // dq (Element, like q) from the buffer: one CTA of 128 * kConsumers threads per (tile, batch,
-// head); thread t reads the fragments consumer thread t wrote (all loads first: one load in
+// head) (packed sequences: per (padded tile, head), tiles of padding only returning at once); thread t reads the fragments consumer thread t wrote (all loads first: one load in
 // flight at a time left the kernel waiting on L1TEX 93% of its cycles), puts each pair of
 // columns into a shared tile, and the CTA then writes whole 16-byte chunks of dq's rows (rows
 // of dq are 16-byte aligned and head_dim a multiple of 8: the glue's kernel_ready).
@@ -222,13 +218,31 @@ __global__ void __launch_bounds__(128 * T::kConsumers)
   constexpr int kPitch = kD + 8;  // elements per staged row (+16 bytes: fewer bank conflicts)
   __shared__ __align__(16) Element tile[kM * kPitch];
   const int64_t m_block = blockIdx.x % num_m_blocks, bh = blockIdx.x / num_m_blocks;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  // The tile's rows: dense, rows m0 .. of (b, h); packed sequences, padded rows m0 .. of head
+  // h (BwdParams::sm90_varlen_rows: where they lie in q, how many are a sequence's).
+  int64_t b, h, src_row, dst_row, rows;
+  const int64_t m0 = m_block * kM;
+  if constexpr (T::kVarlen) {
+    b = 0;
+    h = bh;
+    const int64_t block = m0 / 128, within = m0 % 128;
+    dst_row = p.sm90_varlen_rows[2 * block] + within;
+    rows = p.sm90_varlen_rows[2 * block + 1] - within;
+    if (rows <= 0) return;  // padding only
+    src_row = h * p.sm90_varlen_padded_q + m0;
+  } else {
+    b = bh / p.heads_q;
+    h = bh % p.heads_q;
+    dst_row = m0;
+    rows = p.seqlen_q - m0;
+    src_row = (b * p.heads_q + h) * dq_accum_rows(p.seqlen_q) + m0;
+  }
   const int ctid = threadIdx.x, me = ctid / 128, tid = ctid % 128;
   typename T::TiledMmadQ mma;
   Tensor coord = mma.get_thread_slice(ctid).partition_C(
       make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
   constexpr int kVals = decltype(size(coord))::value;
-  const float* src = p.dq_accum + Dq::tile_offset(p, b, h, m_block) + me * Dq::kPartFloats;
+  const float* src = p.dq_accum + src_row * kD + me * Dq::kPartFloats;
   float4 x[kVals / 4];
   CUTE_UNROLL
   for (int j = 0; j < kVals / 4; ++j)
@@ -244,12 +258,12 @@ __global__ void __launch_bounds__(128 * T::kConsumers)
     }
   }
   __syncthreads();
-  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-  const int64_t m0 = m_block * kM;
+  auto* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+             dst_row * p.dq_row_stride;
   for (int i = ctid; i < kM * kD / 8; i += kThreads) {
     const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
-    if (m0 + r < p.seqlen_q && c < p.head_dim)
-      *reinterpret_cast<uint4*>(dq + (m0 + r) * p.dq_row_stride + c) =
+    if (r < rows && c < p.head_dim)
+      *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) =
           *reinterpret_cast<const uint4*>(tile + r * kPitch + c);
   }
 }

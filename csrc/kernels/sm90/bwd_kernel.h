@@ -33,15 +33,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // causal mask each head's longest blocks (the first keys) start first.  With dQ added in
   // descending key-block order, the highest first, the shortest under a causal mask (a CTA
   // waits only for CTAs launched before it: bwd_traits.h, kDqDescending).
-  const int32_t n_index = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
-  const int32_t n_block =
-      args.dq_order == kDqDescending ? args.num_n_blocks - 1 - n_index : n_index;
-  const int32_t bhk = static_cast<int32_t>(blockIdx.x / args.num_n_blocks);
-  const int32_t b = bhk / static_cast<int32_t>(p.heads_kv);
-  const int32_t hk = bhk % static_cast<int32_t>(p.heads_kv);
-  const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+  // Packed sequences: entry blockIdx / heads_kv of the host's table (heaviest first), KV head
+  // blockIdx % heads_kv.
+  int32_t n_block, b, hk;
+  BwdSeq seq;
+  if constexpr (T::kVarlen) {
+    const VarlenTile e = p.sm90_varlen_tiles[blockIdx.x / static_cast<uint32_t>(p.heads_kv)];
+    hk = static_cast<int32_t>(blockIdx.x % static_cast<uint32_t>(p.heads_kv));
+    n_block = e.block;
+    b = e.b;
+    seq = {e.q0, e.k0, e.len_q, e.len_k, e.row_base};
+  } else {
+    const int32_t n_index = static_cast<int32_t>(blockIdx.x % args.num_n_blocks);
+    n_block = args.dq_order == kDqDescending ? args.num_n_blocks - 1 - n_index : n_index;
+    const int32_t bhk = static_cast<int32_t>(blockIdx.x / args.num_n_blocks);
+    b = bhk / static_cast<int32_t>(p.heads_kv);
+    hk = bhk % static_cast<int32_t>(p.heads_kv);
+    seq = {0, 0, static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.seqlen_k), 0};
+  }
+  const VisibleKeys vis(seq.len_q, seq.len_k, p.window_left, p.window_right,
                         p.align_bottom_right);
-  const BwdSteps st = bwd_steps(args, vis, n_block, b, hk);
+  const BwdSteps st = bwd_steps(args, vis, n_block, b, hk, seq);
 
   const int warp_group = threadIdx.x / 128;
   using Pipeline = typename T::Pipeline;
@@ -67,7 +79,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
-      run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, sQ, sdO, sK, sV);
+      run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
     else if (threadIdx.x / 32 == 1 && dq_ordered && st.steps > 0)
       run_bwd_dq_writer<T>(args, smem, st, n_block, b, hk);
     return;
@@ -87,6 +99,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const float scale = static_cast<float>(p.softmax_scale);
     const float scale_log2 = scale * 1.4426950408889634f;
     const int me = ctid / 128, tid = ctid % 128;  // consumer warpgroup, its thread
+    // Packed sequences: keys past the sequence's end are the next sequence's (or TMA's zeros
+    // past the tensor).  The mask gives them P^T = 0, but dS^T = 0 * (dP^T - D) and dQ = dS K
+    // would carry a NaN or inf of theirs through: each warpgroup zeroes its own keys' rows of
+    // K and V past the end (the other warpgroup reads them in dQ only after the dS barrier).
+    if constexpr (T::kVarlen)
+      if (n0 + kN > seq.len_k) mainloop.zero_kv_rows(smem, seq.len_k - n0, me, tid);
     float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
     BwdStepWalk w{hk * args.group};
@@ -96,10 +114,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if (bwd_step_skipped<T>(p, b, h, m_block, n_block)) continue;
       const int64_t m0 = static_cast<int64_t>(m_block) * kM;
       // Masked unless every key of the block is visible to every row of the step.
-      const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+      const int64_t last = (m0 + kM < seq.len_q ? m0 + kM : seq.len_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      float* dq_tile = p.dq_accum + BwdDq<T>::tile_offset(p, b, h, m_block);
+      float* dq_tile = p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim;
       // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
       // uniform registers: here, before the step's wait, their latency is covered, and the
       // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,
@@ -113,9 +131,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
       pipe.consumer_wait(state);
+      // Packed sequences: the step's rows past the sequence's end (the next sequence's, or
+      // zeros) become zeros in Q and dO (their statistics give P^T = 0 and dS^T = 0, but
+      // 0 * NaN in dV += P^T dO and dK += dS^T Q would carry a NaN of theirs through).
+      if constexpr (T::kVarlen)
+        if (m0 + kM > seq.len_q)
+          mainloop.zero_qdo_rows(smem, state.index(), static_cast<int>(seq.len_q - m0), me, tid);
       mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2, dq_tile,
                     dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
-                    static_cast<int32_t>(p.seqlen_q - m0), static_cast<int32_t>(p.seqlen_k - n0),
+                    static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
                     cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
                     (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
                     T::kMask ? mask_row(p, b, h, 0) : nullptr, dq_ordered, done == 0);
@@ -125,7 +149,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     if (done > 0 || !dq_ordered) BwdDq<T>::drain(me, tid, dq_ordered);
   }
-  mainloop.store_dkdv(p, n0, b, hk);  // zeros where no query row sees the block
+  // zeros where no query row sees the block
+  mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

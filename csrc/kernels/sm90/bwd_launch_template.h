@@ -2,6 +2,8 @@
 // the portable backward's delta kernel with padded rows), TMA descriptors, one CTA per (key
 // block, batch, KV head) of flash_bwd_sm90_kernel (bwd_kernel.h), then the dQ buffer converted
 // to dq (bwd_dq.h).  With p.dq_semaphore (zeroed by the caller) dQ is added in a fixed order.
+// Packed sequences (T::kVarlen): one CTA per (entry of the key-block table, KV head), the
+// scratch in the sequences' padded rows (BwdParams::sm90_varlen_rows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,31 +28,42 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   using CudaElement =
       std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
   constexpr int kD = T::kHeadDim;
-  if (p.dq_accum == nullptr || p.seqlen_q > kMaxRows || p.seqlen_k > kMaxRows)
+  constexpr bool varlen = T::kVarlen;
+  // Rows of the tensors (packed sequences: one batch entry of all rows) and of the per-row
+  // scratch per (batch, query head).
+  const int64_t rows_q = varlen ? p.total_q : p.seqlen_q;
+  const int64_t rows_k = varlen ? p.total_k : p.seqlen_k;
+  const int64_t batch = varlen ? 1 : p.batch;
+  const int64_t pitch = varlen ? p.sm90_varlen_padded_q : bwd_sm90_stats_pitch(p.seqlen_q);
+  if (p.dq_accum == nullptr || rows_q > kMaxRows || rows_k > kMaxRows || pitch > kMaxRows)
     return cudaErrorInvalidValue;
   // The bias's gradient is not in these kernels; softcap, a bias and ALiBi only in the general
-  // variant, dropout there or in the dropout variant (which needs it).
-  if (p.dbias_full != nullptr || p.cu_seqlens_q != nullptr ||
+  // variant, dropout there or in the dropout variant (which needs it).  Packed sequences only
+  // in the varlen instantiation, with its tables, dQ in any order.
+  if (p.dbias_full != nullptr || (p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
-  const int64_t pitch = bwd_sm90_stats_pitch(p.seqlen_q);
+  if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
+                 (pitch > 0 && p.sm90_varlen_rows == nullptr) || pitch % 128 != 0 ||
+                 p.dq_semaphore != nullptr))
+    return cudaErrorInvalidValue;
   float* lse_log2 = stats;
-  float* delta = stats + p.batch * p.heads_q * pitch;
+  float* delta = stats + batch * p.heads_q * pitch;
   cudaError_t err = sm80::launch_bwd_delta<CudaElement, kD>(
-      p, delta, p.dq_accum, dq_accum_floats(p.batch, p.seqlen_q, p.heads_q, kD), stream, pitch,
-      lse_log2);
+      p, delta, p.dq_accum, batch * p.heads_q * pitch * kD, stream, pitch, lse_log2,
+      varlen ? p.sm90_varlen_rows : nullptr);
   if (err != cudaSuccess) return err;
 
   auto stride_of = [](int64_t size, int64_t stride) {
     return size <= 1 ? int64_t{8} : stride;
   };
-  auto gmem = [&](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch,
+  auto gmem = [&](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batches,
                   int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
                        GmemShape(static_cast<int32_t>(rows), static_cast<int32_t>(dim),
-                                 static_cast<int32_t>(heads), static_cast<int32_t>(batch)),
+                                 static_cast<int32_t>(heads), static_cast<int32_t>(batches)),
                        GmemStride(stride_of(rows, row_stride), _1{},
-                                  stride_of(heads, head_stride), stride_of(batch, batch_stride)));
+                                  stride_of(heads, head_stride), stride_of(batches, batch_stride)));
   };
   using TileQ = Shape<Int<T::kBlockM>, Int<kD>>;
   using TileK = Shape<Int<T::kBlockN>, Int<kD>>;
@@ -62,7 +75,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   // CTAs launched before it).  Descending where every key block starts at query block 0 (no
   // mask beyond 16.9k keys, a window open to the right) puts each key block a writer step
   // behind the next higher one at the start: not measured.
-  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  // (packed sequences: the padded rows, whole blocks)
+  const int64_t num_m_blocks = (varlen ? pitch : p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   int32_t dq_order = kDqAnyOrder;
   if (p.dq_semaphore != nullptr)
     dq_order = p.window_left < 0 && p.window_right < 0 &&
@@ -72,19 +86,19 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
                    : kDqDescending;
   Sm90BwdArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.q, p.seqlen_q, p.head_dim, p.heads_q, p.batch, p.q_row_stride,
+                    gmem(p.q, rows_q, p.head_dim, p.heads_q, batch, p.q_row_stride,
                          p.q_head_stride, p.q_batch_stride),
                     take<0, 2>(typename T::SmemLayoutQ{}), TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.dout, p.seqlen_q, p.head_dim_v, p.heads_q, p.batch, p.dout_row_stride,
+                    gmem(p.dout, rows_q, p.head_dim_v, p.heads_q, batch, p.dout_row_stride,
                          p.dout_head_stride, p.dout_batch_stride),
                     take<0, 2>(typename T::SmemLayoutQ{}), TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.k, p.seqlen_k, p.head_dim, p.heads_kv, p.batch, p.k_row_stride,
+                    gmem(p.k, rows_k, p.head_dim, p.heads_kv, batch, p.k_row_stride,
                          p.k_head_stride, p.k_batch_stride),
                     typename T::SmemLayoutK{}, TileK{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    gmem(p.v, p.seqlen_k, p.head_dim_v, p.heads_kv, p.batch, p.v_row_stride,
+                    gmem(p.v, rows_k, p.head_dim_v, p.heads_kv, batch, p.v_row_stride,
                          p.v_head_stride, p.v_batch_stride),
                     typename T::SmemLayoutK{}, TileK{}, _1{}),
       p,
@@ -94,13 +108,14 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
       static_cast<int32_t>(num_n_blocks),
       static_cast<int32_t>(p.heads_q / p.heads_kv),
       dq_order};
-  const int64_t ctas = num_n_blocks * p.batch * p.heads_kv;
+  const int64_t ctas = varlen ? int64_t{p.sm90_varlen_entries} * p.heads_kv
+                              : num_n_blocks * p.batch * p.heads_kv;
   if (ctas > 0x7fffffffLL) return cudaErrorInvalidValue;
   if (ctas > 0) {
     err = sm80::launch(flash_bwd_sm90_kernel<T>, ctas, T::kThreads, T::kSmemBytes, stream, args);
     if (err != cudaSuccess) return err;
   }
-  return sm80::launch(flash_bwd_sm90_convert_dq_kernel<T>, num_m_blocks * p.batch * p.heads_q,
+  return sm80::launch(flash_bwd_sm90_convert_dq_kernel<T>, num_m_blocks * batch * p.heads_q,
                       128 * T::kConsumers, 0, stream, p, static_cast<int32_t>(num_m_blocks));
 }
 

@@ -359,16 +359,53 @@ struct BwdMainloop {
     warpgroup_fence_operand(ds16);
   }
 
-  // dK and dV rows of keys n0 .. (cut at seqlen_k; columns cut at head_dim / head_dim_v) from
-  // the accumulators, one 32-bit word per pair of columns.  Every element's (key, column) is a
+  // Rows [first, kRows) of a (kRows, kD) tile of the swizzled layout become zeros, written by
+  // this warpgroup's 128 threads, then made visible to its wgmma (packed sequences: rows past
+  // the sequence's end, bwd_kernel.h).  16-byte chunks are contiguous under the swizzle.
+  template <typename Tile>
+  __device__ __forceinline__ static void zero_rows(Tile&& tile, int first, int last, int tid) {
+    constexpr int kChunks = kD / 8;
+#pragma unroll 1
+    for (int i = tid; i < (last - first) * kChunks; i += 128) {
+      const int r = first + i / kChunks, col = (i % kChunks) * 8;
+      *reinterpret_cast<uint4*>(&tile(r, col)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // Keys from `first` of the block (relative to n0) of this warpgroup's 64: zeros in K and V.
+  __device__ __forceinline__ void zero_kv_rows(typename T::SharedStorage& smem, int64_t first,
+                                               int me, int tid) {
+    const int lo = 64 * me, hi = 64 * me + 64;
+    const int from = first < lo ? lo : first > hi ? hi : static_cast<int>(first);
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
+    zero_rows(sK, from, hi, tid);
+    zero_rows(sV, from, hi, tid);
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before wgmma reads
+    cutlass::arch::NamedBarrier::sync(128, 1 + me);
+  }
+  // Query rows from `first` of ring stage `stage`: zeros in Q and dO.  Both warpgroups read
+  // all rows of the stage; each writes the same zeros before its own GEMMs (the stage is
+  // refilled only after both released it).
+  __device__ __forceinline__ void zero_qdo_rows(typename T::SharedStorage& smem, int stage,
+                                                int first, int me, int tid) {
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQ{});
+    zero_rows(sQ(_, _, stage), first < 0 ? 0 : first, kM, tid);
+    zero_rows(sdO(_, _, stage), first < 0 ? 0 : first, kM, tid);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, 1 + me);
+  }
+
+  // dK and dV rows row_base .. of k / v (the block's keys, keys_left of them exist; columns
+  // cut at head_dim / head_dim_v) from the accumulators, one 32-bit word per pair of columns.  Every element's (key, column) is a
   // compile-time offset from the thread's first, so the bounds are immediates compared with
   // per-thread limits and the addresses immediates off two row pointers (computed per element
   // from 64-bit coordinates, the stores took ~12 instructions each: ~1,500 per thread, a few
   // per cent of a causal CTA's time).
-  __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t n0, int32_t b,
-                                             int32_t hk) const {
+  __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
+                                             int64_t keys_left, int32_t b, int32_t hk) const {
     const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
-    const int64_t row0 = n0 + key0;
+    const int64_t row0 = row_base + key0;
     auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride +
                row0 * p.dk_row_stride + c0;
     auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride +
@@ -377,7 +414,7 @@ struct BwdMainloop {
     // below folds to one of these two pointers.
     auto* dk8 = dk + 8 * p.dk_row_stride;
     auto* dv8 = dv + 8 * p.dv_row_stride;
-    const int rows_left = static_cast<int>(p.seqlen_k - row0 < kN ? p.seqlen_k - row0 : kN);
+    const int rows_left = static_cast<int>(keys_left - key0 < kN ? keys_left - key0 : kN);
     const int dk_cols = static_cast<int>(p.head_dim) - c0;
     const int dv_cols = static_cast<int>(p.head_dim_v) - c0;
     constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;

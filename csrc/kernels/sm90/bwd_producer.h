@@ -13,32 +13,50 @@
 
 namespace flash_attn_ext::sm90 {
 
+// Packed sequences (T::kVarlen): the tensors are the packed ones (one batch entry of
+// total_q / total_k rows), the tiles start at the sequence's offsets; tiles running past its
+// end read the next sequence's rows (or TMA's zeros past the tensor), which the consumers
+// zero (bwd_kernel.h).
 template <typename T, typename SmemQ, typename SmemK>
 __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
                                                  typename T::SharedStorage& smem,
                                                  typename T::Pipeline& pipe, const BwdSteps& st,
                                                  int32_t n_block, int32_t b, int32_t hk,
-                                                 SmemQ& sQ, SmemQ& sdO, SmemK& sK, SmemK& sV) {
+                                                 const BwdSeq& seq, SmemQ& sQ, SmemQ& sdO,
+                                                 SmemK& sK, SmemK& sV) {
   using Pipeline = typename T::Pipeline;
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
   const BwdParams& p = args.p;
-  const GmemShape shape_q(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
-  const GmemShape shape_do(static_cast<int32_t>(p.seqlen_q), static_cast<int32_t>(p.head_dim_v),
-                           static_cast<int32_t>(p.heads_q), static_cast<int32_t>(p.batch));
-  const GmemShape shape_k(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
-  const GmemShape shape_v(static_cast<int32_t>(p.seqlen_k), static_cast<int32_t>(p.head_dim_v),
-                          static_cast<int32_t>(p.heads_kv), static_cast<int32_t>(p.batch));
+  const int32_t rows_q = static_cast<int32_t>(T::kVarlen ? p.total_q : p.seqlen_q);
+  const int32_t rows_k = static_cast<int32_t>(T::kVarlen ? p.total_k : p.seqlen_k);
+  const int32_t batch = static_cast<int32_t>(T::kVarlen ? 1 : p.batch);
+  const int32_t tb = T::kVarlen ? 0 : b;  // the tensors' batch entry
+  const GmemShape shape_q(rows_q, static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_q), batch);
+  const GmemShape shape_do(rows_q, static_cast<int32_t>(p.head_dim_v),
+                           static_cast<int32_t>(p.heads_q), batch);
+  const GmemShape shape_k(rows_k, static_cast<int32_t>(p.head_dim),
+                          static_cast<int32_t>(p.heads_kv), batch);
+  const GmemShape shape_v(rows_k, static_cast<int32_t>(p.head_dim_v),
+                          static_cast<int32_t>(p.heads_kv), batch);
   Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
   Tensor mdO = args.tma_do.get_tma_tensor(shape_do);
   Tensor mK = args.tma_k.get_tma_tensor(shape_k);
   Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+  // A (rows, head dim) view from row `first` (packed sequences; the dense tensors as they are).
+  auto from_row = [](int32_t first, auto&& m) {
+    if constexpr (T::kVarlen)
+      return domain_offset(make_coord(first, 0), m);
+    else
+      return m;
+  };
 
   // K and V of the key block, once.
   {
-    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
-    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+    Tensor gK = local_tile(from_row(seq.k0, mK(_, _, hk, tb)),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(from_row(seq.k0, mV(_, _, hk, tb)),
+                           Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
     auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                     group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
@@ -54,8 +72,10 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
     const int32_t h = w.h, m_block = w.m_block(st);
     if (bwd_step_skipped<T>(p, b, h, m_block, n_block)) continue;
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
-    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+    Tensor gQ = local_tile(from_row(seq.q0, mQ(_, _, h, tb)),
+                           Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+    Tensor gdO = local_tile(from_row(seq.q0, mdO(_, _, h, tb)),
+                            Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
     auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                     group_modes<0, 2>(gQ));
     auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
@@ -65,8 +85,7 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
     const int stage = state.index();
     copy(args.tma_q.with(*full), tQg(_, m_block), tQs(_, stage));
     copy(args.tma_do.with(*full), tdOg(_, m_block), tdOs(_, stage));
-    const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * args.stats_pitch +
-                         static_cast<int64_t>(m_block) * kM;
+    const int64_t stat = bwd_scratch_row(args, b, h, seq, m_block);
     SM90_BULK_COPY_G2S::copy(args.lse_log2 + stat, full, smem.lse_log2[stage], T::kStatBytes);
     SM90_BULK_COPY_G2S::copy(args.delta + stat, full, smem.delta[stage], T::kStatBytes);
     ++state;

@@ -26,7 +26,7 @@
 namespace flash_attn_ext::sm90 {
 
 template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false>
+          bool kMask_ = false, bool kVarlen_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
@@ -46,6 +46,13 @@ struct Sm90BwdTraits {
   static_assert(!(kMask && (kGeneral || kDropout)), "a mask alone");
   // Whether steps the bias masks for the whole key block are skipped (bias_blocks.h).
   static constexpr bool kSkipMasked = kGeneral || kMask;
+  // Packed sequences (FlashAttention-2's varlen; BwdParams::cu_seqlens_q), plain attention:
+  // each CTA takes one entry of the host's key-block table (FwdParams::sm90_varlen_tiles) and
+  // one KV head, loads over the packed tensors at its sequence's offsets, and keeps its
+  // statistics and dQ in the sequence's padded rows (BwdParams::sm90_varlen_rows).  dQ in any
+  // order only (deterministic calls take the portable kernels).  Its own instantiation.
+  static constexpr bool kVarlen = kVarlen_;
+  static_assert(!(kVarlen && (kGeneral || kDropout || kMask)), "packed sequences: plain only");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
@@ -152,7 +159,8 @@ struct Sm90BwdArgs {
   BwdParams p;
   // lse * log2(e) (+inf for rows that see no key and for the padding) and D = rowsum(dO * O) -
   // dsoftmax_lse, fp32, (batch, heads_q, stats_pitch): rows padded to 128-row blocks, so
-  // that every step's 64 values are one aligned bulk copy.
+  // that every step's 64 values are one aligned bulk copy (packed sequences: (heads_q,
+  // sm90_varlen_padded_q), each sequence's rows padded so; bwd_scratch_row).
   const float* lse_log2;
   const float* delta;
   int32_t stats_pitch;
@@ -174,6 +182,23 @@ struct Sm90BwdArgs {
 // in the order they reach it; without the rotation every key block would reach query block 0
 // at its first step and wait for all others in turn.
 constexpr int32_t kDqAnyOrder = 0, kDqDescending = 1, kDqRotated = 2;
+
+// The CTA's sequence: its rows of q / dO start at q0 and its keys at k0 (0 but for packed
+// sequences), len_q rows and len_k keys; row_base: its first row in the per-row scratch
+// (statistics, dQ buffer) of each (batch, query head).
+struct BwdSeq {
+  int32_t q0, k0, len_q, len_k, row_base;
+};
+// Row of query block m_block of (b, h) in the per-row scratch: (batch, heads_q, stats_pitch)
+// rows, a sequence's from its row_base (packed sequences: one batch entry, each sequence's
+// rows padded to a multiple of 128).  The statistics' offset; times the head dim, dQ's.
+template <typename T>
+__host__ __device__ __forceinline__ int64_t bwd_scratch_row(const Sm90BwdArgs<T>& args,
+                                                            int32_t b, int32_t h,
+                                                            const BwdSeq& seq, int32_t m_block) {
+  const int64_t bh = T::kVarlen ? h : static_cast<int64_t>(b) * args.p.heads_q + h;
+  return bh * args.stats_pitch + seq.row_base + static_cast<int64_t>(m_block) * T::kBlockM;
+}
 
 // The query blocks a key block's steps visit, and its steps: (query head of the group, block)
 // pairs, the head outermost.  With a bias summary (the general and mask variants) the rows are
@@ -213,13 +238,14 @@ __device__ __forceinline__ bool bwd_step_skipped(const BwdParams& p, int32_t b, 
 }
 template <typename T>
 __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
-                                              int32_t n_block, int32_t b, int32_t hk) {
+                                              int32_t n_block, int32_t b, int32_t hk,
+                                              const BwdSeq& seq) {
   const BwdParams& p = args.p;
   const int64_t n0 = static_cast<int64_t>(n_block) * T::kBlockN;
-  const int64_t n1 = n0 + T::kBlockN < p.seqlen_k ? n0 + T::kBlockN : p.seqlen_k;
+  const int64_t n1 = n0 + T::kBlockN < seq.len_k ? n0 + T::kBlockN : seq.len_k;
   int64_t row_lo = vis.first_row(n0), row_hi = vis.row_limit(n1);
   row_lo = row_lo < 0 ? 0 : row_lo;
-  row_hi = row_hi > p.seqlen_q ? p.seqlen_q : row_hi;
+  row_hi = row_hi > seq.len_q ? seq.len_q : row_hi;
   // (Not with an ordered dQ: the writer's turn at a query block counts the key blocks whose
   // steps reach it by the mask's rows alone, bwd_dq.h.)
   if (T::kSkipMasked && args.dq_order == kDqAnyOrder) {

@@ -63,7 +63,7 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
     VisibleKeys tile_vis = vis;
     if constexpr (T::kVarlen) {
       const VarlenTile e = p.sm90_varlen_tiles[tile / tile_heads];
-      tc = {e.m_block, e.b, tile % tile_heads};
+      tc = {e.block, e.b, tile % tile_heads};
       seq = {e.q0, e.k0, e.len_q, e.len_k};
       tile_vis = VisibleKeys(e.len_q, e.len_k, p.window_left, p.window_right,
                              p.align_bottom_right);
