@@ -114,8 +114,9 @@ struct CallInfo {
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
   // Packed sequences (the varlen ops; q, k, v described as (1, total, heads, head_dim)): the
-  // Hopper forward's varlen instantiation takes plain attention, the backward runs on the
-  // 4-warp kernels with the separate dQ kernel.
+  // Hopper forward's and backward's varlen instantiations take plain attention (the backward
+  // up to head dim 128, not deterministic); else the 4-warp kernels with the separate dQ
+  // kernel.
   bool packed = false;
 };
 

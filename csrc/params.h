@@ -111,6 +111,8 @@ struct FwdParams {
   // sm90_varlen_block_m rows that a sequence has (none for an empty sequence), in the order the
   // CTAs take them, each for all heads_q query heads (tile t: entry t / heads_q, head
   // t % heads_q).  Built on the host from the offsets it has read (the glue); a device array.
+  // The Hopper backward's: one per key block of sm90_varlen_block_m keys that some query row
+  // of its sequence sees, each for all heads_kv KV heads (BwdParams::sm90_varlen_rows).
   const VarlenTile* sm90_varlen_tiles = nullptr;
   int32_t sm90_varlen_entries = 0;
   int32_t sm90_varlen_block_m = 0;

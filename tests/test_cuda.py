@@ -436,7 +436,7 @@ def test_fp16_gradients_with_large_score_gradients():
 def check_sm90_variants(plan, names):
     """The Hopper kernels among the launched ``names`` are the variants the plan names: their
     template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen>,
-    Sm90BwdTraits<..., kGeneral, kDropout, kMask>) against the names' suffixes."""
+    Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen>) against the names' suffixes."""
     fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     for flags, suffix in ((", true, false, false, false, false>", "_packgqa"),
@@ -447,9 +447,10 @@ def check_sm90_variants(plan, names):
         assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
     bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    for flags, suffix in ((", true, false, false>", "_general"),
-                          (", false, true, false>", "_dropout"),
-                          (", false, false, true>", "_mask")):
+    for flags, suffix in ((", true, false, false, false>", "_general"),
+                          (", false, true, false, false>", "_dropout"),
+                          (", false, false, true, false>", "_mask"),
+                          (", false, false, false, true>", "_varlen")):
         assert any(flags in n for n in bwd) == plan.backward_kernel.endswith(suffix), (plan, bwd)
 
 

@@ -553,9 +553,13 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
     torch.testing.assert_close(big, out, rtol=0, atol=0, equal_nan=True)  # (NaN: the 2nd)
     # No sequence with a query row (rows past the last offset only): nothing to launch.
     none = torch.zeros(3, dtype=torch.int32, device="cuda")
-    out, lse, _ = flash_attn_varlen_func(q, k, v, none, ck[:3].cuda(), 1, 100,
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(*leaves, none, ck[:3].cuda(), 1, 100,
                                          return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    # (and the backward: zero gradients, nothing to launch either)
+    for g in torch.autograd.grad(out, leaves, torch.ones_like(out)):
+        assert torch.equal(g, torch.zeros_like(g))
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
@@ -564,13 +568,16 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
     # The Hopper backward reads whole tiles too: a sequence's last key block and last query
-    # block run into the next sequence.  NaN and inf in that sequence's q, k, v and dout must
-    # not reach the other sequences' gradients (rows past the end are zeroed in shared memory
-    # before the GEMMs: 0 * NaN would carry them through P^T dO, dS^T Q and dS K).  dK / dV are
-    # stored from registers (the same bits twice); dQ is added in any order (the last bits
-    # may differ, so a tolerance).
-    lens_q, lens_k = [100, 50, 7], [90, 50, 30]
-    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, head_dim, head_dim, torch.bfloat16)
+    # block run into the next sequence (or the rows past the last offset).  For each sequence,
+    # NaN and inf in every other row of q, k, v and dout (tail rows included) must not reach
+    # its gradients (rows past the end are zeroed in shared memory before the GEMMs: 0 * NaN
+    # would carry them through P^T dO, dS^T Q and dS K).  Key lengths below and above 64 (one
+    # or both consumer warpgroups' keys run past the end).  dK / dV are stored from registers
+    # (the same bits as the clean call); dQ is added in any order (its last bits may differ,
+    # so a tolerance).
+    lens_q, lens_k = [100, 50, 7, 40], [90, 50, 30, 45]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, head_dim, head_dim, torch.bfloat16,
+                              tail=(5, 5))
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     args = (cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
@@ -579,26 +586,30 @@ def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
         out = flash_attn_varlen_func(q_in, k_in, v_in, *args, causal=causal)
         return torch.autograd.grad(out, (q_in, k_in, v_in), d)
     clean = grads(q, k, v, dout)
-    bad_q, bad_k = slice(100, 150), slice(90, 140)
-    poisoned = []
-    for t, rows in ((q, bad_q), (k, bad_k), (v, bad_k), (dout, bad_q)):
-        t = t.detach().clone()
-        t[rows, 0] = float("nan")
-        t[rows, 1] = float("inf")
-        poisoned.append(t)
-    pq, pk, pv, pd = poisoned
-    pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
-    names = launched_kernels(lambda: grads(pq, pk, pv, pd))
-    assert _hopper_bwd_varlen(names), names
-    dirty = grads(pq, pk, pv, pd)
-    for name, c, g, rows in zip(("dq", "dk", "dv"), clean, dirty, (bad_q, bad_k, bad_k)):
-        keep = torch.ones(c.shape[0], dtype=torch.bool, device="cuda")
-        keep[rows] = False
-        assert torch.isfinite(g[keep]).all(), name
-        if name == "dq":
-            torch.testing.assert_close(g[keep], c[keep], atol=1e-2, rtol=1e-2)
-        else:
-            assert torch.equal(g[keep], c[keep]), name
+    for b in range(len(lens_q)):
+        mine_q = slice(int(cq[b]), int(cq[b + 1]))
+        mine_k = slice(int(ck[b]), int(ck[b + 1]))
+        poisoned = []
+        for t, mine in ((q, mine_q), (k, mine_k), (v, mine_k), (dout, mine_q)):
+            bad = t.detach().clone()
+            keep = bad[mine].clone()
+            bad[:, 0] = float("nan")
+            bad[:, 1] = float("inf")
+            bad[mine] = keep
+            poisoned.append(bad)
+        pq, pk, pv, pd = poisoned
+        pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
+        result = {}
+        names = launched_kernels(
+            lambda r=result, t=(pq, pk, pv, pd): r.setdefault("g", grads(*t)))
+        assert _hopper_bwd_varlen(names), names
+        for name, c, g, mine in zip(("dq", "dk", "dv"), clean, result["g"],
+                                    (mine_q, mine_k, mine_k)):
+            assert torch.isfinite(g[mine]).all(), (b, name)
+            if name == "dq":
+                torch.testing.assert_close(g[mine], c[mine], atol=1e-2, rtol=1e-2)
+            else:
+                assert torch.equal(g[mine], c[mine]), (b, name)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "

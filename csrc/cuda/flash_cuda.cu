@@ -282,9 +282,11 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
 // The Hopper backward's tables for packed sequences, from the offsets check_packed read on the
 // host (params.h: BwdParams::sm90_varlen_rows, FwdParams::sm90_varlen_tiles): each sequence's
 // rows of the per-row scratch start at a multiple of 128 (row_base), described per 128 rows;
-// then every key block of 128 keys of every sequence with keys, the heaviest (most query rows
-// that see it: under a causal mask the first blocks of the longest sequences) first, so that
-// the CTAs launched last are short.  One pinned int32 buffer (the key blocks, then the rows)
+// then every key block of 128 keys of every sequence that some query row sees, the heaviest
+// (most query rows that see it: under a causal mask the first blocks of the longest
+// sequences) first, so that the CTAs launched last are short.  (The padding bounds the
+// scratch at 128 rows per sequence: many very short sequences cost memory out of proportion,
+// as in FlashAttention-3.)  One pinned int32 buffer (the key blocks, then the rows)
 // copied to the device on the call's stream; the caller keeps the tensor until the launch is
 // queued.
 at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q) {
@@ -303,9 +305,11 @@ at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tens
       const int64_t n0 = int64_t{n} * kBlockN, n1 = std::min<int64_t>(n0 + kBlockN, len_k);
       const int64_t lo = std::max<int64_t>(vis.first_row(n0), 0);
       const int64_t hi = std::min<int64_t>(vis.row_limit(n1), len_q);
-      tiles.push_back({std::max<int64_t>(hi - lo, 0),
-                       {static_cast<int32_t>(b), n, cu_q[b], cu_k[b], len_q, len_k,
-                        static_cast<int32_t>(row_base), 0}});
+      // (A block no row sees has zero gradients, as dk / dv are allocated: no CTA.  The same
+      // rows as the kernel's bwd_steps.)
+      if (hi > lo)
+        tiles.push_back({hi - lo, {static_cast<int32_t>(b), n, cu_q[b], cu_k[b], len_q, len_k,
+                                   static_cast<int32_t>(row_base), 0}});
     }
     for (int32_t r = 0; r < len_q; r += kRowBlock) {
       rows.push_back(cu_q[b] + r);
@@ -330,6 +334,7 @@ at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tens
   at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
+  p.sm90_varlen_block_m = kBlockN;  // (the launcher checks it against the kernel's)
   p.sm90_varlen_rows = device.data_ptr<int32_t>() + tile_ints;
   p.sm90_varlen_padded_q = row_base;
   return device;
@@ -654,6 +659,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
       // accumulated dQ and the statistics (lse * log2(e), D).
       const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q);
+      if (p.sm90_varlen_padded_q == 0) {  // no sequence has a query row: zeros (allocated)
+        return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
+      }
       at::Tensor dq_accum = at::empty(
           {a.heads_q, p.sm90_varlen_padded_q, dq_accum_cols(kernel_dim)}, lse.options());
       at::Tensor stats = at::empty({2, a.heads_q, p.sm90_varlen_padded_q}, lse.options());

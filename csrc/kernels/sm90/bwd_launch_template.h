@@ -44,6 +44,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
   if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
+                 p.sm90_varlen_block_m != T::kBlockN ||
                  (pitch > 0 && p.sm90_varlen_rows == nullptr) || pitch % 128 != 0 ||
                  p.dq_semaphore != nullptr))
     return cudaErrorInvalidValue;
