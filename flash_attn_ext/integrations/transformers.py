@@ -55,10 +55,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             instead of a mask: the packed-sequence kernels (``flash_attn_varlen_func``,
             causal bottom-right within each sequence, so that no token attends across
             sequences; ``max_length_q/k`` read when given), except on CUDA for a single
-            sequence, which runs as one call with a block-diagonal mask (on the H200 the
-            Hopper kernels take it 1.2x faster than the portable packed kernels, which are
-            1.3-1.6x faster from four sequences on: ``benchmarks/bench_packed.py``,
-            ``docs/perf/training.md``).  Packing described only by ``position_ids`` is not
+            sequence, which runs as one call with a block-diagonal mask
+            (``benchmarks/bench_packed.py`` measures both routes; ``docs/perf/training.md``
+            says why the rule stands).  Packing described only by ``position_ids`` is not
             read (that would cost a device sync per call); decoders built on transformers' mask
             functions already turn it into a mask.  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
