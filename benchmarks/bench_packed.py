@@ -1,12 +1,14 @@
 """Packed sequences on CUDA, the two routes of the transformers integration: sequences packed
 into one row (batch 1, ``cu_seq_lens_q/k``, as models hand FlashAttention-named
-implementations) computed as one call with a (L, L) block-diagonal causal mask (the Hopper
-general variant, fully masked tiles skipped; the integration's CUDA route for a single
-sequence) against the packed-sequence kernels (``flash_attn_varlen_func``: today the portable
-kernels on CUDA, which check the offsets on the host; the route for several sequences).  Each
-route's time includes what the integration does per call (the mask built from the offsets; the
-offsets' copy to the host), forward + backward, bf16, 16 query / 8 key-value heads; TFLOP/s
-count only the visible (per-sequence causal) work.
+implementations) computed as one call with a (L, L) boolean block-diagonal causal mask (on
+an H200 the Hopper kernels' mask variant, fully masked tiles skipped; the integration's CUDA
+route for a single sequence) against the packed-sequence kernels (``flash_attn_varlen_func``:
+on an H200 the Hopper varlen forward and backward, which read and check the offsets on the
+host; the route for several sequences).  Each route's time includes what the integration does
+per call (the mask built from the offsets; the offsets' copy to the host), forward + backward,
+bf16, 16 query / 8 key-value heads, the longest lengths passed as ``max_length_q/k`` as
+transformers' data collator passes them; TFLOP/s count only the visible (per-sequence causal)
+work.
 
 Usage: python benchmarks/bench_packed.py [--dims 128] [--total 8192] [--seqs 1 4 16]
 """
@@ -45,7 +47,8 @@ def time_point(d: int, total: int, lens: list, heads: int = 16, heads_kv: int = 
     k, v = (torch.randn(1, heads_kv, total, d, device=device, dtype=dtype, requires_grad=True)
             for _ in "kv")
     dout = torch.randn(1, total, heads, d, device=device, dtype=dtype)
-    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens),
+                  max_length_k=max(lens))
     flops = sum(2 * 2 * heads * n * n * d for n in lens) / 2 * 3.5  # fwd + bwd, causal
 
     def mask_route():

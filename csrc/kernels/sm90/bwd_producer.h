@@ -27,22 +27,13 @@ __device__ __forceinline__ void run_bwd_producer(const Sm90BwdArgs<T>& args,
   using Pipeline = typename T::Pipeline;
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
   const BwdParams& p = args.p;
-  const int32_t rows_q = static_cast<int32_t>(T::kVarlen ? p.total_q : p.seqlen_q);
-  const int32_t rows_k = static_cast<int32_t>(T::kVarlen ? p.total_k : p.seqlen_k);
-  const int32_t batch = static_cast<int32_t>(T::kVarlen ? 1 : p.batch);
   const int32_t tb = T::kVarlen ? 0 : b;  // the tensors' batch entry
-  const GmemShape shape_q(rows_q, static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_q), batch);
-  const GmemShape shape_do(rows_q, static_cast<int32_t>(p.head_dim_v),
-                           static_cast<int32_t>(p.heads_q), batch);
-  const GmemShape shape_k(rows_k, static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_kv), batch);
-  const GmemShape shape_v(rows_k, static_cast<int32_t>(p.head_dim_v),
-                          static_cast<int32_t>(p.heads_kv), batch);
-  Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
-  Tensor mdO = args.tma_do.get_tma_tensor(shape_do);
-  Tensor mK = args.tma_k.get_tma_tensor(shape_k);
-  Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+  Tensor mQ = args.tma_q.get_tma_tensor(rows_shape<T::kVarlen>(p, false, p.head_dim, p.heads_q));
+  Tensor mdO =
+      args.tma_do.get_tma_tensor(rows_shape<T::kVarlen>(p, false, p.head_dim_v, p.heads_q));
+  Tensor mK = args.tma_k.get_tma_tensor(rows_shape<T::kVarlen>(p, true, p.head_dim, p.heads_kv));
+  Tensor mV =
+      args.tma_v.get_tma_tensor(rows_shape<T::kVarlen>(p, true, p.head_dim_v, p.heads_kv));
   // A (rows, head dim) view from row `first` (packed sequences; the dense tensors as they are).
   auto from_row = [](int32_t first, auto&& m) {
     if constexpr (T::kVarlen)

@@ -32,18 +32,10 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
   constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim, kQStages = T::kQStages;
   const FwdParams& p = args.p;
   // (packed sequences: the whole packed tensors, one batch; a tile reads at its offsets)
-  const int32_t rows_q = static_cast<int32_t>(T::kVarlen ? p.total_q : p.seqlen_q);
-  const int32_t rows_k = static_cast<int32_t>(T::kVarlen ? p.total_k : p.seqlen_k);
-  const int32_t batch = static_cast<int32_t>(T::kVarlen ? 1 : p.batch);
-  const GmemShape shape_q(rows_q, static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_q), batch);
-  const GmemShape shape_k(rows_k, static_cast<int32_t>(p.head_dim),
-                          static_cast<int32_t>(p.heads_kv), batch);
-  const GmemShape shape_v(rows_k, static_cast<int32_t>(p.head_dim_v),
-                          static_cast<int32_t>(p.heads_kv), batch);
-  Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
-  Tensor mK = args.tma_k.get_tma_tensor(shape_k);
-  Tensor mV = args.tma_v.get_tma_tensor(shape_v);
+  Tensor mQ = args.tma_q.get_tma_tensor(rows_shape<T::kVarlen>(p, false, p.head_dim, p.heads_q));
+  Tensor mK = args.tma_k.get_tma_tensor(rows_shape<T::kVarlen>(p, true, p.head_dim, p.heads_kv));
+  Tensor mV =
+      args.tma_v.get_tma_tensor(rows_shape<T::kVarlen>(p, true, p.head_dim_v, p.heads_kv));
   auto state = cutlass::make_producer_start_state<Pipeline>();
   int32_t tile = blockIdx.x;
   for (int iter = 0;; ++iter) {

@@ -40,6 +40,18 @@ struct CuteType<__nv_bfloat16> {
 // A (seqlen, head_dim, heads, batch) view of q, k, v or out: element strides, head dim unit-stride.
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+// That shape for the TMA tensors of the query rows (q, out, dout: keys = false) or the keys
+// (k, v) with `dim` columns and `heads` heads: a batch of seqlen rows each, or for packed
+// sequences (kVarlen) the packed tensor's rows as one batch entry (a tile reads at its
+// sequence's offsets).
+template <bool kVarlen>
+__host__ __device__ __forceinline__ GmemShape rows_shape(const FwdParams& p, bool keys,
+                                                         int64_t dim, int64_t heads) {
+  const int64_t rows = keys ? (kVarlen ? p.total_k : p.seqlen_k)
+                            : (kVarlen ? p.total_q : p.seqlen_q);
+  return GmemShape(static_cast<int32_t>(rows), static_cast<int32_t>(dim),
+                   static_cast<int32_t>(heads), static_cast<int32_t>(kVarlen ? 1 : p.batch));
+}
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
