@@ -545,13 +545,17 @@ def test_packed_sequences_rule(kernel_opts):
     for kw, text in ((dict(deterministic=True), "deterministic=True"),
                      (dict(head_dim=256), "head dims up to 128"),
                      (dict(mods=planning.SOFTCAP), "without softcap"),
-                     (dict(mods=planning.DROPOUT), "without softcap")):
+                     (dict(mods=planning.ALIBI), "alibi_slopes"),
+                     (dict(mods=planning.DROPOUT), "dropout only")):
         _, bwd, notes = rule(**kw)
         assert bwd == f"sm80_bwd_hdim{kw.get('head_dim', 128)}_bf16", (kw, bwd)
-        assert any(text in n and "not the Hopper one" in n for n in notes), (kw, notes)
+        backward = [n for n in notes if n.startswith("backward")]
+        assert len(backward) == 1 and text in backward[0], (kw, notes)
+        assert "not the Hopper one" in backward[0], (kw, notes)
     kernel_opts(sm90_bwd="off")
     _, bwd, notes = rule()
-    assert bwd == "sm80_bwd_hdim128_bf16" and any("sm90_bwd='off'" in n for n in notes)
+    assert bwd == "sm80_bwd_hdim128_bf16"
+    assert [n for n in notes if n.startswith("backward") and "sm90_bwd='off'" in n], notes
     kernel_opts(sm90_bwd="auto")
     fwd, bwd, notes = rule(device=(8, 0, 166912))
     assert (fwd, bwd) == ("sm80_fwd_hdim128_bf16", "sm80_bwd_hdim128_bf16")
