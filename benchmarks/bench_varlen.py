@@ -3,9 +3,9 @@ and forward + backward, in one process on CUDA: `total` tokens in `seqs` sequenc
 8 key-value heads, bf16, causal or not.
 
 Rows, per (head dim, sequences, lengths, causal):
-  varlen        flash_attn_varlen_func as the dispatcher runs it (sm_90: the Hopper forward's
-                and backward's varlen instantiations up to head dim 128; above it the
-                backward on the portable 4-warp kernels)
+  varlen        flash_attn_varlen_func as the dispatcher runs it (sm_90: the Hopper varlen
+                forward at every head dim, the Hopper varlen backward up to head dim 128,
+                above it the portable 4-warp backward)
   varlen_sm80   the same with the portable kernels forced (force_portable)
   dense         flash_attn_func on a (seqs, total / seqs) batch (equal lengths only): the
                 unpacked kernel the packed one should match

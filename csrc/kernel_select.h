@@ -8,7 +8,7 @@
 // Inputs: how the library was built, the GPU, the call (dtype, head dims, sizes, strides, flags)
 // and the process's kernel options.  Output: whether a fused CUDA kernel serves the call at all
 // (else why not), which forward (portable sm80, Hopper sm90, Hopper with packed GQA heads), which
-// backward (4-warp or 8-warp portable kernels) and how that backward forms dQ.
+// backward (Hopper, or the 4-warp or 8-warp portable kernels) and how that backward forms dQ.
 #pragma once
 
 #include <cstdint>

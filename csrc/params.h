@@ -96,7 +96,7 @@ struct FwdParams {
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
 
   // Packed sequences (FlashAttention-2's varlen; the portable CUDA kernels, block_info.h's
-  // SeqInfo): with cu_seqlens_q set, sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+  // SeqInfo, and the Hopper varlen kernels, from the tables below): with cu_seqlens_q set, sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
   // of q / out / dout / dq (keys: cu_seqlens_k, of which it uses the first seqused_k[b] where
   // seqused_k is set), the batch strides are 0, batch is the number of sequences, seqlen_q /
   // seqlen_k are the longest, and softmax_lse (like the backward's per-row statistics) is
@@ -266,8 +266,8 @@ struct BwdParams : FwdParams {
   // are added in a fixed order of key blocks (kernels/sm90/bwd_dq.h).  nullptr: in the order
   // the CTAs get there (not bitwise reproducible).
   int32_t* dq_semaphore = nullptr;
-  // The Hopper backward on packed sequences (sm90_varlen_tiles: one entry per key block of
-  // every sequence with keys): its per-row scratch (statistics, fp32 dQ) holds each sequence's
+  // The Hopper backward on packed sequences (sm90_varlen_tiles: one entry per key block that
+  // some query row of its sequence sees): its per-row scratch (statistics, fp32 dQ) holds each sequence's
   // rows from a multiple of 128 (VarlenTile::row_base), sm90_varlen_padded_q rows per head in
   // all; sm90_varlen_rows describes them, two int32 per 128 padded rows: the packed row of q
   // its first row holds and how many of its rows hold one (0 .. 128; the rest are padding).

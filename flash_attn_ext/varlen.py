@@ -13,8 +13,8 @@ from the offsets, heaviest first) and the Hopper backward's (head dims up to 128
 deterministic; its CTAs from a table of every sequence's key blocks); elsewhere, and with
 softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
-checked on the host: on CUDA that copies them (one synchronisation per call; not capturable
-in a CUDA graph).
+checked on the host: on CUDA that copies them (a synchronisation per copy, two per call, three
+with seqused_k; not capturable in a CUDA graph).
 
 This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
 ``bwd_varlen`` op, recomputation from out and softmax_lse).
