@@ -641,3 +641,23 @@ def test_sm90_varlen_deterministic_takes_the_portable_backward():
     assert not any("flash_bwd_sm90_kernel" in n for n in names), names
     names = launched_kernels(grads)
     assert _hopper_bwd_varlen(names), names
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_backward_op(monkeypatch, deterministic):
+    # FlashAttention-2's `deterministic` is a flag of the backward: the forward op carries it
+    # (autograd sees only the op's inputs) and hands it to bwd_varlen, which on an H200
+    # chooses the portable backward for it.
+    from flash_attn_ext import varlen
+    seen = []
+    real = varlen.bwd_varlen_op
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(varlen, "bwd_varlen_op", spy)
+    q, k, v, cq, ck = _packed([3, 5], [4, 6], 2, 1, 8, 8, torch.float64)
+    out = flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=True,
+                                 deterministic=deterministic)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert seen == [deterministic]
