@@ -96,12 +96,13 @@ struct FwdParams {
   int64_t* rng_state = nullptr;  // CUDA forward: where to write the (seed, offset) it used
 
   // Packed sequences (FlashAttention-2's varlen; the portable CUDA kernels, block_info.h's
-  // SeqInfo, and the Hopper varlen kernels, from the tables below): with cu_seqlens_q set, sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
-  // of q / out / dout / dq (keys: cu_seqlens_k, of which it uses the first seqused_k[b] where
-  // seqused_k is set), the batch strides are 0, batch is the number of sequences, seqlen_q /
-  // seqlen_k are the longest, and softmax_lse (like the backward's per-row statistics) is
-  // (heads_q, total_q).  Device pointers, int32.  (The CPU kernels take the same geometry as
-  // their Seqs.)
+  // SeqInfo, and the Hopper varlen kernels, from the tables below): with cu_seqlens_q set,
+  // sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q / out / dout / dq (keys:
+  // cu_seqlens_k, of which it uses the first seqused_k[b] where seqused_k is set), the batch
+  // strides are 0, batch is the number of sequences, seqlen_q / seqlen_k are the longest, and
+  // softmax_lse (like the portable backward's per-row statistics; the Hopper backward's are in
+  // padded rows, BwdParams::sm90_varlen_rows) is (heads_q, total_q).  Device pointers, int32.
+  // (The CPU kernels take the same geometry as their Seqs.)
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   const int32_t* seqused_k = nullptr;
@@ -267,10 +268,11 @@ struct BwdParams : FwdParams {
   // the CTAs get there (not bitwise reproducible).
   int32_t* dq_semaphore = nullptr;
   // The Hopper backward on packed sequences (sm90_varlen_tiles: one entry per key block that
-  // some query row of its sequence sees): its per-row scratch (statistics, fp32 dQ) holds each sequence's
-  // rows from a multiple of 128 (VarlenTile::row_base), sm90_varlen_padded_q rows per head in
-  // all; sm90_varlen_rows describes them, two int32 per 128 padded rows: the packed row of q
-  // its first row holds and how many of its rows hold one (0 .. 128; the rest are padding).
+  // some query row of its sequence sees): its per-row scratch (statistics, fp32 dQ) holds each
+  // sequence's rows from a multiple of 128 (VarlenTile::row_base), sm90_varlen_padded_q rows
+  // per head in all; sm90_varlen_rows describes them, two int32 per 128 padded rows: the
+  // packed row of q its first row holds and how many of its rows hold one (1 .. 128; the rest
+  // are padding).
   // Built on the host from the offsets it read (the glue); device arrays.
   const int32_t* sm90_varlen_rows = nullptr;
   int64_t sm90_varlen_padded_q = 0;

@@ -205,10 +205,11 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
 }
 
 // dq (Element, like q) from the buffer: one CTA of 128 * kConsumers threads per (tile, batch,
-// head) (packed sequences: per (padded tile, head), tiles of padding only returning at once); thread t reads the fragments consumer thread t wrote (all loads first: one load in
-// flight at a time left the kernel waiting on L1TEX 93% of its cycles), puts each pair of
-// columns into a shared tile, and the CTA then writes whole 16-byte chunks of dq's rows (rows
-// of dq are 16-byte aligned and head_dim a multiple of 8: the glue's kernel_ready).
+// head) (packed sequences: per (padded tile, head), tiles of padding only returning at once);
+// thread t reads the fragments consumer thread t wrote (all loads first: one load in flight at
+// a time left the kernel waiting on L1TEX 93% of its cycles), puts each pair of columns into a
+// shared tile, and the CTA then writes whole 16-byte chunks of dq's rows (rows of dq are
+// 16-byte aligned and head_dim a multiple of 8: the glue's kernel_ready).
 template <typename T>
 __global__ void __launch_bounds__(128 * T::kConsumers)
     flash_bwd_sm90_convert_dq_kernel(const BwdParams p, int32_t num_m_blocks) {

@@ -397,11 +397,11 @@ struct BwdMainloop {
   }
 
   // dK and dV rows row_base .. of k / v (the block's keys, keys_left of them exist; columns
-  // cut at head_dim / head_dim_v) from the accumulators, one 32-bit word per pair of columns.  Every element's (key, column) is a
-  // compile-time offset from the thread's first, so the bounds are immediates compared with
-  // per-thread limits and the addresses immediates off two row pointers (computed per element
-  // from 64-bit coordinates, the stores took ~12 instructions each: ~1,500 per thread, a few
-  // per cent of a causal CTA's time).
+  // cut at head_dim / head_dim_v) from the accumulators, one 32-bit word per pair of columns.
+  // Every element's (key, column) is a compile-time offset from the thread's first, so the
+  // bounds are immediates compared with per-thread limits and the addresses immediates off two
+  // row pointers (computed per element from 64-bit coordinates, the stores took ~12
+  // instructions each: ~1,500 per thread, a few per cent of a causal CTA's time).
   __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
                                              int64_t keys_left, int32_t b, int32_t hk) const {
     const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
