@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "params.h"
@@ -58,8 +59,8 @@ inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at:
 // Checks cu_seqlens_q / cu_seqlens_k (int32, 1-D, batch + 1 non-decreasing offsets from >= 0 up
 // to at most the tensors' rows, on q's device) and max_seqlen_q / max_seqlen_k (at least the
 // longest sequence); the geometry for q of total_q rows.  The values are read on the host: for
-// CUDA tensors a copy (one synchronisation per call, which also makes the call uncapturable
-// in a CUDA graph; FlashAttention-2 reads nothing there and trusts them).
+// CUDA tensors one copy of all of them (one synchronisation per call, which also makes the
+// call uncapturable in a CUDA graph; FlashAttention-2 reads nothing there and trusts them).
 inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                            int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -83,9 +84,26 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                     cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
   pk.cu_q = cu_seqlens_q.contiguous();
   pk.cu_k = cu_seqlens_k.contiguous();
-  pk.cu_q_host = pk.cu_q.cpu();
-  pk.cu_k_host = pk.cu_k.cpu();
   pk.batch = cu_seqlens_q.size(0) - 1;
+  if (seqused_k.has_value()) {
+    const at::Tensor& used = *seqused_k;
+    TORCH_CHECK_VALUE(used.scalar_type() == at::kInt && used.dim() == 1 &&
+                          used.size(0) == pk.batch,
+                      "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
+                      " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
+                      used.sizes());
+    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
+                      ", got ", used.device());
+    pk.used_k = used.contiguous();
+  }
+  // All offsets (and seqused_k) to the host in one copy: on CUDA each copy is a
+  // synchronisation, and a packed step's time at many short sequences is theirs.
+  std::vector<at::Tensor> parts = {pk.cu_q, pk.cu_k};
+  if (pk.used_k.defined()) parts.push_back(pk.used_k);
+  const at::Tensor host = at::cat(parts).cpu();
+  pk.cu_q_host = host.narrow(0, 0, pk.batch + 1);
+  pk.cu_k_host = host.narrow(0, pk.batch + 1, pk.batch + 1);
+  if (pk.used_k.defined()) pk.used_k_host = host.narrow(0, 2 * (pk.batch + 1), pk.batch);
   const int32_t* offsets[2] = {pk.cu_q_host.data_ptr<int32_t>(), pk.cu_k_host.data_ptr<int32_t>()};
   for (int i = 0; i < 2; ++i) {
     const int32_t* cu = offsets[i];
@@ -101,17 +119,7 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK_VALUE(maxima[i] >= longest, max_names[i], "=", maxima[i],
                       " is shorter than the longest sequence (", longest, ")");
   }
-  if (seqused_k.has_value()) {
-    const at::Tensor& used = *seqused_k;
-    TORCH_CHECK_VALUE(used.scalar_type() == at::kInt && used.dim() == 1 &&
-                          used.size(0) == pk.batch,
-                      "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
-                      " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
-                      used.sizes());
-    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
-                      ", got ", used.device());
-    pk.used_k = used.contiguous();
-    pk.used_k_host = pk.used_k.cpu();
+  if (pk.used_k.defined()) {
     const int32_t* n = pk.used_k_host.data_ptr<int32_t>();
     for (int64_t b = 0; b < pk.batch; ++b)
       TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= offsets[1][b + 1] - offsets[1][b], "seqused_k[", b,
