@@ -57,10 +57,14 @@ inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 // Checks cu_seqlens_q / cu_seqlens_k (int32, 1-D, batch + 1 non-decreasing offsets from >= 0 up
-// to at most the tensors' rows, on q's device) and max_seqlen_q / max_seqlen_k (at least the
-// longest sequence); the geometry for q of total_q rows.  The values are read on the host: for
-// CUDA tensors one copy of all of them (one synchronisation per call, which also makes the
-// call uncapturable in a CUDA graph; FlashAttention-2 reads nothing there and trusts them).
+// to at most the tensors' rows) and max_seqlen_q / max_seqlen_k (at least the longest
+// sequence); the geometry for q of total_q rows.  The offsets (and seqused_k) lie all on q's
+// device or all on the CPU.  The values are read on the host: offsets on a CUDA device come
+// back in one copy (a synchronisation, which also makes the call uncapturable in a CUDA graph;
+// FlashAttention-2 reads nothing there and trusts them); offsets on the CPU with q on CUDA are
+// read as they are and uploaded from pinned memory on the call's stream (no synchronisation:
+// flash_attn_varlen_func copies them once and hands the forward and the backward the host
+// copy).
 inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                            int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -76,9 +80,17 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1,
                       names[i], " must be a 1-D int32 tensor of batch + 1 offsets, got dtype ",
                       dtype_name(cu.scalar_type()), " and shape ", cu.sizes());
-    TORCH_CHECK_VALUE(cu.device() == q.device(), names[i], " must be on ", q.device(), ", got ",
-                      cu.device());
   }
+  // All on q's device, or all on the CPU (host offsets for a CUDA call).
+  const at::Device where = cu_seqlens_q.device();
+  const bool on_host = where.is_cpu() && !q.device().is_cpu();
+  auto check_device = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE((t.device() == q.device() || t.device().is_cpu()) && t.device() == where,
+                      name, " must be on q's device (", q.device(),
+                      ") or on the CPU, as cu_seqlens_q (", where, "), got ", t.device());
+  };
+  check_device(cu_seqlens_q, "cu_seqlens_q");
+  check_device(cu_seqlens_k, "cu_seqlens_k");
   TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
                     "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got ",
                     cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
@@ -92,8 +104,7 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                       "seqused_k must be a 1-D int32 tensor of batch = ", pk.batch,
                       " key counts, got dtype ", dtype_name(used.scalar_type()), " and shape ",
                       used.sizes());
-    TORCH_CHECK_VALUE(used.device() == q.device(), "seqused_k must be on ", q.device(),
-                      ", got ", used.device());
+    check_device(used, "seqused_k");
     pk.used_k = used.contiguous();
   }
   // All offsets (and seqused_k) to the host in one copy: on CUDA each copy is a
@@ -125,6 +136,15 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
       TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= offsets[1][b + 1] - offsets[1][b], "seqused_k[", b,
                         "]=", n[b], " must be in [0, ", offsets[1][b + 1] - offsets[1][b],
                         "] (sequence ", b, "'s keys)");
+  }
+  if (on_host) {
+    // Uploaded from pinned memory, so that the copy is queued on the call's stream without a
+    // wait (the host allocator keeps the block until the copy is done).
+    const at::Tensor device = host.pin_memory().to(q.options().dtype(at::kInt),
+                                                   /*non_blocking=*/true);
+    pk.cu_q = device.narrow(0, 0, pk.batch + 1);
+    pk.cu_k = device.narrow(0, pk.batch + 1, pk.batch + 1);
+    if (pk.used_k.defined()) pk.used_k = device.narrow(0, 2 * (pk.batch + 1), pk.batch);
   }
   pk.total_q = q.size(0);
   pk.total_k = k.size(0);

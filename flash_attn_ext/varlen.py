@@ -13,8 +13,9 @@ from the offsets, heaviest first) and the Hopper backward's (head dims up to 128
 deterministic; its CTAs from a table of every sequence's key blocks); elsewhere, and with
 softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
-checked on the host: on CUDA that copies them (a synchronisation per copy, two per call, three
-with seqused_k; not capturable in a CUDA graph).
+checked on the host: offsets on a CUDA device are copied there once per call, forward and
+backward together (one synchronisation; not capturable in a CUDA graph); offsets given on the
+CPU cost none.
 
 This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
 ``bwd_varlen`` op, recomputation from out and softmax_lse).
@@ -93,6 +94,20 @@ torch.library.register_autograd("flash_attn_ext::fwd_varlen", _backward,
                                 setup_context=_setup_context)
 
 
+def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """The offsets (and seqused_k) of a CUDA call as one host copy: one synchronisation, after
+    which the forward and the backward op read them without another (the ops take offsets on
+    the CPU for a CUDA call and upload them from pinned memory).  Anything the ops would refuse
+    (another device, dtype or rank) is passed on as it is, for the op to name."""
+    parts = [cu_seqlens_q, cu_seqlens_k] + ([seqused_k] if seqused_k is not None else [])
+    if not q.is_cuda or any(t.device != q.device or t.dtype != torch.int32 or t.dim() != 1
+                            for t in parts):
+        return cu_seqlens_q, cu_seqlens_k, seqused_k
+    host = torch.cat(parts).cpu()
+    pieces = host.split([t.numel() for t in parts])
+    return pieces[0], pieces[1], pieces[2] if seqused_k is not None else None
+
+
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
@@ -108,10 +123,15 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: (total_q, num_heads, head_dim); k: (total_k, num_heads_k, head_dim); v: (total_k,
             num_heads_k, head_dim_v). float32, float64, float16 or bfloat16 (CPU). num_heads
             a multiple of num_heads_k (GQA/MQA).
-        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets on q's device, non-decreasing
-            from >= 0; sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (keys:
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets, non-decreasing from >= 0;
+            sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (keys:
             cu_seqlens_k). Zero-length sequences are allowed; rows past the last offset are
-            left alone (out 0, zero gradients).
+            left alone (out 0, zero gradients). On q's device (FlashAttention-2's way) or,
+            with seqused_k, all on the CPU. The offsets are checked and the kernels' tables
+            built on the host: offsets on a CUDA device are copied to the host once per call
+            (one synchronisation, forward and backward together); offsets on the CPU cost
+            none (they are uploaded on the call's stream), which is the faster way to call
+            it many times with the same sequences (every layer of a model).
         max_seqlen_q, max_seqlen_k: at least the longest sequence's length.
         dropout_p, softmax_scale (default 1 / sqrt(head_dim)), causal, window_size, softcap,
             alibi_slopes ((num_heads,) or (batch, num_heads) float): as
@@ -127,8 +147,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
         block_table: paged KV (not supported yet: NotImplementedError).
-        seqused_k: (batch,) int32, optional: sequence b uses only its first seqused_k[b] keys
-            (causal alignment over those), as FlashAttention's; the others get zero gradients.
+        seqused_k: (batch,) int32, optional, on the offsets' device: sequence b uses only
+            its first seqused_k[b] keys (causal alignment over those), as FlashAttention's;
+            the others get zero gradients.
 
     Returns:
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
@@ -161,6 +182,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_bool(return_attn_probs, "return_attn_probs")
     check_alibi_grad(alibi_slopes)
     window_left, window_right = (int(w) for w in window_size)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
+                                                             seqused_k)
     out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                         int(max_seqlen_k), softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,

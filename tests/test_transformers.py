@@ -238,6 +238,30 @@ def test_packed_sequences_route_forward_and_gradients(device, bounds):
         assert_error_rule(o.to(true), lo.to(true), tr, 2.0 if name == "out" else 3.0, name)
 
 
+def test_packed_offsets_copied_to_the_host_once_per_tensor_and_version():
+    # Every layer of a forward pass gets the same cu_seq_lens tensors: their host copy (on
+    # CUDA a synchronisation) is made once and reused while neither tensor changes; an
+    # in-place change (version counter) or another tensor is a new copy.
+    from flash_attn_ext.integrations.transformers import _host_offsets
+
+    cu_q = torch.tensor([0, 3, 9], dtype=torch.int64)
+    cu_k = torch.tensor([0, 4, 11], dtype=torch.int32)
+    first = _host_offsets(cu_q, cu_k)
+    assert [t.dtype for t in first] == [torch.int32, torch.int32]
+    assert first[0].tolist() == [0, 3, 9] and first[1].tolist() == [0, 4, 11]
+    again = _host_offsets(cu_q, cu_k)
+    assert again[0] is first[0] and again[1] is first[1]
+    cu_k[2] = 12  # in place: the version changes
+    changed = _host_offsets(cu_q, cu_k)
+    assert changed[1].tolist() == [0, 4, 12] and changed[0] is not first[0]
+    other = torch.tensor([0, 4, 10], dtype=torch.int32)
+    assert _host_offsets(cu_q, other)[1].tolist() == [0, 4, 10]
+    with torch.inference_mode():  # (no version counter: never cached)
+        cu_i = torch.tensor([0, 2], dtype=torch.int32)
+        a, b = _host_offsets(cu_i, cu_i), _host_offsets(cu_i, cu_i)
+        assert a[0] is not b[0] and a[0].tolist() == [0, 2]
+
+
 @pytest.mark.parametrize("route", ["varlen", "mask"])
 def test_packed_sequences_packed_differently_are_causal_within_each(route):
     # q lengths [0, 1, 0, 1] against k lengths [0, 3, 0, 5] (decoding against packed

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -126,15 +127,46 @@ def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
     return mask
 
 
+# The host copies of the offsets transformers hands every layer of a forward pass: the same
+# tensor objects for all layers, so one copy (on CUDA one synchronisation) serves them all.
+# Keyed by the tensor objects (id, checked against a weak reference, so a dead tensor's
+# reused id never matches) and their version counters, so that an in-place change of either
+# is seen; a few entries (the passes in flight).  Not for inference tensors (no version
+# counter) and not while torch.compile traces (the copy is then part of the graph).
+_host_offsets_cache: dict = {}
+_HOST_OFFSETS_ENTRIES = 8
+
+
+def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
+    """cu_seq_lens_q/k as int32 CPU tensors (flash_attn_varlen_func then synchronises
+    nowhere), copied from the device at most once per pair of tensors and versions."""
+    cacheable = not (torch.compiler.is_compiling() or cu_q.is_inference() or
+                     cu_k.is_inference())
+    if cacheable:
+        hit = _host_offsets_cache.get(id(cu_q))
+        if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and \
+                hit[2] == (cu_q._version, cu_k._version):
+            return hit[3]
+    host = torch.cat([cu_q.to(cu_k.device, torch.int32), cu_k.to(torch.int32)]).cpu()
+    pair = (host[:cu_q.numel()], host[cu_q.numel():])
+    if cacheable:
+        _host_offsets_cache.pop(id(cu_q), None)
+        while len(_host_offsets_cache) >= _HOST_OFFSETS_ENTRIES:
+            del _host_offsets_cache[next(iter(_host_offsets_cache))]
+        _host_offsets_cache[id(cu_q)] = (weakref.ref(cu_q), weakref.ref(cu_k),
+                                         (cu_q._version, cu_k._version), pair)
+    return pair
+
+
 def _varlen_forward(query, key, value, kwargs, dropout, scaling, causal) -> torch.Tensor:
     """One packed row (batch 1) as packed sequences (flash_attn_varlen_func): each sequence
     attends to its own keys, causal bottom-right within it; (1, L, H, Ev).  The longest
     lengths come from ``max_length_q/k`` when transformers passes them (its data collator
-    does), else from the offsets."""
+    does), else from the offsets.  The offsets go to the kernels as host copies, one per
+    forward pass (``_host_offsets``)."""
     from ..varlen import flash_attn_varlen_func
 
-    cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int32)
-    cu_k = kwargs["cu_seq_lens_k"].to(query.device, torch.int32)
+    cu_q, cu_k = _host_offsets(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
 
     def longest(cu, given):
         if given is not None:
