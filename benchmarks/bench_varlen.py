@@ -5,15 +5,17 @@ and forward + backward, in one process on CUDA: `total` tokens in `seqs` sequenc
 Rows, per (head dim, sequences, lengths, causal):
   varlen        flash_attn_varlen_func as the dispatcher runs it (sm_90: the Hopper varlen
                 forward at every head dim, the Hopper varlen backward up to head dim 128,
-                above it the portable 4-warp backward)
+                above it the portable 4-warp backward), offsets on the GPU: copied to the
+                host once per call (one synchronisation, included in its time)
+  varlen_host   the same with the offsets given on the CPU (no synchronisation: what a model
+                whose layers share one host copy pays per layer)
   varlen_sm80   the same with the portable kernels forced (force_portable)
   dense         flash_attn_func on a (seqs, total / seqs) batch (equal lengths only): the
                 unpacked kernel the packed one should match
   cudnn, flash  PyTorch's SDPA CUDNN and FLASH backends on that dense batch (equal lengths only)
 Equal lengths are total / seqs; uneven ones a fixed-seed split (bench_packed.lengths) that no
 dense call can run.  TFLOP/s count each sequence's own work (4 * H * L^2 * d forward, halved
-when causal; the backward 2.5x).  The offsets' host copy that the varlen route makes per call
-(varlen_checks.h) is included in its time.
+when causal; the backward 2.5x).
 
 Usage: python benchmarks/bench_varlen.py [--dims 64 128 256] [--total 16384]
        [--seqs 1 4 16 64] [--out-dir DIR]
@@ -55,15 +57,18 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
             for _ in "kv")
     dout = torch.randn(total, heads, d, device=device, dtype=dtype)
     packed = (q, k, v, cu, cu, max(lens), max(lens))
+    on_host = (q, k, v, cu.cpu(), cu.cpu(), max(lens), max(lens))
     calls = {}
 
     # (gradients by autograd.grad: backward() would add into .grad, an extra kernel per input
     # and call)
-    def varlen(forward_only):
-        out = flash_attn_varlen_func(*packed, causal=causal)
+    def varlen(forward_only, args=packed):
+        out = flash_attn_varlen_func(*args, causal=causal)
         if not forward_only:
             torch.autograd.grad(out, (q, k, v), dout)
     calls["varlen"] = varlen
+    if device == "cuda":
+        calls["varlen_host"] = lambda forward_only: varlen(forward_only, on_host)
 
     def varlen_sm80(forward_only):
         with flash_attn_ext.kernel_options(force_portable=True):

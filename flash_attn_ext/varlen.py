@@ -63,13 +63,13 @@ _FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
      window_left, window_right, softcap, alibi_slopes, dropout_p, seqused_k,
-     *deterministic) = inputs
+     deterministic) = inputs  # (torch fills in the defaults of arguments a caller left out)
     out, softmax_lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state,
                           alibi_slopes, seqused_k)
     ctx.sizes = (max_seqlen_q, max_seqlen_k)
     ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
-                                  dropout_p, bool(deterministic and deterministic[0]))))
+                                  dropout_p, bool(deterministic))))
     # softmax_lse is differentiable (its gradient enters bwd_varlen as dsoftmax_lse, folded
     # into delta); gradients of outputs nobody used arrive as None, not as zeros.
     ctx.mark_non_differentiable(rng_state)

@@ -238,13 +238,30 @@ cudaError_t run_bwd(int64_t head_dim, const BwdParams& p, float* delta, cudaStre
 }
 
 #ifdef FLASH_ATTN_EXT_SM90
+// A table of VarlenTile entries, the heaviest first (stable: equal weights keep the order they
+// were found in), then `extra` int32 values, in one pinned buffer copied to q's device on the
+// call's stream (no synchronisation; the host allocator keeps the block until the copy is
+// done).  Returns the device copy: the entries, then the extra values.
+at::Tensor upload_varlen_table(std::vector<std::pair<int64_t, VarlenTile>>& tiles,
+                               const std::vector<int32_t>& extra, const at::Tensor& q) {
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
+  const int64_t tile_ints = static_cast<int64_t>(tiles.size()) * kInts;
+  at::Tensor host = at::empty({tile_ints + static_cast<int64_t>(extra.size())},
+                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
+  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
+  std::copy(extra.begin(), extra.end(), host.data_ptr<int32_t>() + tile_ints);
+  return host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+}
+
 // The Hopper forward's tiles for packed sequences (FwdParams::sm90_varlen_tiles), from the
 // offsets check_packed read on the host: every query block of block_m rows of every non-empty
 // sequence, so that no CTA visits a block past its sequence's end.  The heaviest blocks (most
 // key tiles: under a causal mask the last blocks of the longest sequences) first, as the dense
-// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  Copied to
-// the device from pinned memory on the call's stream; the caller keeps the tensor until the
-// launch is queued.
+// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  On the
+// device by upload_varlen_table; the caller keeps the tensor until the launch is queued.
 at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
                              const at::Tensor& q) {
   const int block_m = sm90::fwd_block_m_of(kernel_dim);
@@ -263,16 +280,9 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
                        {static_cast<int32_t>(b), m, cu_q[b], cu_k[b], len_q, len_k, 0, 0}});
     }
   }
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
   TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
               "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
-  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(tiles.size()) * kInts},
-                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
-  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
-  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+  at::Tensor device = upload_varlen_table(tiles, {}, q);
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
   p.sm90_varlen_block_m = block_m;
@@ -286,9 +296,8 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
 // (most query rows that see it: under a causal mask the first blocks of the longest
 // sequences) first, so that the CTAs launched last are short.  (The padding bounds the
 // scratch at 128 rows per sequence: many very short sequences cost memory out of proportion,
-// as in FlashAttention-3.)  One pinned int32 buffer (the key blocks, then the rows)
-// copied to the device on the call's stream; the caller keeps the tensor until the launch is
-// queued.
+// as in FlashAttention-3.)  One buffer on the device (upload_varlen_table: the key blocks,
+// then the rows); the caller keeps the tensor until the launch is queued.
 at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q) {
   constexpr int kBlockN = 128, kRowBlock = 128;
   const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
@@ -317,25 +326,16 @@ at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tens
     }
     row_base += (int64_t{len_q} + kRowBlock - 1) / kRowBlock * kRowBlock;
   }
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
   TORCH_CHECK(static_cast<int64_t>(tiles.size()) * std::max<int64_t>(p.heads_kv, 1) <=
                       std::numeric_limits<int32_t>::max() &&
                   row_base <= std::numeric_limits<int32_t>::max() - kRowBlock,
               "flash_attn_ext: too many key blocks or rows for the Hopper backward: ",
               tiles.size(), " key blocks, ", row_base, " padded rows");
-  constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
-  const int64_t tile_ints = static_cast<int64_t>(tiles.size()) * kInts;
-  at::Tensor host = at::empty({tile_ints + static_cast<int64_t>(rows.size())},
-                              at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  auto* out = reinterpret_cast<VarlenTile*>(host.data_ptr<int32_t>());
-  for (size_t i = 0; i < tiles.size(); ++i) out[i] = tiles[i].second;
-  std::copy(rows.begin(), rows.end(), host.data_ptr<int32_t>() + tile_ints);
-  at::Tensor device = host.to(q.options().dtype(at::kInt), /*non_blocking=*/true);
+  at::Tensor device = upload_varlen_table(tiles, rows, q);
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
   p.sm90_varlen_block_m = kBlockN;  // (the launcher checks it against the kernel's)
-  p.sm90_varlen_rows = device.data_ptr<int32_t>() + tile_ints;
+  p.sm90_varlen_rows = reinterpret_cast<const int32_t*>(p.sm90_varlen_tiles + tiles.size());
   p.sm90_varlen_padded_q = row_base;
   return device;
 }
