@@ -9,6 +9,8 @@ Rows, per (head dim, sequences, lengths, causal):
                 host once per call (one synchronisation, included in its time)
   varlen_host   the same with the offsets given on the CPU (no synchronisation: what a model
                 whose layers share one host copy pays per layer)
+  varlen_det    varlen_host with deterministic=True (sm_90: the Hopper varlen backward, dQ
+                added in a fixed order)
   varlen_sm80   the same with the portable kernels forced (force_portable)
   dense         flash_attn_func on a (seqs, total / seqs) batch (equal lengths only): the
                 unpacked kernel the packed one should match
@@ -62,13 +64,14 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
 
     # (gradients by autograd.grad: backward() would add into .grad, an extra kernel per input
     # and call)
-    def varlen(forward_only, args=packed):
-        out = flash_attn_varlen_func(*args, causal=causal)
+    def varlen(forward_only, args=packed, deterministic=False):
+        out = flash_attn_varlen_func(*args, causal=causal, deterministic=deterministic)
         if not forward_only:
             torch.autograd.grad(out, (q, k, v), dout)
     calls["varlen"] = varlen
     if device == "cuda":
         calls["varlen_host"] = lambda forward_only: varlen(forward_only, on_host)
+        calls["varlen_det"] = lambda forward_only: varlen(forward_only, on_host, True)
 
     def varlen_sm80(forward_only):
         with flash_attn_ext.kernel_options(force_portable=True):

@@ -115,7 +115,7 @@ struct CallInfo {
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
   // Packed sequences (the varlen ops; q, k, v described as (1, total, heads, head_dim)): the
   // Hopper forward's and backward's varlen instantiations take plain attention (the backward
-  // up to head dim 128, not deterministic); else the 4-warp kernels with the separate dQ
+  // up to head dim 128, deterministic too); else the 4-warp kernels with the separate dQ
   // kernel.
   bool packed = false;
 };
@@ -342,8 +342,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                                                  : detail::sm90_variant(call));
 
   // Packed sequences: the Hopper backward's varlen instantiation for plain attention up to
-  // head dim 128 (dQ added in any order), else the 4-warp backward with its separate dQ kernel
-  // (per-sequence offsets; bitwise reproducible).
+  // head dim 128 (dQ added in any order, or in a fixed order when deterministic), else the
+  // 4-warp backward with its separate dQ kernel (per-sequence offsets; bitwise reproducible).
   if (call.packed) {
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
@@ -353,13 +353,17 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       if (call.score_mods != 0)
         why.push_back("the Hopper backward takes packed sequences without softcap, "
                       "alibi_slopes and dropout only");
-      if (call.deterministic)
-        why.push_back(std::string(detail::kDeterministicWhy) +
-                      ": its packed-sequence backward adds dQ in any order");
       if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
       if (why.empty()) {
         c.bwd = BwdKernel::kSm90;
         c.dq = DqPath::kAtomic;
+        if (call.deterministic) {
+          c.dq = DqPath::kOrdered;
+          c.notes.push_back(std::string("backward dQ added in a fixed order (each sequence's "
+                                        "key blocks, the highest first; a counter per query "
+                                        "block), because ") +
+                            detail::kDeterministicWhy + ": bitwise-reproducible gradients");
+        }
         c.bwd_name = "sm90_bwd" + suffix + "_varlen";
         return c;
       }

@@ -528,9 +528,10 @@ def test_a_dropout_p_that_rounds_to_zero_is_no_score_mod():
 
 def test_packed_sequences_rule(kernel_opts):
     # Packed sequences (the varlen ops) on an H200: the Hopper varlen forward and backward for
-    # plain attention up to head dim 128; a deterministic call, a larger head dim, softcap /
-    # ALiBi / dropout and sm90_bwd="off" take the portable backward, the note saying why; on
-    # sm_80 the 4-warp kernels, the note saying why not the 8-warp ones.
+    # plain attention up to head dim 128, a deterministic call too (dQ in a fixed order, the
+    # note says so); a larger head dim, softcap / ALiBi / dropout and sm90_bwd="off" take the
+    # portable backward, the note saying why; on sm_80 the 4-warp kernels, the note saying
+    # why not the 8-warp ones.
     build = {"cuda": True, "sm90": True, "cuda_archs": "8.0;9.0a"}
 
     def rule(head_dim=128, mods=0, deterministic=False, device=(9, 0, 232448)):
@@ -542,8 +543,11 @@ def test_packed_sequences_rule(kernel_opts):
 
     assert rule() == ("sm90_fwd_hdim128_bf16_varlen", "sm90_bwd_hdim128_bf16_varlen", ())
     assert rule(head_dim=40)[1] == "sm90_bwd_hdim64_bf16_varlen"
-    for kw, text in ((dict(deterministic=True), "deterministic=True"),
-                     (dict(head_dim=256), "head dims up to 128"),
+    _, bwd, notes = rule(deterministic=True)
+    assert bwd == "sm90_bwd_hdim128_bf16_varlen"
+    assert [n for n in notes if n.startswith("backward dQ added in a fixed order") and
+            "deterministic=True" in n], notes
+    for kw, text in ((dict(head_dim=256), "head dims up to 128"),
                      (dict(mods=planning.SOFTCAP), "without softcap"),
                      (dict(mods=planning.ALIBI), "alibi_slopes"),
                      (dict(mods=planning.DROPOUT), "dropout only")):

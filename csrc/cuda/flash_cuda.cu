@@ -298,7 +298,12 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
 // scratch at 128 rows per sequence: many very short sequences cost memory out of proportion,
 // as in FlashAttention-3.)  One buffer on the device (upload_varlen_table: the key blocks,
 // then the rows); the caller keeps the tensor until the launch is queued.
-at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q) {
+// `ordered` (dQ added in a fixed order, deterministic): each sequence's key blocks the highest
+// first, by their rank from the sequence's highest block that some row sees (all sequences'
+// highest blocks, then all second highest, ...), since a key block's dQ waits for those above
+// it in its sequence: they must be launched before it (bwd_dq.h's descending order).
+at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q,
+                                  bool ordered) {
   constexpr int kBlockN = 128, kRowBlock = 128;
   const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
   const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
@@ -319,6 +324,12 @@ at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tens
       if (hi > lo)
         tiles.push_back({hi - lo, {static_cast<int32_t>(b), n, cu_q[b], cu_k[b], len_q, len_k,
                                    static_cast<int32_t>(row_base), 0}});
+    }
+    if (ordered) {  // weight: minus the rank from the sequence's highest block (0, -1, ...)
+      size_t first = tiles.size();
+      while (first > 0 && tiles[first - 1].second.b == b) --first;
+      for (size_t i = first; i < tiles.size(); ++i)
+        tiles[i].first = tiles[i].second.block - tiles.back().second.block;
     }
     for (int32_t r = 0; r < len_q; r += kRowBlock) {
       rows.push_back(cu_q[b] + r);
@@ -546,8 +557,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 // elsewhere the portable kernels, each CTA placing its sequence by params.h's cu_seqlens
 // (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90 the Hopper backward's
 // varlen instantiation for plain attention (a table of every sequence's key blocks:
-// sm90_bwd_varlen_tables), unless deterministic; else the 4-warp kernels with the separate dQ
-// kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the offsets are read on the
+// sm90_bwd_varlen_tables; deterministic: dQ added in a fixed order); else the 4-warp kernels
+// with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the offsets are read on the
 // host).
 void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   make_packed(p, pk, max_seqlen_q, max_seqlen_k);
@@ -658,9 +669,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     if (choice.bwd == BwdKernel::kSm90) {
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
       // accumulated dQ and the statistics (lse * log2(e), D).
-      const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q);
+      const bool ordered = choice.dq == DqPath::kOrdered;
+      const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q, ordered);
       if (p.sm90_varlen_padded_q == 0) {  // no sequence has a query row: zeros (allocated)
         return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
+      }
+      // deterministic: dQ added in a fixed order, a counter per query block of the padded
+      // rows (zeroed; blocks of 64 or 128 rows: at most one counter per 64 rows, bwd_dq.h).
+      at::Tensor dq_semaphore;
+      if (ordered) {
+        dq_semaphore = at::zeros({a.heads_q * p.sm90_varlen_padded_q / 64},
+                                 q.options().dtype(at::kInt));
+        p.dq_semaphore = dq_semaphore.data_ptr<int32_t>();
       }
       at::Tensor dq_accum = at::empty(
           {a.heads_q, p.sm90_varlen_padded_q, dq_accum_cols(kernel_dim)}, lse.options());

@@ -66,7 +66,10 @@ def varlen_cases() -> int:
             ([1, 17, 0, 113, 300], [1, 40, 5, 113, 129], 4, 2, 40, dict(causal=True)),
             ([130, 7, 260], [200, 7, 100], 2, 2, 128, dict(window_size=(50, 7))),
             ([70, 0, 129], [129, 3, 65], 2, 1, 256, dict()),
-            ([300, 5], [300, 64], 2, 2, 64, dict(causal=True, used=[250, 64]))]:
+            ([300, 5], [300, 64], 2, 2, 64, dict(causal=True, used=[250, 64])),
+            # dQ in a fixed order (the writer warp, a counter per padded query block)
+            ([1, 17, 0, 300], [1, 40, 5, 290], 4, 2, 128, dict(causal=True, deterministic=True)),
+            ([200, 129], [70, 300], 2, 1, 64, dict(deterministic=True))]:
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device=dev,
                                    dtype=torch.int32) for n in (lens_q, lens_k))
         q = torch.randn(sum(lens_q) + 3, heads, d, device=dev, dtype=dt, requires_grad=True)

@@ -125,20 +125,22 @@ struct BwdDq {
 
 // The place of key block n_block among those adding to query block m_block (of every query
 // head), in the order of Sm90BwdArgs::dq_order: how many add before it.
+// (Packed sequences: blocks of the CTA's sequence, always descending.)
 template <typename T>
 __device__ __forceinline__ int32_t dq_turn(const Sm90BwdArgs<T>& args, const BwdSteps& st,
-                                           int32_t n_block, int32_t m_block) {
+                                           const BwdSeq& seq, int32_t n_block,
+                                           int32_t m_block) {
   constexpr int kM = T::kBlockM, kN = T::kBlockN;
   const BwdParams& p = args.p;
   if (args.dq_order == kDqDescending) {
     // (Built here from the kernel parameters rather than held: the writer has 24 registers.)
-    const VisibleKeys vis(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+    const VisibleKeys vis(seq.len_q, seq.len_k, p.window_left, p.window_right,
                           p.align_bottom_right);
     // The key blocks reaching a query block are those holding a key one of its rows sees
     // (bwd_steps, without a bias's narrowing): a run of blocks, the last holding the last
     // row's last visible key.  The highest adds first.
     const int64_t m0 = static_cast<int64_t>(m_block) * kM;
-    const int64_t last = (m0 + kM < p.seqlen_q ? m0 + kM : p.seqlen_q) - 1;
+    const int64_t last = (m0 + kM < seq.len_q ? m0 + kM : seq.len_q) - 1;
     return static_cast<int32_t>((vis.end(last) - 1) / kN) - n_block;
   }
   // kDqRotated: all N key blocks reach all M query blocks, block j first s_j = floor(j M / N)
@@ -163,8 +165,8 @@ __device__ __forceinline__ int32_t dq_turn(const Sm90BwdArgs<T>& args, const Bwd
 template <typename T>
 __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
                                                   typename T::SharedStorage& smem,
-                                                  const BwdSteps& st, int32_t n_block,
-                                                  int32_t b, int32_t hk) {
+                                                  const BwdSteps& st, const BwdSeq& seq,
+                                                  int32_t n_block, int32_t b, int32_t hk) {
   using Dq = BwdDq<T>;
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
@@ -172,15 +174,20 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
   BwdStepWalk w{hk * args.group};
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
     const int32_t h = w.h, m_block = w.m_block(st);
+    // One counter per query block: (batch, query head, block); packed sequences, per block of
+    // the padded scratch rows (a sequence's start a multiple of 128 rows: blocks never shared).
+    const int64_t row = bwd_scratch_row(args, b, h, seq, m_block);
     int32_t* counter =
-        p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block;
+        p.dq_semaphore +
+        (T::kVarlen ? row / T::kBlockM
+                    : (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block);
     if (leader) {
-      wait_at_least(counter, dq_turn(args, st, n_block, m_block));
+      wait_at_least(counter, dq_turn(args, st, seq, n_block, m_block));
       fence_proxy_async_global();
     }
     __syncwarp();
     if (!bwd_step_skipped<T>(p, b, h, m_block, n_block)) {
-      float* tile = p.dq_accum + bwd_scratch_row(args, b, h, BwdSeq{}, m_block) * T::kHeadDim;
+      float* tile = p.dq_accum + row * T::kHeadDim;
       CUTE_UNROLL
       for (int me = 0; me < T::kConsumers; ++me) {
         cutlass::arch::NamedBarrier::sync(Dq::kBarrierThreads, kDqFullBarrier + me);

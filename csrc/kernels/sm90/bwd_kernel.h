@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
     else if (threadIdx.x / 32 == 1 && dq_ordered && st.steps > 0)
-      run_bwd_dq_writer<T>(args, smem, st, n_block, b, hk);
+      run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
     return;
   }
 

@@ -39,14 +39,14 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
     return cudaErrorInvalidValue;
   // The bias's gradient is not in these kernels; softcap, a bias and ALiBi only in the general
   // variant, dropout there or in the dropout variant (which needs it).  Packed sequences only
-  // in the varlen instantiation, with its tables, dQ in any order.
+  // in the varlen instantiation, with its tables (for dQ in a fixed order, each sequence's
+  // key blocks the highest first: sm90_bwd_varlen_tables).
   if (p.dbias_full != nullptr || (p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask))
     return cudaErrorInvalidValue;
   if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
                  p.sm90_varlen_block_m != T::kBlockN ||
-                 (pitch > 0 && p.sm90_varlen_rows == nullptr) || pitch % 128 != 0 ||
-                 p.dq_semaphore != nullptr))
+                 (pitch > 0 && p.sm90_varlen_rows == nullptr) || pitch % 128 != 0))
     return cudaErrorInvalidValue;
   float* lse_log2 = stats;
   float* delta = stats + batch * p.heads_q * pitch;
@@ -75,12 +75,13 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   // taken by a concurrent one or an SM-limited context), else descending (a CTA waits only for
   // CTAs launched before it).  Descending where every key block starts at query block 0 (no
   // mask beyond 16.9k keys, a window open to the right) puts each key block a writer step
-  // behind the next higher one at the start: not measured.
+  // behind the next higher one at the start: not measured.  Packed sequences: descending
+  // within each sequence (the table puts each sequence's higher key blocks first).
   // (packed sequences: the padded rows, whole blocks)
   const int64_t num_m_blocks = (varlen ? pitch : p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   int32_t dq_order = kDqAnyOrder;
   if (p.dq_semaphore != nullptr)
-    dq_order = p.window_left < 0 && p.window_right < 0 &&
+    dq_order = !varlen && p.window_left < 0 && p.window_right < 0 &&
                        num_n_blocks <= sm80::multiprocessor_count() &&
                        num_m_blocks * (num_n_blocks + 1) < 0x7fffffffLL
                    ? kDqRotated

@@ -50,7 +50,8 @@ struct Sm90BwdTraits {
   // each CTA takes one entry of the host's key-block table (FwdParams::sm90_varlen_tiles) and
   // one KV head, loads over the packed tensors at its sequence's offsets, and keeps its
   // statistics and dQ in the sequence's padded rows (BwdParams::sm90_varlen_rows).  dQ in any
-  // order only (deterministic calls take the portable kernels).  Its own instantiation.
+  // order, or in a fixed one (deterministic: each sequence's key blocks the highest first, the
+  // table ordered so).  Its own instantiation.
   static constexpr bool kVarlen = kVarlen_;
   static_assert(!(kVarlen && (kGeneral || kDropout || kMask)), "packed sequences: plain only");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
