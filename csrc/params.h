@@ -263,9 +263,11 @@ struct BwdParams : FwdParams {
   bool dq_bulk = false;
   // The Hopper backward with deterministic=True: int32 counters, dq_semaphores_per_head(...)
   // per (batch, query head), zeroed, the kernel's query block m_block at index m_block (its
-  // blocks have 64 or 128 rows: at 128 half of them go unused); each query block's dQ tiles
-  // are added in a fixed order of key blocks (kernels/sm90/bwd_dq.h).  nullptr: in the order
-  // the CTAs get there (not bitwise reproducible).
+  // blocks have 64 or 128 rows: at 128 half of them go unused); packed sequences: one per
+  // query block of the padded scratch rows (heads_q * sm90_varlen_padded_q / 64 allocated).
+  // Each query block's dQ tiles are added in a fixed order of key blocks
+  // (kernels/sm90/bwd_dq.h).  nullptr: in the order the CTAs get there (not bitwise
+  // reproducible).
   int32_t* dq_semaphore = nullptr;
   // The Hopper backward on packed sequences (sm90_varlen_tiles: one entry per key block that
   // some query row of its sequence sees): its per-row scratch (statistics, fp32 dQ) holds each

@@ -9,13 +9,13 @@ and windows bottom-right aligned per sequence). The kernels are the dense ones, 
 sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
 the Hopper forward's varlen instantiation for plain attention (causal, windows and GQA
 included; its tiles come from a table of every sequence's query blocks that the host builds
-from the offsets, heaviest first) and the Hopper backward's (head dims up to 128, unless
-deterministic; its CTAs from a table of every sequence's key blocks); elsewhere, and with
+from the offsets, heaviest first) and the Hopper backward's (head dims up to 128, deterministic
+too; its CTAs from a table of every sequence's key blocks); elsewhere, and with
 softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
 checked on the host: offsets on a CUDA device are copied there once per call, forward and
-backward together (one synchronisation; not capturable in a CUDA graph); offsets given on the
-CPU cost none.
+backward together (one synchronisation); offsets given on the CPU cost none.  Not capturable
+in a CUDA graph either way (a clear error).
 
 This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
 ``bwd_varlen`` op, recomputation from out and softmax_lse).
@@ -100,8 +100,12 @@ def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
     the CPU for a CUDA call and upload them from pinned memory).  Anything the ops would refuse
     (another device, dtype or rank) is passed on as it is, for the op to name."""
     parts = [cu_seqlens_q, cu_seqlens_k] + ([seqused_k] if seqused_k is not None else [])
+    # (while a CUDA graph is captured the op refuses the call by name; a copy here would fail
+    # first, with PyTorch's message)
     if not q.is_cuda or any(t.device != q.device or t.dtype != torch.int32 or t.dim() != 1
                             for t in parts):
+        return cu_seqlens_q, cu_seqlens_k, seqused_k
+    if not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         return cu_seqlens_q, cu_seqlens_k, seqused_k
     host = torch.cat(parts).cpu()
     pieces = host.split([t.numel() for t in parts])
@@ -141,8 +145,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         deterministic: bitwise-reproducible gradients (also under
             ``torch.use_deterministic_algorithms(True)``). The CPU backward and CUDA's portable
             one always are; on sm_90 the default is the Hopper backward, whose dQ is added in
-            the order the CTAs get there (its last bits vary from run to run), and
-            ``deterministic=True`` takes the portable backward instead (slower).
+            the order the CTAs get there (its last bits vary from run to run), and with
+            ``deterministic=True`` in a fixed order (each sequence's key blocks the highest
+            first).
         return_attn_probs: also return softmax_lse (num_heads, total_q), differentiable
             (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
@@ -163,6 +168,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             the argument and the rule); flags as flash_attn_func checks them (causal a bool,
             window_size a pair of ints, dropout_p in [0, 1), ...); alibi_slopes requiring
             grad.
+        RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "

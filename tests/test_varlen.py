@@ -579,6 +579,61 @@ def test_cuda_offsets_synchronise_once_per_call_and_on_the_host_never(with_sequs
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2, msg=name)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("on_host", [False, True])
+def test_cuda_capture_in_a_cuda_graph_is_a_clear_error(on_host):
+    # The checks and tables are made on the host per call: a captured call would replay with
+    # the offsets of its capture (offsets on the CPU upload nothing at replay), so capturing
+    # is refused by name rather than failing in a copy or computing with stale offsets.
+    q, k, v, cq, ck = _packed([5, 40], [7, 40], 2, 1, 64, 64, torch.bfloat16)
+    q, k, v = (t.detach().cuda() for t in (q, k, v))
+    offsets = (cq, ck) if on_host else (cq.cuda(), ck.cuda())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            flash_attn_varlen_func(q, k, v, *offsets, 40, 40, causal=True)
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
+@pytest.mark.parametrize("case", ["waves", "dropped_blocks", "seqused_k"])
+def test_sm90_varlen_deterministic_backward_order(case):
+    # The fixed order's waits across CTAs: "waves" launches ~2,000 CTAs (an 8k causal
+    # sequence among 40 short ones, 8 KV heads), far more than are resident at once, so a
+    # table order in which a CTA waited for one launched after it would hang (the kernel
+    # traps after a minute); "dropped_blocks": a window whose lowest key blocks no row sees
+    # (no CTA, not counted); "seqused_k": key counts below the sequences' keys.  Bitwise
+    # reproducible over 5 runs and the same as the default order up to dQ's summation order.
+    torch.manual_seed(0)
+    kw, used = dict(causal=True), None
+    if case == "waves":
+        lens_q = [8192] + [int(n) for n in torch.randint(1, 300, (40,))]
+        lens_k, heads, heads_kv = lens_q, 16, 8
+    elif case == "dropped_blocks":
+        lens_q, lens_k, heads, heads_kv = [64, 30, 200], [700, 500, 200], 4, 2
+        kw = dict(window_size=(100, 20))
+    else:
+        lens_q, lens_k, heads, heads_kv = [300, 129, 70], [400, 300, 70], 4, 4
+        used = torch.tensor([350, 0, 64], dtype=torch.int32).cuda()
+    q, k, v, cq, ck = _packed(lens_q, lens_k, heads, heads_kv, 128, 128, torch.bfloat16)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+
+    def grads(**extra):
+        out = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k),
+                                     seqused_k=used, **kw, **extra)
+        return torch.autograd.grad(out, (q, k, v), dout)
+    result = {}
+    names = launched_kernels(lambda: result.setdefault("first", grads(deterministic=True)))
+    assert _hopper_bwd_varlen(names), names
+    for _ in range(4):
+        again = grads(deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, result["first"]))
+    for name, a, b in zip(("dq", "dk", "dv"), result["first"], grads()):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -558,8 +558,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 // (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90 the Hopper backward's
 // varlen instantiation for plain attention (a table of every sequence's key blocks:
 // sm90_bwd_varlen_tables; deterministic: dQ added in a fixed order); else the 4-warp kernels
-// with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the offsets are read on the
-// host).
+// with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the
+// offsets are read on the host), so a call cannot be captured in a CUDA graph
+// (check_not_capturing).
+// Refuses a packed call while q's stream captures a CUDA graph: its checks and tables are made
+// on the host from the offsets of this call, and offsets on the CPU would be uploaded once, at
+// capture, so a replay with other offsets would compute with these (a wrong answer, silently).
+void check_not_capturing(const at::Tensor& q) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(
+      cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(q.device().index()), &status));
+  TORCH_CHECK(status == cudaStreamCaptureStatusNone,
+              "flash_attn_varlen_func (the fwd_varlen / bwd_varlen ops) cannot be captured in a "
+              "CUDA graph: the offsets are checked and the kernels' tables built on the host for "
+              "each call");
+}
+
 void set_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   make_packed(p, pk, max_seqlen_q, max_seqlen_k);
   p.cu_seqlens_q = pk.cu_q.data_ptr<int32_t>();
@@ -575,6 +589,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cuda(
     int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     double dropout_p, const std::optional<at::Tensor>& seqused_k, bool /*deterministic*/) {
+  check_not_capturing(q_in);
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,
@@ -622,6 +637,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& dsoftmax_lse,
     bool deterministic) {
+  check_not_capturing(q_in);
   const PackedCall c = check_packed_call(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                          window_left, window_right, softcap, alibi_slopes,

@@ -132,7 +132,9 @@ def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
 # Keyed by the tensor objects (id, checked against a weak reference, so a dead tensor's
 # reused id never matches) and their version counters, so that an in-place change of either
 # is seen; a few entries (the passes in flight).  Not for inference tensors (no version
-# counter) and not while torch.compile traces (the copy is then part of the graph).
+# counter) and not while torch.compile traces (the copy is then part of the graph).  Writes
+# that bypass the version counter (through `.data`, or a NumPy array sharing the storage) are
+# not seen: transformers builds these tensors afresh for every batch.
 _host_offsets_cache: dict = {}
 _HOST_OFFSETS_ENTRIES = 8
 
@@ -152,7 +154,7 @@ def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     if cacheable:
         _host_offsets_cache.pop(id(cu_q), None)
         while len(_host_offsets_cache) >= _HOST_OFFSETS_ENTRIES:
-            del _host_offsets_cache[next(iter(_host_offsets_cache))]
+            _host_offsets_cache.pop(next(iter(_host_offsets_cache), None), None)
         _host_offsets_cache[id(cu_q)] = (weakref.ref(cu_q), weakref.ref(cu_k),
                                          (cu_q._version, cu_k._version), pair)
     return pair

@@ -33,8 +33,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // causal mask each head's longest blocks (the first keys) start first.  With dQ added in
   // descending key-block order, the highest first, the shortest under a causal mask (a CTA
   // waits only for CTAs launched before it: bwd_traits.h, kDqDescending).
-  // Packed sequences: entry blockIdx / heads_kv of the host's table (heaviest first), KV head
-  // blockIdx % heads_kv.
+  // Packed sequences: entry blockIdx / heads_kv of the host's table (heaviest first; with dQ
+  // in a fixed order, each sequence's highest blocks first), KV head blockIdx % heads_kv.
   int32_t n_block, b, hk;
   BwdSeq seq;
   if constexpr (T::kVarlen) {
