@@ -17,8 +17,9 @@ checked on the host: offsets on a CUDA device are copied there once per call, fo
 backward together (one synchronisation); offsets given on the CPU cost none.  Not capturable
 in a CUDA graph either way (a clear error).
 
-This module registers the ops' fake kernels (torch.compile) and autograd (backward by the
-``bwd_varlen`` op, recomputation from out and softmax_lse).
+This module registers the ops' fake kernels (torch.compile); their autograd is in C++
+(csrc/autograd.cpp: backward by the ``bwd_varlen`` op, recomputation from out and softmax_lse;
+no double backward).
 """
 
 from __future__ import annotations
@@ -54,44 +55,6 @@ def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
                      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      seqused_k=None, dsoftmax_lse=None, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
-
-
-_FLAGS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p",
-          "deterministic")
-
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, alibi_slopes, dropout_p, seqused_k,
-     deterministic) = inputs  # (torch fills in the defaults of arguments a caller left out)
-    out, softmax_lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                          alibi_slopes, seqused_k)
-    ctx.sizes = (max_seqlen_q, max_seqlen_k)
-    ctx.flags = dict(zip(_FLAGS, (softmax_scale, causal, window_left, window_right, softcap,
-                                  dropout_p, bool(deterministic))))
-    # softmax_lse is differentiable (its gradient enters bwd_varlen as dsoftmax_lse, folded
-    # into delta); gradients of outputs nobody used arrive as None, not as zeros.
-    ctx.mark_non_differentiable(rng_state)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dout, dsoftmax_lse, drng_state):
-    del drng_state
-    q, k, v, out, softmax_lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = \
-        ctx.saved_tensors
-    if dout is None:  # only softmax_lse was used
-        dout = torch.zeros_like(out)
-    f = ctx.flags
-    dq, dk, dv = bwd_varlen_op(dout, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.sizes,
-                               rng_state, f["softmax_scale"], f["causal"], f["window_left"],
-                               f["window_right"], f["softcap"], alibi_slopes, f["dropout_p"],
-                               seqused_k, dsoftmax_lse, f["deterministic"])
-    return dq, dk, dv, *([None] * 13)
-
-
-torch.library.register_autograd("flash_attn_ext::fwd_varlen", _backward,
-                                setup_context=_setup_context)
 
 
 def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):

@@ -188,6 +188,16 @@ def test_compiles_fullgraph_forward_and_backward(device, backend):
                                    rtol=0 if device == "cpu" else 1e-2)
 
 
+def test_double_backward_is_a_clear_error():
+    # The varlen ops' autograd (C++, as the dense ops'): a gradient of the gradient is refused
+    # by name, not computed as if the backward were constant.
+    q, k, v, cq, ck = _packed([9, 20], [12, 20], 2, 1, 16, 16, torch.float64)
+    out = flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, causal=True)
+    dq, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        dq.sum().backward()
+
+
 def test_opcheck():
     q, k, v, cq, ck = _packed([9, 20], [12, 20], 2, 1, 16, 8, torch.float32)
     torch.library.opcheck(flash_attn_ext.varlen.fwd_varlen_op,
@@ -770,20 +780,25 @@ def test_sm90_varlen_deterministic_backward(head_dim, mask):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_deterministic_reaches_the_backward_op(monkeypatch, deterministic):
+def test_deterministic_reaches_the_backward_op(deterministic):
     # FlashAttention-2's `deterministic` is a flag of the backward: the forward op carries it
-    # (autograd sees only the op's inputs) and hands it to bwd_varlen, which on an H200
-    # adds dQ in a fixed order for it.
-    from flash_attn_ext import varlen
-    seen = []
-    real = varlen.bwd_varlen_op
+    # (autograd sees only the op's inputs) and its autograd (C++) hands it to bwd_varlen,
+    # which on an H200 adds dQ in a fixed order for it.  Seen below autograd, where the ops
+    # are dispatched.
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def spy(*args):
-        seen.append(args[-1])
-        return real(*args)
-    monkeypatch.setattr(varlen, "bwd_varlen_op", spy)
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.flash_attn_ext.bwd_varlen.default:
+                seen.append(args[20] if len(args) > 20 else kwargs.get("deterministic", False))
+            return func(*args, **kwargs)
+
     q, k, v, cq, ck = _packed([3, 5], [4, 6], 2, 1, 8, 8, torch.float64)
-    out = flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=True,
-                                 deterministic=deterministic)
-    torch.autograd.grad(out.sum(), (q, k, v))
+    with Spy():
+        out = flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=True,
+                                     deterministic=deterministic)
+        torch.autograd.grad(out.sum(), (q, k, v))
     assert seen == [deterministic]

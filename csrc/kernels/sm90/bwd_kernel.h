@@ -33,13 +33,22 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // causal mask each head's longest blocks (the first keys) start first.  With dQ added in
   // descending key-block order, the highest first, the shortest under a causal mask (a CTA
   // waits only for CTAs launched before it: bwd_traits.h, kDqDescending).
-  // Packed sequences: entry blockIdx / heads_kv of the host's table (heaviest first; with dQ
-  // in a fixed order, each sequence's highest blocks first), KV head blockIdx % heads_kv.
+  // Packed sequences: entry blockIdx / heads_kv of the host's table (heaviest first), KV head
+  // blockIdx % heads_kv.  With dQ in a fixed order (each sequence's highest blocks first in
+  // the table) the KV head is slowest, entry blockIdx % entries: one head's blocks after
+  // another, as the dense descending order, so that a long causal sequence's heavy and light
+  // blocks alternate over the launch (with the head fastest every head's heaviest blocks came
+  // last: 0.70x the default order); a CTA still waits only for its own head's CTAs launched
+  // before it.
   int32_t n_block, b, hk;
   BwdSeq seq;
   if constexpr (T::kVarlen) {
-    const VarlenTile e = p.sm90_varlen_tiles[blockIdx.x / static_cast<uint32_t>(p.heads_kv)];
-    hk = static_cast<int32_t>(blockIdx.x % static_cast<uint32_t>(p.heads_kv));
+    const uint32_t heads = static_cast<uint32_t>(p.heads_kv);
+    const uint32_t entries = static_cast<uint32_t>(p.sm90_varlen_entries);
+    const bool head_slowest = args.dq_order != kDqAnyOrder;
+    const VarlenTile e =
+        p.sm90_varlen_tiles[head_slowest ? blockIdx.x % entries : blockIdx.x / heads];
+    hk = static_cast<int32_t>(head_slowest ? blockIdx.x / entries : blockIdx.x % heads);
     n_block = e.block;
     b = e.b;
     seq = {e.q0, e.k0, e.len_q, e.len_k, e.row_base};
