@@ -32,12 +32,20 @@ struct OnlineSoftmax {
 
   const float scale_log2;  // softmax_scale * log2(e)
   float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
+  // The reference max as P used it: m_row * scale_log2 rounded to fp32 (0 while m_row is
+  // -inf).  O's rescale factor and the LSE use it too, not the exact product an FMA would
+  // form from m_row: with scores of magnitude M (in the exp2 domain) the two differ by up to
+  // ulp(M) / 2, so O and l disagreed by that factor at each raise of the max (an fp32
+  // emulation, dev/huge_scores_emulation.py: 7e-3 at M = 2^24, 3e-2 at 2^28, against 3-4e-4
+  // with one reference; the same instruction count).
+  float m_scaled_row[2];
 
   __device__ __forceinline__ explicit OnlineSoftmax(float scale_log2_)
       : scale_log2(scale_log2_) {}
 
   __device__ __forceinline__ void reset(int r) {
     m_row[r] = -INFINITY;
+    m_scaled_row[r] = 0.f;
     l_row[r] = 0.f;
   }
 
@@ -79,8 +87,10 @@ struct OnlineSoftmax {
       const float m_new = raise ? mx[r] : m_old;
       // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
       m_scaled[r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-      alpha[r] = raise ? exp2f(m_old * scale_log2 - m_scaled[r]) : 1.f;  // 0 if m_old = -inf
+      // 0 if m_old = -inf
+      alpha[r] = raise ? (m_old == -INFINITY ? 0.f : exp2f(m_scaled_row[r] - m_scaled[r])) : 1.f;
       m_row[r] = m_new;
+      m_scaled_row[r] = m_scaled[r];
     }
 #pragma unroll
     for (int c = 0; c < kSVals / 2; ++c)
@@ -139,7 +149,7 @@ struct OnlineSoftmax {
   // Row half r's log-sum-exp (natural log), after finalize.
   __device__ __forceinline__ float lse(int r, bool empty) const {
     constexpr float kLn2 = 0.6931471805599453f;
-    return empty ? -INFINITY : (m_row[r] * scale_log2 + log2f(l_row[r])) * kLn2;
+    return empty ? -INFINITY : (m_scaled_row[r] + log2f(l_row[r])) * kLn2;
   }
 };
 
