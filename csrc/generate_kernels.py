@@ -22,6 +22,8 @@ The files, under csrc/kernels/:
                                                           alone (run_flash_fwd_sm90_mask)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen.cu    ... on packed sequences
                                                           (run_flash_fwd_sm90_varlen)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_softcap.cu   ... with softcap alone
+                                                          (run_flash_fwd_sm90_softcap)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -138,14 +140,15 @@ SM90_BWD_HEAD_DIMS = (64, 128)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
-                     ("_varlen", ", packed sequences"))
+                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
                      ("_varlen", ", packed sequences"))
-# The kMask and kVarlen template arguments, written only where one is true (the other files
-# predate them).
+# The kMask, kVarlen and kSoftcap template arguments, written only where one is true (the other
+# files predate them).
 MASK_ARG = {True: ", /*kMask=*/true", False: ""}
 VARLEN_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true", False: ""}
+SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true", False: ""}
 
 
 def kernel_files():
@@ -164,7 +167,8 @@ def kernel_files():
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
                     dropout=str(suffix == "_dropout").lower(),
-                    mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"],
+                    mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
+                    + SOFTCAP_ARG[suffix == "_softcap"],
                     **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:

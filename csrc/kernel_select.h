@@ -207,14 +207,20 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
   return why;
 }
 
-// The name suffix of the Hopper kernels' variant a call runs on (forward and backward alike):
-// dropout alone, a boolean mask alone, the general variant (softcap, a bias, ALiBi; dropout
-// with them), or plain.
+// The name suffix of the Hopper kernels' variant a call runs on (the backward's; the forward's
+// is sm90_fwd_variant): dropout alone, a boolean mask alone, the general variant (softcap, a
+// bias, ALiBi; dropout with them), or plain.
 inline const char* sm90_variant(const CallInfo& call) {
   return call.score_mods == kDropout     ? "_dropout"
          : mask_alone(call.score_mods) ? "_mask"
          : call.general()               ? "_general"
                                         : "";
+}
+
+// The forward's: as sm90_variant, but softcap alone has a variant of its own there (the
+// backward takes it on the general one).
+inline const char* sm90_fwd_variant(const CallInfo& call) {
+  return call.score_mods == kSoftcap ? "_softcap" : sm90_variant(call);
 }
 
 }  // namespace detail
@@ -339,7 +345,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa"
                 : c.fwd != FwdKernel::kSm90      ? ""
                 : call.packed                    ? "_varlen"
-                                                 : detail::sm90_variant(call));
+                                                 : detail::sm90_fwd_variant(call));
 
   // Packed sequences: the Hopper backward's varlen instantiation for plain attention up to
   // head dim 128 (dQ added in any order, or in a fixed order when deterministic), else the

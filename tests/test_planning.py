@@ -404,8 +404,14 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, k, k) is p
     assert planning.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
-    # (the general variant does not pack: the bias tells the heads apart)
-    assert planning.plan(q1, k, k, mods=planning.SOFTCAP).kernel == "sm90_fwd_hdim64_bf16_general"
+    # (the general variant does not pack: the bias tells the heads apart; nor does the
+    # softcap variant, softcap alone, whose backward is the general one)
+    p = planning.plan(q1, k, k, mods=planning.SOFTCAP)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_softcap",
+                                             "sm90_bwd_hdim64_bf16_general")
+    for extra in (planning.ALIBI, planning.BIAS, planning.DROPOUT):
+        assert planning.plan(q1, k, k, mods=planning.SOFTCAP | extra).kernel == \
+            "sm90_fwd_hdim64_bf16_general", extra
     assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"

@@ -77,7 +77,9 @@ def test_explain_names_the_deterministic_dq_path():
 
 def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
     q = rand(2, 100, 4, 64)
-    assert explain(q, q, q, layout="blhd", softcap=5.0).kernel == "sm90_fwd_hdim64_bf16_general"
+    p = explain(q, q, q, layout="blhd", softcap=5.0)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_softcap",
+                                             "sm90_bwd_hdim64_bf16_general")
     p = explain(q, q, q, layout="blhd", softcap=5.0, dropout_p=0.1)
     assert p.kernel == "sm90_fwd_hdim64_bf16_general"
     assert p.backward_kernel == "sm90_bwd_hdim64_bf16_general"
@@ -374,16 +376,19 @@ SCORE_MODS = ["softcap", "bias", "padding", "causal_padding", "softcap_bias_caus
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
-@pytest.mark.parametrize("what", SCORE_MODS)
+@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window"])
 def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, head_dim, what):
-    # Softcap, an additive bias and masks as biases on the Hopper forward's general variant,
-    # with causal / window masks and GQA, against the fp32 reference.
+    # Softcap, an additive bias and masks as biases on the Hopper forward's general variant
+    # (softcap alone, with or without causal / window masks, on the softcap variant), with
+    # causal / window masks and GQA, against the fp32 reference.
     q, k, v = rand(3, seqlen_q, 4, head_dim, dtype=dtype), \
         rand(3, seqlen_k, 2, head_dim, dtype=dtype), rand(3, seqlen_k, 2, head_dim, dtype=dtype)
     softcap, bias, causal, window, slopes = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
-    plan = planning.plan(q, k, v, mods=planning.score_mods(softcap, 0.0, bias, slopes))
+    mods = planning.score_mods(softcap, 0.0, bias, slopes)
+    plan = planning.plan(q, k, v, mods=mods)
+    variant = "_softcap" if mods == planning.SOFTCAP else "_general"
     assert plan.kernel == f"sm90_fwd_hdim{max(64, 1 << (head_dim - 1).bit_length())}_" \
-        f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}_general", plan
+        f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}{variant}", plan
     kw = dict(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
               attn_bias=bias, alibi_slopes=slopes)
     true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),

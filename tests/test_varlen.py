@@ -397,8 +397,9 @@ def _on_sm90():
             and torch.cuda.get_device_capability() == (9, 0))
 
 
-# The Hopper forward's varlen instantiation (plain attention: causal and windows per sequence).
-VARLEN_SM90 = ", false, false, false, false, true>"
+# The Hopper forward's varlen instantiation (plain attention: causal and windows per sequence;
+# Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap>).
+VARLEN_SM90 = ", false, false, false, false, true, false>"
 
 
 def _hopper_bwd_varlen(names):

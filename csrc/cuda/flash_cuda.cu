@@ -169,6 +169,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_mask<Element, 128>(p, stream);
     return sm90::run_flash_fwd_sm90_mask<Element, 256>(p, stream);
   }
+  if (p.softcap_only()) {  // (kernel_select.h keeps GQA packing off it)
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_softcap<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_softcap<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_softcap<Element, 256>(p, stream);
+  }
   if (p.score_mods()) {
     // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);

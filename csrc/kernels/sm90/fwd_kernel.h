@@ -89,10 +89,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int ctid = threadIdx.x - 128;  // 0 .. 128 * kConsumers - 1 over the consumer warpgroups
   FwdMainloop<T> mainloop(ctid, sQ, sK, sVt);
   // The exp2 domain's factor: softmax_scale * log2(e) for plain scores (the mask variant's
-  // too: a mask only hides scores), log2(e) for softcapped or biased ones, which modify_scores
-  // has scaled (sm80::ScoreFn).
-  OnlineSoftmax<T> softmax(T::kMask ? static_cast<float>(p.softmax_scale) * sm80::ScoreFn::kLog2e
-                                    : sm80::ScoreFn(p, 0, 0).scale_log2);
+  // too: a mask only hides scores), softcap * log2(e) for the softcap variant's tanh values,
+  // log2(e) for the general variant's softcapped or biased scores, which modify_scores has
+  // scaled (sm80::ScoreFn).
+  OnlineSoftmax<T> softmax(
+      T::kSoftcap ? static_cast<float>(p.softcap) * sm80::ScoreFn::kLog2e
+      : T::kMask  ? static_cast<float>(p.softmax_scale) * sm80::ScoreFn::kLog2e
+                  : sm80::ScoreFn(p, 0, 0).scale_log2);
   // This thread's two rows (row halves r and r + 8 of the accumulators), per tile.
   int32_t row_of[2];
   RowMask<T> mask(get<1>(mainloop.tScS(0)));

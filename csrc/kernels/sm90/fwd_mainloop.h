@@ -353,6 +353,10 @@ struct FwdMainloop {
       return n;
     };
     auto modify = [&](int n_block, int c) {
+      if constexpr (T::kSoftcap) {  // (Sm90FwdTraits::kSoftcap: t = tanh(x * scale / softcap))
+#pragma unroll
+        for (int i = 0; i < kSVals; ++i) tSrS(i) = sm80::tanh_approx(tSrS(i) * fn.cap_inv_scale);
+      }
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,
                       static_cast<int32_t>(args.p.seqlen_k), c);

@@ -55,7 +55,7 @@ __host__ __device__ __forceinline__ GmemShape rows_shape(const FwdParams& p, boo
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false, bool kVarlen_ = false>
+          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
@@ -87,6 +87,16 @@ struct Sm90FwdTraits {
   static constexpr bool kVarlen = kVarlen_;
   static_assert(!(kVarlen_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_)),
                 "packed sequences: plain attention");
+  // Softcap alone (Gemma-2's logit softcapping): the plain kernel with each score x replaced
+  // by t = tanh(x * scale / softcap) (one FMUL and one MUFU) before the mask, and the online
+  // softmax's exp2 factor softcap * log2(e) in place of scale * log2(e), so that the
+  // exponent stays one FFMA, fma(t, softcap * log2 e, -m).  tanh is increasing: the row max
+  // and the masks work on t as on x.  The scores are bounded (|s| <= softcap), so the
+  // reference max's rounding never matters.  Its own instantiation; unpacked, as the general
+  // variant, whose per-score flag tests and spills it avoids.
+  static constexpr bool kSoftcap = kSoftcap_;
+  static_assert(!(kSoftcap_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_)),
+                "softcap alone, unpacked");
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
