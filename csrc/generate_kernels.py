@@ -33,6 +33,8 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_mask)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_varlen.cu  ... on packed sequences
                                                           (run_flash_bwd_sm90_varlen)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_softcap.cu ... with softcap alone
+                                                          (run_flash_bwd_sm90_softcap)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -143,7 +145,7 @@ SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into share
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
-                     ("_varlen", ", packed sequences"))
+                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"))
 # The kMask, kVarlen and kSoftcap template arguments, written only where one is true (the other
 # files predate them).
 MASK_ARG = {True: ", /*kMask=*/true", False: ""}
@@ -176,7 +178,8 @@ def kernel_files():
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),
                         dropout=str(suffix == "_dropout").lower(),
-                        mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"],
+                        mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
+                        + SOFTCAP_ARG[suffix == "_softcap"],
                         **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 

@@ -108,7 +108,8 @@ struct CallInfo {
   TensorDesc q, k, v;
   // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
   // variant takes softcap, a bias and ALiBi (with dropout or not), their dropout variant
-  // dropout alone; a bias's gradient runs on the portable backward.
+  // dropout alone, their softcap variant softcap alone, their mask variant a boolean mask
+  // alone; a bias's gradient runs on the portable backward.
   int score_mods = 0;
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
@@ -207,20 +208,15 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
   return why;
 }
 
-// The name suffix of the Hopper kernels' variant a call runs on (the backward's; the forward's
-// is sm90_fwd_variant): dropout alone, a boolean mask alone, the general variant (softcap, a
-// bias, ALiBi; dropout with them), or plain.
+// The name suffix of the Hopper kernels' variant a call runs on (forward and backward alike):
+// dropout alone, a boolean mask alone, softcap alone, the general variant (softcap, a bias,
+// ALiBi; dropout with them), or plain.
 inline const char* sm90_variant(const CallInfo& call) {
   return call.score_mods == kDropout     ? "_dropout"
          : mask_alone(call.score_mods) ? "_mask"
+         : call.score_mods == kSoftcap  ? "_softcap"
          : call.general()               ? "_general"
                                         : "";
-}
-
-// The forward's: as sm90_variant, but softcap alone has a variant of its own there (the
-// backward takes it on the general one).
-inline const char* sm90_fwd_variant(const CallInfo& call) {
-  return call.score_mods == kSoftcap ? "_softcap" : sm90_variant(call);
 }
 
 }  // namespace detail
@@ -345,7 +341,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa"
                 : c.fwd != FwdKernel::kSm90      ? ""
                 : call.packed                    ? "_varlen"
-                                                 : detail::sm90_fwd_variant(call));
+                                                 : detail::sm90_variant(call));
 
   // Packed sequences: the Hopper backward's varlen instantiation for plain attention up to
   // head dim 128 (dQ added in any order, or in a fixed order when deterministic), else the

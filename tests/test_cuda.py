@@ -436,8 +436,8 @@ def test_fp16_gradients_with_large_score_gradients():
 def check_sm90_variants(plan, names):
     """The Hopper kernels among the launched ``names`` are the variants the plan names: their
     template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen,
-    kSoftcap>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen>) against the names'
-    suffixes."""
+    kSoftcap>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen, kSoftcap>) against the
+    names' suffixes."""
     fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
     for flags, suffix in ((", true, false, false, false, false, false>", "_packgqa"),
@@ -449,18 +449,19 @@ def check_sm90_variants(plan, names):
         assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
     bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false>", "_general"),
-                          (", false, true, false, false>", "_dropout"),
-                          (", false, false, true, false>", "_mask"),
-                          (", false, false, false, true>", "_varlen")):
+    for flags, suffix in ((", true, false, false, false, false>", "_general"),
+                          (", false, true, false, false, false>", "_dropout"),
+                          (", false, false, true, false, false>", "_mask"),
+                          (", false, false, false, true, false>", "_varlen"),
+                          (", false, false, false, false, true>", "_softcap")):
         assert any(flags in n for n in bwd) == plan.backward_kernel.endswith(suffix), (plan, bwd)
 
 
 @pytest.mark.parametrize("case", [
     dict(head_dim=64), dict(head_dim=128, causal=True), dict(head_dim=256),
     dict(head_dim=40, seqlen_q=1, heads_q=32, heads_kv=4),     # decoding GQA: packed on sm_90
-    dict(head_dim=128, softcap=5.0),                           # softcap fwd, general bwd
-    dict(head_dim=64, softcap=5.0),                            # Hopper fwd, 4-warp bwd
+    dict(head_dim=128, softcap=5.0),                           # the softcap variants
+    dict(head_dim=64, softcap=5.0),
     dict(head_dim=64, deterministic=True),                     # separate dQ kernel
     dict(head_dim=128, dropout_p=0.1),                         # the dropout variants
     dict(head_dim=64, dropout_p=0.1, causal=True),

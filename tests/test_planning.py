@@ -404,11 +404,11 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     assert planning.plan(q1, k, k) is p
     assert planning.plan(q2k, k, k).kernel == "sm90_fwd_hdim64_bf16"
     assert planning.plan(q1, q1, q1).kernel == "sm90_fwd_hdim64_bf16"
-    # (the general variant does not pack: the bias tells the heads apart; nor does the
-    # softcap variant, softcap alone, whose backward is the general one)
+    # (the general variant does not pack: the bias tells the heads apart; nor do the softcap
+    # variants, softcap alone)
     p = planning.plan(q1, k, k, mods=planning.SOFTCAP)
     assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_softcap",
-                                             "sm90_bwd_hdim64_bf16_general")
+                                             "sm90_bwd_hdim64_bf16_softcap")
     for extra in (planning.ALIBI, planning.BIAS, planning.DROPOUT):
         assert planning.plan(q1, k, k, mods=planning.SOFTCAP | extra).kernel == \
             "sm90_fwd_hdim64_bf16_general", extra

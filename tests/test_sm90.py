@@ -79,7 +79,7 @@ def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
     q = rand(2, 100, 4, 64)
     p = explain(q, q, q, layout="blhd", softcap=5.0)
     assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_softcap",
-                                             "sm90_bwd_hdim64_bf16_general")
+                                             "sm90_bwd_hdim64_bf16_softcap")
     p = explain(q, q, q, layout="blhd", softcap=5.0, dropout_p=0.1)
     assert p.kernel == "sm90_fwd_hdim64_bf16_general"
     assert p.backward_kernel == "sm90_bwd_hdim64_bf16_general"
@@ -203,7 +203,8 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     plan = planning.plan(q, k, v, mods=mods, deterministic=deterministic)
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
     assert deterministic == any("fixed order" in n for n in plan.notes), plan
-    variant = "_mask" if mods == planning.BIAS | planning.MASK else "_general" if mods else ""
+    variant = "_mask" if mods == planning.BIAS | planning.MASK else \
+        "_softcap" if mods == planning.SOFTCAP else "_general" if mods else ""
     assert plan.backward_kernel.endswith(variant) and \
         plan.backward_kernel.count("_") == 3 + bool(variant), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -405,9 +406,11 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
-@pytest.mark.parametrize("what", SCORE_MODS)
+@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window"])
 def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q, seqlen_k,
                                                       head_dim, what):
+    # (softcap alone, with or without causal / window masks: the softcap variants, forward and
+    # backward; softcap 7.5 with the masks, where tanh saturates, 50 without)
     softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)

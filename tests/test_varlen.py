@@ -403,8 +403,9 @@ VARLEN_SM90 = ", false, false, false, false, true, false>"
 
 
 def _hopper_bwd_varlen(names):
-    """Whether the Hopper backward's varlen instantiation (its last flag, kVarlen) ran."""
-    return any("flash_bwd_sm90_kernel" in n and re.search(r"Sm90BwdTraits<[^>]*, true>", n)
+    """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
+    kDropout, kMask, kVarlen, kSoftcap>: kVarlen alone) ran."""
+    return any("flash_bwd_sm90_kernel" in n and re.search(r"Sm90BwdTraits<[^>]*, true, false>", n)
                for n in names)
 
 

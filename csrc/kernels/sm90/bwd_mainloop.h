@@ -270,12 +270,17 @@ struct BwdMainloop {
             decltype(with_bool)::value
                 ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
                 : nullptr;
+        // (the softcap variant's t = tanh(x * scale / softcap); Sm90BwdTraits::kSoftcap)
+        const float cap_inv_scale = T::kSoftcap ? fn.cap_inv_scale : 0.f;
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
           const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
-          float pr = exp2f(fmaf(acc_s(i), scale_log2, -lse_s[q]));
+          float t = T::kSoftcap ? sm80::tanh_approx(acc_s(i) * cap_inv_scale) : acc_s(i);
+          float pr = exp2f(fmaf(t, scale_log2, -lse_s[q]));
+          // (the softcap variant's t too: a hidden key's score may be NaN, which P^T (1 - t^2)
+          // below would keep)
           if constexpr (decltype(with_mask)::value)
-            if (hide.hidden(key - key0, q - q0)) pr = 0.f;
+            if (hide.hidden(key - key0, q - q0)) pr = t = 0.f;
           if constexpr (decltype(with_bool)::value) {
             // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
             // the mask above)
@@ -285,7 +290,15 @@ struct BwdMainloop {
                        : uint8_t{1};
             pr = visible != 0 ? pr : 0.f;
           }
-          acc_s(i) = pr;
+          if constexpr (T::kSoftcap) {
+            // P^T for dV now; S^T's register keeps P^T ds/dx / scale = P^T (1 - t^2) for dS^T.
+            // (A select of 0 where P^T is 0 instead of t = 0 for hidden keys above spilled 516
+            // bytes at head dim 64, ptxas; this form 108.)
+            p16(i) = static_cast<Element>(pr);
+            acc_s(i) = pr * fmaf(-t, t, 1.f);
+          } else {
+            acc_s(i) = pr;
+          }
         }
       };
       if (T::kMask && cls == kBlockMixed)
@@ -301,11 +314,13 @@ struct BwdMainloop {
       // dV += P^T dO issued before dS^T is computed, so that the tensor cores work while this
       // warpgroup computes dS^T (issued after it, dV left them idle for that time).  With
       // dropout dV takes P^T Z / P(kept) (Z: the keep mask).
-      CUTE_UNROLL
-      for (int i = 0; i < kSVals; ++i) {
-        float pz = acc_s(i);
-        if constexpr (T::kDropout) pz = (kept >> i) & 1u ? pz * drop.scale : 0.f;
-        p16(i) = static_cast<Element>(pz);
+      if constexpr (!T::kSoftcap) {  // (the softcap variant's probs wrote p16)
+        CUTE_UNROLL
+        for (int i = 0; i < kSVals; ++i) {
+          float pz = acc_s(i);
+          if constexpr (T::kDropout) pz = (kept >> i) & 1u ? pz * drop.scale : 0.f;
+          p16(i) = static_cast<Element>(pz);
+        }
       }
       issue_dv(p16, stage);
       warpgroup_wait<1>();  // dP^T (dV may still run)

@@ -26,7 +26,7 @@
 namespace flash_attn_ext::sm90 {
 
 template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false, bool kVarlen_ = false>
+          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
@@ -54,6 +54,15 @@ struct Sm90BwdTraits {
   // table ordered so).  Its own instantiation.
   static constexpr bool kVarlen = kVarlen_;
   static_assert(!(kVarlen && (kGeneral || kDropout || kMask)), "packed sequences: plain only");
+  // Softcap alone (the forward's softcap variant): the plain kernel's step (P^T from S^T
+  // alone, dV issued before dS^T is computed) on t = tanh(x * scale / softcap), P^T =
+  // exp2(t * softcap * log2 e - lse log2 e), with the score's derivative folded into P^T
+  // before dP^T arrives: S^T's registers keep P^T (1 - t^2), from which dS^T = P^T (1 - t^2)
+  // (dP^T - D) scale, and dV takes P^T in 16 bits as in the plain step.  (The general variant
+  // waits for both GEMMs to have t next to dP^T, and issues dV after dS^T.)  Its own
+  // instantiation.
+  static constexpr bool kSoftcap = kSoftcap_;
+  static_assert(!(kSoftcap && (kGeneral || kDropout || kMask || kVarlen)), "softcap alone");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

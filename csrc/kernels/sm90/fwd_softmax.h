@@ -30,7 +30,7 @@ struct OnlineSoftmax {
   // Lazy rescaling's threshold in the exp2 domain (see rows).
   static constexpr float kRescaleLog2 = 8.f;
 
-  const float scale_log2;  // softmax_scale * log2(e)
+  const float scale_log2;  // the exp2 domain's factor (softmax_scale * log2(e): fwd_kernel.h)
   float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
   // The reference max as P used it: m_row * scale_log2 rounded to fp32 (0 while m_row is
   // -inf).  O's rescale factor and the LSE use it too, not the exact product an FMA would
