@@ -24,6 +24,8 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_varlen)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_softcap.cu   ... with softcap alone
                                                           (run_flash_fwd_sm90_softcap)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu     ... with ALiBi alone
+                                                          (run_flash_fwd_sm90_alibi)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -35,6 +37,8 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_varlen)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_softcap.cu ... with softcap alone
                                                           (run_flash_bwd_sm90_softcap)
+  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_alibi.cu   ... with ALiBi alone
+                                                          (run_flash_bwd_sm90_alibi)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -142,15 +146,19 @@ SM90_BWD_HEAD_DIMS = (64, 128)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
-                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"))
+                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
+                     ("_alibi", ", ALiBi alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
-                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"))
-# The kMask, kVarlen and kSoftcap template arguments, written only where one is true (the other
-# files predate them).
+                     ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
+                     ("_alibi", ", ALiBi alone"))
+# The kMask, kVarlen, kSoftcap and kAlibi template arguments, written only where one is true (the
+# other files predate them).
 MASK_ARG = {True: ", /*kMask=*/true", False: ""}
 VARLEN_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true", False: ""}
 SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true", False: ""}
+ALIBI_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/false, /*kAlibi=*/true",
+             False: ""}
 
 
 def kernel_files():
@@ -170,7 +178,7 @@ def kernel_files():
                     general=str(suffix == "_general").lower(),
                     dropout=str(suffix == "_dropout").lower(),
                     mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
-                    + SOFTCAP_ARG[suffix == "_softcap"],
+                    + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"],
                     **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
@@ -179,7 +187,7 @@ def kernel_files():
                         general=str(suffix == "_general").lower(),
                         dropout=str(suffix == "_dropout").lower(),
                         mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
-                        + SOFTCAP_ARG[suffix == "_softcap"],
+                        + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"],
                         **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 

@@ -108,8 +108,8 @@ struct CallInfo {
   TensorDesc q, k, v;
   // What the call adds to plain attention (ScoreMod bits): the Hopper kernels' general
   // variant takes softcap, a bias and ALiBi (with dropout or not), their dropout variant
-  // dropout alone, their softcap variant softcap alone, their mask variant a boolean mask
-  // alone; a bias's gradient runs on the portable backward.
+  // dropout alone, their softcap and ALiBi variants softcap or ALiBi alone, their mask
+  // variant a boolean mask alone; a bias's gradient runs on the portable backward.
   int score_mods = 0;
   bool general() const { return score_mods != 0; }
   bool unequal_tiles = false;  // a causal mask or window: query tiles see unequal key ranges
@@ -209,12 +209,13 @@ inline std::vector<std::string> hopper_blockers(const BuildInfo& build, const Ca
 }
 
 // The name suffix of the Hopper kernels' variant a call runs on (forward and backward alike):
-// dropout alone, a boolean mask alone, softcap alone, the general variant (softcap, a bias,
-// ALiBi; dropout with them), or plain.
+// dropout alone, a boolean mask alone, softcap alone, ALiBi alone, the general variant
+// (softcap, a bias, ALiBi; dropout with them), or plain.
 inline const char* sm90_variant(const CallInfo& call) {
   return call.score_mods == kDropout     ? "_dropout"
          : mask_alone(call.score_mods) ? "_mask"
          : call.score_mods == kSoftcap  ? "_softcap"
+         : call.score_mods == kAlibi    ? "_alibi"
          : call.general()               ? "_general"
                                         : "";
 }

@@ -148,14 +148,20 @@ struct FwdParams {
   bool softcap_only() const {
     return softcap > 0.0 && attn_bias == nullptr && alibi_slopes == nullptr && !dropout;
   }
+  // ALiBi and nothing else (no softcap, bias or dropout): the Hopper kernels' ALiBi variant.
+  bool alibi_only() const {
+    return alibi_slopes != nullptr && softcap <= 0.0 && attn_bias == nullptr && !dropout;
+  }
   // Whether a Hopper instantiation of these variant flags takes the call (kGeneral: softcap, an
   // additive bias, ALiBi, dropout with them; kDropout: dropout alone; kMask: a boolean mask
-  // alone; kSoftcap (the forward's): softcap alone; none: plain attention).
-  bool sm90_variant_is(bool general_v, bool dropout_v, bool mask_v, bool softcap_v = false) const {
+  // alone; kSoftcap: softcap alone; kAlibi: ALiBi alone; none: plain attention).
+  bool sm90_variant_is(bool general_v, bool dropout_v, bool mask_v, bool softcap_v = false,
+                       bool alibi_v = false) const {
     // (their bias reads take keys unit-stride or broadcast: prepare_bias)
     if (attn_bias != nullptr && seqlen_k > 1 && bias_col_stride != 0 && bias_col_stride != 1)
       return false;
     if (softcap_v) return softcap_only();
+    if (alibi_v) return alibi_only();
     if (mask_v) return mask_only();
     if (bias_is_mask) return false;
     return general_v || (!score_mods() && dropout == dropout_v);

@@ -436,24 +436,26 @@ def test_fp16_gradients_with_large_score_gradients():
 def check_sm90_variants(plan, names):
     """The Hopper kernels among the launched ``names`` are the variants the plan names: their
     template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen,
-    kSoftcap>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen, kSoftcap>) against the
-    names' suffixes."""
+    kSoftcap, kAlibi>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen, kSoftcap,
+    kAlibi>) against the names' suffixes."""
     fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false, false, false>", "_packgqa"),
-                          (", false, true, false, false, false, false>", "_general"),
-                          (", false, false, true, false, false, false>", "_dropout"),
-                          (", false, false, false, true, false, false>", "_mask"),
-                          (", false, false, false, false, true, false>", "_varlen"),
-                          (", false, false, false, false, false, true>", "_softcap")):
+    for flags, suffix in ((", true, false, false, false, false, false, false>", "_packgqa"),
+                          (", false, true, false, false, false, false, false>", "_general"),
+                          (", false, false, true, false, false, false, false>", "_dropout"),
+                          (", false, false, false, true, false, false, false>", "_mask"),
+                          (", false, false, false, false, true, false, false>", "_varlen"),
+                          (", false, false, false, false, false, true, false>", "_softcap"),
+                          (", false, false, false, false, false, false, true>", "_alibi")):
         assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
     bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false, false>", "_general"),
-                          (", false, true, false, false, false>", "_dropout"),
-                          (", false, false, true, false, false>", "_mask"),
-                          (", false, false, false, true, false>", "_varlen"),
-                          (", false, false, false, false, true>", "_softcap")):
+    for flags, suffix in ((", true, false, false, false, false, false>", "_general"),
+                          (", false, true, false, false, false, false>", "_dropout"),
+                          (", false, false, true, false, false, false>", "_mask"),
+                          (", false, false, false, true, false, false>", "_varlen"),
+                          (", false, false, false, false, true, false>", "_softcap"),
+                          (", false, false, false, false, false, true>", "_alibi")):
         assert any(flags in n for n in bwd) == plan.backward_kernel.endswith(suffix), (plan, bwd)
 
 

@@ -412,6 +412,9 @@ def test_cuda_plan_names_the_packed_gqa_forward(monkeypatch):
     for extra in (planning.ALIBI, planning.BIAS, planning.DROPOUT):
         assert planning.plan(q1, k, k, mods=planning.SOFTCAP | extra).kernel == \
             "sm90_fwd_hdim64_bf16_general", extra
+    p = planning.plan(q1, k, k, mods=planning.ALIBI)  # (ALiBi alone: the ALiBi variants)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_alibi",
+                                             "sm90_bwd_hdim64_bf16_alibi")
     assert planning.plan(q1, k, k, mods=planning.DROPOUT).kernel == "sm90_fwd_hdim64_bf16_dropout"
     with flash_attn_ext.kernel_options(sm90_pack_gqa="off"):
         assert planning.plan(q1, k, k).kernel == "sm90_fwd_hdim64_bf16"

@@ -204,7 +204,8 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     assert plan.backward_kernel.startswith("sm90_bwd"), plan
     assert deterministic == any("fixed order" in n for n in plan.notes), plan
     variant = "_mask" if mods == planning.BIAS | planning.MASK else \
-        "_softcap" if mods == planning.SOFTCAP else "_general" if mods else ""
+        "_softcap" if mods == planning.SOFTCAP else "_alibi" if mods == planning.ALIBI else \
+        "_general" if mods else ""
     assert plan.backward_kernel.endswith(variant) and \
         plan.backward_kernel.count("_") == 3 + bool(variant), plan
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -377,17 +378,19 @@ SCORE_MODS = ["softcap", "bias", "padding", "causal_padding", "softcap_bias_caus
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
-@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window"])
+@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window", "alibi",
+                                               "alibi_window"])
 def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, head_dim, what):
     # Softcap, an additive bias and masks as biases on the Hopper forward's general variant
-    # (softcap alone, with or without causal / window masks, on the softcap variant), with
-    # causal / window masks and GQA, against the fp32 reference.
+    # (softcap alone and ALiBi alone, with or without causal / window masks, on their
+    # variants), with causal / window masks and GQA, against the fp32 reference.
     q, k, v = rand(3, seqlen_q, 4, head_dim, dtype=dtype), \
         rand(3, seqlen_k, 2, head_dim, dtype=dtype), rand(3, seqlen_k, 2, head_dim, dtype=dtype)
     softcap, bias, causal, window, slopes = score_mod_case(what, 3, seqlen_q, seqlen_k, 4)
     mods = planning.score_mods(softcap, 0.0, bias, slopes)
     plan = planning.plan(q, k, v, mods=mods)
-    variant = "_softcap" if mods == planning.SOFTCAP else "_general"
+    variant = "_softcap" if mods == planning.SOFTCAP else \
+        "_alibi" if mods == planning.ALIBI else "_general"
     assert plan.kernel == f"sm90_fwd_hdim{max(64, 1 << (head_dim - 1).bit_length())}_" \
         f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}{variant}", plan
     kw = dict(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
@@ -406,11 +409,13 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
-@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window"])
+@pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window", "alibi",
+                                               "alibi_window"])
 def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q, seqlen_k,
                                                       head_dim, what):
-    # (softcap alone, with or without causal / window masks: the softcap variants, forward and
-    # backward; softcap 7.5 with the masks, where tanh saturates, 50 without)
+    # (softcap alone or ALiBi alone, with or without causal / window masks: the softcap and
+    # ALiBi variants, forward and backward; softcap 7.5 with the masks, where tanh
+    # saturates, 50 without)
     softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)

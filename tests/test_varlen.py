@@ -398,14 +398,15 @@ def _on_sm90():
 
 
 # The Hopper forward's varlen instantiation (plain attention: causal and windows per sequence;
-# Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap>).
-VARLEN_SM90 = ", false, false, false, false, true, false>"
+# Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>).
+VARLEN_SM90 = ", false, false, false, false, true, false, false>"
 
 
 def _hopper_bwd_varlen(names):
     """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
-    kDropout, kMask, kVarlen, kSoftcap>: kVarlen alone) ran."""
-    return any("flash_bwd_sm90_kernel" in n and re.search(r"Sm90BwdTraits<[^>]*, true, false>", n)
+    kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone) ran."""
+    return any("flash_bwd_sm90_kernel" in n
+               and re.search(r"Sm90BwdTraits<[^>]*, true, false, false>", n)
                for n in names)
 
 

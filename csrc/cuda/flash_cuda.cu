@@ -174,6 +174,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_softcap<Element, 128>(p, stream);
     return sm90::run_flash_fwd_sm90_softcap<Element, 256>(p, stream);
   }
+  if (p.alibi_only()) {  // (kernel_select.h keeps GQA packing off it)
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_alibi<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_alibi<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_alibi<Element, 256>(p, stream);
+  }
   if (p.score_mods()) {
     // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
@@ -210,6 +215,11 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   if (p.softcap_only()) {
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_softcap<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_softcap<Element, 128>(p, stats, stream);
+    return cudaErrorInvalidValue;
+  }
+  if (p.alibi_only()) {
+    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_alibi<Element, 64>(p, stats, stream);
+    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_alibi<Element, 128>(p, stats, stream);
     return cudaErrorInvalidValue;
   }
   if (p.score_mods()) {

@@ -189,7 +189,7 @@ struct BwdMainloop {
       // unit-stride or broadcast (prepare_bias), so a value's offset is (query offset) x row
       // stride + key offset.
       // ALiBi's distance i + off - j at this thread's first (key, query); at value i it is
-      // dist00 + ((q - q0) - (key - key0)), a compile-time offset: one FADD with an immediate
+      // dist00 + (acc_col(i) - acc_row(i)), a compile-time offset: one FADD with an immediate
       // (converting q - key per value would take an I2F, a quarter-rate op like the exp2).
       const float dist00 = static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0);
       const float* bias = fn.bias == nullptr || cls != kBlockMixed
@@ -212,17 +212,17 @@ struct BwdMainloop {
       auto scores = [&](auto with_alibi, auto with_dropout) {
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
-          const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+          const int key = key0 + acc_row(i), q = q0 + acc_col(i);  // (fwd_traits.h)
           float x = acc_s(i);
           const float dscore = fn.transform(x);
           if (bias != nullptr && q < rows_left && key < keys_left)
-            x += bias[(q - q0) * fn.bias_row_stride +
-                      (fn.bias_col_stride != 0 ? key - key0 : 0)];
+            x += bias[acc_col(i) * fn.bias_row_stride +
+                      (fn.bias_col_stride != 0 ? acc_row(i) : 0)];
           if constexpr (decltype(with_alibi)::value)
-            fn.add_alibi(x, dist00 + static_cast<float>((q - q0) - (key - key0)));
+            fn.add_alibi(x, dist00 + static_cast<float>(acc_col(i) - acc_row(i)));
           fn.to_log2(x);
           float pr = fn.prob(x, lse_s[q]);
-          if (hide.hidden(key - key0, q - q0)) pr = 0.f;
+          if (hide.hidden(acc_row(i), acc_col(i))) pr = 0.f;
           if (cls == kBlockMasked) pr = 0.f;
           float pz = pr, dp = acc_dp(i);
           if constexpr (decltype(with_dropout)::value) {
@@ -272,21 +272,31 @@ struct BwdMainloop {
                 : nullptr;
         // (the softcap variant's t = tanh(x * scale / softcap); Sm90BwdTraits::kSoftcap)
         const float cap_inv_scale = T::kSoftcap ? fn.cap_inv_scale : 0.f;
+        // The ALiBi variant's slope in log2 units and distance i + off - j at this thread's
+        // first (key, query); at value i it is dist00 + (acc_col(i) - acc_row(i)) (S^T: keys
+        // are the rows), a compile-time offset (Sm90BwdTraits::kAlibi).
+        [[maybe_unused]] const float slope_log2 =
+            T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
+        [[maybe_unused]] const float dist00 =
+            T::kAlibi ? static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0) : 0.f;
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
-          const int key = get<0>(tScS(i)), q = get<1>(tScS(i));
+          const int key = key0 + acc_row(i), q = q0 + acc_col(i);  // (fwd_traits.h)
           float t = T::kSoftcap ? sm80::tanh_approx(acc_s(i) * cap_inv_scale) : acc_s(i);
-          float pr = exp2f(fmaf(t, scale_log2, -lse_s[q]));
+          float e = fmaf(t, scale_log2, -lse_s[q]);
+          if constexpr (T::kAlibi)
+            e = fmaf(-slope_log2, fabsf(dist00 + static_cast<float>(acc_col(i) - acc_row(i))), e);
+          float pr = exp2f(e);
           // (the softcap variant's t too: a hidden key's score may be NaN, which P^T (1 - t^2)
           // below would keep)
           if constexpr (decltype(with_mask)::value)
-            if (hide.hidden(key - key0, q - q0)) pr = t = 0.f;
+            if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
           if constexpr (decltype(with_bool)::value) {
             // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
             // the mask above)
             const bool exists = q < rows_left && key < keys_left;
             const uint8_t visible =
-                exists ? mask_at[(q - q0) * fn.bias_row_stride + (per_key ? key - key0 : 0)]
+                exists ? mask_at[acc_col(i) * fn.bias_row_stride + (per_key ? acc_row(i) : 0)]
                        : uint8_t{1};
             pr = visible != 0 ? pr : 0.f;
           }
@@ -332,7 +342,7 @@ struct BwdMainloop {
       const float dp_scale = T::kDropout ? scale * drop.scale : scale;
       CUTE_UNROLL
       for (int i = 0; i < kSVals; ++i) {
-        const int q = get<1>(tScS(i));
+        const int q = q0 + acc_col(i);
         float dp = acc_dp(i) * dp_scale;
         if constexpr (T::kDropout) dp = (kept >> i) & 1u ? dp : 0.f;
         ds16(i) = static_cast<Element>(acc_s(i) * (dp - d_s[q] * scale));

@@ -26,7 +26,8 @@
 namespace flash_attn_ext::sm90 {
 
 template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false>
+          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false,
+          bool kAlibi_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
@@ -63,6 +64,12 @@ struct Sm90BwdTraits {
   // instantiation.
   static constexpr bool kSoftcap = kSoftcap_;
   static_assert(!(kSoftcap && (kGeneral || kDropout || kMask || kVarlen)), "softcap alone");
+  // ALiBi alone: the plain step, ALiBi's term in P^T's exponent (an FADD for the distance and
+  // an FFMA: exp2(S^T scale log2 e - slope log2 e |i + off - j| - lse log2 e)); its derivative
+  // with respect to S^T is the plain one.  Its own instantiation.
+  static constexpr bool kAlibi = kAlibi_;
+  static_assert(!(kAlibi && (kGeneral || kDropout || kMask || kVarlen || kSoftcap)),
+                "ALiBi alone");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
   static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics

@@ -46,6 +46,11 @@ cudaError_t run_flash_bwd_sm90_mask(const BwdParams& p, float* stats, cudaStream
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90_softcap(const BwdParams& p, float* stats, cudaStream_t stream);
 
+// The same for ALiBi alone (p.alibi_only()), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_alibi.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_alibi(const BwdParams& p, float* stats, cudaStream_t stream);
+
 // The same for packed sequences (p.cu_seqlens_q, plain attention, dQ in any order) with the
 // key-block table (p.sm90_varlen_tiles) and padded rows (p.sm90_varlen_rows) the glue builds;
 // p.dq_accum of heads_q * sm90_varlen_padded_q * kHeadDim floats, `stats` of 2 * heads_q *

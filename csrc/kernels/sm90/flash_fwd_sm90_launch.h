@@ -23,7 +23,7 @@ constexpr int fwd_stages() {
 // Consumer warpgroups of 64 query rows: three at head dim 64 (FlashAttention-3's 192-row tiles;
 // there the exp2s of a tile take about as long as its two GEMMs), two above (the O accumulator
 // needs the registers), and two for the variants with more work per score (kPerScoreWork: the
-// general, dropout and softcap variants) at 64 too: with three (160 registers per consumer
+// general, dropout, softcap and ALiBi variants) at 64 too: with three (160 registers per consumer
 // thread) the general variant's score code spilled 1,616 bytes, the softcap variant's 232
 // (28 with two; ptxas), and the dropout variant measured 3.6% faster with two (H200, bf16,
 // causal, L = 4k: 244.6 against 236.0 TFLOP/s).
@@ -72,6 +72,11 @@ cudaError_t run_flash_fwd_sm90_mask(const FwdParams& p, cudaStream_t stream);
 // flash_fwd_sm90_hdim<kHeadDim>_<dtype>_softcap.cu.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_softcap(const FwdParams& p, cudaStream_t stream);
+
+// ALiBi alone (p.alibi_only(); no GQA packing), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_alibi.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_alibi(const FwdParams& p, cudaStream_t stream);
 
 // Packed sequences (p.cu_seqlens_q, p.sm90_varlen_tiles of fwd_block_m<kHeadDim>() rows;
 // plain attention: causal and windows per sequence, GQA unpacked), defined in

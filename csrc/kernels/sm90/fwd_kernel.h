@@ -96,9 +96,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // (The softcap factor kept a normal float: softcap below ~1e-38 would make it 0 and a
   // masked score's -inf * 0 NaN, above ~2.4e38 inf; ops.cpp takes any finite softcap.)
   OnlineSoftmax<T> softmax(
-      T::kSoftcap ? fminf(fmaxf(static_cast<float>(p.softcap) * sm80::ScoreFn::kLog2e,
-                                FLT_MIN),
-                          FLT_MAX)
+      T::kAlibi     ? 1.f  // (modify has taken the ALiBi variant's scores to log2 units)
+      : T::kSoftcap ? fminf(fmaxf(static_cast<float>(p.softcap) * sm80::ScoreFn::kLog2e,
+                                  FLT_MIN),
+                            FLT_MAX)
       : T::kMask  ? static_cast<float>(p.softmax_scale) * sm80::ScoreFn::kLog2e
                   : sm80::ScoreFn(p, 0, 0).scale_log2);
   // This thread's two rows (row halves r and r + 8 of the accumulators), per tile.

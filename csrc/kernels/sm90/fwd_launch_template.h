@@ -62,12 +62,12 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       false, false};
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
-  // Softcap, an additive bias and ALiBi only in the general variant (softcap alone also in the
-  // softcap variant), dropout there or in the dropout variant (which needs it), a boolean mask
+  // Softcap, an additive bias and ALiBi only in the general variant (softcap alone and ALiBi
+  // alone also in their variants), dropout there or in the dropout variant (which needs it), a boolean mask
   // alone only in the mask variant (FwdParams::sm90_variant_is); packed sequences only in the
   // varlen instantiation, with a tile table of its query blocks.
   if ((p.cu_seqlens_q != nullptr) != varlen ||
-      !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap))
+      !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap, T::kAlibi))
     return cudaErrorInvalidValue;
   // (no table where no sequence has a query row: nothing to launch, below)
   if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
@@ -167,15 +167,17 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 }
 
 // What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout|_mask|
-// _varlen|_softcap].cu) launches: the traits of head dim kHeadDim (flash_fwd_sm90_launch.h),
-// with or without GQA packing, plain, general (softcap, bias, ALiBi, dropout), dropout alone,
-// a boolean mask alone, packed sequences or softcap alone.
+// _varlen|_softcap|_alibi].cu) launches: the traits of head dim kHeadDim
+// (flash_fwd_sm90_launch.h), with or without GQA packing, plain, general (softcap, bias,
+// ALiBi, dropout), dropout alone, a boolean mask alone, packed sequences, softcap alone or
+// ALiBi alone.
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
-          bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false>
+          bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
+          bool kAlibi = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(), fwd_stages<kHeadDim>(),
-                          fwd_consumers<kHeadDim, kGeneral || kDropout || kSoftcap>(),
-                          kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap>;
+                          fwd_consumers<kHeadDim, kGeneral || kDropout || kSoftcap || kAlibi>(),
+                          kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
   return launch_flash_fwd_sm90<T>(p, stream);
 }

@@ -352,10 +352,27 @@ struct FwdMainloop {
       }
       return n;
     };
+    // The ALiBi variant's factors (Sm90FwdTraits::kAlibi): the scores in log2 units.
+    const float alibi_scale_log2 = T::kAlibi ? fn.scale * sm80::ScoreFn::kLog2e : 0.f;
+    const float alibi_slope_log2 = T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
     auto modify = [&](int n_block, int c) {
       if constexpr (T::kSoftcap) {  // (Sm90FwdTraits::kSoftcap: t = tanh(x * scale / softcap))
 #pragma unroll
         for (int i = 0; i < kSVals; ++i) tSrS(i) = sm80::tanh_approx(tSrS(i) * fn.cap_inv_scale);
+      }
+      if constexpr (T::kAlibi) {
+        // x * scale log2 e - slope log2 e |i + off - j|; the distance at this thread's first
+        // column of the tile, dist0, less the column's compile-time offset (one FADD).
+        const int32_t col0 = n_block * kN + mask.thread_col;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float dist0 = static_cast<float>(score_rows[r] + fn.alibi_offset - col0);
+#pragma unroll
+          for (int c2 = 0; c2 < kSVals / 2; ++c2) {
+            float& x = tSrS(s_index(r, c2));
+            x = fmaf(-alibi_slope_log2, fabsf(dist0 - s_col(c2)), x * alibi_scale_log2);
+          }
+        }
       }
       if constexpr (T::kGeneral)
         modify_scores(fn, score_rows, n_block * kN + mask.thread_col,

@@ -55,7 +55,8 @@ __host__ __device__ __forceinline__ GmemShape rows_shape(const FwdParams& p, boo
 
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
-          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false>
+          bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false,
+          bool kAlibi_ = false>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
@@ -97,6 +98,14 @@ struct Sm90FwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;
   static_assert(!(kSoftcap_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_)),
                 "softcap alone, unpacked");
+  // ALiBi alone (alibi_slopes; FlashAttention-2's definition, score.h): the plain kernel with
+  // each score x replaced by x * scale * log2 e - slope * log2 e * |i + off - j| (an FADD for
+  // the distance, an FMUL and an FFMA; no MUFU operation) before the mask, and the online
+  // softmax's exp2 factor 1.  Its own instantiation, unpacked (the slope is per query head).
+  static constexpr bool kAlibi = kAlibi_;
+  static_assert(!(kAlibi_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_ ||
+                              kSoftcap_)),
+                "ALiBi alone, unpacked");
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
@@ -260,6 +269,12 @@ __device__ __forceinline__ constexpr int s_index(int half, int c) {
   return (c & 1) + 2 * half + 4 * (c >> 1);
 }
 __device__ __forceinline__ constexpr int s_col(int c) { return (c & 1) + 8 * (c >> 1); }
+// The row and column of value i relative to the thread's first (the inverse of s_index), as
+// constants: through CuTe's identity-tensor partition the compiler may not fold the
+// difference of two values' coordinates, and keeps them in registers (the Hopper backward's
+// ALiBi term spilled 168 bytes at head dim 128 that way).
+__device__ __forceinline__ constexpr int acc_row(int i) { return 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ constexpr int acc_col(int i) { return (i & 1) + 8 * (i >> 2); }
 
 // Named barriers: 0 .. kConsumers - 1 are the consumers' pingpong ring (fwd_mainloop.h),
 // kConsumers + me is consumer warpgroup me's own (the packed Q load's and the epilogue's
