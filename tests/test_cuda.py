@@ -90,7 +90,7 @@ def test_gqa_mqa_and_strided(dtype, heads, heads_kv, mask):
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (1023, 1023)], ids=str)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 def test_alibi_matches_reference(kernel_opts, kernel, dtype, head_dim, seqlens, mask):
-    # ALiBi on the default kernels (sm_90: the Hopper forward's and backward's general
+    # ALiBi on the default kernels (sm_90: the Hopper forward's and backward's ALiBi
     # variants; the 4-warp portable backward at head dim 256) and on the portable ones.
     kernel_opts(force_portable=kernel == "sm80")
     check(dtype, 2, *seqlens, 4, 2, head_dim, head_dim, mask, alibi="batch_head")

@@ -449,7 +449,7 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     ((9, 0), 232448, 128, planning.SOFTCAP | planning.BIAS, None),
     ((9, 0), 232448, 128, planning.BIAS | planning.BIAS_GRAD, "requires grad"),
     ((9, 0), 232448, 64, 0, None),
-    ((9, 0), 232448, 64, planning.SOFTCAP, None),  # the Hopper backward's general variant
+    ((9, 0), 232448, 64, planning.SOFTCAP, None),  # the Hopper backward's softcap variant
     ((9, 0), 232448, 128, planning.ALIBI, None),
     ((8, 0), 166912, 64, planning.SOFTCAP, "alibi_slopes and dropout"),
     ((9, 0), 232448, 256, 0, "Hopper backward has head dims up to 128"),  # then the

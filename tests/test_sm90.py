@@ -273,14 +273,15 @@ def test_hopper_deterministic_backward_meets_the_error_rule(hopper_bwd, dtype, s
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("what", ["plain", "causal", "window", "softcap", "causal_padding_mask",
                                   "causal_flag_padding_mask", "window_padding_bias",
-                                  "padding_bias", "dropout", "dropout_softcap"])
+                                  "padding_bias", "dropout", "dropout_softcap", "causal_alibi"])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
     # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
-    # dropout), on a shape with many key blocks per query block (16 at L = 2k) and enough CTAs
-    # to fill the GPU (B * H_kv * 16 = 256): the order in which CTAs reach a query block varies
-    # from run to run, so an unordered add would show.  Equal to the unordered backward up to
-    # the fp32 summation order.  (The causal flag and windows take the descending order, the
-    # rest the rotated one; with a padding mask beside them, steps the bias skips count in.)
+    # dropout, softcap, ALiBi), on a shape with many key blocks per query block (16 at L = 2k)
+    # and enough CTAs to fill the GPU (B * H_kv * 16 = 256): the order in which CTAs reach a
+    # query block varies from run to run, so an unordered add would show.  Equal to the
+    # unordered backward up to the fp32 summation order.  (The causal flag and windows take the
+    # descending order, the rest the rotated one; with a padding mask beside them, steps the
+    # bias skips count in.)
     batch, seqlen, heads_q, heads_kv = 4, 2048, 8, 4
     gen = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
@@ -290,7 +291,8 @@ def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_
     dout = torch.randn(batch, seqlen, heads_q, head_dim, device="cuda", dtype=torch.bfloat16,
                        generator=gen)
     window = (300, 100) if what.startswith("window") else (-1, -1)
-    causal = what in ("causal", "causal_flag_padding_mask")
+    causal = what in ("causal", "causal_flag_padding_mask", "causal_alibi")
+    slopes = torch.rand(heads_q, device="cuda", generator=gen) if "alibi" in what else None
     softcap, dropout_p, bias = 20.0 if "softcap" in what else 0.0, 0.1 * ("dropout" in what), None
     if "mask" in what or "bias" in what:
         lengths = torch.tensor([seqlen, 1500, 700, 1], device="cuda")
@@ -304,11 +306,11 @@ def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_
 
     def grads(deterministic):
         torch.manual_seed(5)  # (the same dropout mask every run)
-        out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, softcap, None,
+        out, _, _ = ops.fwd(*leaves, None, causal, window[0], window[1], True, softcap, slopes,
                             bias, dropout_p, deterministic)
         return torch.autograd.grad(out, leaves, dout)
 
-    mods = planning.score_mods(softcap, dropout_p, bias, None)
+    mods = planning.score_mods(softcap, dropout_p, bias, slopes)
     plan = planning.plan(q, k, v, mods=mods, deterministic=True)
     assert plan.backward_kernel.startswith("sm90_bwd") and "fixed order" in plan.notes[-1], plan
     first = grads(True)
@@ -341,8 +343,9 @@ def test_hopper_deterministic_backward_beyond_one_cta_per_sm():
 
 
 def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
-    """(softcap, attn_bias, causal, window, alibi_slopes) of a general-variant case: ``what``
-    names its modifiers.  Biases are fp32: "bias" a dense (1, H, L, S) one (broadcast over the
+    """(softcap, attn_bias, causal, window, alibi_slopes) of a score-modifier case (the
+    general variant's; softcap alone or ALiBi alone their own variants'): ``what`` names its
+    modifiers.  Biases are fp32: "bias" a dense (1, H, L, S) one (broadcast over the
     batch); "padding" a transformers-style key-padding mask as 0 / -inf (B, 1, 1, S), the last
     batch entry with no key at all (every row empty: zeros, LSE -inf, zero gradients);
     "causal_padding" a (B, 1, L, S) causal + padding mask (rows the padding empties included).
@@ -372,7 +375,8 @@ def score_mod_case(what, batch, seqlen_q, seqlen_k, heads_q):
 
 
 SCORE_MODS = ["softcap", "bias", "padding", "causal_padding", "softcap_bias_causal",
-              "window_padding", "alibi_causal", "softcap_alibi_window_padding"]
+              "window_padding", "alibi_causal", "softcap_alibi_window_padding",
+              "alibi_causal_bias"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
