@@ -411,6 +411,37 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (200, 777), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head_dim,
+                                                 bottom_right, mask):
+    # The ALiBi variant's forward takes key tiles on one side of every row's diagonal
+    # (i + off - j >= 0 for each key a row may see: all tiles under a causal mask, those left
+    # of the diagonal without one) with a per-column term, and the others with |i + off - j|
+    # per score; row half 1 carries a constant that the LSE takes back.  Both causal
+    # alignments (off = S - L or 0), windows whose right edge crosses the diagonal, L != S, and
+    # slopes up to 1 (steep rows: far keys vanish), out and LSE against the fp32 reference.
+    heads_q = 4
+    q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)
+    k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
+    slopes = torch.tensor([1.0, 0.25, 2.0 ** -4, 2.0 ** -8], device="cuda")
+    causal = mask == "causal"
+    window = (50, 20) if mask == "window" else (-1, -1)
+    plan = planning.plan(q, k, v, mods=planning.ALIBI)
+    assert plan.kernel.endswith("_alibi"), plan
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              align_bottom_right=bottom_right, alibi_slopes=slopes)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], bottom_right, 0.0,
+                          slopes, None)
+    check_forward(out, lse, low_out, true_out, true_lse, f"out (ALiBi, {mask})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window", "alibi",

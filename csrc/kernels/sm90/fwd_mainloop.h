@@ -355,22 +355,57 @@ struct FwdMainloop {
     // The ALiBi variant's factors (Sm90FwdTraits::kAlibi): the scores in log2 units.
     const float alibi_scale_log2 = T::kAlibi ? fn.scale * sm80::ScoreFn::kLog2e : 0.f;
     const float alibi_slope_log2 = T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
+    const float alibi_shift1 =
+        T::kAlibi ? alibi_slope_log2 * static_cast<float>(score_rows[1] - score_rows[0]) : 0.f;
+    if constexpr (T::kAlibi) softmax.lse_shift1 = alibi_shift1;
     auto modify = [&](int n_block, int c) {
       if constexpr (T::kSoftcap) {  // (Sm90FwdTraits::kSoftcap: t = tanh(x * scale / softcap))
 #pragma unroll
         for (int i = 0; i < kSVals; ++i) tSrS(i) = sm80::tanh_approx(tSrS(i) * fn.cap_inv_scale);
       }
       if constexpr (T::kAlibi) {
-        // x * scale log2 e - slope log2 e |i + off - j|; the distance at this thread's first
-        // column of the tile, dist0, less the column's compile-time offset (one FADD).
+        // Each score x becomes x * scale log2 e - slope log2 e |i + off - j| + shift[r], where
+        // shift = {0, slope log2 e (i1 - i0)} (alibi_shift1) is a per-row constant that the
+        // softmax cancels and the LSE takes back (OnlineSoftmax::lse_shift1): with it both row
+        // halves share row half 0's distances.  Where no key this thread may see in the tile
+        // lies right of its rows' diagonal (i + off - j >= 0; every tile under a causal mask),
+        // |i + off - j| = i + off - j and the term is a column's alone, k(c) = slope log2 e
+        // (j - i0 - off): one FFMA per column, shared by both rows, and one per score.  Other
+        // tiles take |.| per score (an FADD, an FMUL or FFMA, an FFMA).  The choice is per warp
+        // (a vote), so a warp does not run both.
         const int32_t col0 = n_block * kN + mask.thread_col;
+        bool one_sided = true;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float dist0 = static_cast<float>(score_rows[r] + fn.alibi_offset - col0);
+          // The last key of this tile row half r may see (key_hi is relative to thread_col).
+          const int32_t last = min(n_block * kN + kN - 1, mask.key_hi[r] + mask.thread_col - 1);
+          one_sided = one_sided && score_rows[r] + fn.alibi_offset - last >= 0;
+        }
+        if (__all_sync(0xffffffff, one_sided)) {
+          const float base =
+              alibi_slope_log2 * static_cast<float>(col0 - score_rows[0] - fn.alibi_offset);
 #pragma unroll
           for (int c2 = 0; c2 < kSVals / 2; ++c2) {
-            float& x = tSrS(s_index(r, c2));
-            x = fmaf(-alibi_slope_log2, fabsf(dist0 - s_col(c2)), x * alibi_scale_log2);
+            const float k = fmaf(alibi_slope_log2, static_cast<float>(s_col(c2)), base);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float& x = tSrS(s_index(r, c2));
+              x = fmaf(x, alibi_scale_log2, k);
+            }
+          }
+        } else {
+          // The distance at this thread's first column of the tile, dist0, less the column's
+          // compile-time offset (one FADD).
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float dist0 = static_cast<float>(score_rows[r] + fn.alibi_offset - col0);
+            const float shift = r == 0 ? 0.f : alibi_shift1;
+#pragma unroll
+            for (int c2 = 0; c2 < kSVals / 2; ++c2) {
+              float& x = tSrS(s_index(r, c2));
+              x = fmaf(-alibi_slope_log2, fabsf(dist0 - s_col(c2)),
+                       fmaf(x, alibi_scale_log2, shift));
+            }
           }
         }
       }

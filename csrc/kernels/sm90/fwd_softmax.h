@@ -39,6 +39,9 @@ struct OnlineSoftmax {
   // emulation, dev/huge_scores_emulation.py: 7e-3 at M = 2^24, 3e-2 at 2^28, against 3-4e-4
   // with one reference; the same instruction count).
   float m_scaled_row[2];
+  // The ALiBi variant's constant in row half 1's scores (FwdMainloop::compute_tile's modify),
+  // which the LSE takes back; 0 elsewhere.
+  float lse_shift1 = 0.f;
 
   __device__ __forceinline__ explicit OnlineSoftmax(float scale_log2_)
       : scale_log2(scale_log2_) {}
@@ -149,7 +152,8 @@ struct OnlineSoftmax {
   // Row half r's log-sum-exp (natural log), after finalize.
   __device__ __forceinline__ float lse(int r, bool empty) const {
     constexpr float kLn2 = 0.6931471805599453f;
-    return empty ? -INFINITY : (m_scaled_row[r] + log2f(l_row[r])) * kLn2;
+    const float shift = T::kAlibi && r == 1 ? lse_shift1 : 0.f;
+    return empty ? -INFINITY : (m_scaled_row[r] + log2f(l_row[r]) - shift) * kLn2;
   }
 };
 
