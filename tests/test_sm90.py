@@ -415,18 +415,22 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("slopes", ["standard", "steep"])
 def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head_dim,
-                                                 bottom_right, mask):
+                                                 bottom_right, mask, slopes):
     # The ALiBi variant's forward takes key tiles on one side of every row's diagonal
     # (i + off - j >= 0 for each key a row may see: all tiles under a causal mask, those left
     # of the diagonal without one) with a per-column term, and the others with |i + off - j|
     # per score; row half 1 carries a constant that the LSE takes back.  Both causal
-    # alignments (off = S - L or 0), windows whose right edge crosses the diagonal, L != S, and
-    # slopes up to 1 (steep rows: far keys vanish), out and LSE against the fp32 reference.
+    # alignments (off = S - L or 0), windows whose right edge crosses the diagonal, L != S,
+    # slopes up to 1 (steep rows: far keys vanish) and "steep" ones (10, and 100, which takes
+    # |.| per score everywhere: the per-column term's extra rounding grows with the slope; a
+    # negative one, 0), out and LSE against the fp32 reference.
     heads_q = 4
     q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)
     k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
-    slopes = torch.tensor([1.0, 0.25, 2.0 ** -4, 2.0 ** -8], device="cuda")
+    slopes = torch.tensor([1.0, 0.25, 2.0 ** -4, 2.0 ** -8] if slopes == "standard" else
+                          [10.0, 100.0, -0.05, 0.0], device="cuda")
     causal = mask == "causal"
     window = (50, 20) if mask == "window" else (-1, -1)
     plan = planning.plan(q, k, v, mods=planning.ALIBI)
