@@ -38,11 +38,26 @@ fwd_varlen_op = torch.ops.flash_attn_ext.fwd_varlen.default
 bwd_varlen_op = torch.ops.flash_attn_ext.bwd_varlen.default
 
 
+def _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """The kernels' rule (csrc/varlen_checks.h: check_packed), in the fake kernels too: a call
+    with an offset tensor on another device (e.g. meta beside CPU tensors) dispatches to the
+    fake kernel, which would otherwise return uninitialised memory."""
+    where = cu_seqlens_q.device
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
+        if t is not None and (t.device != where or t.device not in (q.device,
+                                                                     torch.device("cpu"))):
+            same = "" if t is cu_seqlens_q else f", as cu_seqlens_q ({where})"
+            raise ValueError(f"{name} must be on q's device ({q.device}) or on the CPU{same}, "
+                             f"got {t.device}")
+
+
 @torch.library.register_fake("flash_attn_ext::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=False, window_left=-1, window_right=-1,
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None,
                      deterministic=False):
+    _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))
@@ -54,6 +69,7 @@ def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
                      max_seqlen_k, rng_state, softmax_scale=None, causal=False, window_left=-1,
                      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      seqused_k=None, dsoftmax_lse=None, deterministic=False):
+    _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 

@@ -295,6 +295,32 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
 
 
+def test_offsets_on_another_device_are_a_clear_error_not_uninitialised_memory():
+    # An offset tensor on the meta device beside CPU tensors dispatches the ops to their fake
+    # kernels, which returned uninitialised memory (new-user trial); they now apply the
+    # kernels' device rule (on q's device or on the CPU) and name the tensor.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be on q's device \(cpu\) or on "
+                                         r"the CPU, got meta"):
+        flash_attn_varlen_func(q, k, v, cq.to(meta), ck, 6, 6)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be on .* as cu_seqlens_q \(cpu\), "
+                                         r"got meta"):
+        flash_attn_varlen_func(q, k, v, cq, ck.to(meta), 6, 6)
+    with pytest.raises(ValueError, match="seqused_k must be on .* got meta"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6,
+                               seqused_k=torch.tensor([4, 6], dtype=torch.int32, device=meta))
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, return_attn_probs=True)[:2]
+    g = torch.randn_like(out)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be on .* got meta"):
+        torch.ops.flash_attn_ext.bwd_varlen(g, q, k, v, out, lse, cq, ck.to(meta), 6, 6,
+                                            torch.zeros(2, dtype=torch.int64))
+    # all on the meta device (shape inference) stays allowed
+    qm, km, vm = (t.to(meta) for t in (q, k, v))
+    out_m = torch.ops.flash_attn_ext.fwd_varlen(qm, km, vm, cq.to(meta), ck.to(meta), 6, 6)[0]
+    assert out_m.shape == out.shape and out_m.device == meta
+
+
 def test_shape_errors_name_the_packed_dimensions():
     # The rules are the dense ones, but the message names the dimension of the (total, H, D)
     # tensor the caller passed (a dense (1, total, H, D) view's numbers confused them).
