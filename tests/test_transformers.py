@@ -198,6 +198,33 @@ def test_packed_sequences_do_not_attend_across():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_sequences_packed_by_position_ids_do_not_attend_across(device):
+    # What DataCollatorWithFlattening produces: one row, positions restarting at 0 per
+    # sequence, no mask.  With a cache (training mode, default use_cache) transformers' mask
+    # functions pass no mask, and the sequences attended to each other (new-user trial: 0.5 in
+    # the logits); FlashAttention-2's integration reads the positions, and so do we.
+    model = make_models(device)["ours"]
+    torch.manual_seed(2)
+    lengths = [7, 12, 1, 9]
+    ids = torch.randint(0, 97, (1, sum(lengths)), device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions).logits[0]
+        alone = torch.cat([model(input_ids=part[None]).logits[0]
+                           for part in ids[0].split(lengths)])
+    tol = 1e-4 if device == "cpu" else 5e-2
+    assert (packed.float() - alone.float()).abs().max().item() < tol
+    # consecutive positions are one sequence (plain causal attention)
+    from flash_attn_ext.integrations.transformers import _offsets_from_positions
+    q = torch.zeros(1, 2, 5, 4)
+    assert _offsets_from_positions(q, q, torch.arange(3, 8)[None]) is None
+    assert _offsets_from_positions(q, q, torch.tensor([[4, 5, 0, 1, 2]])).tolist() == [0, 2, 5]
+    assert _offsets_from_positions(q, q, torch.tensor([[0, 1, 0, 0, 1]])).tolist() == \
+        [0, 2, 3, 5]
+    assert _offsets_from_positions(q[:, :, :1], q, torch.tensor([[0]])) is None  # (decoding)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bounds", [[0, 5, 17, 40, 40, 113], [0, 113]],
                          ids=["five_sequences", "one_sequence"])
 def test_packed_sequences_route_forward_and_gradients(device, bounds):

@@ -58,9 +58,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             sequences; ``max_length_q/k`` read when given), except on CUDA for a single
             sequence, which runs as one call with a block-diagonal mask
             (``benchmarks/bench_packed.py`` measures both routes; ``docs/perf/training.md``
-            says why the rule stands).  Packing described only by ``position_ids`` is not
-            read (that would cost a device sync per call); decoders built on transformers' mask
-            functions already turn it into a mask.  ``s_aux`` (attention sinks) is
+            says why the rule stands).  Packing described only by ``position_ids`` (what
+            ``DataCollatorWithFlattening`` produces: one row, positions restarting at 0 for
+            each sequence) is read as FlashAttention-2's integration reads it, when there is
+            no mask, one row and as many keys as queries: sequences start where the position
+            is 0, and the call takes the ``cu_seq_lens`` route (transformers' mask functions
+            do not turn such positions into a mask when the model has a cache, as in training
+            mode with the default ``use_cache``, so without this the sequences attended to
+            each other).  The positions are copied to the host once per tensor and version,
+            on CUDA a synchronisation per forward pass; under ``torch.compile`` they are not
+            read (pass ``cu_seq_lens_q/k`` there).  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
             not change the result.
 
@@ -80,6 +87,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("flash_attn_ext does not implement attention sinks (s_aux, "
                                   "e.g. GPT-OSS); use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and not _packed(kwargs):
+        offsets = _offsets_from_positions(query, key, kwargs.get("position_ids"))
+        if offsets is not None:
+            kwargs = dict(kwargs, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
     if attention_mask is None and _packed(kwargs):
         causal = bool(is_causal and query.shape[2] > 1)
         several = kwargs["cu_seq_lens_q"].numel() > 2  # (a shape: no device sync)
@@ -158,6 +169,42 @@ def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
         _host_offsets_cache[id(cu_q)] = (weakref.ref(cu_q), weakref.ref(cu_k),
                                          (cu_q._version, cu_k._version), pair)
     return pair
+
+
+_positions_cache: dict = {}
+
+
+def _offsets_from_positions(query, key, position_ids) -> Optional[torch.Tensor]:
+    """int32 CPU offsets of the sequences packed into one row that ``position_ids`` describes
+    (a sequence starts at every position 0, and at the row's start), as FlashAttention-2's
+    transformers integration derives them; None when the row is not packed (its positions
+    are consecutive), when there is more than one row, when queries and keys differ in length
+    (a cache's earlier keys), or under ``torch.compile`` (the values cannot be read there).
+    The host copy is made once per tensor and version (every layer of a forward pass gets the
+    same tensor)."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or \
+            query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2] or \
+            position_ids.numel() != query.shape[2] or torch.compiler.is_compiling():
+        return None
+    cacheable = not position_ids.is_inference()
+    if cacheable:
+        hit = _positions_cache.get(id(position_ids))
+        if hit is not None and hit[0]() is position_ids and hit[1] == position_ids._version:
+            return hit[2]
+    pos = position_ids.reshape(-1).cpu()
+    offsets = None
+    if not torch.equal(pos, torch.arange(pos.numel(), dtype=pos.dtype) + pos[0]):
+        starts = (pos == 0).nonzero().flatten()
+        if starts.numel() == 0 or starts[0] != 0:
+            starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
+        offsets = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
+    if cacheable:
+        _positions_cache.pop(id(position_ids), None)
+        while len(_positions_cache) >= _HOST_OFFSETS_ENTRIES:
+            _positions_cache.pop(next(iter(_positions_cache), None), None)
+        _positions_cache[id(position_ids)] = (weakref.ref(position_ids), position_ids._version,
+                                              offsets)
+    return offsets
 
 
 def _varlen_forward(query, key, value, kwargs, dropout, scaling, causal) -> torch.Tensor:
