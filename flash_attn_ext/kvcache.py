@@ -63,6 +63,9 @@ def _int32(value, batch: int, device, name: str, *, read_values: bool = True) ->
         if not -2**31 <= value < 2**31:
             raise ValueError(f"{name} must fit in int32, got {value}")
         return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if value.device.type not in ("cpu", torch.device(device).type):  # (e.g. meta: no values)
+        raise ValueError(f"{name} must be on q's device ({device}) or on the CPU, got "
+                         f"{value.device}")
     if value.dtype not in (torch.int32, torch.int64) or value.dim() > 1 or \
             (value.dim() == 1 and value.numel() != batch):
         raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "

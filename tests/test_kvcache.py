@@ -90,6 +90,14 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
     with pytest.raises(NotImplementedError, match="runs on CPU and CUDA tensors"):
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
+    # (a length tensor on the meta device has no values to read: named, not PyTorch's copy
+    # error)
+    for name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx"):
+        kw = dict(cache_seqlens=2)
+        kw[name] = torch.zeros(1, dtype=torch.int32, device="meta")
+        with pytest.raises(ValueError, match=f"{name} must be on q's device \\(cpu\\) or on "
+                                             f"the CPU, got meta"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
     # Head counts and head dims named by the cache, not by the kernels' dense k.
     with pytest.raises(ValueError, match=r"q.shape\[2\]=3 and num_heads_k k_cache.shape\[2\]=2"):
         flash_attn_with_kvcache(torch.randn(1, 1, 3, 8), k_cache, v_cache)
