@@ -45,8 +45,10 @@ def exp2_fma(x: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         xc = np.where(np.isnan(x), x, np.maximum(x, np.float32(-127.0)))  # max.NaN.f32
         big = np.float32(12582912.0)  # 1.5 * 2^23
-        exact = xc.astype(np.float64) + 12582912.0  # exact in float64
-        t = np.floor(exact).astype(np.float32)  # __fadd_rd: integers here, so exact
+        # __fadd_rd: the largest fp32 not above xc + 1.5 * 2^23, which is 1.5 * 2^23 + floor(xc)
+        # (fp32 is spaced 1 apart there; floor first: xc + 1.5 * 2^23 in float64 would round
+        # up for |xc| < ~2^-29)
+        t = (np.floor(xc.astype(np.float64)) + 12582912.0).astype(np.float32)
         t = np.where(np.isnan(xc), xc, t)
         f = (xc - (t - big)).astype(np.float32)
         c = coeffs.astype(np.float32)
@@ -68,14 +70,15 @@ def main():
     # The online softmax's exponents: <= kRescaleLog2 = 8, down to where 2^x is fp32's
     # smallest normal (below, the kernel and MUFU's ex2.ftz give 0 or a denormal).
     x = np.linspace(-126.0, 8.0, 2_000_001).astype(np.float32)
-    x = np.concatenate([x, np.float32(1.0) - np.logspace(-7, 0, 10001).astype(np.float32)])
+    x = np.concatenate([x, np.float32(1.0) - np.logspace(-7, 0, 10001).astype(np.float32),
+                        -np.logspace(-38, 0, 10001).astype(np.float32)])
     got = exp2_fma(x, coeffs).astype(np.float64)
     rel = np.abs(got / 2.0 ** x.astype(np.float64) - 1.0)
     print(f"exp2_fma on [-126, 8]: max relative error {rel.max():.3g} "
           f"(2^{np.log2(rel.max()):.2f})")
-    edge = np.array([-np.inf, -1e30, -200.0, -127.5, -127.0], dtype=np.float32)
+    edge = np.array([-np.inf, -1e30, -200.0, -127.5, -127.0, -126.5], dtype=np.float32)
     out = exp2_fma(edge, coeffs)
-    assert (out == 0.0).all(), out
+    assert (out == 0.0).all(), out  # (-126.5: j = -127, whose 2^j is 0)
     assert np.isnan(exp2_fma(np.array([np.nan], dtype=np.float32), coeffs)).all()
     ints = np.arange(-126, 9, dtype=np.float32)
     assert (exp2_fma(ints, coeffs) == 2.0 ** ints).all()

@@ -22,7 +22,7 @@ __device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
   return x[0];
 }
 
-// 2^x without MUFU, for x <= 2^22 (the online softmax's exponents are <= kRescaleLog2), on the
+// 2^x without MUFU, for x < 129 (the online softmax's exponents are <= kRescaleLog2), on the
 // FP32 and integer pipes, as FlashAttention-4 computes part of its exponentials: with
 // x = j + f, j = floor(x), 2^f on [0, 1) is a degree-3 polynomial with p(0) = 1 (minimax
 // relative error 8.6e-5 = 2^-13.5 in fp32 arithmetic: dev/exp2_poly.py fits and checks it; P
@@ -42,7 +42,7 @@ __device__ __forceinline__ float exp2_fma(float x) {
   const float p = fmaf(fmaf(fmaf(0.07706724107265472f, f, 0.22764497995376587f), f,
                             0.6951166391372681f),
                        f, 1.f);
-  const float two_j = __int_as_float(0x3f800000 + (__float_as_int(t) << 23));
+  const float two_j = __uint_as_float(0x3f800000u + (__float_as_uint(t) << 23));
   return p * two_j;
 }
 
