@@ -2,8 +2,7 @@
 
 Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call time, as
 ``torch.nn.MultiheadAttention``'s fast path and most model code do) then run on flash_attn_ext.
-Calls the drop-in cannot take (unknown keyword arguments, ranks other than 3 or 4, nested
-tensors) go to
+Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors) go to
 PyTorch's own function, reported like every fallback (warning once, counted, an error in strict
 mode).
 Code that imported the function by name before patching keeps the original, and modules that
@@ -33,8 +32,8 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         reason = f"unsupported arguments {sorted(kwargs)}"
     elif any(getattr(t, "is_nested", False) for t in (query, key, value)):
         reason = "nested (jagged) tensors: flash_attn_ext takes dense ones"
-    elif query.dim() not in (3, 4):
-        reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or 4-D inputs"
+    elif query.dim() < 3:
+        reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or higher inputs"
     if reason is not None:
         policy.note_fallback(reason, "the original torch.nn.functional."
                                "scaled_dot_product_attention")

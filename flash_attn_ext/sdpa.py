@@ -30,7 +30,9 @@ def scaled_dot_product_attention(
     with O(L) memory.
 
     Args:
-        query: (N, H, L, E) or (N, L, E).
+        query: (N, H, L, E) or (N, L, E); or (N, ..., H, L, E), the leading dimensions (the
+            same in key and value) flattened into one batch dimension (as PyTorch's takes
+            them, without broadcasting between query, key and value).
         key: (N, H_kv, S, E) or (N, S, E).
         value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
             case H must be a multiple of H_kv.  E and Ev: 1 to 256 in the kernels (larger
@@ -54,17 +56,22 @@ def scaled_dot_product_attention(
     (read at each call; see ``deterministic`` in :func:`flash_attn_ext.flash_attn_func`).
 
     Returns:
-        (N, H, L, Ev) (or (N, L, Ev)) in query's dtype, a transposed view of a (N, L, H, Ev) buffer.
+        (N, H, L, Ev) (or (N, L, Ev), or (N, ..., H, L, Ev)) in query's dtype, a transposed view
+        of a (N, L, H, Ev) buffer.
 
     Raises:
-        ValueError: ranks other than 3 or 4, mismatched shapes, H not a multiple of H_kv (or
-            H != H_kv without enable_gqa), an attn_mask of fewer than 2 dimensions or of a
-            floating dtype other than float32 and query's (as PyTorch), and the errors of
-            flash_attn_func, except that E or Ev of 0 or above 256 runs the unfused float32
-            math of :mod:`flash_attn_ext.unfused` (answering E = 0 with the mean of the visible
-            values and Ev = 0 with an empty tensor, as PyTorch), reported as a fallback.
+        ValueError: ranks below 3, mismatched shapes (leading dimensions too), H not a
+            multiple of H_kv (or H != H_kv without enable_gqa), an attn_mask of fewer than 2
+            dimensions or of a floating dtype other than float32 and query's (as PyTorch),
+            and the errors of flash_attn_func, except that E or Ev of 0 or above 256 runs the
+            unfused float32 math of :mod:`flash_attn_ext.unfused` (answering E = 0 with the
+            mean of the visible values and Ev = 0 with an empty tensor, as PyTorch), reported
+            as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
+    if isinstance(query, torch.Tensor) and query.dim() > 4:
+        return _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                enable_gqa, strict)
     scale = check_scale(scale, "scale")
     dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
@@ -84,6 +91,35 @@ def scaled_dot_product_attention(
     if drop_all:
         out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     strict) -> torch.Tensor:
+    """scaled_dot_product_attention for (..., H, L, E) inputs with more than one leading
+    (batch) dimension, as PyTorch's takes them: the leading dimensions (equal in query, key and
+    value) flattened into one, attn_mask broadcast over them, out given them back."""
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != query.dim() or t.shape[:-3] != query.shape[:-3]:
+            raise ValueError(f"query, key and value must have the same leading (batch) "
+                             f"dimensions before (H, L, E), got query {tuple(query.shape)} and "
+                             f"{name} {tuple(t.shape)}")
+    lead = query.shape[:-3]
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 3:
+        if attn_mask.dim() > query.dim():
+            raise ValueError(f"attn_mask must be broadcastable to {tuple(lead)} + (H, L, S), "
+                             f"got shape {tuple(attn_mask.shape)}")
+        mask = attn_mask.reshape((1,) * (query.dim() - attn_mask.dim()) + attn_mask.shape)
+        if any(m not in (1, n) for m, n in zip(mask.shape[:-3], lead)):
+            raise ValueError(f"attn_mask must be broadcastable to {tuple(lead)} + (H, L, S), "
+                             f"got shape {tuple(attn_mask.shape)}")
+        attn_mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    out = scaled_dot_product_attention(
+        query.reshape(-1, *query.shape[-3:]), key.reshape(-1, *key.shape[-3:]),
+        value.reshape(-1, *value.shape[-3:]), attn_mask, dropout_p, is_causal, scale,
+        enable_gqa, strict=strict)
+    return out.reshape(*lead, *out.shape[1:])
 
 
 def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> Tuple[float, bool]:

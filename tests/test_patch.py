@@ -58,12 +58,20 @@ def test_patch_runs_dropout_fused_and_falls_back_visibly_for_unknown_arguments()
             assert torch.equal(model(x, dropout_p=0.3), first)  # reproducible, fused
         finally:
             policy.set_strict(None)
-    q = torch.randn(1, 1, 2, 5, 8)  # 5-D: PyTorch's function takes it, ours does not
+    q = torch.randn(5, 8)  # 2-D: PyTorch's function takes it, ours does not
     with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = F.scaled_dot_product_attention(q, q, q)
     assert out.shape == q.shape
-    assert any("query.dim()=5" in str(w.message) for w in caught)
+    assert any("query.dim()=2" in str(w.message) for w in caught)
+    q = torch.randn(1, 1, 2, 5, 8)  # 5-D: ours, fused (strict mode would raise otherwise)
+    with flash_attn_ext.patch():
+        policy.set_strict(True)
+        try:
+            out = F.scaled_dot_product_attention(q, q, q)
+        finally:
+            policy.set_strict(None)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
 
 
 def test_patch_handles_undone_in_any_order():

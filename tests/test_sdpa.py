@@ -238,3 +238,36 @@ def test_mixed_dtypes_under_autocast_run_as_pytorch_does():
                 "key.dtype=torch.float32, value.dtype=torch.bfloat16 (under torch.autocast: "
                 "torch.float64, torch.bfloat16 and torch.bfloat16)")):
             scaled_dot_product_attention(q.double(), k.float(), v)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (7, 9), (3, 1, 7, 9), (2, 1, 1, 1, 9),
+                                        (2, 3, 4, 7, 9)], ids=str)
+def test_leading_batch_dimensions_as_pytorch(mask_shape):
+    # (N, ..., H, L, E) inputs, as PyTorch's function takes them (new-user trial: 5-D raised):
+    # the leading dimensions flattened into one, the mask broadcast over them; out and
+    # gradients against PyTorch's function in float64.
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 7, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 2, 9, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 2, 9, 8, dtype=torch.float64, requires_grad=True)
+    mask = None if mask_shape is None else torch.rand(mask_shape) < 0.8
+    if mask is not None:
+        mask[..., 0] = True  # (no empty rows: PyTorch's math answers them with NaN)
+    outs, grads = [], []
+    for fn in (flash_attn_ext.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        out = fn(q, k, v, attn_mask=mask, enable_gqa=True)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+        outs.append(out)
+    assert outs[0].shape == (2, 3, 4, 7, 8)
+    torch.testing.assert_close(outs[0], outs[1])
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_leading_batch_dimensions_must_match():
+    q = torch.randn(2, 3, 4, 7, 16)
+    with pytest.raises(ValueError, match="same leading \\(batch\\) dimensions"):
+        flash_attn_ext.scaled_dot_product_attention(q, torch.randn(2, 1, 4, 7, 16), q)
+    with pytest.raises(ValueError, match="attn_mask must be broadcastable to \\(2, 3\\)"):
+        flash_attn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, 4, 7, 7,
+                                                                                  dtype=torch.bool))
