@@ -1,7 +1,7 @@
 // Autograd for the flash_attn_ext ops, in C++ (the Autograd dispatch key, every device).
 //
-// fwd's backward is the bwd op (fwd_varlen's the bwd_varlen op, the same way): recomputation from q, k, v, out and softmax_lse
-// (FlashAttention-2, arXiv:2307.08691, Algorithm 2), including the gradient that flows into
+// fwd's backward is the bwd op (fwd_varlen's the bwd_varlen op, the same way): recomputation
+// from q, k, v, out and softmax_lse (FlashAttention-2, arXiv:2307.08691, Algorithm 2), including the gradient that flows into
 // softmax_lse (e.g. from merging attention chunks).  bwd itself has an autograd node whose
 // backward refuses double backward with a clear error.  Written in C++ rather than with
 // torch.library.register_autograd because that Python wrapper rebuilt the op's argument list from
@@ -24,6 +24,19 @@ using Tensor = at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// The flags both forward ops hand their backward op (FwdFunction, VarlenFwdFunction).
+void save_flags(AutogradContext* ctx, std::optional<double> softmax_scale, bool causal,
+                int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+                bool deterministic) {
+  ctx->saved_data["softmax_scale"] = softmax_scale;
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["window_left"] = window_left;
+  ctx->saved_data["window_right"] = window_right;
+  ctx->saved_data["softcap"] = softcap;
+  ctx->saved_data["dropout_p"] = dropout_p;
+  ctx->saved_data["deterministic"] = deterministic;
+}
 
 // The ops below autograd (the backend kernels: CPU, CUDA, or fake under tracing); call_bwd with
 // `with_autograd` goes through bwd's own autograd node (fwd's backward under create_graph).
@@ -91,14 +104,9 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                  softcap, alibi_slopes, attn_bias, dropout_p, deterministic);
     ctx->save_for_backward({q, k, v, out, softmax_lse, rng_state,
                             alibi_slopes.value_or(Tensor()), attn_bias.value_or(Tensor())});
-    ctx->saved_data["softmax_scale"] = softmax_scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
+    save_flags(ctx, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+               deterministic);
     ctx->saved_data["align_bottom_right"] = align_bottom_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["deterministic"] = deterministic;
     ctx->saved_data["bias_requires_grad"] = attn_bias.has_value() && attn_bias->requires_grad();
     // softmax_lse is differentiable (its gradient enters the bwd op as dsoftmax_lse); the
     // gradients of unused outputs stay undefined rather than zero-filled.
@@ -206,13 +214,8 @@ class VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
                             alibi_slopes.value_or(Tensor()), seqused_k.value_or(Tensor())});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
-    ctx->saved_data["softmax_scale"] = softmax_scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["deterministic"] = deterministic;
+    save_flags(ctx, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+               deterministic);
     ctx->mark_non_differentiable({rng_state});
     ctx->set_materialize_grads(false);
     return {out, softmax_lse, rng_state};
