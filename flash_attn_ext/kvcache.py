@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import ops
 from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
 from .varlen import fwd_varlen_op
 
@@ -96,6 +97,37 @@ def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=
                          block_table=None, rotary_cos=None, rotary_sin=None,
                          rotary_interleaved=True):
     return None
+
+
+@torch.library.custom_op("flash_attn_ext::kvcache_checked", mutates_args=("k_cache", "v_cache"))
+def _kvcache_checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                     cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: Optional[int],
+                     cache_batch_idx: Optional[torch.Tensor],
+                     cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                     softmax_scale: Optional[float], causal: bool, window_left: int,
+                     window_right: int, softcap: float, rotary_interleaved: bool,
+                     alibi_slopes: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache's host-checked route as one opaque op, so that torch.compile
+    traces through a call whose checks read the lengths' values (data-dependent for Dynamo):
+    the call runs eagerly inside, with every check, when the graph runs.  No gradient."""
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+        cache_seqlens if cache_seqlens is not None else cache_seqlens_int, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, 0, True)
+    return out.contiguous(), lse.contiguous()
+
+
+@_kvcache_checked.register_fake
+def _kvcache_checked_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                          cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table,
+                          softmax_scale, causal, window_left, window_right, softcap,
+                          rotary_interleaved, alibi_slopes):
+    batch, seqlen_q, heads, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, heads, v_cache.shape[3])),
+            q.new_empty((batch, heads, seqlen_q), dtype=ops.lse_dtype(q.dtype)))
 
 
 def _rotated_rows(seqlen_new: int, seqlen_q: int, local: bool) -> int:
@@ -334,6 +366,19 @@ def flash_attn_with_kvcache(
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                        return_softmax_lse, local, seqlen_cache)
+    if torch.compiler.is_compiling() and (cache_seqlens is None or isinstance(
+            cache_seqlens, torch.Tensor) or type(cache_seqlens) is int) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (q, k_cache, v_cache, k, v))):
+        # (the checks below read values: under torch.compile the call is one opaque op that
+        # runs them when the graph runs; with a gradient wanted it stays a graph break)
+        tensor = isinstance(cache_seqlens, torch.Tensor)
+        out, lse = torch.ops.flash_attn_ext.kvcache_checked(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if tensor else None,
+            None if tensor else cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+            softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+            float(softcap), bool(rotary_interleaved), alibi_slopes)
+        return (out, lse) if return_softmax_lse else out
     if block_table is not None and block_table.numel() and \
             not bool(((block_table >= 0) & (block_table < k_cache.shape[0])).all()):
         raise ValueError(f"block_table entries must be page indices in [0, "
