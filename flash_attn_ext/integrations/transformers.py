@@ -147,31 +147,37 @@ def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
 # that bypass the version counter (through `.data`, or a NumPy array sharing the storage) are
 # not seen: transformers builds these tensors afresh for every batch.
 _host_offsets_cache: dict = {}
+_positions_cache: dict = {}  # (_offsets_from_positions's, by the same rules)
 _HOST_OFFSETS_ENTRIES = 8
+
+
+def _per_version(cache: dict, tensors: tuple, compute):
+    """compute(), or its value from ``cache`` while the same tensor objects at the same
+    versions ask again (the rules above; keyed by the first tensor)."""
+    cacheable = not (torch.compiler.is_compiling() or any(t.is_inference() for t in tensors))
+    versions = tuple(t._version for t in tensors) if cacheable else None
+    if cacheable:
+        hit = cache.get(id(tensors[0]))
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)) and \
+                hit[1] == versions:
+            return hit[2]
+    value = compute()
+    if cacheable:
+        cache.pop(id(tensors[0]), None)
+        while len(cache) >= _HOST_OFFSETS_ENTRIES:
+            cache.pop(next(iter(cache), None), None)
+        cache[id(tensors[0])] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+    return value
 
 
 def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     """cu_seq_lens_q/k as int32 CPU tensors (flash_attn_varlen_func then synchronises
     nowhere), copied from the device at most once per pair of tensors and versions."""
-    cacheable = not (torch.compiler.is_compiling() or cu_q.is_inference() or
-                     cu_k.is_inference())
-    if cacheable:
-        hit = _host_offsets_cache.get(id(cu_q))
-        if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and \
-                hit[2] == (cu_q._version, cu_k._version):
-            return hit[3]
-    host = torch.cat([cu_q.to(cu_k.device, torch.int32), cu_k.to(torch.int32)]).cpu()
-    pair = (host[:cu_q.numel()], host[cu_q.numel():])
-    if cacheable:
-        _host_offsets_cache.pop(id(cu_q), None)
-        while len(_host_offsets_cache) >= _HOST_OFFSETS_ENTRIES:
-            _host_offsets_cache.pop(next(iter(_host_offsets_cache), None), None)
-        _host_offsets_cache[id(cu_q)] = (weakref.ref(cu_q), weakref.ref(cu_k),
-                                         (cu_q._version, cu_k._version), pair)
-    return pair
+    def copy():
+        host = torch.cat([cu_q.to(cu_k.device, torch.int32), cu_k.to(torch.int32)]).cpu()
+        return host[:cu_q.numel()], host[cu_q.numel():]
 
-
-_positions_cache: dict = {}
+    return _per_version(_host_offsets_cache, (cu_q, cu_k), copy)
 
 
 def _offsets_from_positions(query, key, position_ids) -> Optional[torch.Tensor]:
@@ -186,25 +192,17 @@ def _offsets_from_positions(query, key, position_ids) -> Optional[torch.Tensor]:
             query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2] or \
             position_ids.numel() != query.shape[2] or torch.compiler.is_compiling():
         return None
-    cacheable = not position_ids.is_inference()
-    if cacheable:
-        hit = _positions_cache.get(id(position_ids))
-        if hit is not None and hit[0]() is position_ids and hit[1] == position_ids._version:
-            return hit[2]
-    pos = position_ids.reshape(-1).cpu()
-    offsets = None
-    if not torch.equal(pos, torch.arange(pos.numel(), dtype=pos.dtype) + pos[0]):
+
+    def offsets():
+        pos = position_ids.reshape(-1).cpu()
+        if torch.equal(pos, torch.arange(pos.numel(), dtype=pos.dtype) + pos[0]):
+            return None
         starts = (pos == 0).nonzero().flatten()
         if starts.numel() == 0 or starts[0] != 0:
             starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
-        offsets = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
-    if cacheable:
-        _positions_cache.pop(id(position_ids), None)
-        while len(_positions_cache) >= _HOST_OFFSETS_ENTRIES:
-            _positions_cache.pop(next(iter(_positions_cache), None), None)
-        _positions_cache[id(position_ids)] = (weakref.ref(position_ids), position_ids._version,
-                                              offsets)
-    return offsets
+        return torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
+
+    return _per_version(_positions_cache, (position_ids,), offsets)
 
 
 def _varlen_forward(query, key, value, kwargs, dropout, scaling, causal) -> torch.Tensor:
