@@ -14,6 +14,7 @@
 // nothing else counts as masked (zeros, LSE -inf), as with -inf.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #include "params.h"
@@ -113,5 +114,13 @@ struct ScoreFn {
     return exp2f(e > 0.f ? 0.f : e);
   }
 };
+
+// The exp2 domain's factor of tanh values, softcap * log2(e) (the Hopper kernels' softcap
+// variants, forward and backward), kept a normal float: a softcap below ~1e-38 would make it
+// 0 and a masked score's -inf * 0 NaN, one above ~2.4e38 inf (ops.cpp takes any finite
+// softcap).
+__device__ __forceinline__ float softcap_log2(double softcap) {
+  return fminf(fmaxf(static_cast<float>(softcap) * ScoreFn::kLog2e, FLT_MIN), FLT_MAX);
+}
 
 }  // namespace flash_attn_ext::sm80

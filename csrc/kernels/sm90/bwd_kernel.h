@@ -7,7 +7,6 @@
 //     bwd_dq.h), at the end dK and dV stored from registers.
 #pragma once
 
-#include <cfloat>
 #include <cstdint>
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -110,9 +109,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // The exp2 domain's factor of the step's scores: S^T's (scale log2 e), or the softcap
     // variant's tanh values' (softcap log2 e; Sm90BwdTraits::kSoftcap).
     const float scale_log2 =
-        T::kSoftcap
-            ? fminf(fmaxf(static_cast<float>(p.softcap) * 1.4426950408889634f, FLT_MIN), FLT_MAX)
-            : scale * 1.4426950408889634f;
+        T::kSoftcap ? sm80::softcap_log2(p.softcap) : scale * sm80::ScoreFn::kLog2e;
     const int me = ctid / 128, tid = ctid % 128;  // consumer warpgroup, its thread
     // Packed sequences: keys past the sequence's end are the next sequence's (or TMA's zeros
     // past the tensor).  The mask gives them P^T = 0, but dS^T = 0 * (dP^T - D) and dQ = dS K

@@ -11,7 +11,6 @@
 //     once (fwd_epilogue.h).
 #pragma once
 
-#include <cfloat>
 #include <cstdint>
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -93,13 +92,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // too: a mask only hides scores), softcap * log2(e) for the softcap variant's tanh values,
   // log2(e) for the general variant's softcapped or biased scores, which modify_scores has
   // scaled (sm80::ScoreFn).
-  // (The softcap factor kept a normal float: softcap below ~1e-38 would make it 0 and a
-  // masked score's -inf * 0 NaN, above ~2.4e38 inf; ops.cpp takes any finite softcap.)
   OnlineSoftmax<T> softmax(
       T::kAlibi     ? 1.f  // (modify has taken the ALiBi variant's scores to log2 units)
-      : T::kSoftcap ? fminf(fmaxf(static_cast<float>(p.softcap) * sm80::ScoreFn::kLog2e,
-                                  FLT_MIN),
-                            FLT_MAX)
+      : T::kSoftcap ? sm80::softcap_log2(p.softcap)
       : T::kMask  ? static_cast<float>(p.softmax_scale) * sm80::ScoreFn::kLog2e
                   : sm80::ScoreFn(p, 0, 0).scale_log2);
   // This thread's two rows (row halves r and r + 8 of the accumulators), per tile.
