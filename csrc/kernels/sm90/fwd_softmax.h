@@ -22,30 +22,6 @@ __device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
   return x[0];
 }
 
-// 2^x without MUFU, for x < 129 (the online softmax's exponents are <= kRescaleLog2), on the
-// FP32 and integer pipes, as FlashAttention-4 computes part of its exponentials: with
-// x = j + f, j = floor(x), 2^f on [0, 1) is a degree-3 polynomial with p(0) = 1 (minimax
-// relative error 8.6e-5 = 2^-13.5 in fp32 arithmetic: dev/exp2_poly.py fits and checks it; P
-// is rounded to 16 bits, 2^-9 or 2^-11, before P V, and l's error stays below the output's
-// rounding), and 2^j is built in the exponent field: the round-down add of 1.5 * 2^23 leaves j
-// in t's low mantissa bits, and t's bits shifted by 23 are j's (1.5 * 2^23's bits vanish mod
-// 2^32).  x is clamped at -127 first, where 2^j's bits become 0: masked scores (-inf) give
-// exactly 0, as MUFU's ex2 does; max.NaN keeps NaN, and 2^j is multiplied in (not added to p's
-// bits) so that NaN stays NaN.  Nine instructions (FMNMX, three FADD, three FFMA, LEA, FMUL)
-// against one MUFU operation, which issues at a quarter of their rate.
-__device__ __forceinline__ float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  float xc;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
-  const float t = __fadd_rd(xc, kRound);
-  const float f = xc - (t - kRound);  // exact: t - kRound = j
-  const float p = fmaf(fmaf(fmaf(0.07706724107265472f, f, 0.22764497995376587f), f,
-                            0.6951166391372681f),
-                       f, 1.f);
-  const float two_j = __uint_as_float(0x3f800000u + (__float_as_uint(t) << 23));
-  return p * two_j;
-}
-
 template <typename T>
 struct OnlineSoftmax {
   static constexpr int kSVals = T::kBlockN / 2;  // values of S per thread (FwdMainloop checks)
@@ -124,11 +100,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
         const int i = s_index(r, c);
-        const float e = fmaf(tSrS(i), scale_log2, -m_scaled[r]);
-        if constexpr (T::kExp2FmaEvery > 0)
-          tSrS(i) = c % T::kExp2FmaEvery == T::kExp2FmaEvery - 1 ? exp2_fma(e) : exp2f(e);
-        else
-          tSrS(i) = exp2f(e);
+        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled[r]));
         const float first = kChains > 1 ? tSrS(i) : 0.f + tSrS(i);
         part[r][c % kChains] = c < kChains ? first : part[r][c % kChains] + tSrS(i);
       }

@@ -135,11 +135,6 @@ struct Sm90FwdTraits {
   static constexpr bool kSoftmaxRowsTogether = kHeadDim <= 128;
   static constexpr int kSoftmaxChains = kHeadDim <= 128 ? 4 : 1;
   static constexpr bool kWaitPvAfterSoftmax = kHeadDim == 128;
-  // Every kExp2FmaEvery-th column of a thread's S values takes its exp2 on the FP32 and integer
-  // pipes (fwd_softmax.h: exp2_fma) instead of MUFU; 0: none.  The softcap variant issues two
-  // MUFU operations per score (tanh and exp2), so MUFU, not the tensor cores, bounds its
-  // softmax (docs/perf/sm90_score_mods.md); half of its exp2s move.
-  static constexpr int kExp2FmaEvery = kSoftcap_ ? 2 : 0;
 
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
                     kThreads * (65536 / kThreads / 8 * 8), "");
