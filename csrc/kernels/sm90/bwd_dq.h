@@ -4,15 +4,17 @@
 // REDs (red.global.add.v2.f32, 32 per thread and step) left the consumers waiting on the L1TEX
 // queue: 30% of their stall cycles at head dim 128 (ncu).
 //
-// Two ways to add:
-//   * as the CTAs get there (default): thread 0 of each consumer warpgroup issues its part's
-//     reduction; the fp32 sums' order, hence dq's last bits, vary from run to run.
-//   * in a fixed order (deterministic=True: p.dq_semaphore): a writer warp of the producer
-//     warpgroup adds both parts once the key blocks before this one, in the order
-//     Sm90BwdArgs::dq_order fixes, have added theirs to the query block (one counter per
-//     (batch, query head, query block), FlashAttention-3's deterministic backward), then counts
-//     itself in.  The consumers only stage and go on; they wait for the writer only when they
-//     stage the next step before it has read this one.
+// The consumers stage their parts of each step's tile in shared memory and go on; a writer warp
+// of the producer warpgroup issues the reductions (FlashAttention-3's dQ writer), so that the
+// consumers wait for it only when they come to stage the next step before it has read this
+// one.  (With the consumers issuing the reductions themselves, each step cost them two named
+// barriers and a wait for the previous step's read: docs/perf/sm90_backward.md.)  Two orders:
+//   * as the CTAs get there (default): the fp32 sums' order, hence dq's last bits, vary from
+//     run to run.
+//   * fixed (deterministic=True: p.dq_semaphore): the writer adds a step's parts once the key
+//     blocks before this one, in the order Sm90BwdArgs::dq_order fixes, have added theirs to
+//     the query block (one counter per (batch, query head, query block), FlashAttention-3's
+//     deterministic backward), then counts itself in.
 //
 // Buffer layout (p.dq_accum, dq_accum_floats of them): (batch, heads_q, dq_accum_rows(seqlen_q)
 // / kBlockM tiles, tile) (packed sequences: (heads_q, padded rows / kBlockM tiles, tile);
@@ -32,8 +34,8 @@
 
 namespace flash_attn_ext::sm90 {
 
-// Named barriers (CUTLASS's user ids; the mainloop's dS barrier has 0, the unordered add 1 +
-// warpgroup): a consumer warpgroup's part staged (full) and read by the writer (empty), + the
+// Named barriers (CUTLASS's user ids; the mainloop's dS barrier has 0, its per-warpgroup ones
+// 1 + warpgroup): a consumer warpgroup's part staged (full) and read by the writer (empty), + the
 // warpgroup (BwdDq checks that they fit).
 constexpr int kDqFullBarrier = 3, kDqEmptyBarrier = 5;
 constexpr int kDqWriterThreads = 32;  // the writer warp
@@ -90,36 +92,21 @@ struct BwdDq {
     sm80::fence_proxy_async_smem();  // visible to the bulk copy (the async proxy)
   }
 
-  // Warpgroup `me`'s dQ accumulators (acc) added to its part of the tile at gmem_tile.
-  // staging: this warpgroup's kPartFloats floats of shared memory.  Unordered: free once the
-  // previous step's reduction has read it (its issuing thread, tid 0 of the warpgroup, waits
-  // for that first), then issued by tid 0.  Ordered: handed to the writer (run_bwd_dq_writer),
-  // after its read of the previous step's (not before this warpgroup's first step: `first`).
+  // Warpgroup `me`'s dQ accumulators (acc) handed to the writer (run_bwd_dq_writer), which
+  // adds them to the step's tile.  staging: this warpgroup's kPartFloats floats of shared
+  // memory, free once the writer has read the previous step's (not waited for at this
+  // warpgroup's first step: `first`).
   template <typename Acc>
-  __device__ __forceinline__ static void add(const Acc& acc, float* staging, float* gmem_tile,
-                                             int me, int tid, bool ordered, bool first) {
-    if (ordered) {
-      if (!first) cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
-      stage(acc, staging, tid);
-      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kDqFullBarrier + me);
-      return;
-    }
-    if (tid == 0) sm80::bulk_wait_all<true>();
-    cutlass::arch::NamedBarrier::sync(128, 1 + me);
+  __device__ __forceinline__ static void add(const Acc& acc, float* staging, int me, int tid,
+                                             bool first) {
+    if (!first) cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
     stage(acc, staging, tid);
-    cutlass::arch::NamedBarrier::sync(128, 1 + me);
-    if (tid == 0)
-      sm80::bulk_reduce_add_f32(gmem_tile + me * kPartFloats, cast_smem_ptr_to_uint(staging),
-                                kPartFloats * sizeof(float));
+    cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kDqFullBarrier + me);
   }
-  // Before the CTA ends (its shared memory goes): the reductions have read the staging.
-  // Unordered: the issuing thread waits; ordered (after at least one step): the writer's read
-  // of the last step's staging (its last arrival on the empty barrier).
-  __device__ __forceinline__ static void drain(int me, int tid, bool ordered) {
-    if (ordered)
-      cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
-    else if (tid == 0)
-      sm80::bulk_wait_all<false>();
+  // Before the CTA ends (its shared memory goes), after at least one step: the writer has read
+  // the last step's staging (its last arrival on the empty barrier).
+  __device__ __forceinline__ static void drain(int me) {
+    cutlass::arch::NamedBarrier::sync(kBarrierThreads, kDqEmptyBarrier + me);
   }
 };
 
@@ -158,10 +145,11 @@ __device__ __forceinline__ int32_t dq_turn(const Sm90BwdArgs<T>& args, const Bwd
   return earlier + n_block - upto(s - 1);
 }
 
-// The dQ writer (ordered adds, bwd_kernel.h: warp 1 of the producer warpgroup): per step, waits
-// for its turn at the step's query block (the counter), adds both consumer warpgroups' staged
-// parts, frees the staging once read, counts itself in once the adds are in global memory.
-// Steps the consumers skip (a bias masks the whole key block) add nothing but count in.
+// The dQ writer (bwd_kernel.h: warp 1 of the producer warpgroup): per step, adds both consumer
+// warpgroups' staged parts and frees the staging once read.  In a fixed order (args.dq_order)
+// it first waits for its turn at the step's query block (the counter) and counts itself in
+// once the adds are in global memory; steps the consumers skip (a bias masks the whole key
+// block) add nothing but count in.
 template <typename T>
 __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
                                                   typename T::SharedStorage& smem,
@@ -170,6 +158,7 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
   using Dq = BwdDq<T>;
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
+  const bool ordered = args.dq_order != kDqAnyOrder;
   const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
   BwdStepWalk w{hk * args.group};
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
@@ -178,14 +167,18 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
     // the padded scratch rows (a sequence's start a multiple of 128 rows: blocks never shared).
     const int64_t row = bwd_scratch_row(args, b, h, seq, m_block);
     int32_t* counter =
-        p.dq_semaphore +
-        (T::kVarlen ? row / T::kBlockM
-                    : (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block);
-    if (leader) {
-      wait_at_least(counter, dq_turn(args, st, seq, n_block, m_block));
-      fence_proxy_async_global();
+        !ordered ? nullptr
+        : p.dq_semaphore +
+              (T::kVarlen ? row / T::kBlockM
+                          : (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head +
+                                m_block);
+    if (ordered) {
+      if (leader) {
+        wait_at_least(counter, dq_turn(args, st, seq, n_block, m_block));
+        fence_proxy_async_global();
+      }
+      __syncwarp();
     }
-    __syncwarp();
     if (!bwd_step_skipped<T>(p, b, h, m_block, n_block)) {
       float* tile = p.dq_accum + row * T::kHeadDim;
       CUTE_UNROLL
@@ -201,14 +194,17 @@ __device__ __forceinline__ void run_bwd_dq_writer(const Sm90BwdArgs<T>& args,
       CUTE_UNROLL
       for (int me = 0; me < T::kConsumers; ++me)
         cutlass::arch::NamedBarrier::arrive(Dq::kBarrierThreads, kDqEmptyBarrier + me);
-      if (leader) sm80::bulk_wait_all<false>();
+      if (ordered && leader) sm80::bulk_wait_all<false>();
     }
-    if (leader) {
-      fence_proxy_async_global();
-      add_release(counter, 1);
+    if (ordered) {
+      if (leader) {
+        fence_proxy_async_global();
+        add_release(counter, 1);
+      }
+      __syncwarp();
     }
-    __syncwarp();
   }
+  if (leader) sm80::bulk_wait_all<false>();  // (the unordered adds: complete before the exit)
 }
 
 // dq (Element, like q) from the buffer: one CTA of 128 * kConsumers threads per (tile, batch,

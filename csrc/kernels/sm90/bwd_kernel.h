@@ -1,8 +1,8 @@
 // The Hopper backward's __global__ function (bwd_traits.h has the algorithm): the CTA's set-up,
 // then each warpgroup's role.
 //   * warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
-//     issues the TMA loads (bwd_producer.h); with dQ added in a fixed order, its warp 1 adds
-//     dQ (bwd_dq.h: run_bwd_dq_writer).
+//     issues the TMA loads (bwd_producer.h); its warp 1 adds the consumers' dQ tiles to the
+//     fp32 buffer (bwd_dq.h: run_bwd_dq_writer).
 //   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h (its dQ through
 //     bwd_dq.h), at the end dK and dV stored from registers.
 #pragma once
@@ -84,12 +84,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
 
-  const bool dq_ordered = args.dq_order != kDqAnyOrder;
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
-    else if (threadIdx.x / 32 == 1 && dq_ordered && st.steps > 0)
+    else if (threadIdx.x / 32 == 1 && st.steps > 0)
       run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
     return;
   }
@@ -129,7 +128,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int64_t last = (m0 + kM < seq.len_q ? m0 + kM : seq.len_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      float* dq_tile = p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim;
       // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
       // uniform registers: here, before the step's wait, their latency is covered, and the
       // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,
@@ -149,17 +147,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kVarlen)
         if (m0 + kM > seq.len_q)
           mainloop.zero_qdo_rows(smem, state.index(), static_cast<int>(seq.len_q - m0), me, tid);
-      mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2, dq_tile,
-                    dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
+      mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2, dq_staging,
+                    me, tid, sm80::ScoreFn(p, b, h), m0, n0,
                     static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
                     cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
                     (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
-                    T::kMask ? mask_row(p, b, h, 0) : nullptr, dq_ordered, done == 0);
+                    T::kMask ? mask_row(p, b, h, 0) : nullptr, done == 0);
       ++done;
       pipe.consumer_release(state);
       ++state;
     }
-    if (done > 0 || !dq_ordered) BwdDq<T>::drain(me, tid, dq_ordered);
+    if (done > 0) BwdDq<T>::drain(me);
   }
   // zeros where no query row sees the block
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);

@@ -145,9 +145,8 @@ struct BwdMainloop {
   // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage
   // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
   // visible (rel: the visible keys of each of the step's rows, relative to the key block).
-  // dq_tile: this step's tile of the fp32 dQ buffer, dq_staging this warpgroup's (me) part of
-  // the staging tile, tid its thread; dq_ordered: handed to the dQ writer, `first` on the
-  // CTA's first step (bwd_dq.h).  The general variant (T::kGeneral) recomputes
+  // dq_staging: this warpgroup's (me) part of the staging tile, tid its thread, handed to the
+  // dQ writer; `first` on the CTA's first step (bwd_dq.h).  The general variant (T::kGeneral) recomputes
   // the forward's scores with fn (sm80::ScoreFn: softcap, bias, ALiBi) at query rows m0 .. and keys
   // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
   // get P = 0 from their statistics or the mask); cls: the bias's class on the step's rows and
@@ -161,12 +160,12 @@ struct BwdMainloop {
   // other warpgroup's GEMMs already fill that gap; docs/perf/sm90_backward.md.)
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
-                                       float scale, float scale_log2, float* dq_tile,
-                                       float* dq_staging, int me, int tid,
+                                       float scale, float scale_log2, float* dq_staging,
+                                       int me, int tid,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
                                        int32_t rows_left, int32_t keys_left, int cls,
                                        const sm80::DropoutFn& drop, int64_t drop_row_base,
-                                       const uint8_t* mask_bh, bool dq_ordered, bool first) {
+                                       const uint8_t* mask_bh, bool first) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     issue_s(acc_s, stage);
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -376,7 +375,7 @@ struct BwdMainloop {
     warpgroup_wait<1>();  // dV and dQ (dK may run on)
     warpgroup_fence_operand(acc_dq);
     // (Whole tiles: the dQ buffer has rows for every query block, zeros added past seqlen_q.)
-    BwdDq<T>::add(acc_dq, dq_staging, dq_tile, me, tid, dq_ordered, first);
+    BwdDq<T>::add(acc_dq, dq_staging, me, tid, first);
     warpgroup_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
