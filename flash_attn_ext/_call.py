@@ -94,7 +94,10 @@ def check_scale(scale, name: str) -> Optional[float]:
     if scale is None:
         return None
     scale = as_number(scale)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    # (Comparisons rather than math.isfinite: under torch.compile a symbolic scale, e.g. with
+    # dynamic=True, traces through them and not through math.isfinite.)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat)) or \
+            not -math.inf < scale < math.inf:
         raise ValueError(f"{name} must be a finite number or a 0-d real tensor (None: "
                          f"1/sqrt(head_dim)), got {scale!r}")
     return float(scale)
@@ -123,6 +126,15 @@ def check_alibi_grad(alibi_slopes) -> None:
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes requires grad, but flash_attn_ext computes no gradient "
                          "for the slopes (as FlashAttention-2); pass alibi_slopes.detach()")
+
+
+def check_seqlen(value, name: str) -> int:
+    """``value`` as an int (a Python integer, a NumPy one or a 0-d integer tensor); ValueError
+    otherwise (bools, floats and strings refused: a float would be truncated)."""
+    value = as_number(value)
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
 
 
 def check_bool(value, name: str) -> bool:

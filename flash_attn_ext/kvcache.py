@@ -323,6 +323,15 @@ def flash_attn_with_kvcache(
         raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
                          f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")
     if k is not None:
+        # An expanded cache (a stride-0 dimension of size > 1) shares memory between entries
+        # or rows: the append would write one location for several of them (PyTorch refuses
+        # such writes).
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)):
+                raise ValueError(f"{name} has a dimension of stride 0 (an expanded view, "
+                                 f"strides {tuple(cache.stride())}): appending k and v would "
+                                 f"write one memory location for several entries; pass a "
+                                 f"cache that owns its memory (e.g. {name}.contiguous())")
         # Checked before anything is written: indexing would broadcast a new k of batch 1 into
         # every entry, or cast it to the cache's dtype, without a word.
         for name, t, cache, d in (("k", k, k_cache, head_dim), ("v", v, v_cache, head_dim_v)):
@@ -433,10 +442,10 @@ def flash_attn_with_kvcache(
                 where = (entries[:, None].expand(batch, new), pos)
             k_cache[where] = k.to(k_cache.dtype)
             v_cache[where] = v.to(v_cache.dtype)
-        if rotary:
-            q_pos = positions[:, :seqlen_q] if local else \
-                seqlens.long()[:, None].expand(batch, seqlen_q)
-            q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+    if rotary:  # (with autograd: q's gradient flows through its rotation)
+        q_pos = positions[:, :seqlen_q] if local else \
+            seqlens.long()[:, None].expand(batch, seqlen_q)
+        q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
     # The cache as packed sequences: entry b's keys are rows b * seqlen_cache + leftpad[b] ..
     # of the (batch * seqlen_cache) rows, of which seqlens[b] + new - leftpad[b] are used.
     if block_table is not None:  # (the pages gathered into each entry's cache: a copy)

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import planning, policy, unfused
-from ._call import as_number, autocast_dtype, check_flags, check_scale, run
+from ._call import as_number, autocast_dtype, check_bool, check_flags, check_scale, run
 
 
 def scaled_dot_product_attention(
@@ -69,6 +69,7 @@ def scaled_dot_product_attention(
             as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
+    check_bool(enable_gqa, "enable_gqa")  # (a string "no" would be taken as True)
     if isinstance(query, torch.Tensor) and query.dim() > 4:
         return _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 enable_gqa, strict)

@@ -29,7 +29,14 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
-from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
+from ._call import (
+    check_alibi_grad,
+    check_bool,
+    check_flags,
+    check_scale,
+    check_seqlen,
+    check_softcap,
+)
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func"]
@@ -166,6 +173,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_bool(deterministic, "deterministic")
     check_bool(return_attn_probs, "return_attn_probs")
     check_alibi_grad(alibi_slopes)
+    max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
     window_left, window_right = (int(w) for w in window_size)
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
@@ -188,6 +197,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
     (total, 3, num_heads, head_dim) gradient); the same offsets for queries and keys. Otherwise
     :func:`flash_attn_varlen_func` (arguments, returns, errors)."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, num_heads, head_dim), got "
                          f"{tuple(qkv.shape)}")
@@ -208,6 +219,8 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
                                     return_attn_probs: bool = False):
     """FlashAttention-2's ``flash_attn_varlen_kvpacked_func``: ``kv`` (total_k, 2,
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_varlen_func`."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, num_heads_k, head_dim), got "
                          f"{tuple(kv.shape)}")

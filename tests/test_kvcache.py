@@ -177,6 +177,38 @@ def test_bad_caches_and_shared_pages_raise_naming_them():
     assert not k_cache.any() and not v_cache.any()
 
 
+def test_appending_into_an_expanded_cache_raises():
+    # An expanded cache shares memory between entries: the append wrote entry 0's and entry
+    # 1's keys into one row, and entry 1 attended to entry 0's key (new-user trial).
+    base = torch.zeros(1, 10, 1, 4, dtype=torch.float64)
+    new = torch.randn(2, 1, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"k_cache has a dimension of stride 0"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 1, 4, dtype=torch.float64),
+                                base.expand(2, 10, 1, 4), torch.zeros(2, 10, 1, 4,
+                                                                      dtype=torch.float64),
+                                new, new, cache_seqlens=torch.tensor([2, 5], dtype=torch.int32))
+    assert not base.any()
+    # Reading an expanded cache (no append) is fine.
+    out = flash_attn_with_kvcache(torch.randn(2, 1, 1, 4, dtype=torch.float64),
+                                  base.expand(2, 10, 1, 4), base.expand(2, 10, 1, 4))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_q_gets_its_gradient(interleaved):
+    # q was rotated under torch.no_grad: its gradient was dropped without a word, and with
+    # only q requiring grad the output had none (new-user trial).
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    k_cache, v_cache = torch.randn(2, 10, 2, 8, dtype=torch.float64), \
+        torch.randn(2, 10, 2, 8, dtype=torch.float64)
+    angles = torch.rand(12, 2, dtype=torch.float64)
+    kw = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=interleaved,
+              cache_seqlens=torch.tensor([3, 6], dtype=torch.int32), causal=True)
+    assert torch.autograd.gradcheck(
+        lambda q: flash_attn_with_kvcache(q, k_cache, v_cache, **kw), (q,))
+
+
 def test_rotary_tables_need_rows_only_for_the_rotated_positions():
     # Without causal or a window every query is rotated at cache_seqlens: seqlen_ro =
     # cache_seqlens + 1 suffices for 4 queries; causal rotates query i at cache_seqlens + i.

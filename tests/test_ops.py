@@ -255,6 +255,26 @@ def test_compile_dynamic_shapes_no_graph_break():
     assert not counters["graph_break"]
 
 
+def test_compile_symbolic_scale_no_graph_break():
+    # A scale computed from a dynamic size (or changed between calls) is a symbolic float
+    # under torch.compile: the check's math.isfinite could not be traced (new-user trial).
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    sdpa = torch.compile(lambda q: scaled_dot_product_attention(q, q, q,
+                                                                scale=q.size(-1) ** -0.5),
+                         fullgraph=True, backend="aot_eager", dynamic=True)
+    fa = torch.compile(lambda q, s: flash_attn_func(q, q, q, softmax_scale=s), fullgraph=True,
+                       backend="aot_eager")
+    for seqlen, head_dim, s in ((8, 16, 0.1), (13, 24, 0.2), (21, 8, 0.3)):
+        q = torch.randn(1, 2, seqlen, head_dim)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        assert torch.allclose(sdpa(q), ref, atol=1e-5)
+        qb = q.transpose(1, 2)
+        assert torch.allclose(fa(qb, s), flash_attn_func(qb, qb, qb, softmax_scale=s), atol=1e-6)
+    assert not counters["graph_break"]
+
+
 def test_compile_fullgraph_inside_activation_checkpointing():
     # Dynamo refuses side effects inside a higher-order op such as checkpoint: tracing must not
     # write module state (it did: the last plan), or fullgraph=True fails.

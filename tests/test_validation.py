@@ -108,6 +108,9 @@ def test_sdpa_argument_errors():
         scaled_dot_product_attention(q[0, 0], k, v)
     with pytest.raises(ValueError, match="enable_gqa"):
         scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv(h=4, hk=2)))
+    # A string was taken as True (new-user trial).
+    with pytest.raises(ValueError, match="enable_gqa must be a bool, got 'no'"):
+        scaled_dot_product_attention(q, k, v, enable_gqa="no")
 
 
 def test_flag_types_and_dropout_range():

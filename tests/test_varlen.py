@@ -293,6 +293,21 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, cq, (0, 4, 10), 6, 6)
     with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor, got list"):
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
+        flash_attn_ext.flash_attn_varlen_qkvpacked_func([q], cq, 6)
+
+
+@pytest.mark.parametrize("bad", [None, "6", 6.7, True])
+def test_max_seqlen_must_be_an_int(bad):
+    # None raised int()'s TypeError naming nothing, "6" was accepted and 6.7 truncated to 6
+    # (new-user trial).
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match=f"max_seqlen_q must be an int, got {bad!r}"):
+        flash_attn_varlen_func(q, k, v, cq, ck, bad, 6)
+    with pytest.raises(ValueError, match=f"max_seqlen_k must be an int, got {bad!r}"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, bad)
+    ref = flash_attn_varlen_func(q, k, v, cq, ck, 6, 6)
+    assert torch.equal(flash_attn_varlen_func(q, k, v, cq, ck, torch.tensor(6), 6), ref)
 
 
 def test_offsets_on_another_device_are_a_clear_error_not_uninitialised_memory():
