@@ -26,7 +26,7 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_softcap)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu     ... with ALiBi alone
                                                           (run_flash_fwd_sm90_alibi)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}.cu         Hopper backward (run_flash_bwd_sm90)
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_dropout.cu ... with dropout alone
@@ -141,7 +141,9 @@ cudaStream_t stream) {{
 
 }}  // namespace flash_attn_ext::sm90
 """
-SM90_BWD_HEAD_DIMS = (64, 128)
+SM90_BWD_HEAD_DIMS = (64, 128, 256)
+# Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention only.
+SM90_BWD_256_VARIANTS = ("",)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
@@ -182,6 +184,8 @@ def kernel_files():
                     **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
+                    if d == 256 and suffix not in SM90_BWD_256_VARIANTS:
+                        continue
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),

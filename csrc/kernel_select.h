@@ -382,16 +382,24 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     return c;
   }
 
-  // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies, else
+  // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies (head
+  // dim 256: plain attention, dQ in any order), else
   // the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared memory fits
   // the GPU, else the 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to
   // head dim 128, and the kernels must run as sm_90 machine code), atomics elsewhere, a
   // separate kernel for bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
     std::vector<std::string> why;
-    if (d > 128)
-      why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward has "
-                    "head dims up to 128");
+    // (head dim 256: the step split by role, plain attention with dQ in any order;
+    // kernels/sm90/bwd_mainloop_split.h)
+    if (d > 128 && call.score_mods != 0)
+      why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
+                    "softcap, attn_mask/attn_bias, alibi_slopes and dropout at head dims up to "
+                    "128");
+    if (d > 128 && call.deterministic)
+      why.push_back("head_dim=" + std::to_string(d) + " (padded) with " +
+                    detail::kDeterministicWhy +
+                    ": the Hopper backward adds dQ in a fixed order at head dims up to 128");
     if (call.score_mods & kBiasGrad)
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");

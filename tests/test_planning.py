@@ -55,8 +55,10 @@ def test_deterministic_backward_note(monkeypatch):
     assert noted.backward_kernel == "sm90_bwd_hdim128_bf16" and len(noted.notes) == 1
     assert "fixed order of key blocks" in noted.notes[0]
     q256 = _CudaLike((2, 100, 4, 256))
+    assert planning.plan(q256, q256, q256).backward_kernel == "sm90_bwd_hdim256_bf16"
     portable = planning.plan(q256, q256, q256, deterministic=True)
     assert portable.backward_kernel == "sm80_bwd_hdim256_bf16"
+    assert "fixed order at head dims up to 128" in portable.notes[0]
     assert "separate dQ kernel" in portable.notes[-1]
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -452,14 +454,14 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     ((9, 0), 232448, 64, planning.SOFTCAP, None),  # the Hopper backward's softcap variant
     ((9, 0), 232448, 128, planning.ALIBI, None),
     ((8, 0), 166912, 64, planning.SOFTCAP, "alibi_slopes and dropout"),
-    ((9, 0), 232448, 256, 0, "Hopper backward has head dims up to 128"),  # then the
-    # 8-warp kernels: 209 KB fits sm_90's 227 KB
+    ((9, 0), 232448, 256, 0, None),  # the Hopper backward's split by role
+    ((9, 0), 232448, 256, planning.SOFTCAP, "at head dims up to 128"),
     ((8, 0), 166912, 256, 0, "214016 bytes of shared memory"),  # not sm_80's 163 KB
     ((8, 6), 101376, 64, 0, None),            # 97 KB: the d=64 kernels fit
     ((8, 6), 101376, 128, 0, "164864 bytes of shared memory"),
     ((8, 0), 166912, 128, 0, None)])
 def test_plan_notes_which_backward_kernels_serve(monkeypatch, cap, smem, head_dim, mods, text):
-    # The Hopper backward serves plain attention on sm_90 up to head dim 128; the 8-warp one where
+    # The Hopper backward serves sm_90 (score modifiers up to head dim 128); the 8-warp one where
     # the GPU's shared memory allows (head dim 256: sm_90, not sm_80); otherwise the plan says
     # that the 4-warp kernels serve it, and why.
     monkeypatch.setattr(planning, "_capability", lambda index: cap)

@@ -49,12 +49,15 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     q = rand(2, 100, 4, head_dim)
     p = planning.plan(q, q, q)
     assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
-    if padded <= 128:  # the Hopper backward
-        assert p.notes == ()
-        assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16"
-    else:  # the 8-warp portable backward (214016 bytes of shared memory, sm_90 has them)
-        assert len(p.notes) == 1 and "head dims up to 128" in p.notes[0]
-        assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16"
+    assert p.notes == ()
+    assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16"
+    # Head dim 256 with a score modifier or deterministic: the 8-warp portable backward (214016
+    # bytes of shared memory, sm_90 has them), and the plan says why.
+    if padded == 256:
+        for kw in (dict(mods=planning.SOFTCAP), dict(deterministic=True)):
+            p = planning.plan(q, q, q, **kw)
+            assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16", kw
+            assert "at head dims up to 128" in p.notes[0], (kw, p.notes)
 
 
 def test_explain_names_the_deterministic_dq_path():
@@ -172,7 +175,7 @@ def test_hopper_backward_huge_scores(hopper_bwd, dtype, softmax_scale):
 
 @pytest.fixture
 def hopper_bwd(kernel_opts):
-    """The Hopper backward wherever it applies (head dims up to 128), whatever "auto" picks."""
+    """The Hopper backward wherever it applies, whatever "auto" picks."""
     kernel_opts(sm90_bwd="on")
 
 
@@ -233,7 +236,7 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (129, 129),
                                                (1000, 1000), (2048, 1023)])
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128, 136, 200, 256])
 @pytest.mark.parametrize("causal,window,bottom_right", [
     (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
     (False, (100, 7), True)])
@@ -244,7 +247,8 @@ def test_hopper_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q, seqle
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 1), (12, 4)])
-@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 128), (64, 128), (128, 40)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 128), (64, 128), (128, 40),
+                                                  (256, 256), (200, 136)])
 def test_hopper_backward_gqa_mqa_strides_and_value_dims(hopper_bwd, heads_q, heads_kv, head_dim,
                                                         head_dim_v):
     # dK / dV of a KV head summed over its group's query heads in one CTA; SDPA's (B, H, L, d)
@@ -644,6 +648,7 @@ def test_nan_in_a_bias_block_reaches_the_rows_that_see_it():
 def test_hopper_backward_long_sequence(hopper_bwd):
     hopper_backward_case(torch.bfloat16, 1, 4224, 4224, 4, 4, 128, causal=True)
     hopper_backward_case(torch.bfloat16, 1, 4096, 4096, 2, 2, 64)
+    hopper_backward_case(torch.bfloat16, 1, 4224, 4224, 2, 1, 256, causal=True)
 
 
 def test_hopper_and_portable_backward_agree(kernel_opts):

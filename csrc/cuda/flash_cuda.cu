@@ -240,7 +240,7 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   }
   if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
   if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
-  return cudaErrorInvalidValue;  // kernel_select.h sends larger head dims elsewhere
+  return sm90::run_flash_bwd_sm90<Element, 256>(p, stats, stream);
 }
 #endif
 

@@ -7,11 +7,11 @@ order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged wit
 sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
 rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and backward's varlen
 instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).  `--decode`: only
-the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--varlen`:
-only the packed sequences.
+the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--hdim256`:
+only the Hopper backward's head dim 256 calls; `--varlen`: only the packed sequences.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered |
-        --varlen]
+        --hdim256 | --varlen]
 """
 
 import sys
@@ -126,7 +126,7 @@ def main() -> None:
     cases += [(300, 257, 4, 2, 256, 256, True, (-1, -1), True, 0.0, False, 0.0)] * 2
     deterministic += [False, True]
     # Then the plain, non-deterministic cases again with the Hopper backward wherever it applies
-    # (sm_90: head dims up to 128, including 64, where it is not the default).
+    # (sm_90: every head dim, including 64, where it is not the default).
     plain = [i for i, c in enumerate(cases) if c[9] == 0.0 and not c[10] and c[11] == 0.0
              and not deterministic[i]]
     runs = [(i, {}, True) for i in range(len(cases))] + \
@@ -167,11 +167,14 @@ def main() -> None:
     runs += [(i, {}, False) for i in range(len(cases) - len(ordered), len(cases))]
     if "--ordered" in sys.argv:  # only those (synccheck, racecheck: their barriers)
         runs = runs[-len(ordered):]
+    if "--hdim256" in sys.argv:  # only the Hopper backward's head dim 256 (its split by role)
+        runs = [r for r in runs if cases[r[0]][4] > 128 and r[1] and cases[r[0]][10] is False]
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
-    decode = decode_cases() if "--ordered" not in sys.argv else 0
-    packed = varlen_cases() if "--ordered" not in sys.argv else 0
+    only = "--ordered" in sys.argv or "--hdim256" in sys.argv
+    decode = decode_cases() if not only else 0
+    packed = varlen_cases() if not only else 0
     print(f"sanitize_cases: {len(runs)} cases, {decode} decode and {packed} packed-sequence "
           "calls ran")
 

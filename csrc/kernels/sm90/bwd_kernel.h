@@ -4,15 +4,19 @@
 //     issues the TMA loads (bwd_producer.h); its warp 1 adds the consumers' dQ tiles to the
 //     fp32 buffer (bwd_dq.h: run_bwd_dq_writer).
 //   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h (its dQ through
-//     bwd_dq.h), at the end dK and dV stored from registers.
+//     bwd_dq.h), at the end dK and dV stored from registers.  At head dim 256 both take the
+//     same 64 keys, split by role (bwd_mainloop_split.h; no writer warp), and each stores one
+//     of dK and dV.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/bwd_mainloop.h"
+#include "kernels/sm90/bwd_mainloop_split.h"
 #include "kernels/sm90/bwd_producer.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "mask.h"
@@ -88,7 +92,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
-    else if (threadIdx.x / 32 == 1 && st.steps > 0)
+    else if (!T::kRoleSplit && threadIdx.x / 32 == 1 && st.steps > 0)
       run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
     return;
   }
@@ -99,7 +103,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQt{});
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutKt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename T::SmemLayoutdS{});
-  BwdMainloop<T> mainloop(ctid, sQ, sdO, sK, sV, sQt, sdOt, sKt, sdS);
+  std::conditional_t<T::kRoleSplit, BwdMainloopSplit<T>, BwdMainloop<T>> mainloop(
+      ctid, sQ, sdO, sK, sV, sQt, sdOt, sKt, sdS);
   const int64_t n0 = static_cast<int64_t>(n_block) * kN;
 
   if (st.steps > 0) {
@@ -116,7 +121,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // K and V past the end (the other warpgroup reads them in dQ only after the dS barrier).
     if constexpr (T::kVarlen)
       if (n0 + kN > seq.len_k) mainloop.zero_kv_rows(smem, seq.len_k - n0, me, tid);
-    float* dq_staging = smem.dq.data() + me * BwdDq<T>::kPartFloats;
+    // (the writer's staging; the role split adds its dQ itself)
+    float* dq_staging = T::kRoleSplit ? nullptr : smem.dq.data() + me * BwdDq<T>::kPartFloats;
     typename Pipeline::PipelineState state;
     BwdStepWalk w{hk * args.group};
     int32_t done = 0;  // steps computed, not skipped
@@ -147,17 +153,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kVarlen)
         if (m0 + kM > seq.len_q)
           mainloop.zero_qdo_rows(smem, state.index(), static_cast<int>(seq.len_q - m0), me, tid);
-      mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2, dq_staging,
-                    me, tid, sm80::ScoreFn(p, b, h), m0, n0,
-                    static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
-                    cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
-                    (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
-                    T::kMask ? mask_row(p, b, h, 0) : nullptr, done == 0);
+      if constexpr (T::kRoleSplit)
+        mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
+                      p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim);
+      else
+        mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
+                      dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
+                      static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
+                      cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
+                      (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
+                      T::kMask ? mask_row(p, b, h, 0) : nullptr, done == 0);
       ++done;
       pipe.consumer_release(state);
       ++state;
     }
-    if (done > 0) BwdDq<T>::drain(me);
+    if (!T::kRoleSplit && done > 0) BwdDq<T>::drain(me);
   }
   // zeros where no query row sees the block
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);

@@ -70,11 +70,22 @@ struct Sm90BwdTraits {
   static constexpr bool kAlibi = kAlibi_;
   static_assert(!(kAlibi && (kGeneral || kDropout || kMask || kVarlen || kSoftcap)),
                 "ALiBi alone");
-  static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64 or 128)
-  static constexpr int kBlockN = 128;         // keys per CTA: 64 per consumer warpgroup
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128, 256)
+  // Head dim 256 splits the step by role, not by keys: 64 keys per CTA, both warpgroups on
+  // the same keys; warpgroup 0 computes S^T and P^T and accumulates dV, warpgroup 1 computes
+  // dP^T and dS^T (P^T handed over through shared memory, fp32) and accumulates dK, and both
+  // compute dQ over head-dim halves.  Splitting by keys would need dK and dV of 64 keys over
+  // the whole head dim in each warpgroup: 2 x 64 x 256 / 128 = 256 accumulator registers per
+  // thread; by role each holds one of them (128).  dQ is added by the consumers themselves
+  // (red.global.add.v4.f32): the writer's staging tile (64 KiB) does not fit beside K, V and
+  // the Q / dO ring (bwd_mainloop_split.h).
+  static constexpr bool kRoleSplit = kHeadDim == 256;
+  static_assert(!(kRoleSplit && (kGeneral || kDropout || kMask || kVarlen || kSoftcap || kAlibi)),
+                "head dim 256: plain attention only");
+  static constexpr int kBlockN = kRoleSplit ? 64 : 128;  // keys per CTA (64 per warpgroup)
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
   // load; the S^T / dP^T accumulators, 2 x 64 floats, fit beside dK / dV's 2 x 32), 64 at 128
-  // (FlashAttention-3's tiles).
+  // (FlashAttention-3's tiles) and 256.
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kStages = 2;           // depth of the Q / dO / statistics ring
   static constexpr int kConsumers = 2;
@@ -86,19 +97,24 @@ struct Sm90BwdTraits {
   static constexpr int kConsumerRegs = 240;
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
                     kThreads * (65536 / kThreads / 8 * 8), "");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the Hopper backward has head dims 64, 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "the Hopper backward has head dims 64, 128 and 256");
   static_assert(kBlockM == 64 || kBlockM == 128, "");
+  // The warpgroups over which one S^T / dP^T and one dK / dV GEMM is tiled: both (64 keys
+  // each), or one (the role split: each warpgroup's GEMM its own).
+  static constexpr int kKeyWarpgroups = kRoleSplit ? 1 : kConsumers;
+  static_assert(kBlockN == 64 * kKeyWarpgroups, "");
 
   // S^T = K Q^T, dP^T = V dO^T: M = kBlockN keys (64 per warpgroup), N = kBlockM, K = head dim.
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+      Layout<Shape<Int<kKeyWarpgroups>, _1, _1>>{}));
   // dV += P^T dO, dK += dS^T Q: M = kBlockN keys, N = head dim, K = kBlockM; A from registers,
   // B read MN-major (the head dim is dO's and Q's contiguous axis).
   using TiledMmadKV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+      Layout<Shape<Int<kKeyWarpgroups>, _1, _1>>{}));
   // dQ = dS K: M = kBlockM, N = head dim, K = kBlockN, split over the warpgroups by query rows
   // where there are 128 of them, else by head-dim halves; dS read MN-major (the queries are its
   // contiguous axis: see SmemLayoutdS), K MN-major.
@@ -157,7 +173,9 @@ struct Sm90BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
-    array_aligned<float, kBlockM * kHeadDim, 128> dq;  // the step's dQ tile (bwd_dq.h)
+    // The step's dQ tile (bwd_dq.h's writer), or with the role split P^T from warpgroup 0 to
+    // warpgroup 1 (fp32, each thread's accumulator values in fragment order).
+    array_aligned<float, kRoleSplit ? kBlockN * kBlockM : kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;

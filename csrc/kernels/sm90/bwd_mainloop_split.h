@@ -1,0 +1,278 @@
+// The Hopper backward's consumer step at head dim 256 (Sm90BwdTraits::kRoleSplit): one key
+// block of 64 keys per CTA, both consumer warpgroups on the same keys, the step split by role:
+//   warpgroup 0:  S^T = K Q^T (SS wgmma, 64 keys x 64 queries x 256), P^T = exp2(S^T scale
+//                 log2 e - lse log2 e) in registers, P^T (fp32) to shared memory for warpgroup
+//                 1, dV += P^T dO (RS: P^T in 16 bits as the A operand);
+//   warpgroup 1:  dP^T = V dO^T, then with warpgroup 0's P^T: dS^T = P^T (dP^T - D) scale,
+//                 dS^T (16 bits) to shared memory as dS, dK += dS^T Q;
+//   both:         dQ = dS K over head-dim halves (SS wgmma, 64 queries x 128 x 64 keys), added
+//                 to the fp32 dQ buffer with red.global.add.v4.f32 in bwd_dq.h's fragment-order
+//                 layout (its conversion kernel writes dq).
+// Each warpgroup issues 2.5 of the step's 5 GEMM units of 64 x 64 x 256, and each holds one
+// accumulator of 64 keys x 256 (128 registers per thread: dV in warpgroup 0, dK in 1).  Two
+// named barriers per step: P^T written (warpgroup 1 waits), dS written (both wait).
+// Buffers: P^T single (warpgroup 0 writes step t + 1's only after the dS barrier of step t,
+// which warpgroup 1 reaches after reading step t's); dS in the traits' two buffers (one would
+// do: warpgroup 1 writes step t + 1's after the P barrier of t + 1, which warpgroup 0 reaches
+// after its dQ GEMM of step t).
+// Plain attention with the causal / window mask; the score modifiers, packed sequences and
+// dQ in a fixed order stay on the portable backward at this head dim (kernel_select.h).
+// The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
+// FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
+// dQ products transposed over both warpgroups.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "kernels/sm90/bwd_dq.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
+#include "mask.h"
+
+namespace flash_attn_ext::sm90 {
+
+// Named barriers of the split step (CUTLASS's user ids; bwd_dq.h's writer barriers are unused
+// at this head dim): dS written by warpgroup 1 (both wait), P^T written by warpgroup 0.
+constexpr int kSplitDsBarrier = 0, kSplitPBarrier = 1;
+
+__device__ __forceinline__ void red_add_v4(float* ptr, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
+template <typename T>
+struct BwdMainloopSplit {
+  static_assert(T::kRoleSplit, "");
+  using Element = typename T::Element;
+  using TiledMmaSdP = typename T::TiledMmaSdP;
+  using TiledMmadKV = typename T::TiledMmadKV;
+  using TiledMmadQ = typename T::TiledMmadQ;
+  static constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
+
+  using SmemQ = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                     typename T::SmemLayoutQ{}));
+  using SmemK = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                     typename T::SmemLayoutK{}));
+  using SmemQt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutQt{}));
+  using SmemKt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutKt{}));
+  using SmemdS = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                      typename T::SmemLayoutdS{}));
+  using ThrSdP = decltype(std::declval<TiledMmaSdP&>().get_thread_slice(0));
+  using ThrdKV = decltype(std::declval<TiledMmadKV&>().get_thread_slice(0));
+  using ThrdQ = decltype(std::declval<TiledMmadQ&>().get_thread_slice(0));
+  using FragK = decltype(std::declval<ThrSdP&>().partition_fragment_A(std::declval<SmemK&>()));
+  using FragQ = decltype(std::declval<ThrSdP&>().partition_fragment_B(std::declval<SmemQ&>()));
+  using FragQt = decltype(std::declval<ThrdKV&>().partition_fragment_B(std::declval<SmemQt&>()));
+  using FragdS = decltype(std::declval<ThrdQ&>().partition_fragment_A(std::declval<SmemdS&>()));
+  using FragKt = decltype(std::declval<ThrdQ&>().partition_fragment_B(std::declval<SmemKt&>()));
+  using AccS = decltype(partition_fragment_C(std::declval<TiledMmaSdP&>(),
+                                             Shape<Int<kN>, Int<kM>>{}));
+  using AccKV = decltype(partition_fragment_C(std::declval<TiledMmadKV&>(),
+                                              Shape<Int<kN>, Int<kD>>{}));
+  using AccdQ = decltype(partition_fragment_C(std::declval<TiledMmadQ&>(),
+                                              Shape<Int<kM>, Int<kD>>{}));
+  using FragP =
+      decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kM / 16>>>{}));
+  using CoordS = decltype(std::declval<ThrSdP&>().partition_C(
+      make_identity_tensor(Shape<Int<kN>, Int<kM>>{})));
+  using CoordKV = decltype(std::declval<ThrdKV&>().partition_C(
+      make_identity_tensor(Shape<Int<kN>, Int<kD>>{})));
+
+  static constexpr int kSVals = decltype(size(std::declval<AccS&>()))::value;
+  static_assert(kSVals == kM / 2, "unexpected wgmma accumulator layout");
+  static_assert(decltype(size(std::declval<FragP&>()))::value == kSVals, "");
+  static constexpr int kDqVals = decltype(size(std::declval<AccdQ&>()))::value;
+  static_assert(kDqVals * 128 == BwdDq<T>::kPartFloats && kDqVals % 4 == 0, "");
+
+  TiledMmaSdP mma_sdp;
+  TiledMmadKV mma_dkv;
+  TiledMmadQ mma_dq;
+  // Warpgroup 0 reads K, Q and dO^T; warpgroup 1 V, dO and Q^T: each its own (the same
+  // partitions: both warpgroups' threads run the one-warpgroup tiled MMAs with tid 0 .. 127).
+  FragK tSrKV;     // K (warpgroup 0) or V (1)
+  FragQ tSrQdO;    // Q (0) or dO (1): (MMA, MMA_N, MMA_K, stage)
+  FragQt tdKVrB;   // dO^T (0) or Q^T (1)
+  FragdS tdQrdS;   // (MMA, MMA_M, MMA_K, buffer)
+  FragKt tdQrK;
+  AccKV acc_kv;    // dV (warpgroup 0) or dK (1)
+  CoordS tScS;     // (key, query) of every S^T accumulator element of this thread
+  CoordKV tdKcdK;  // (key, column) of dK / dV's
+  SmemdS sdS;
+  int me, tid;
+
+  // ctid: 0 .. 255 over the two consumer warpgroups.
+  __device__ __forceinline__ BwdMainloopSplit(int ctid, SmemQ& sQ, SmemQ& sdO, SmemK& sK,
+                                              SmemK& sV, SmemQt& sQt, SmemQt& sdOt, SmemKt& sKt,
+                                              SmemdS& sdS_)
+      : tSrKV(mma_sdp.get_thread_slice(ctid % 128).partition_fragment_A(ctid < 128 ? sK : sV)),
+        tSrQdO(mma_sdp.get_thread_slice(ctid % 128).partition_fragment_B(ctid < 128 ? sQ : sdO)),
+        tdKVrB(mma_dkv.get_thread_slice(ctid % 128).partition_fragment_B(ctid < 128 ? sdOt : sQt)),
+        tdQrdS(mma_dq.get_thread_slice(ctid).partition_fragment_A(sdS_)),
+        tdQrK(mma_dq.get_thread_slice(ctid).partition_fragment_B(sKt)),
+        acc_kv(partition_fragment_C(mma_dkv, Shape<Int<kN>, Int<kD>>{})),
+        tScS(mma_sdp.get_thread_slice(ctid % 128).partition_C(
+            make_identity_tensor(Shape<Int<kN>, Int<kM>>{}))),
+        tdKcdK(mma_dkv.get_thread_slice(ctid % 128).partition_C(
+            make_identity_tensor(Shape<Int<kN>, Int<kD>>{}))),
+        sdS(sdS_),
+        me(ctid / 128),
+        tid(ctid % 128) {
+    clear(acc_kv);
+  }
+
+  template <typename MmaT, typename A, typename B, typename C>
+  __device__ __forceinline__ static void gemm_zero(MmaT& mma, const A& a, const B& b, C& c) {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+
+  // acc_kv += a16 B (a16: P^T or dS^T in registers, B: dO or Q of ring stage `stage`).
+  __device__ __forceinline__ void issue_kv(FragP& a16, int stage) {
+    warpgroup_fence_operand(a16);
+    warpgroup_fence_operand(acc_kv);
+    warpgroup_arrive();
+    mma_dkv.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(a16); ++kb)
+      cute::gemm(mma_dkv, a16(_, _, kb), tdKVrB(_, _, kb, stage), acc_kv);
+    warpgroup_commit_batch();
+  }
+
+  // dQ = dS K over this warpgroup's head-dim half, one commit group.
+  __device__ __forceinline__ void issue_dq(AccdQ& acc_dq, int buf) {
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_arrive();
+    gemm_zero(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+    warpgroup_commit_batch();
+  }
+
+  // This warpgroup's part of the step's dQ tile added to the buffer (`tile`: the query block's
+  // first float), float4 chunk j of thread tid at 4 (j 128 + tid) of the part (bwd_dq.h's
+  // layout: a warp's adds cover 512 contiguous bytes).
+  __device__ __forceinline__ void add_dq(const AccdQ& acc_dq, float* tile) const {
+    float* part = tile + me * BwdDq<T>::kPartFloats + 4 * tid;
+    CUTE_UNROLL
+    for (int j = 0; j < kDqVals / 4; ++j)
+      red_add_v4(part + 4 * 128 * j, acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
+                 acc_dq(4 * j + 3));
+  }
+
+  // One step: query rows m0 .. m0 + kM (the caller's), Q / dO / statistics in ring stage
+  // `stage`, dS through buffer `buf`, dQ added at dq_tile.  `masked`: some (key, query) pair
+  // of the step is not visible (rel: the visible keys of each row, relative to the key block).
+  __device__ __forceinline__ void step(typename T::SharedStorage& smem, int stage, int buf,
+                                       bool masked, const VisibleKeys::Relative& rel,
+                                       float scale, float scale_log2, float* dq_tile) {
+    const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
+    float* p_shared = smem.dq.data() + 4 * tid;  // this thread's P^T values (fragment order)
+    AccS acc = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    FragP a16;
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm_zero(mma_sdp, tSrKV, tSrQdO(_, _, _, stage), acc);  // S^T (0) or dP^T (1)
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (me == 0) {
+      // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the
+      // row (a copy of the loop for steps with a mask, one without: see bwd_mainloop.h).
+      const float* lse_s = smem.lse_log2[stage];
+      auto probs = [&](auto with_mask) {
+        const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
+        CUTE_UNROLL
+        for (int i = 0; i < kSVals; ++i) {
+          float pr = exp2f(fmaf(acc(i), scale_log2, -lse_s[q0 + acc_col(i)]));
+          if constexpr (decltype(with_mask)::value)
+            if (hide.hidden(acc_row(i), acc_col(i))) pr = 0.f;
+          acc(i) = pr;
+        }
+      };
+      if (masked)
+        probs(cute::true_type{});
+      else
+        probs(cute::false_type{});
+      CUTE_UNROLL
+      for (int j = 0; j < kSVals / 4; ++j)
+        *reinterpret_cast<float4*>(p_shared + 4 * 128 * j) =
+            make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+      cutlass::arch::NamedBarrier::arrive(256, kSplitPBarrier);
+      CUTE_UNROLL
+      for (int i = 0; i < kSVals; ++i) a16(i) = static_cast<Element>(acc(i));
+      issue_kv(a16, stage);  // dV += P^T dO
+    } else {
+      // dS^T scale = P^T (dP^T scale - D scale), scaled before it is rounded to 16 bits
+      // (bwd_mainloop.h says why).
+      const float* d_s = smem.delta[stage];
+      cutlass::arch::NamedBarrier::sync(256, kSplitPBarrier);
+      CUTE_UNROLL
+      for (int j = 0; j < kSVals / 4; ++j) {
+        const float4 pr = *reinterpret_cast<const float4*>(p_shared + 4 * 128 * j);
+        const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e;
+          a16(i) = static_cast<Element>(pv[e] * (acc(i) * scale - d_s[q0 + acc_col(i)] * scale));
+        }
+      }
+      // dS^T to shared memory as dS (query, key), queries contiguous (stmatrix; see
+      // bwd_mainloop.h).
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+      auto thr = r2s.get_thread_slice(tid);
+      Tensor src = thr.retile_S(make_tensor(a16.data(), typename AccS::layout_type{}));
+      Tensor dst = thr.partition_D(make_tensor(sdS.data(), typename T::SmemLayoutdSt{}));
+      cute::copy(r2s, src, dst(_, _, _, buf));
+      cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
+    }
+    // dS written: dQ over this warpgroup's head-dim half, then (warpgroup 1) dK += dS^T Q.
+    cutlass::arch::NamedBarrier::sync(256, kSplitDsBarrier);
+    AccdQ acc_dq = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
+    issue_dq(acc_dq, buf);
+    if (me == 1) {
+      issue_kv(a16, stage);  // dK += dS^T Q
+      warpgroup_wait<1>();   // dQ (dK may run on)
+    } else {
+      warpgroup_wait<0>();   // dV (issued first) and dQ
+    }
+    warpgroup_fence_operand(acc_dq);
+    add_dq(acc_dq, dq_tile);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_kv);
+    warpgroup_fence_operand(a16);
+  }
+
+  // This warpgroup's accumulator (dV in warpgroup 0, dK in 1) to rows row_base .. of dv / dk
+  // (keys_left of the block's keys exist; columns cut at the head dim), one 32-bit word per
+  // pair of columns (see bwd_mainloop.h's store_dkdv).
+  __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
+                                             int64_t keys_left, int32_t b, int32_t hk) const {
+    const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
+    const int64_t row0 = row_base + key0;
+    const bool is_v = me == 0;
+    const int64_t row_stride = is_v ? p.dv_row_stride : p.dk_row_stride;
+    auto* out = static_cast<Element*>(is_v ? p.dv : p.dk) +
+                b * (is_v ? p.dv_batch_stride : p.dk_batch_stride) +
+                hk * (is_v ? p.dv_head_stride : p.dk_head_stride) + row0 * row_stride + c0;
+    auto* out8 = out + 8 * row_stride;
+    const int rows_left = static_cast<int>(keys_left - key0 < kN ? keys_left - key0 : kN);
+    const int cols = static_cast<int>(is_v ? p.head_dim_v : p.head_dim) - c0;
+    constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const int dr = get<0>(tdKcdK(i)) - key0, dc = get<1>(tdKcdK(i)) - c0;
+      if (dr >= rows_left || dc >= cols) continue;
+      Element pair[2] = {static_cast<Element>(acc_kv(i)), static_cast<Element>(acc_kv(i + 1))};
+      *reinterpret_cast<uint32_t*>((dr == 0 ? out : dr == 8 ? out8 : out + dr * row_stride) + dc) =
+          *reinterpret_cast<uint32_t*>(pair);
+    }
+  }
+};
+
+}  // namespace flash_attn_ext::sm90
