@@ -450,6 +450,48 @@ def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("softcap", [0.5, 30.0, 50.0, 50.5, 1e3])
+@pytest.mark.parametrize("scores", ["spread", "low", "high"])
+def test_hopper_softcap_forward_either_side_of_the_fixed_max(dtype, seqlen_q, seqlen_k,
+                                                             head_dim, causal, softcap, scores):
+    # The softcap variant's forward with bf16 inputs takes a fixed reference max of 0 for
+    # softcaps up to 50.25 and the running max above (fwd_softmax.h, OnlineSoftmax::fixed_max);
+    # fp16 always the running max.  Scores spread over the cap's range, and rows whose scores
+    # all sit at -softcap ("low": tanh = -1, the smallest P, 2^-72 at softcap 50, with bf16
+    # values of 2^-40, near the fixed max's documented range, so that O = sum P v is 2^-112)
+    # or at +softcap ("high": the largest P, 2^72), where every row is the plain average of its
+    # visible keys' values.  (At softcap 1e3 those scores are -600 and 600.)  Out and LSE
+    # against the fp32 reference; "low" also to 1% of the largest value.
+    v = rand(2, seqlen_k, 2, head_dim, dtype=dtype)
+    # (Scores of at most ~1e4 before the scale: the fp16 reference computes them in fp16.)
+    if scores in ("low", "high"):  # every scaled score -/+10 softcap: tanh(10) = 1 in fp32
+        u = torch.rand(head_dim, device="cuda") + 0.5
+        a = (min(10 * softcap, 600.0) * head_dim ** 0.5 / u.square().sum()).sqrt()
+        q = (u * a).expand(2, seqlen_q, 4, head_dim).to(dtype).contiguous()
+        k = ((-u if scores == "low" else u) * a).expand(2, seqlen_k, 2, head_dim)
+        k = k.to(dtype).contiguous()
+        if scores == "low" and dtype == torch.bfloat16:
+            v = v * 2.0 ** -40
+    else:  # scaled scores ~ N(0, sigma^2), sigma = softcap up to 100
+        sigma = min(softcap, 100.0)
+        q = (rand(2, seqlen_q, 4, head_dim) * sigma ** 0.5).to(dtype)
+        k = (rand(2, seqlen_k, 2, head_dim) * sigma ** 0.5).to(dtype)
+    assert planning.plan(q, k, v, mods=planning.SOFTCAP).kernel.endswith("_softcap")
+    kw = dict(causal=causal, softcap=softcap)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, -1, -1, True, softcap, None, None)
+    assert torch.isfinite(out).all()
+    check_forward(out, lse, low_out, true_out, true_lse, f"out (softcap {softcap}, {scores})")
+    if scores == "low":  # (the rule's absolute slack would pass zeros for tiny values)
+        assert max_err(out, true_out) <= 1e-2 * true_out.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("what", SCORE_MODS + ["softcap_causal", "softcap_window", "alibi",

@@ -172,10 +172,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                 row_of[0]};
       // The mask variant's boolean mask at this (batch, head)'s key 0, row 0.
       const uint8_t* mask_bh = T::kMask ? mask_row(p, b, h, 0) : nullptr;
-      state = mainloop.compute_tile(args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin,
-                                    n_end, qs, &smem.barrier_q_empty[qs],
-                                    sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
-                                    dropout, mask_bh, seq.len_k, smem.v.data());
+      // (Two calls, not a generic lambda: ptxas left that lambda a function of its own, with
+      // the loop's registers on a 1,168-byte stack.)
+      constexpr bool kMayFixMax = OnlineSoftmax<T>::kMayFixMax;
+      if (kMayFixMax && softmax.fixed_max)
+        state = mainloop.template compute_tile<kMayFixMax>(
+            args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
+            &smem.barrier_q_empty[qs], sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
+            dropout, mask_bh, seq.len_k, smem.v.data());
+      else
+        state = mainloop.template compute_tile<false>(
+            args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
+            &smem.barrier_q_empty[qs], sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
+            dropout, mask_bh, seq.len_k, smem.v.data());
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -313,7 +313,8 @@ struct FwdMainloop {
   // dropout: applied to P after the softmax's row sums, which count every element (as the LSE).
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
   // key_limit, v_smem: packed sequences' keys and the V ring (zero_v_rows); unused elsewhere.
-  template <typename Next, typename Blocks>
+  // kFixedMax: the softmax's steps with its fixed reference max (OnlineSoftmax::fixed_max).
+  template <bool kFixedMax, typename Next, typename Blocks>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
                                                PipelineState state,
@@ -472,7 +473,7 @@ struct FwdMainloop {
     pipe_k.consumer_release(state);
     if (n_begin + 1 == n_end) release_q(q_empty);
     modify(n_begin, c);
-    softmax.step(tSrS, mask, n_begin, alpha);
+    softmax.template step<kFixedMax>(tSrS, mask, n_begin, alpha);
     drop(n_begin);
     drop_kept(kept);
     convert_p();
@@ -495,7 +496,7 @@ struct FwdMainloop {
       pipe_k.consumer_release(state);
       if (n_block + 1 == n_end) release_q(q_empty);
       modify(n_block, c);
-      softmax.step(tSrS, mask, n_block, alpha);
+      softmax.template step<kFixedMax>(tSrS, mask, n_block, alpha);
       drop(n_block);
       drop_kept(kept);
       if constexpr (T::kWaitPvAfterSoftmax) {

@@ -1,10 +1,12 @@
 // The Hopper forward's online softmax, per consumer thread (two rows: wgmma's row halves r and
 // r + 8), in the exp2 domain: a running max m and sum l per row (FlashAttention-2,
 // arXiv:2307.08691, Algorithm 1), O rescaled by exp2(m_old - m_new) when m moves, with lazy
-// rescaling (m moves only by more than kRescaleLog2).
+// rescaling (m moves only by more than kRescaleLog2).  The softcap variant with bf16 inputs
+// needs no running max (fixed_max).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm90/fwd_mask.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -29,6 +31,18 @@ struct OnlineSoftmax {
   static_assert(kSVals / 2 % kChains == 0, "");
   // Lazy rescaling's threshold in the exp2 domain (see rows).
   static constexpr float kRescaleLog2 = 8.f;
+  // The softcap variant's scores t = tanh(.) lie in [-1, 1], so with bf16 inputs a fixed
+  // reference max of 0 keeps every P = exp2(t softcap log2 e) within [2^-s, 2^s], s = softcap
+  // log2 e = scale_log2 (bf16 has fp32's exponent range): no max per tile (an FMNMX per score,
+  // a row's two shuffles) and no rescale of O; P and l carry fp32's relative precision as with
+  // the running max, and O / l and the LSE use the one reference.  What the running max does
+  // not have is the range limit on O = sum P v: exact for |v| in [2^(s - 126), 2^(127 - s) /
+  // keys] (P a normal float times v; with the running max, [2^-126, 2^119 / keys]), hence only
+  // for s <= kFixedMaxLimit (softcap <= 50.25, Gemma-2's 50 included: |v| from 2^-54 to 2^55 /
+  // keys).  fp16's range (2^-24 .. 2^16) is too narrow: P would overflow or vanish.
+  static constexpr bool kMayFixMax =
+      T::kSoftcap && std::is_same_v<typename T::Element, cute::bfloat16_t>;
+  static constexpr float kFixedMaxLimit = 72.5f;
 
   const float scale_log2;  // the exp2 domain's factor (softmax_scale * log2(e): fwd_kernel.h)
   float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
@@ -43,8 +57,15 @@ struct OnlineSoftmax {
   // which the LSE takes back; 0 elsewhere.
   float lse_shift1 = 0.f;
 
+  // Whether the call takes the fixed reference max (kMayFixMax, softcap log2 e <=
+  // kFixedMaxLimit): the kernel then runs the tile loop's copy whose steps
+  // take kFixed (fwd_kernel.h), chosen once per call (a branch per tile costs the loop its
+  // overlap of the softmax with P V: ptxas hoists a wgmma wait to the start of a basic block,
+  // docs/perf/sm90_forward.md).  m_row stays -inf there, so a row is empty exactly when l = 0.
+  const bool fixed_max;
+
   __device__ __forceinline__ explicit OnlineSoftmax(float scale_log2_)
-      : scale_log2(scale_log2_) {}
+      : scale_log2(scale_log2_), fixed_max(kMayFixMax && scale_log2_ <= kFixedMaxLimit) {}
 
   __device__ __forceinline__ void reset(int r) {
     m_row[r] = -INFINITY;
@@ -58,42 +79,52 @@ struct OnlineSoftmax {
   // as kSoftmaxChains independent partial chains (see Sm90FwdTraits: the schedule ptxas makes
   // of it differs per head dim).  Max is exact in any order; a chained sum rounds differently
   // from a left-to-right one, at the level of fp32 rounding.
-  template <int r0, int r1, typename TensorS>
+  template <bool kFixed, int r0, int r1, typename TensorS>
   __device__ __forceinline__ void rows(TensorS& tSrS, const RowMask<T>& mask, int n_block,
                                        float (&alpha)[2]) {
+    static_assert(!kFixed || kMayFixMax, "a fixed reference max for the softcap variant, bf16");
     mask.template apply<r0, r1>(tSrS, n_block);
     // A chain starts at its first value; a single chain starts from -inf and 0 instead (one
     // FMNMX and one FADD more per row, the schedule measured for it).
     float part[2][kChains], mx[2], m_scaled[2];
-#pragma unroll
-    for (int c = 0; c < kSVals / 2; ++c)
+    if constexpr (kFixed) {
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
-        const float x = tSrS(s_index(r, c));
-        const float first = kChains > 1 ? x : fmaxf(-INFINITY, x);
-        part[r][c % kChains] = c < kChains ? first : fmaxf(part[r][c % kChains], x);
+        m_scaled[r] = 0.f;
+        m_scaled_row[r] = m_scaled[r];
+        alpha[r] = 1.f;
       }
+    } else {
 #pragma unroll
-    for (int r = r0; r < r1; ++r) mx[r] = combine_chains<kChains>(part[r], true);
+      for (int c = 0; c < kSVals / 2; ++c)
 #pragma unroll
-    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+        for (int r = r0; r < r1; ++r) {
+          const float x = tSrS(s_index(r, c));
+          const float first = kChains > 1 ? x : fmaxf(-INFINITY, x);
+          part[r][c % kChains] = c < kChains ? first : fmaxf(part[r][c % kChains], x);
+        }
 #pragma unroll
-    for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+      for (int r = r0; r < r1; ++r) mx[r] = combine_chains<kChains>(part[r], true);
 #pragma unroll
-    for (int r = r0; r < r1; ++r) {
-      // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
-      // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
-      // O and l always share one reference, so O / l and the LSE stay exact, and most key
-      // tiles leave O unscaled.  True for m_old = -inf < mx; false (NaN) while both are -inf.
-      const float m_old = m_row[r];
-      const bool raise = (mx[r] - m_old) * scale_log2 > kRescaleLog2;
-      const float m_new = raise ? mx[r] : m_old;
-      // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
-      m_scaled[r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-      // 0 if m_old = -inf
-      alpha[r] = raise ? (m_old == -INFINITY ? 0.f : exp2f(m_scaled_row[r] - m_scaled[r])) : 1.f;
-      m_row[r] = m_new;
-      m_scaled_row[r] = m_scaled[r];
+      for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+#pragma unroll
+      for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+#pragma unroll
+      for (int r = r0; r < r1; ++r) {
+        // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
+        // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
+        // O and l always share one reference, so O / l and the LSE stay exact, and most key
+        // tiles leave O unscaled.  True for m_old = -inf < mx; false (NaN) while both are -inf.
+        const float m_old = m_row[r];
+        const bool raise = (mx[r] - m_old) * scale_log2 > kRescaleLog2;
+        const float m_new = raise ? mx[r] : m_old;
+        // Nothing visible yet: subtract 0 so exp2(-inf) = 0 rather than NaN.
+        m_scaled[r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+        // 0 if m_old = -inf
+        alpha[r] = raise ? (m_old == -INFINITY ? 0.f : exp2f(m_scaled_row[r] - m_scaled[r])) : 1.f;
+        m_row[r] = m_new;
+        m_scaled_row[r] = m_scaled[r];
+      }
     }
 #pragma unroll
     for (int c = 0; c < kSVals / 2; ++c)
@@ -109,15 +140,16 @@ struct OnlineSoftmax {
       l_row[r] = l_row[r] * alpha[r] + combine_chains<kChains>(part[r], false);
   }
 
-  // One key tile: both rows together or one after the other (Sm90FwdTraits).
-  template <typename TensorS>
+  // One key tile: both rows together or one after the other (Sm90FwdTraits); kFixed: with the
+  // fixed reference max (fixed_max).
+  template <bool kFixed, typename TensorS>
   __device__ __forceinline__ void step(TensorS& tSrS, const RowMask<T>& mask, int n_block,
                                        float (&alpha)[2]) {
     if constexpr (T::kSoftmaxRowsTogether) {
-      rows<0, 2>(tSrS, mask, n_block, alpha);
+      rows<kFixed, 0, 2>(tSrS, mask, n_block, alpha);
     } else {
-      rows<0, 1>(tSrS, mask, n_block, alpha);
-      rows<1, 2>(tSrS, mask, n_block, alpha);
+      rows<kFixed, 0, 1>(tSrS, mask, n_block, alpha);
+      rows<kFixed, 1, 2>(tSrS, mask, n_block, alpha);
     }
   }
 
