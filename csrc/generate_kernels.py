@@ -35,9 +35,9 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_mask)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_varlen.cu  ... on packed sequences
                                                           (run_flash_bwd_sm90_varlen)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_softcap.cu ... with softcap alone
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_softcap.cu ... with softcap alone
                                                           (run_flash_bwd_sm90_softcap)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_alibi.cu   ... with ALiBi alone
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu ... with ALiBi alone
                                                           (run_flash_bwd_sm90_alibi)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
@@ -142,8 +142,9 @@ cudaStream_t stream) {{
 }}  // namespace flash_attn_ext::sm90
 """
 SM90_BWD_HEAD_DIMS = (64, 128, 256)
-# Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention only.
-SM90_BWD_256_VARIANTS = ("",)
+# Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention,
+# softcap alone and ALiBi alone.
+SM90_BWD_256_VARIANTS = ("", "_softcap", "_alibi")
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),

@@ -351,8 +351,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
       if (d > 128)
-        why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward has "
-                      "head dims up to 128");
+        why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
+                      "packed sequences at head dims up to 128");
       if (call.score_mods != 0)
         why.push_back("the Hopper backward takes packed sequences without softcap, "
                       "alibi_slopes and dropout only");
@@ -390,12 +390,14 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   // separate kernel for bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
     std::vector<std::string> why;
-    // (head dim 256: the step split by role, plain attention with dQ in any order;
-    // kernels/sm90/bwd_mainloop_split.h)
-    if (d > 128 && call.score_mods != 0)
+    // (head dim 256: the step split by role, plain attention, softcap alone or ALiBi alone,
+    // with dQ in any order; kernels/sm90/bwd_mainloop_split.h)
+    if (d > 128 && call.score_mods != 0 && call.score_mods != kSoftcap &&
+        call.score_mods != kAlibi)
       why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
-                    "softcap, attn_mask/attn_bias, alibi_slopes and dropout at head dims up to "
-                    "128");
+                    "attn_mask/attn_bias, dropout and softcap / alibi_slopes with other "
+                    "modifiers at head dims up to 128 (softcap alone and alibi_slopes alone "
+                    "up to 256)");
     if (d > 128 && call.deterministic)
       why.push_back("head_dim=" + std::to_string(d) + " (padded) with " +
                     detail::kDeterministicWhy +

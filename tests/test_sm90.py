@@ -51,10 +51,15 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
     assert p.notes == ()
     assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16"
-    # Head dim 256 with a score modifier or deterministic: the 8-warp portable backward (214016
-    # bytes of shared memory, sm_90 has them), and the plan says why.
+    for mods, suffix in ((planning.SOFTCAP, "_softcap"), (planning.ALIBI, "_alibi")):
+        assert planning.plan(q, q, q, mods=mods).backward_kernel == \
+            f"sm90_bwd_hdim{padded}_bf16{suffix}"
+    # Head dim 256 with other score modifiers or deterministic: the portable backward (the
+    # 8-warp kernels, 214016 bytes of shared memory, which sm_90 has, or the 4-warp ones with
+    # modifiers), and the plan says why.
     if padded == 256:
-        for kw in (dict(mods=planning.SOFTCAP), dict(deterministic=True)):
+        for kw in (dict(mods=planning.DROPOUT), dict(mods=planning.SOFTCAP | planning.ALIBI),
+                   dict(deterministic=True)):
             p = planning.plan(q, q, q, **kw)
             assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16", kw
             assert "at head dims up to 128" in p.notes[0], (kw, p.notes)
@@ -501,6 +506,20 @@ def test_hopper_general_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_
     # (softcap alone or ALiBi alone, with or without causal / window masks: the softcap and
     # ALiBi variants, forward and backward; softcap 7.5 with the masks, where tanh
     # saturates, 50 without)
+    softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
+    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
+                         window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [200, 256])
+@pytest.mark.parametrize("what", ["softcap", "softcap_causal", "softcap_window", "alibi",
+                                  "alibi_causal", "alibi_window"])
+def test_hopper_head_dim_256_softcap_alibi_backward_meets_the_error_rule(
+        hopper_bwd, dtype, seqlen_q, seqlen_k, head_dim, what):
+    # Softcap alone and ALiBi alone at head dim 256: the role split's variants (warpgroup 0
+    # hands over P^T (1 - t^2) / adds ALiBi's term), with causal / window masks and GQA.
     softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes)

@@ -215,12 +215,12 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   if (p.softcap_only()) {
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_softcap<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_softcap<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
+    return sm90::run_flash_bwd_sm90_softcap<Element, 256>(p, stats, stream);
   }
   if (p.alibi_only()) {
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_alibi<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_alibi<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
+    return sm90::run_flash_bwd_sm90_alibi<Element, 256>(p, stats, stream);
   }
   if (p.score_mods()) {
     // (softcap, bias, ALiBi and dropout with them: kernel_select.h keeps the rest off it)

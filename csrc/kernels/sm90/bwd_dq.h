@@ -2,7 +2,9 @@
 // in shared memory and added to the fp32 dQ buffer by bulk reductions (cp.reduce.async.bulk
 // .add.f32, FlashAttention-3's way), then a small kernel converts the buffer to dq.  Per-lane
 // REDs (red.global.add.v2.f32, 32 per thread and step) left the consumers waiting on the L1TEX
-// queue: 30% of their stall cycles at head dim 128 (ncu).
+// queue: 30% of their stall cycles at head dim 128 (ncu).  (Head dim 256 adds with REDs all the
+// same, red.global.add.v4.f32 in this layout: the staging tile does not fit there;
+// bwd_mainloop_split.h.)
 //
 // The consumers stage their parts of each step's tile in shared memory and go on; a writer warp
 // of the producer warpgroup issues the reductions (FlashAttention-3's dQ writer), so that the

@@ -92,8 +92,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
-    else if (!T::kRoleSplit && threadIdx.x / 32 == 1 && st.steps > 0)
-      run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
+    if constexpr (!T::kRoleSplit)  // (the role split adds its dQ itself, without staging)
+      if (threadIdx.x / 32 == 1 && st.steps > 0)
+        run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
     return;
   }
 
@@ -155,7 +156,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           mainloop.zero_qdo_rows(smem, state.index(), static_cast<int>(seq.len_q - m0), me, tid);
       if constexpr (T::kRoleSplit)
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
-                      p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim);
+                      p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim,
+                      sm80::ScoreFn(p, b, h), m0, n0);
       else
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
@@ -167,7 +169,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       pipe.consumer_release(state);
       ++state;
     }
-    if (!T::kRoleSplit && done > 0) BwdDq<T>::drain(me);
+    if constexpr (!T::kRoleSplit)
+      if (done > 0) BwdDq<T>::drain(me);
   }
   // zeros where no query row sees the block
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);

@@ -15,8 +15,11 @@
 // which warpgroup 1 reaches after reading step t's); dS in the traits' two buffers (one would
 // do: warpgroup 1 writes step t + 1's after the P barrier of t + 1, which warpgroup 0 reaches
 // after its dQ GEMM of step t).
-// Plain attention with the causal / window mask; the score modifiers, packed sequences and
-// dQ in a fixed order stay on the portable backward at this head dim (kernel_select.h).
+// Plain attention with the causal / window mask, softcap alone (T::kSoftcap: warpgroup 0 hands
+// over P^T (1 - t^2), t = tanh(x scale / softcap), the score's derivative folded in as in
+// bwd_mainloop.h's softcap variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent);
+// the other score modifiers, packed sequences and dQ in a fixed order stay on the portable
+// backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
@@ -25,7 +28,9 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm80/score.h"
 #include "kernels/sm90/bwd_dq.h"
+#include "kernels/sm90/bwd_mainloop.h"  // (BwdMainloop::gemm_zero)
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
 #include "mask.h"
@@ -126,12 +131,7 @@ struct BwdMainloopSplit {
 
   template <typename MmaT, typename A, typename B, typename C>
   __device__ __forceinline__ static void gemm_zero(MmaT& mma, const A& a, const B& b, C& c) {
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(a); ++kb) {
-      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
+    BwdMainloop<T>::gemm_zero(mma, a, b, c);
   }
 
   // acc_kv += a16 B (a16: P^T or dS^T in registers, B: dO or Q of ring stage `stage`).
@@ -165,12 +165,16 @@ struct BwdMainloopSplit {
                  acc_dq(4 * j + 3));
   }
 
-  // One step: query rows m0 .. m0 + kM (the caller's), Q / dO / statistics in ring stage
-  // `stage`, dS through buffer `buf`, dQ added at dq_tile.  `masked`: some (key, query) pair
-  // of the step is not visible (rel: the visible keys of each row, relative to the key block).
+  // One step: query rows m0 .. m0 + kM of the key block's keys n0 .., Q / dO / statistics in
+  // ring stage `stage`, dS through buffer `buf`, dQ added at dq_tile.  `masked`: some (key,
+  // query) pair of the step is not visible (rel: the visible keys of each row, relative to the
+  // key block).  scale_log2: the exp2 domain's factor of S^T (scale log2 e), or of the softcap
+  // variant's tanh values (softcap log2 e); fn: the softcap's 1 / (softcap / scale) and the
+  // ALiBi slope and offset of the step's query head.
   __device__ __forceinline__ void step(typename T::SharedStorage& smem, int stage, int buf,
                                        bool masked, const VisibleKeys::Relative& rel,
-                                       float scale, float scale_log2, float* dq_tile) {
+                                       float scale, float scale_log2, float* dq_tile,
+                                       const sm80::ScoreFn& fn, int64_t m0, int64_t n0) {
     const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
     float* p_shared = smem.dq.data() + 4 * tid;  // this thread's P^T values (fragment order)
     AccS acc = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -183,16 +187,31 @@ struct BwdMainloopSplit {
     warpgroup_fence_operand(acc);
     if (me == 0) {
       // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the
-      // row (a copy of the loop for steps with a mask, one without: see bwd_mainloop.h).
+      // row (a copy of the loop for steps with a mask, one without: see bwd_mainloop.h), in
+      // 16 bits for dV; acc keeps what warpgroup 1 needs for dS^T: P^T, or with softcap
+      // P^T (1 - t^2).
       const float* lse_s = smem.lse_log2[stage];
+      const float cap_inv_scale = T::kSoftcap ? fn.cap_inv_scale : 0.f;
+      // ALiBi's slope in log2 units and distance i + off - j at this thread's first (key,
+      // query); at value i it is dist00 + (acc_col(i) - acc_row(i)), a compile-time offset.
+      [[maybe_unused]] const float slope_log2 =
+          T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
+      [[maybe_unused]] const float dist00 =
+          T::kAlibi ? static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0) : 0.f;
       auto probs = [&](auto with_mask) {
         const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
-          float pr = exp2f(fmaf(acc(i), scale_log2, -lse_s[q0 + acc_col(i)]));
+          float t = T::kSoftcap ? sm80::tanh_approx(acc(i) * cap_inv_scale) : acc(i);
+          float e = fmaf(t, scale_log2, -lse_s[q0 + acc_col(i)]);
+          if constexpr (T::kAlibi)
+            e = fmaf(-slope_log2, fabsf(dist00 + static_cast<float>(acc_col(i) - acc_row(i))), e);
+          float pr = exp2f(e);
+          // (t too: a hidden key's score may be NaN, which P^T (1 - t^2) would keep)
           if constexpr (decltype(with_mask)::value)
-            if (hide.hidden(acc_row(i), acc_col(i))) pr = 0.f;
-          acc(i) = pr;
+            if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
+          a16(i) = static_cast<Element>(pr);
+          acc(i) = T::kSoftcap ? pr * fmaf(-t, t, 1.f) : pr;
         }
       };
       if (masked)
@@ -204,12 +223,10 @@ struct BwdMainloopSplit {
         *reinterpret_cast<float4*>(p_shared + 4 * 128 * j) =
             make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
       cutlass::arch::NamedBarrier::arrive(256, kSplitPBarrier);
-      CUTE_UNROLL
-      for (int i = 0; i < kSVals; ++i) a16(i) = static_cast<Element>(acc(i));
       issue_kv(a16, stage);  // dV += P^T dO
     } else {
       // dS^T scale = P^T (dP^T scale - D scale), scaled before it is rounded to 16 bits
-      // (bwd_mainloop.h says why).
+      // (bwd_mainloop.h says why); with softcap P^T (1 - t^2) in place of P^T.
       const float* d_s = smem.delta[stage];
       cutlass::arch::NamedBarrier::sync(256, kSplitPBarrier);
       CUTE_UNROLL

@@ -1,8 +1,8 @@
 // The Hopper backward's compile-time shape (Sm90BwdTraits: tiles, warpgroups, register budgets,
 // shared-memory layouts, TMA and wgmma types) and its run-time arguments (Sm90BwdArgs).
 //
-// One CTA per (block of kBlockN = 128 keys, batch, KV head): K and V of the block stay in shared
-// memory, Q and dO tiles of kBlockM = 64 query rows (with their log-sum-exps and D = rowsum(dO *
+// One CTA per (block of kBlockN = 128 keys, batch, KV head; 64 at head dim 256, below): K and V
+// of the block stay in shared memory, Q and dO tiles of kBlockM = 64 query rows (with their log-sum-exps and D = rowsum(dO *
 // O)) stream through a ring, one step per (query head of the GQA group, query block).  Two
 // consumer warpgroups own 64 keys each and compute, per step, the transposed products
 // (FlashAttention-3's "swapped" S and dP, arXiv:2407.08608 section 3.3):
@@ -79,9 +79,10 @@ struct Sm90BwdTraits {
   // thread; by role each holds one of them (128).  dQ is added by the consumers themselves
   // (red.global.add.v4.f32): the writer's staging tile (64 KiB) does not fit beside K, V and
   // the Q / dO ring (bwd_mainloop_split.h).
+  // Plain attention, softcap alone and ALiBi alone (their factors in warpgroup 0's P^T).
   static constexpr bool kRoleSplit = kHeadDim == 256;
-  static_assert(!(kRoleSplit && (kGeneral || kDropout || kMask || kVarlen || kSoftcap || kAlibi)),
-                "head dim 256: plain attention only");
+  static_assert(!(kRoleSplit && (kGeneral || kDropout || kMask || kVarlen)),
+                "head dim 256: plain attention, softcap alone or ALiBi alone");
   static constexpr int kBlockN = kRoleSplit ? 64 : 128;  // keys per CTA (64 per warpgroup)
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
   // load; the S^T / dP^T accumulators, 2 x 64 floats, fit beside dK / dV's 2 x 32), 64 at 128
@@ -92,7 +93,8 @@ struct Sm90BwdTraits {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // setmaxnreg: producer + 2 consumers within 65536 / 384 = 168 per thread (see the forward's
   // traits).  A consumer holds dK and dV (2 x kHeadDim / 2 floats), S^T and dP^T (2 x 32) and
-  // the dQ tile (kHeadDim / 4).
+  // the dQ tile (kHeadDim / 4); with the role split one of dK / dV (128), S^T or dP^T (32) and
+  // the dQ tile (64).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <=
@@ -105,7 +107,8 @@ struct Sm90BwdTraits {
   static constexpr int kKeyWarpgroups = kRoleSplit ? 1 : kConsumers;
   static_assert(kBlockN == 64 * kKeyWarpgroups, "");
 
-  // S^T = K Q^T, dP^T = V dO^T: M = kBlockN keys (64 per warpgroup), N = kBlockM, K = head dim.
+  // S^T = K Q^T, dP^T = V dO^T: M = kBlockN keys (64 per warpgroup; the role split's two GEMMs
+  // each in one warpgroup), N = kBlockM, K = head dim.
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kKeyWarpgroups>, _1, _1>>{}));
@@ -148,6 +151,8 @@ struct Sm90BwdTraits {
   using SmemLayoutdS = decltype(tile_to_shape(
       GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
 
+  // (The role split would do with one buffer: warpgroup 1 writes step t + 1's dS only after
+  // warpgroup 0 finished step t; bwd_mainloop_split.h.)
   // The same buffers as (key, query, buffer): the consumers store dS^T into them (stmatrix).
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
