@@ -390,18 +390,14 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   // separate kernel for bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
     std::vector<std::string> why;
-    // (head dim 256: the step split by role, plain attention, softcap alone or ALiBi alone,
-    // with dQ in any order; kernels/sm90/bwd_mainloop_split.h)
+    // (head dim 256: the step split by role, plain attention, softcap alone or ALiBi alone;
+    // kernels/sm90/bwd_mainloop_split.h)
     if (d > 128 && call.score_mods != 0 && call.score_mods != kSoftcap &&
         call.score_mods != kAlibi)
       why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
                     "attn_mask/attn_bias, dropout and softcap / alibi_slopes with other "
                     "modifiers at head dims up to 128 (softcap alone and alibi_slopes alone "
                     "up to 256)");
-    if (d > 128 && call.deterministic)
-      why.push_back("head_dim=" + std::to_string(d) + " (padded) with " +
-                    detail::kDeterministicWhy +
-                    ": the Hopper backward adds dQ in a fixed order at head dims up to 128");
     if (call.score_mods & kBiasGrad)
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");

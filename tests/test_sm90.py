@@ -54,12 +54,14 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     for mods, suffix in ((planning.SOFTCAP, "_softcap"), (planning.ALIBI, "_alibi")):
         assert planning.plan(q, q, q, mods=mods).backward_kernel == \
             f"sm90_bwd_hdim{padded}_bf16{suffix}"
-    # Head dim 256 with other score modifiers or deterministic: the portable backward (the
+    p = planning.plan(q, q, q, deterministic=True)
+    assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16" and len(p.notes) == 1
+    assert "fixed order" in p.notes[0]
+    # Head dim 256 with other score modifiers: the portable backward (the
     # 8-warp kernels, 214016 bytes of shared memory, which sm_90 has, or the 4-warp ones with
     # modifiers), and the plan says why.
     if padded == 256:
-        for kw in (dict(mods=planning.DROPOUT), dict(mods=planning.SOFTCAP | planning.ALIBI),
-                   dict(deterministic=True)):
+        for kw in (dict(mods=planning.DROPOUT), dict(mods=planning.SOFTCAP | planning.ALIBI)):
             p = planning.plan(q, q, q, **kw)
             assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16", kw
             assert "at head dims up to 128" in p.notes[0], (kw, p.notes)
@@ -265,7 +267,7 @@ def test_hopper_backward_gqa_mqa_strides_and_value_dims(hopper_bwd, heads_q, hea
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1000, 1000),
                                                (2048, 1023), (1023, 2048)])
-@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("causal,window,bottom_right", [
     (False, (-1, -1), True), (True, (-1, -1), True), (True, (-1, -1), False),
     (False, (100, 7), True), (False, (-1, 300), True)])
@@ -279,10 +281,15 @@ def test_hopper_deterministic_backward_meets_the_error_rule(hopper_bwd, dtype, s
                          window=window, bottom_right=bottom_right, deterministic=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("what", ["plain", "causal", "window", "softcap", "causal_padding_mask",
-                                  "causal_flag_padding_mask", "window_padding_bias",
-                                  "padding_bias", "dropout", "dropout_softcap", "causal_alibi"])
+DETERMINISTIC_CASES = ["plain", "causal", "window", "softcap", "causal_padding_mask",
+                       "causal_flag_padding_mask", "window_padding_bias", "padding_bias",
+                       "dropout", "dropout_softcap", "causal_alibi"]
+
+
+# (head dim 256: the variants its Hopper backward has, plain, softcap alone, ALiBi alone)
+@pytest.mark.parametrize("head_dim,what", [(d, w) for d in (64, 128) for w in DETERMINISTIC_CASES]
+                         + [(256, w) for w in ("plain", "causal", "window", "softcap",
+                                               "causal_alibi")])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
     # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
     # dropout, softcap, ALiBi), on a shape with many key blocks per query block (16 at L = 2k)

@@ -92,9 +92,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0 && st.steps > 0)
       run_bwd_producer<T>(args, smem, pipe, st, n_block, b, hk, seq, sQ, sdO, sK, sV);
-    if constexpr (!T::kRoleSplit)  // (the role split adds its dQ itself, without staging)
+    if constexpr (!T::kRoleSplit) {
       if (threadIdx.x / 32 == 1 && st.steps > 0)
         run_bwd_dq_writer<T>(args, smem, st, seq, n_block, b, hk);
+    } else {  // (the role split adds its dQ itself; in a fixed order after this warp's word)
+      if (threadIdx.x / 32 == 1 && st.steps > 0 && args.dq_order != kDqAnyOrder)
+        run_split_dq_order<T>(args, st, seq, n_block, b, hk);
+    }
     return;
   }
 
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kRoleSplit)
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim,
-                      sm80::ScoreFn(p, b, h), m0, n0);
+                      sm80::ScoreFn(p, b, h), m0, n0, args.dq_order != kDqAnyOrder);
       else
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,

@@ -45,8 +45,6 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   if (p.dbias_full != nullptr || (p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap, T::kAlibi))
     return cudaErrorInvalidValue;
-  // (head dim 256: dQ added by the consumers, in any order only; bwd_mainloop_split.h)
-  if (T::kRoleSplit && p.dq_semaphore != nullptr) return cudaErrorInvalidValue;
   if (varlen && ((p.sm90_varlen_entries > 0 && p.sm90_varlen_tiles == nullptr) ||
                  p.sm90_varlen_block_m != T::kBlockN ||
                  (pitch > 0 && p.sm90_varlen_rows == nullptr) || pitch % 128 != 0))

@@ -18,7 +18,8 @@
 // Plain attention with the causal / window mask, softcap alone (T::kSoftcap: warpgroup 0 hands
 // over P^T (1 - t^2), t = tanh(x scale / softcap), the score's derivative folded in as in
 // bwd_mainloop.h's softcap variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent);
-// the other score modifiers, packed sequences and dQ in a fixed order stay on the portable
+// dQ in any order or in a fixed one (deterministic: the consumers wait for their turn
+// themselves, add_dq); the other score modifiers and packed sequences stay on the portable
 // backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
@@ -38,8 +39,12 @@
 namespace flash_attn_ext::sm90 {
 
 // Named barriers of the split step (CUTLASS's user ids; bwd_dq.h's writer barriers are unused
-// at this head dim): dS written by warpgroup 1 (both wait), P^T written by warpgroup 0.
-constexpr int kSplitDsBarrier = 0, kSplitPBarrier = 1;
+// at this head dim): dS written by warpgroup 1 (both wait), P^T written by warpgroup 0; with
+// dQ in a fixed order, between consumer warpgroup me and the order warp (run_split_dq_order):
+// kSplitTurnBarrier + me its turn come, kSplitDoneBarrier + me its adds performed.
+constexpr int kSplitDsBarrier = 0, kSplitPBarrier = 1, kSplitTurnBarrier = 2,
+              kSplitDoneBarrier = 4;
+constexpr int kSplitOrderThreads = 128 + 32;  // a consumer warpgroup and the order warp
 
 __device__ __forceinline__ void red_add_v4(float* ptr, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(a), "f"(b),
@@ -164,17 +169,30 @@ struct BwdMainloopSplit {
       red_add_v4(part + 4 * 128 * j, acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
                  acc_dq(4 * j + 3));
   }
+  // The same in a fixed order (run_split_dq_order keeps it): after the order warp says that
+  // both warpgroups of the key blocks before this one have added theirs, and telling it once
+  // this warpgroup's adds are performed (each warpgroup adds its own head-dim half, so the
+  // order of every element's sums is fixed).  (The consumers polling the counter themselves
+  // spilled 1.5 KB of their registers, ptxas: the wait loop with its time limit.)
+  __device__ __forceinline__ void add_dq_ordered(const AccdQ& acc_dq, float* tile) const {
+    cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitTurnBarrier + me);
+    add_dq(acc_dq, tile);
+    __threadfence();  // this thread's adds performed before the count
+    cutlass::arch::NamedBarrier::arrive(kSplitOrderThreads, kSplitDoneBarrier + me);
+  }
 
   // One step: query rows m0 .. m0 + kM of the key block's keys n0 .., Q / dO / statistics in
   // ring stage `stage`, dS through buffer `buf`, dQ added at dq_tile.  `masked`: some (key,
   // query) pair of the step is not visible (rel: the visible keys of each row, relative to the
   // key block).  scale_log2: the exp2 domain's factor of S^T (scale log2 e), or of the softcap
   // variant's tanh values (softcap log2 e); fn: the softcap's 1 / (softcap / scale) and the
-  // ALiBi slope and offset of the step's query head.
+  // ALiBi slope and offset of the step's query head; ordered: dQ in a fixed order
+  // (add_dq_ordered).
   __device__ __forceinline__ void step(typename T::SharedStorage& smem, int stage, int buf,
                                        bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
-                                       const sm80::ScoreFn& fn, int64_t m0, int64_t n0) {
+                                       const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
+                                       bool ordered) {
     const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
     float* p_shared = smem.dq.data() + 4 * tid;  // this thread's P^T values (fragment order)
     AccS acc = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -259,7 +277,10 @@ struct BwdMainloopSplit {
       warpgroup_wait<0>();   // dV (issued first) and dQ
     }
     warpgroup_fence_operand(acc_dq);
-    add_dq(acc_dq, dq_tile);
+    if (ordered)
+      add_dq_ordered(acc_dq, dq_tile);
+    else
+      add_dq(acc_dq, dq_tile);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_kv);
     warpgroup_fence_operand(a16);
@@ -291,5 +312,35 @@ struct BwdMainloopSplit {
     }
   }
 };
+
+// dQ in a fixed order at head dim 256 (deterministic: args.dq_order, p.dq_semaphore): a warp
+// of the producer warpgroup (bwd_kernel.h) walks the CTA's steps as the consumers do; per
+// step it waits for its turn at the query block's counter (bwd_dq.h's dq_turn: both
+// warpgroups of each key block before this one counted in), lets both consumer warpgroups
+// add (kSplitTurnBarrier), waits until both have (kSplitDoneBarrier) and counts the two in.
+template <typename T>
+__device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
+                                                   const BwdSteps& st, const BwdSeq& seq,
+                                                   int32_t n_block, int32_t b, int32_t hk) {
+  const BwdParams& p = args.p;
+  const bool leader = threadIdx.x % 32 == 0;
+  const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
+  BwdStepWalk w{hk * args.group};
+  for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
+    const int32_t h = w.h, m_block = w.m_block(st);
+    int32_t* counter =
+        p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block;
+    if (leader) wait_at_least(counter, 2 * dq_turn(args, st, seq, n_block, m_block));
+    __syncwarp();
+    CUTE_UNROLL
+    for (int me = 0; me < T::kConsumers; ++me)
+      cutlass::arch::NamedBarrier::arrive(kSplitOrderThreads, kSplitTurnBarrier + me);
+    CUTE_UNROLL
+    for (int me = 0; me < T::kConsumers; ++me)
+      cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitDoneBarrier + me);
+    if (leader) add_release(counter, T::kConsumers);
+    __syncwarp();
+  }
+}
 
 }  // namespace flash_attn_ext::sm90
