@@ -319,6 +319,9 @@ def flash_attn_with_kvcache(
     if q.shape[3] != head_dim:
         raise ValueError(f"k_cache.shape[3] (head_dim) must equal q.shape[3]={q.shape[3]}, got "
                          f"{head_dim}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache and v_cache must have q's dtype, got q.dtype={q.dtype}, "
+                         f"k_cache.dtype={k_cache.dtype}, v_cache.dtype={v_cache.dtype}")
     if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
                          f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")
@@ -388,10 +391,14 @@ def flash_attn_with_kvcache(
             softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
             float(softcap), bool(rotary_interleaved), alibi_slopes)
         return (out, lse) if return_softmax_lse else out
-    if block_table is not None and block_table.numel() and \
-            not bool(((block_table >= 0) & (block_table < k_cache.shape[0])).all()):
-        raise ValueError(f"block_table entries must be page indices in [0, "
-                         f"{k_cache.shape[0]}) (k_cache.shape[0])")
+    if block_table is not None and block_table.numel():
+        outside = (block_table < 0) | (block_table >= k_cache.shape[0])
+        if bool(outside.any()):
+            at = tuple(outside.nonzero()[0].tolist())
+            raise ValueError(f"block_table entries must be page indices in [0, "
+                             f"{k_cache.shape[0]}) (k_cache.shape[0]), got "
+                             f"block_table[{', '.join(map(str, at))}]="
+                             f"{int(block_table[at])}")
     seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
                      "cache_seqlens")
     leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,

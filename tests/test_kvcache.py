@@ -246,6 +246,16 @@ def test_paged_cache_equals_the_contiguous_one(page):
     assert torch.equal(v_pages[perm].reshape(v_cache.shape), v_cache)
     with pytest.raises(ValueError, match="page indices"):
         flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table + 1000)
+    bad = table.clone()
+    bad[1, -1] = -1  # the first entry outside the range, named with its place and value
+    last = table.shape[1] - 1
+    with pytest.raises(ValueError,
+                       match=rf"page indices in \[0, \d+\).*block_table\[1, {last}\]=-1"):
+        flash_attn_with_kvcache(q, k_pages, v_pages, block_table=bad)
+    # The caches' dtype is theirs to name (k and v are not given).
+    with pytest.raises(ValueError, match=r"k_cache and v_cache must have q's dtype.*"
+                                         r"k_cache.dtype=torch.float64"):
+        flash_attn_with_kvcache(q, k_pages.double(), v_pages.double(), block_table=table)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
