@@ -17,6 +17,62 @@
 
 namespace flash_attn_ext::sm90 {
 
+// P^T = exp2(S^T scale log2(e) - lse log2(e)) of the plain, softcap (T::kSoftcap) and ALiBi
+// (T::kAlibi) variants, one S^T accumulator element at a time (both mainloops).  Built once
+// per step at the thread's first (key, query) of S^T, key0 and q0 of the step's keys n0 ..
+// and query rows m0 ..: the softcap's t = tanh(x scale / softcap) takes fn.cap_inv_scale, and
+// ALiBi's term its slope in log2 units and the distance i + off - j, which at element i is
+// dist00 + (acc_col(i) - acc_row(i)) (S^T: keys are the rows), a compile-time offset.
+template <typename T>
+struct BwdProbs {
+  float cap_inv_scale = 0.f, slope_log2 = 0.f, dist00 = 0.f;
+
+  __device__ __forceinline__ BwdProbs(const sm80::ScoreFn& fn, int64_t m0, int64_t n0, int key0,
+                                      int q0) {
+    if constexpr (T::kSoftcap) cap_inv_scale = fn.cap_inv_scale;
+    if constexpr (T::kAlibi) {
+      slope_log2 = fn.alibi_slope * sm80::ScoreFn::kLog2e;
+      dist00 = static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0);
+    }
+  }
+  // P^T of S^T's value x at element i (col_minus_row: acc_col(i) - acc_row(i)) of a row whose
+  // lse log2(e) is lse_log2; t: the score the exponent took (tanh's value with softcap).
+  // scale_log2: scale log2(e), or softcap log2(e) with softcap.
+  __device__ __forceinline__ float operator()(float x, float scale_log2, float lse_log2,
+                                              int col_minus_row, float& t) const {
+    t = T::kSoftcap ? sm80::tanh_approx(x * cap_inv_scale) : x;
+    float e = fmaf(t, scale_log2, -lse_log2);
+    if constexpr (T::kAlibi)
+      e = fmaf(-slope_log2, fabsf(dist00 + static_cast<float>(col_minus_row)), e);
+    return exp2f(e);
+  }
+};
+
+// A key block's dK or dV accumulator (acc, its (key, column) coordinates coord) to `out`, the
+// thread's first element's place in dk / dv (row stride row_stride), rows_left of its rows
+// and cols of its columns existing, one 32-bit word per pair of columns.  Every element's
+// (key, column) is a compile-time offset from the thread's first, so the bounds are
+// immediates compared with per-thread limits and the addresses immediates off two row
+// pointers (a thread's rows are key0 and key0 + 8 in wgmma's accumulator layout; the general
+// form folds to one of them).  (Computed per element from 64-bit coordinates, the stores took
+// ~12 instructions each: ~1,500 per thread, a few per cent of a causal CTA's time.)
+template <typename Element, typename Acc, typename Coord>
+__device__ __forceinline__ void store_kv_accumulator(const Acc& acc, const Coord& coord,
+                                                     Element* out, int64_t row_stride,
+                                                     int rows_left, int cols) {
+  const int key0 = get<0>(coord(0)), c0 = get<1>(coord(0));
+  Element* out8 = out + 8 * row_stride;
+  constexpr int kVals = decltype(size(acc))::value;
+  CUTE_UNROLL
+  for (int i = 0; i < kVals; i += 2) {
+    const int dr = get<0>(coord(i)) - key0, dc = get<1>(coord(i)) - c0;
+    if (dr >= rows_left || dc >= cols) continue;
+    Element pair[2] = {static_cast<Element>(acc(i)), static_cast<Element>(acc(i + 1))};
+    *reinterpret_cast<uint32_t*>((dr == 0 ? out : dr == 8 ? out8 : out + dr * row_stride) + dc) =
+        *reinterpret_cast<uint32_t*>(pair);
+  }
+}
+
 template <typename T>
 struct BwdMainloop {
   using Element = typename T::Element;
@@ -142,22 +198,22 @@ struct BwdMainloop {
     warpgroup_commit_batch();
   }
 
-  // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage
-  // `stage`, dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not
-  // visible (rel: the visible keys of each of the step's rows, relative to the key block).
-  // dq_staging: this warpgroup's (me) part of the staging tile, tid its thread, handed to the
-  // dQ writer; `first` on the CTA's first step (bwd_dq.h).  The general variant (T::kGeneral) recomputes
-  // the forward's scores with fn (sm80::ScoreFn: softcap, bias, ALiBi) at query rows m0 .. and keys
-  // n0 ..; rows_left / keys_left: how many of them exist (those past the end read no bias and
-  // get P = 0 from their statistics or the mask); cls: the bias's class on the step's rows and
-  // this warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0); drop: the
-  // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV
-  // takes P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O.
-  // The mask variant (T::kMask): mask_bh, the boolean mask at query row 0, key 0 of (b, h)
-  // (bias strides from fn), hides scores where it is false (P^T = 0), read a byte per score in
-  // steps whose class (cls) is mixed; all masked gives P^T = 0, all visible reads nothing.
-  // (Issuing S^T a step ahead, under the previous step's dQ tail, measured no gain: the
-  // other warpgroup's GEMMs already fill that gap; docs/perf/sm90_backward.md.)
+  // One step: query rows m0 .. m0 + kM of query head h, Q / dO / statistics in ring stage `stage`,
+  // dS through buffer `buf`.  `masked`: some (key, query) pair of the step is not visible (rel: the
+  // visible keys of each of the step's rows, relative to the key block). dq_staging: this
+  // warpgroup's (me) part of the staging tile, tid its thread, handed to the dQ writer; `first` on
+  // the CTA's first step (bwd_dq.h).  The general variant (T::kGeneral) recomputes the forward's
+  // scores with fn (sm80::ScoreFn: softcap, bias, ALiBi) at query rows m0 .. and keys n0 ..;
+  // rows_left / keys_left: how many of them exist (those past the end read no bias and get P = 0
+  // from their statistics or the mask); cls: the bias's class on the step's rows and this
+  // warpgroup's keys (bias_blocks.h: all 0 reads nothing, all -inf gives P = 0); drop: the
+  // forward's dropout mask (dropout.h; drop_row_base the row id of query row 0 of (b, h)): dV takes
+  // P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O. The mask
+  // variant (T::kMask): mask_bh, the boolean mask at query row 0, key 0 of (b, h) (bias strides
+  // from fn), hides scores where it is false (P^T = 0), read a byte per score in steps whose class
+  // (cls) is mixed; all masked gives P^T = 0, all visible reads nothing. (Issuing S^T a step ahead,
+  // under the previous step's dQ tail, measured no gain: the other warpgroup's GEMMs already fill
+  // that gap; docs/perf/sm90_backward.md.)
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
                                        int buf, bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_staging,
@@ -269,23 +325,13 @@ struct BwdMainloop {
             decltype(with_bool)::value
                 ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
                 : nullptr;
-        // (the softcap variant's t = tanh(x * scale / softcap); Sm90BwdTraits::kSoftcap)
-        const float cap_inv_scale = T::kSoftcap ? fn.cap_inv_scale : 0.f;
-        // The ALiBi variant's slope in log2 units and distance i + off - j at this thread's
-        // first (key, query); at value i it is dist00 + (acc_col(i) - acc_row(i)) (S^T: keys
-        // are the rows), a compile-time offset (Sm90BwdTraits::kAlibi).
-        [[maybe_unused]] const float slope_log2 =
-            T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
-        [[maybe_unused]] const float dist00 =
-            T::kAlibi ? static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0) : 0.f;
+        // (the softcap and ALiBi variants' terms: Sm90BwdTraits::kSoftcap, kAlibi)
+        const BwdProbs<T> prob(fn, m0, n0, key0, q0);
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
           const int key = key0 + acc_row(i), q = q0 + acc_col(i);  // (fwd_traits.h)
-          float t = T::kSoftcap ? sm80::tanh_approx(acc_s(i) * cap_inv_scale) : acc_s(i);
-          float e = fmaf(t, scale_log2, -lse_s[q]);
-          if constexpr (T::kAlibi)
-            e = fmaf(-slope_log2, fabsf(dist00 + static_cast<float>(acc_col(i) - acc_row(i))), e);
-          float pr = exp2f(e);
+          float t;
+          float pr = prob(acc_s(i), scale_log2, lse_s[q], acc_col(i) - acc_row(i), t);
           // (the softcap variant's t too: a hidden key's score may be NaN, which P^T (1 - t^2)
           // below would keep)
           if constexpr (decltype(with_mask)::value)
@@ -421,42 +467,20 @@ struct BwdMainloop {
   }
 
   // dK and dV rows row_base .. of k / v (the block's keys, keys_left of them exist; columns
-  // cut at head_dim / head_dim_v) from the accumulators, one 32-bit word per pair of columns.
-  // Every element's (key, column) is a compile-time offset from the thread's first, so the
-  // bounds are immediates compared with per-thread limits and the addresses immediates off two
-  // row pointers (computed per element from 64-bit coordinates, the stores took ~12
-  // instructions each: ~1,500 per thread, a few per cent of a causal CTA's time).
+  // cut at head_dim / head_dim_v) from the accumulators (store_kv_accumulator).
   __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
                                              int64_t keys_left, int32_t b, int32_t hk) const {
     const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
     const int64_t row0 = row_base + key0;
-    auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride +
-               row0 * p.dk_row_stride + c0;
-    auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride +
-               row0 * p.dv_row_stride + c0;
-    // A thread's rows are key0 and key0 + 8 (wgmma's accumulator layout); the general form
-    // below folds to one of these two pointers.
-    auto* dk8 = dk + 8 * p.dk_row_stride;
-    auto* dv8 = dv + 8 * p.dv_row_stride;
     const int rows_left = static_cast<int>(keys_left - key0 < kN ? keys_left - key0 : kN);
-    const int dk_cols = static_cast<int>(p.head_dim) - c0;
-    const int dv_cols = static_cast<int>(p.head_dim_v) - c0;
-    constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;
-    CUTE_UNROLL
-    for (int i = 0; i < kVals; i += 2) {
-      const int dr = get<0>(tdKcdK(i)) - key0, dc = get<1>(tdKcdK(i)) - c0;
-      if (dr >= rows_left) continue;
-      if (dc < dk_cols) {
-        Element pair[2] = {static_cast<Element>(acc_dk(i)), static_cast<Element>(acc_dk(i + 1))};
-        *reinterpret_cast<uint32_t*>((dr == 0 ? dk : dr == 8 ? dk8 : dk + dr * p.dk_row_stride) + dc) =
-            *reinterpret_cast<uint32_t*>(pair);
-      }
-      if (dc < dv_cols) {
-        Element pair[2] = {static_cast<Element>(acc_dv(i)), static_cast<Element>(acc_dv(i + 1))};
-        *reinterpret_cast<uint32_t*>((dr == 0 ? dv : dr == 8 ? dv8 : dv + dr * p.dv_row_stride) + dc) =
-            *reinterpret_cast<uint32_t*>(pair);
-      }
-    }
+    store_kv_accumulator(acc_dk, tdKcdK,
+                         static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
+                             hk * p.dk_head_stride + row0 * p.dk_row_stride + c0,
+                         p.dk_row_stride, rows_left, static_cast<int>(p.head_dim) - c0);
+    store_kv_accumulator(acc_dv, tdKcdK,
+                         static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
+                             hk * p.dv_head_stride + row0 * p.dv_row_stride + c0,
+                         p.dv_row_stride, rows_left, static_cast<int>(p.head_dim_v) - c0);
   }
 };
 

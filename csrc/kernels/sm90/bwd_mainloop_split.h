@@ -18,9 +18,9 @@
 // Plain attention with the causal / window mask, softcap alone (T::kSoftcap: warpgroup 0 hands
 // over P^T (1 - t^2), t = tanh(x scale / softcap), the score's derivative folded in as in
 // bwd_mainloop.h's softcap variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent);
-// dQ in any order or in a fixed one (deterministic: the consumers wait for their turn
-// themselves, add_dq); the other score modifiers and packed sequences stay on the portable
-// backward at this head dim (kernel_select.h).
+// dQ in any order or in a fixed one (deterministic: run_split_dq_order keeps the order); the
+// other score modifiers and packed sequences stay on the portable backward at this head dim
+// (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
@@ -31,7 +31,7 @@
 
 #include "kernels/sm80/score.h"
 #include "kernels/sm90/bwd_dq.h"
-#include "kernels/sm90/bwd_mainloop.h"  // (BwdMainloop::gemm_zero)
+#include "kernels/sm90/bwd_mainloop.h"  // (its types, gemm_zero, BwdProbs, store_kv_accumulator)
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/fwd_mainloop.h"  // (GMMA helpers of the forward's headers)
 #include "mask.h"
@@ -55,42 +55,29 @@ __device__ __forceinline__ void red_add_v4(float* ptr, float a, float b, float c
 template <typename T>
 struct BwdMainloopSplit {
   static_assert(T::kRoleSplit, "");
-  using Element = typename T::Element;
-  using TiledMmaSdP = typename T::TiledMmaSdP;
-  using TiledMmadKV = typename T::TiledMmadKV;
-  using TiledMmadQ = typename T::TiledMmadQ;
-  static constexpr int kM = T::kBlockM, kN = T::kBlockN, kD = T::kHeadDim;
-
-  using SmemQ = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                     typename T::SmemLayoutQ{}));
-  using SmemK = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                     typename T::SmemLayoutK{}));
-  using SmemQt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                      typename T::SmemLayoutQt{}));
-  using SmemKt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                      typename T::SmemLayoutKt{}));
-  using SmemdS = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                      typename T::SmemLayoutdS{}));
-  using ThrSdP = decltype(std::declval<TiledMmaSdP&>().get_thread_slice(0));
-  using ThrdKV = decltype(std::declval<TiledMmadKV&>().get_thread_slice(0));
-  using ThrdQ = decltype(std::declval<TiledMmadQ&>().get_thread_slice(0));
-  using FragK = decltype(std::declval<ThrSdP&>().partition_fragment_A(std::declval<SmemK&>()));
-  using FragQ = decltype(std::declval<ThrSdP&>().partition_fragment_B(std::declval<SmemQ&>()));
-  using FragQt = decltype(std::declval<ThrdKV&>().partition_fragment_B(std::declval<SmemQt&>()));
-  using FragdS = decltype(std::declval<ThrdQ&>().partition_fragment_A(std::declval<SmemdS&>()));
-  using FragKt = decltype(std::declval<ThrdQ&>().partition_fragment_B(std::declval<SmemKt&>()));
-  using AccS = decltype(partition_fragment_C(std::declval<TiledMmaSdP&>(),
-                                             Shape<Int<kN>, Int<kM>>{}));
-  using AccKV = decltype(partition_fragment_C(std::declval<TiledMmadKV&>(),
-                                              Shape<Int<kN>, Int<kD>>{}));
-  using AccdQ = decltype(partition_fragment_C(std::declval<TiledMmadQ&>(),
-                                              Shape<Int<kM>, Int<kD>>{}));
-  using FragP =
-      decltype(make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kM / 16>>>{}));
-  using CoordS = decltype(std::declval<ThrSdP&>().partition_C(
-      make_identity_tensor(Shape<Int<kN>, Int<kM>>{})));
-  using CoordKV = decltype(std::declval<ThrdKV&>().partition_C(
-      make_identity_tensor(Shape<Int<kN>, Int<kD>>{})));
+  // The types of the one-warpgroup-per-64-keys mainloop, whose tiled MMAs this one runs.
+  using Base = BwdMainloop<T>;
+  using Element = typename Base::Element;
+  using TiledMmaSdP = typename Base::TiledMmaSdP;
+  using TiledMmadKV = typename Base::TiledMmadKV;
+  using TiledMmadQ = typename Base::TiledMmadQ;
+  static constexpr int kM = Base::kM, kN = Base::kN, kD = Base::kD;
+  using SmemQ = typename Base::SmemQ;
+  using SmemK = typename Base::SmemK;
+  using SmemQt = typename Base::SmemQt;
+  using SmemKt = typename Base::SmemKt;
+  using SmemdS = typename Base::SmemdS;
+  using FragK = typename Base::FragK;
+  using FragQ = typename Base::FragQ;
+  using FragQt = typename Base::FragQt;
+  using FragdS = typename Base::FragdS;
+  using FragKt = typename Base::FragKt;
+  using AccS = typename Base::AccS;
+  using AccKV = typename Base::AccKV;
+  using AccdQ = typename Base::AccdQ;
+  using FragP = typename Base::FragP;
+  using CoordS = typename Base::CoordS;
+  using CoordKV = typename Base::CoordKV;
 
   static constexpr int kSVals = decltype(size(std::declval<AccS&>()))::value;
   static_assert(kSVals == kM / 2, "unexpected wgmma accumulator layout");
@@ -134,11 +121,6 @@ struct BwdMainloopSplit {
     clear(acc_kv);
   }
 
-  template <typename MmaT, typename A, typename B, typename C>
-  __device__ __forceinline__ static void gemm_zero(MmaT& mma, const A& a, const B& b, C& c) {
-    BwdMainloop<T>::gemm_zero(mma, a, b, c);
-  }
-
   // acc_kv += a16 B (a16: P^T or dS^T in registers, B: dO or Q of ring stage `stage`).
   __device__ __forceinline__ void issue_kv(FragP& a16, int stage) {
     warpgroup_fence_operand(a16);
@@ -155,7 +137,7 @@ struct BwdMainloopSplit {
   __device__ __forceinline__ void issue_dq(AccdQ& acc_dq, int buf) {
     warpgroup_fence_operand(acc_dq);
     warpgroup_arrive();
-    gemm_zero(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+    Base::gemm_zero(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
     warpgroup_commit_batch();
   }
 
@@ -199,7 +181,7 @@ struct BwdMainloopSplit {
     FragP a16;
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
-    gemm_zero(mma_sdp, tSrKV, tSrQdO(_, _, _, stage), acc);  // S^T (0) or dP^T (1)
+    Base::gemm_zero(mma_sdp, tSrKV, tSrQdO(_, _, _, stage), acc);  // S^T (0) or dP^T (1)
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
@@ -209,22 +191,13 @@ struct BwdMainloopSplit {
       // 16 bits for dV; acc keeps what warpgroup 1 needs for dS^T: P^T, or with softcap
       // P^T (1 - t^2).
       const float* lse_s = smem.lse_log2[stage];
-      const float cap_inv_scale = T::kSoftcap ? fn.cap_inv_scale : 0.f;
-      // ALiBi's slope in log2 units and distance i + off - j at this thread's first (key,
-      // query); at value i it is dist00 + (acc_col(i) - acc_row(i)), a compile-time offset.
-      [[maybe_unused]] const float slope_log2 =
-          T::kAlibi ? fn.alibi_slope * sm80::ScoreFn::kLog2e : 0.f;
-      [[maybe_unused]] const float dist00 =
-          T::kAlibi ? static_cast<float>(m0 + q0 + fn.alibi_offset - n0 - key0) : 0.f;
       auto probs = [&](auto with_mask) {
         const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
+        const BwdProbs<T> prob(fn, m0, n0, key0, q0);
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
-          float t = T::kSoftcap ? sm80::tanh_approx(acc(i) * cap_inv_scale) : acc(i);
-          float e = fmaf(t, scale_log2, -lse_s[q0 + acc_col(i)]);
-          if constexpr (T::kAlibi)
-            e = fmaf(-slope_log2, fabsf(dist00 + static_cast<float>(acc_col(i) - acc_row(i))), e);
-          float pr = exp2f(e);
+          float t;
+          float pr = prob(acc(i), scale_log2, lse_s[q0 + acc_col(i)], acc_col(i) - acc_row(i), t);
           // (t too: a hidden key's score may be NaN, which P^T (1 - t^2) would keep)
           if constexpr (decltype(with_mask)::value)
             if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
@@ -287,8 +260,7 @@ struct BwdMainloopSplit {
   }
 
   // This warpgroup's accumulator (dV in warpgroup 0, dK in 1) to rows row_base .. of dv / dk
-  // (keys_left of the block's keys exist; columns cut at the head dim), one 32-bit word per
-  // pair of columns (see bwd_mainloop.h's store_dkdv).
+  // (keys_left of the block's keys exist; columns cut at the head dim; store_kv_accumulator).
   __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
                                              int64_t keys_left, int32_t b, int32_t hk) const {
     const int key0 = get<0>(tdKcdK(0)), c0 = get<1>(tdKcdK(0));
@@ -298,18 +270,9 @@ struct BwdMainloopSplit {
     auto* out = static_cast<Element*>(is_v ? p.dv : p.dk) +
                 b * (is_v ? p.dv_batch_stride : p.dk_batch_stride) +
                 hk * (is_v ? p.dv_head_stride : p.dk_head_stride) + row0 * row_stride + c0;
-    auto* out8 = out + 8 * row_stride;
     const int rows_left = static_cast<int>(keys_left - key0 < kN ? keys_left - key0 : kN);
-    const int cols = static_cast<int>(is_v ? p.head_dim_v : p.head_dim) - c0;
-    constexpr int kVals = decltype(size(std::declval<AccKV&>()))::value;
-    CUTE_UNROLL
-    for (int i = 0; i < kVals; i += 2) {
-      const int dr = get<0>(tdKcdK(i)) - key0, dc = get<1>(tdKcdK(i)) - c0;
-      if (dr >= rows_left || dc >= cols) continue;
-      Element pair[2] = {static_cast<Element>(acc_kv(i)), static_cast<Element>(acc_kv(i + 1))};
-      *reinterpret_cast<uint32_t*>((dr == 0 ? out : dr == 8 ? out8 : out + dr * row_stride) + dc) =
-          *reinterpret_cast<uint32_t*>(pair);
-    }
+    store_kv_accumulator(acc_kv, tdKcdK, out, row_stride, rows_left,
+                         static_cast<int>(is_v ? p.head_dim_v : p.head_dim) - c0);
   }
 };
 

@@ -1,11 +1,11 @@
 // The Hopper backward's compile-time shape (Sm90BwdTraits: tiles, warpgroups, register budgets,
 // shared-memory layouts, TMA and wgmma types) and its run-time arguments (Sm90BwdArgs).
 //
-// One CTA per (block of kBlockN = 128 keys, batch, KV head; 64 at head dim 256, below): K and V
-// of the block stay in shared memory, Q and dO tiles of kBlockM = 64 query rows (with their log-sum-exps and D = rowsum(dO *
-// O)) stream through a ring, one step per (query head of the GQA group, query block).  Two
-// consumer warpgroups own 64 keys each and compute, per step, the transposed products
-// (FlashAttention-3's "swapped" S and dP, arXiv:2407.08608 section 3.3):
+// One CTA per (block of kBlockN = 128 keys, batch, KV head; 64 at head dim 256, below): K and V of
+// the block stay in shared memory, Q and dO tiles of kBlockM = 64 query rows (with their
+// log-sum-exps and D = rowsum(dO * O)) stream through a ring, one step per (query head of the GQA
+// group, query block).  Two consumer warpgroups own 64 keys each and compute, per step, the
+// transposed products (FlashAttention-3's "swapped" S and dP, arXiv:2407.08608 section 3.3):
 //   S^T = K Q^T and dP^T = V dO^T          SS wgmma, M = 64 keys, N = 64 queries, K = head dim
 //   P^T = exp2(S^T scale log2e - lse log2e),  dS^T = P^T (dP^T - D) scale   (registers)
 //   dV += P^T dO and dK += dS^T Q          RS wgmma: P^T and dS^T stay in registers as the A
@@ -211,16 +211,16 @@ struct Sm90BwdArgs {
   int32_t dq_order;
 };
 
-// Sm90BwdArgs::dq_order.  kDqDescending: the CTA of key block n is blockIdx n_blocks - 1 - n of
-// its (batch, KV head), and at every query block the highest key block adds first: under a
-// causal mask (or a window closed to the right) a higher key block reaches a query block at
-// an earlier step of its own (it starts further down), so in steady state nobody waits.
-// (Where all start at query block 0, each waits a writer step for the next higher one at the
-// start.)  The shortest key blocks of a causal mask then launch first, not the longest.  kDqRotated (no mask, all of a
-// (batch, KV head)'s CTAs resident at once): key block n starts at query block floor(n M / N)
-// (M query blocks, N key blocks) and wraps around, and at every query block the key blocks add
-// in the order they reach it; without the rotation every key block would reach query block 0
-// at its first step and wait for all others in turn.
+// Sm90BwdArgs::dq_order.  kDqDescending: the CTA of key block n is blockIdx n_blocks - 1 - n of its
+// (batch, KV head), and at every query block the highest key block adds first: under a causal mask
+// (or a window closed to the right) a higher key block reaches a query block at an earlier step of
+// its own (it starts further down), so in steady state nobody waits. (Where all start at query
+// block 0, each waits a writer step for the next higher one at the start.)  The shortest key blocks
+// of a causal mask then launch first, not the longest. kDqRotated (no mask, all of a (batch, KV
+// head)'s CTAs resident at once): key block n starts at query block floor(n M / N) (M query blocks,
+// N key blocks) and wraps around, and at every query block the key blocks add in the order they
+// reach it; without the rotation every key block would reach query block 0 at its first step and
+// wait for all others in turn.
 constexpr int32_t kDqAnyOrder = 0, kDqDescending = 1, kDqRotated = 2;
 
 // The CTA's sequence: its rows of q / dO start at q0 and its keys at k0 (0 but for packed
