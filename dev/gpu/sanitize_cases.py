@@ -157,8 +157,11 @@ def main() -> None:
     runs += [(i, {"sm90_bwd": "on"}, False)
              for i in range(len(cases) - len(general), len(cases))]
     # deterministic=True on the Hopper backward (the dQ writer warp and its barriers): a window
-    # (descending order), no mask (rotated), the general and the mask variants.
+    # (descending order), no mask (rotated), the general and the mask variants; at head dim 256
+    # the split's order warp (run_split_dq_order), causal (descending) and rotated.
     ordered = [(300, 129, 2, 1, 128, 128, False, (50, 7), False, 0.0, False, 0.0),
+               (300, 129, 2, 1, 256, 256, True, (-1, -1), True, 0.0, False, 0.0),
+               (129, 300, 4, 2, 256, 256, False, (-1, -1), True, 0.0, False, 0.0),
                (129, 300, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.0),
                (400, 300, 2, 2, 64, 64, False, (-1, -1), True, 0.0, "padding", 0.1),
                (700, 700, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "bool_padding", 0.0)]
