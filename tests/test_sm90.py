@@ -78,11 +78,11 @@ def test_explain_names_the_deterministic_dq_path():
         assert "fixed order of key blocks" in explain(q, q, q).notes[0]
     finally:
         torch.use_deterministic_algorithms(False)
-    # Head dim 256 has no Hopper backward: the portable one, its separate dQ kernel.
+    # Head dim 256: the Hopper backward's split by role, its order warp.
     q = rand(2, 100, 4, 256)
     p = explain(q, q, q, layout="blhd", deterministic=True)
-    assert p.backward_kernel == "sm80_bwd_hdim256_bf16"
-    assert "separate dQ kernel" in p.notes[-1]
+    assert p.backward_kernel == "sm90_bwd_hdim256_bf16" and len(p.notes) == 1
+    assert "fixed order of key blocks" in p.notes[0]
 
 
 def test_general_calls_and_the_portable_switch_name_their_forward(kernel_opts):
