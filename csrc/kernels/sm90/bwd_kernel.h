@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     if constexpr (!T::kRoleSplit)
       if (done > 0) BwdDq<T>::drain(me);
+    if constexpr (T::kRoleSplit) mainloop.finish_dq_ordered();  // (the last step's adds)
   }
   // zeros where no query row sees the block
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);

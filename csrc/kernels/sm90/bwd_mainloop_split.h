@@ -100,6 +100,7 @@ struct BwdMainloopSplit {
   CoordKV tdKcdK;  // (key, column) of dK / dV's
   SmemdS sdS;
   int me, tid;
+  bool dq_pending = false;  // adds of dQ in a fixed order not yet counted in (finish_dq_ordered)
 
   // ctid: 0 .. 255 over the two consumer warpgroups.
   __device__ __forceinline__ BwdMainloopSplit(int ctid, SmemQ& sQ, SmemQ& sdO, SmemK& sK,
@@ -152,15 +153,24 @@ struct BwdMainloopSplit {
                  acc_dq(4 * j + 3));
   }
   // The same in a fixed order (run_split_dq_order keeps it): after the order warp says that
-  // both warpgroups of the key blocks before this one have added theirs, and telling it once
-  // this warpgroup's adds are performed (each warpgroup adds its own head-dim half, so the
-  // order of every element's sums is fixed).  (The consumers polling the counter themselves
-  // spilled 1.5 KB of their registers, ptxas: the wait loop with its time limit.)
-  __device__ __forceinline__ void add_dq_ordered(const AccdQ& acc_dq, float* tile) const {
+  // both warpgroups of the key blocks before this one have added theirs (each warpgroup adds
+  // its own head-dim half, so the order of every element's sums is fixed).  The order warp
+  // counts this warpgroup's adds in once finish_dq_ordered has fenced them: in the next step,
+  // before its dS barrier, or after the last step.  (A fence right after the adds waited for
+  // them to reach L2, ~1 us per step on the consumers' path: deterministic=True ran at
+  // 0.73-0.78x the default, bench_bwd_kernels; a step later the adds have long completed.
+  // The consumers polling the counter themselves spilled 1.5 KB of their registers, ptxas:
+  // the wait loop with its time limit.)
+  __device__ __forceinline__ void add_dq_ordered(const AccdQ& acc_dq, float* tile) {
     cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitTurnBarrier + me);
     add_dq(acc_dq, tile);
+    dq_pending = true;
+  }
+  __device__ __forceinline__ void finish_dq_ordered() {
+    if (!dq_pending) return;
     __threadfence();  // this thread's adds performed before the count
     cutlass::arch::NamedBarrier::arrive(kSplitOrderThreads, kSplitDoneBarrier + me);
+    dq_pending = false;
   }
 
   // One step: query rows m0 .. m0 + kM of the key block's keys n0 .., Q / dO / statistics in
@@ -239,6 +249,7 @@ struct BwdMainloopSplit {
       cute::copy(r2s, src, dst(_, _, _, buf));
       cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy)
     }
+    finish_dq_ordered();  // (the previous step's adds, with dQ in a fixed order)
     // dS written: dQ over this warpgroup's head-dim half, then (warpgroup 1) dK += dS^T Q.
     cutlass::arch::NamedBarrier::sync(256, kSplitDsBarrier);
     AccdQ acc_dq = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
@@ -280,7 +291,8 @@ struct BwdMainloopSplit {
 // of the producer warpgroup (bwd_kernel.h) walks the CTA's steps as the consumers do; per
 // step it waits for its turn at the query block's counter (bwd_dq.h's dq_turn: both
 // warpgroups of each key block before this one counted in), lets both consumer warpgroups
-// add (kSplitTurnBarrier), waits until both have (kSplitDoneBarrier) and counts the two in.
+// add (kSplitTurnBarrier), waits until both have fenced their adds (kSplitDoneBarrier: in
+// their next step, finish_dq_ordered) and counts the two in.
 template <typename T>
 __device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
                                                    const BwdSteps& st, const BwdSeq& seq,
