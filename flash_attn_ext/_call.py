@@ -148,7 +148,8 @@ def check_flags(causal, window_size, dropout_p,
                 causal_name: str = "causal") -> Tuple[Tuple[int, int], float]:
     """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError).
     Returns (window_size, dropout_p) as Python ints and a float: NumPy scalars and 0-d tensors
-    are taken where PyTorch and FlashAttention-2 take them (the op's schema would not)."""
+    are taken where PyTorch and FlashAttention-2 take them (the op's schema would not).
+    dropout_p is in [0, 1]: 1 gives zeros (:func:`kernel_dropout`)."""
     if not isinstance(causal, bool):
         raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
     dropout_p = as_number(dropout_p)
@@ -159,8 +160,8 @@ def check_flags(causal, window_size, dropout_p,
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                          f"got {window_size!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
-            or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+            or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     for side, w in zip(("window_left", "window_right"), window_size):
         if w < -1:
             raise ValueError(f"{side} must be >= -1 (-1 = unbounded), got {w} "
@@ -169,6 +170,22 @@ def check_flags(causal, window_size, dropout_p,
         raise ValueError(f"window_size sides must fit in int64 (-1, or any length >= seqlen_q + "
                          f"seqlen_k, means unbounded), got {window_size!r}")
     return (int(window_size[0]), int(window_size[1])), float(dropout_p)
+
+
+def kernel_dropout(dropout_p: float) -> Tuple[float, bool]:
+    """(the dropout_p the kernels run with, whether the call drops every weight) for a
+    dropout_p that check_flags took ([0, 1]).  dropout_p = 1 drops every weight: PyTorch's
+    scaled_dot_product_attention and nn.Dropout(p=1.0) answer zeros, and so does every function
+    here, while the kernels take [0, 1).  Such a call runs the kernels without dropout and
+    :func:`dropped` multiplies its out by 0: zeros, with zero gradients (a NaN or inf in out
+    stays NaN, as in PyTorch's dropout); its softmax_lse is the undropped softmax's, as at every
+    dropout_p (the kernels' own at dropout_p >= 1 - 1/512, where they drop every weight too)."""
+    return (0.0, True) if dropout_p == 1.0 else (dropout_p, False)
+
+
+def dropped(out: torch.Tensor, drop_all: bool) -> torch.Tensor:
+    """out of a call, zeroed where it drops every weight (:func:`kernel_dropout`)."""
+    return out * 0.0 if drop_all else out
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float],
@@ -181,8 +198,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
 
     ``attn_bias``: additive float bias or boolean mask (True = attend) broadcastable to
     (B, H, L, S), or None;
-    ``alibi_slopes``: (H,) or (B, H) (checked by check_alibi), or None.
+    ``alibi_slopes``: (H,) or (B, H) (checked by check_alibi), or None;
+    ``dropout_p``: in [0, 1] (1: zeros, see :func:`kernel_dropout`).
     """
+    dropout_p, drop_all = kernel_dropout(dropout_p)
     check_transforms(q, k, v, dropout_p=dropout_p)
     q, k, v = autocast(q, k, v)
     p = planning.plan(q, k, v, softmax_scale,
@@ -202,7 +221,9 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
         out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
                                       align_bottom_right, softcap, alibi_slopes, attn_bias,
                                       dropout_p, deterministic)
-        return out, softmax_lse
-    return unfused.fallback_attention(q, k, v, softmax_scale, window_left,
-                                      0 if causal else window_right, align_bottom_right, softcap,
-                                      attn_bias, dropout_p, alibi_slopes)
+        return dropped(out, drop_all), softmax_lse
+    out, softmax_lse = unfused.fallback_attention(q, k, v, softmax_scale, window_left,
+                                                  0 if causal else window_right,
+                                                  align_bottom_right, softcap, attn_bias,
+                                                  dropout_p, alibi_slopes)
+    return dropped(out, drop_all), softmax_lse

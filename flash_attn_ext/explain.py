@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from ._call import autocast_dtype, check_alibi, check_bool, check_flags, check_scale, check_softcap
+from ._call import (
+    autocast_dtype,
+    check_alibi,
+    check_bool,
+    check_flags,
+    check_scale,
+    check_softcap,
+    kernel_dropout,
+)
 from .planning import Plan, plan, score_mods
 from .sdpa import check_sdpa_flags, mask_to_bias, to_bshd
 
@@ -64,16 +72,14 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)
-    kernel_dropout = dropout_p
     if layout == "bhld":
-        dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, causal)
-        # SDPA takes dropout_p = 1 (all dropped: no kernel work); the kernels take [0, 1).
-        kernel_dropout = 0.0 if drop_all else dropout_p
+        dropout_p = check_sdpa_flags(attn_mask, dropout_p, causal)
         if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
             mask_to_bias(attn_mask, query, key)
         query, key, value = to_bshd(query, key, value, enable_gqa)
     else:
         window, dropout_p = check_flags(causal, window, dropout_p)
+    dropout_p, _ = kernel_dropout(dropout_p)  # (1: the kernels run without dropout)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))
@@ -83,12 +89,12 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     check_alibi(alibi_slopes, query)
     wl, wr = window
     p = plan(query, key, value, scale,
-             score_mods(softcap, float(kernel_dropout), attn_mask, alibi_slopes),
+             score_mods(softcap, float(dropout_p), attn_mask, alibi_slopes),
              run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
     if p.kernel == "none":  # not a floating dtype: a call raises
         raise ValueError("; ".join(p.reasons))
     if p.fused and query.device.type != "meta":
         ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
-                       float(kernel_dropout))
+                       float(dropout_p))
     return p

@@ -51,7 +51,11 @@ def flash_attn_func(
             then scaled by the inverse of that probability, so the expectation is exact;
             ``flash_attn_ext._C.dropout_scale(dropout_p)`` gives the scale
             (csrc/dropout.h).
-            Applied whenever > 0, also in eval mode: pass 0.0 there.
+            Applied whenever > 0, also in eval mode: pass 0.0 there.  dropout_p = 1 drops
+            every weight, as PyTorch's scaled_dot_product_attention and nn.Dropout(p=1.0):
+            out is 0 with zero gradients (the kernels run without dropout and out is
+            multiplied by 0, so a NaN or inf in it stays NaN); softmax_lse is the undropped
+            softmax's, as at every dropout_p (a loss on it still reaches q and k).
         softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
         causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j
             when j <= i + seqlen_k - seqlen_q.
@@ -94,7 +98,7 @@ def flash_attn_func(
     Raises:
         ValueError: wrong ranks, mismatched batch/heads/head_dim, head_dim outside 1..256,
             num_heads not a multiple of num_heads_k, dtype/device mismatch or unsupported dtype,
-            window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1),
+            window sides < -1, non-finite softmax_scale, softcap < 0, dropout_p outside [0, 1],
             alibi_slopes of another shape or device, not floating, or requiring grad.
         NotImplementedError: forward-mode AD (torch.func.jvp) and torch.func gradient
             transforms.

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from . import planning, policy, unfused
-from ._call import as_number, autocast_dtype, check_bool, check_flags, check_scale, run
+from ._call import (
+    autocast_dtype,
+    check_bool,
+    check_flags,
+    check_scale,
+    dropped,
+    kernel_dropout,
+    run,
+)
 
 
 def scaled_dot_product_attention(
@@ -74,7 +82,7 @@ def scaled_dot_product_attention(
         return _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 enable_gqa, strict)
     scale = check_scale(scale, "scale")
-    dropout_p, drop_all = check_sdpa_flags(attn_mask, dropout_p, is_causal)
+    dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
     if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM or \
             min(q.shape[-1], v.shape[-1]) == 0:
@@ -83,14 +91,13 @@ def scaled_dot_product_attention(
         # its memory-efficient kernel answers rows of finfo.min with garbage.
         policy.record(planning.plan(q, k, v), strict)
         bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
+        dropout_p, drop_all = kernel_dropout(dropout_p)
         out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
-                                            0.0, bias, 0.0 if drop_all else dropout_p)
+                                            0.0, bias, dropout_p)
+        out = dropped(out, drop_all)
     else:
-        out = run_sdpa(q, k, v, query, key, attn_mask, 0.0 if drop_all else dropout_p, is_causal,
-                       scale, 0.0, strict)
+        out = run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
     out = out.transpose(1, 2)
-    if drop_all:
-        out = out * 0.0  # zeros, with zero gradients, as PyTorch's dropout_p=1
     return out.squeeze(1) if query.dim() == 3 else out
 
 
@@ -123,22 +130,19 @@ def _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return out.reshape(*lead, *out.shape[1:])
 
 
-def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> Tuple[float, bool]:
+def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> float:
     """scaled_dot_product_attention's rules for its flags (ValueError): no attn_mask with
     is_causal=True; dropout_p a number in [0, 1] (NumPy scalars and 0-d tensors taken, as PyTorch
-    takes them).  Returns (dropout_p as a number, whether it is 1: everything dropped, which
-    PyTorch answers with zeros while the kernels take [0, 1))."""
+    takes them; 1, everything dropped, gives zeros: _call.kernel_dropout).  Returns dropout_p
+    as a float."""
     if type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(is_causal) is bool \
             and (attn_mask is None or not is_causal):
-        return dropout_p, False  # (the common case, without the general checks' cost)
-    dropout_p = as_number(dropout_p)
+        return dropout_p  # (the common case, without the general checks' cost)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
                          "torch.nn.functional.scaled_dot_product_attention)")
-    drop_all = not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) \
-        and dropout_p == 1.0
-    check_flags(is_causal, (-1, -1), 0.0 if drop_all else dropout_p, causal_name="is_causal")
-    return dropout_p, drop_all
+    _, dropout_p = check_flags(is_causal, (-1, -1), dropout_p, causal_name="is_causal")
+    return dropout_p
 
 
 def run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,

@@ -36,6 +36,8 @@ from ._call import (
     check_scale,
     check_seqlen,
     check_softcap,
+    dropped,
+    kernel_dropout,
 )
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -125,7 +127,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_seqlen_q, max_seqlen_k: at least the longest sequence's length.
         dropout_p, softmax_scale (default 1 / sqrt(head_dim)), causal, window_size, softcap,
             alibi_slopes ((num_heads,) or (batch, num_heads) float): as
-            :func:`flash_attn_ext.flash_attn_func`, per sequence; causal and windows aligned
+            :func:`flash_attn_ext.flash_attn_func`, per sequence (dropout_p = 1 gives out =
+            0, zero gradients and the undropped softmax_lse); causal and windows aligned
             bottom-right within each sequence (query i of a sequence of L queries and S keys
             sees key j <= i + S - L).
         deterministic: bitwise-reproducible gradients (also under
@@ -152,7 +155,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
             the argument and the rule); flags as flash_attn_func checks them (causal a bool,
-            window_size a pair of ints, dropout_p in [0, 1), ...); alibi_slopes requiring
+            window_size a pair of ints, dropout_p in [0, 1], ...); alibi_slopes requiring
             grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
@@ -168,6 +171,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             f"{type(t).__name__}")
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
     window_size, dropout_p = check_flags(causal, window_size, dropout_p)
+    dropout_p, drop_all = kernel_dropout(dropout_p)  # (1: zeros, as flash_attn_func's)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
     check_bool(deterministic, "deterministic")
@@ -182,6 +186,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         int(max_seqlen_k), softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,
                                         float(dropout_p), seqused_k, bool(deterministic))
+    out = dropped(out, drop_all)
     return (out, softmax_lse, None) if return_attn_probs else out
 
 

@@ -225,6 +225,56 @@ def test_dropout_p_rounding_edges(device):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_p_one_gives_zeros_as_the_sdpa_drop_in(dtype):
+    # dropout_p = 1 drops every weight: flash_attn_func, its packed variants and
+    # flash_attn_varlen_func answer zeros with zero gradients, as the SDPA drop-in, PyTorch's
+    # SDPA and nn.Dropout(p=1.0) do (new-user trial: they raised); softmax_lse is the undropped
+    # softmax's, as at every dropout_p; outside [0, 1] still raises.
+    from flash_attn_ext import (
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+    )
+    torch.manual_seed(0)
+    q = torch.randn(2, 9, 4, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 11, 2, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 11, 2, 8, dtype=dtype, requires_grad=True)
+
+    def assert_zeros_with_zero_grads(out, leaves, shape):
+        assert out.shape == shape and out.dtype == dtype and (out == 0).all()
+        for g in torch.autograd.grad(out, leaves, torch.randn_like(out)):
+            assert torch.isfinite(g).all() and (g == 0).all()
+
+    for causal in (False, True):
+        out, lse, probs = flash_attn_func(q, k, v, 1.0, causal=causal, return_attn_probs=True)
+        assert probs is None
+        _, want = flash_attn_func(q, k, v, causal=causal, return_softmax_lse=True)
+        assert torch.equal(lse, want) and torch.isfinite(lse).all()
+        assert_zeros_with_zero_grads(out, (q, k, v), (2, 9, 4, 8))
+    sdpa = scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=1.0,
+                                        enable_gqa=True)
+    assert torch.equal(sdpa.transpose(1, 2), flash_attn_func(q, k, v, dropout_p=1.0))
+    qkv = torch.randn(2, 9, 3, 4, 16, dtype=dtype, requires_grad=True)
+    assert_zeros_with_zero_grads(flash_attn_qkvpacked_func(qkv, 1.0), (qkv,), (2, 9, 4, 16))
+    kv = torch.randn(2, 11, 2, 2, 16, dtype=dtype, requires_grad=True)
+    assert_zeros_with_zero_grads(flash_attn_kvpacked_func(q, kv, 1.0), (q, kv), (2, 9, 4, 16))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32)
+    qp, kp, vp = q[0], k[0], v[0]
+    out, lse, _ = flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 5, 6, 1.0, causal=True,
+                                         return_attn_probs=True)
+    _, want, _ = flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 5, 6, causal=True,
+                                        return_attn_probs=True)
+    assert torch.equal(lse, want)
+    assert_zeros_with_zero_grads(out, (q, k, v), (9, 4, 8))
+    for bad in (1.0 + 1e-6, 2, -0.25, float("nan")):
+        with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\], got"):
+            flash_attn_func(q, k, v, dropout_p=bad)
+        with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\], got"):
+            flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 5, 6, bad)
+
+
 def test_host_mask_statistics():
     keep = _C.dropout_mask(123, 0, 2, 4, 100, 1000, 0.25)
     frac = keep.float().mean().item()
