@@ -137,16 +137,25 @@ def check_seqlen(value, name: str) -> int:
     return value
 
 
-def check_bool(value, name: str) -> bool:
-    """ValueError unless ``value`` is a bool (so that e.g. the string "no" is not taken as True)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
+def check_bool(value, name: str, numpy_bool: bool = True) -> bool:
+    """``value`` as a Python bool: a bool, or with ``numpy_bool`` a NumPy bool (``np.True_``,
+    which FlashAttention-2's functions take: their op's bool arguments do); ValueError
+    otherwise, ints included (so that e.g. the string "no" is not taken as True).
+    ``numpy_bool=False`` where PyTorch's scaled_dot_product_attention refuses NumPy bools
+    (is_causal, enable_gqa)."""
+    if isinstance(value, bool):
+        return value
+    if numpy_bool and type(value).__module__ == "numpy" and \
+            type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def check_flags(causal, window_size, dropout_p,
                 causal_name: str = "causal") -> Tuple[Tuple[int, int], float]:
-    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError).
+    """Flag checks shared by flash_attn_func and scaled_dot_product_attention (ValueError);
+    ``causal`` must be a bool here (flash_attn_func's callers take a NumPy bool through
+    check_bool first).
     Returns (window_size, dropout_p) as Python ints and a float: NumPy scalars and 0-d tensors
     are taken where PyTorch and FlashAttention-2 take them (the op's schema would not).
     dropout_p is in [0, 1]: 1 gives zeros (:func:`kernel_dropout`)."""

@@ -78,13 +78,13 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             mask_to_bias(attn_mask, query, key)
         query, key, value = to_bshd(query, key, value, enable_gqa)
     else:
+        causal = check_bool(causal, "causal")  # (a NumPy bool too, as flash_attn_func's)
         window, dropout_p = check_flags(causal, window, dropout_p)
     dropout_p, _ = kernel_dropout(dropout_p)  # (1: the kernels run without dropout)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))
-    deterministic = call_kwargs.get("deterministic", False)
-    check_bool(deterministic, "deterministic")
+    deterministic = check_bool(call_kwargs.get("deterministic", False), "deterministic")
     alibi_slopes = call_kwargs.get("alibi_slopes")
     check_alibi(alibi_slopes, query)
     wl, wr = window

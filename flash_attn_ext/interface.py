@@ -58,7 +58,8 @@ def flash_attn_func(
             softmax's, as at every dropout_p (a loss on it still reaches q and k).
         softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
         causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j
-            when j <= i + seqlen_k - seqlen_q.
+            when j <= i + seqlen_k - seqlen_q.  A bool (a NumPy bool too, as FlashAttention-2
+            takes it; so for deterministic, return_attn_probs and return_softmax_lse).
         window_size: (left, right) sliding window, bottom-right aligned: query i sees key j when
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit.
             With causal=True, right is 0.
@@ -107,12 +108,13 @@ def flash_attn_func(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
     window_size, dropout_p = check_flags(causal, window_size, dropout_p)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
-    check_bool(deterministic, "deterministic")
-    check_bool(return_softmax_lse, "return_softmax_lse")
-    check_bool(return_attn_probs, "return_attn_probs")
+    deterministic = check_bool(deterministic, "deterministic")
+    return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
+    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi(alibi_slopes, q)
     out, softmax_lse = run(q, k, v, softmax_scale=softmax_scale, causal=causal,
                            window_left=int(window_size[0]), window_right=int(window_size[1]),

@@ -285,11 +285,12 @@ def flash_attn_with_kvcache(
             batch rows appending into one shared page row are not detected.
     """
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
+    causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
     window_size, _ = check_flags(causal, window_size, 0.0)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
-    check_bool(rotary_interleaved, "rotary_interleaved")
-    check_bool(return_softmax_lse, "return_softmax_lse")
+    rotary_interleaved = check_bool(rotary_interleaved, "rotary_interleaved")
+    return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     check_alibi_grad(alibi_slopes)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):

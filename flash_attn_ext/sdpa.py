@@ -77,7 +77,8 @@ def scaled_dot_product_attention(
             as a fallback.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
-    check_bool(enable_gqa, "enable_gqa")  # (a string "no" would be taken as True)
+    # (a string "no" would be taken as True; NumPy bools refused, as PyTorch's function does)
+    check_bool(enable_gqa, "enable_gqa", numpy_bool=False)
     if isinstance(query, torch.Tensor) and query.dim() > 4:
         return _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 enable_gqa, strict)

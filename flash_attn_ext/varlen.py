@@ -170,12 +170,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
                             f"{type(t).__name__}")
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
+    causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
     window_size, dropout_p = check_flags(causal, window_size, dropout_p)
     dropout_p, drop_all = kernel_dropout(dropout_p)  # (1: zeros, as flash_attn_func's)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")
     softcap = check_softcap(softcap)
-    check_bool(deterministic, "deterministic")
-    check_bool(return_attn_probs, "return_attn_probs")
+    deterministic = check_bool(deterministic, "deterministic")
+    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi_grad(alibi_slopes)
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")

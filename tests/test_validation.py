@@ -286,6 +286,47 @@ def test_scale_as_in_pytorch_and_strict_type_checks():
         scaled_dot_product_attention(q, q, q, strict="no")
 
 
+def test_numpy_bools_as_flash_attention_2_takes_them():
+    # causal=np.bool_(True) was refused (new-user trial).  The FlashAttention-2 functions take
+    # NumPy bools for their flags, as FlashAttention-2 does; the SDPA drop-in refuses them for
+    # is_causal and enable_gqa, as PyTorch's function does; strings, None and ints stay errors.
+    np = pytest.importorskip("numpy")
+    from flash_attn_ext import explain, flash_attn_varlen_func, flash_attn_with_kvcache
+    q, k = torch.randn(1, 7, 2, 16), torch.randn(1, 9, 2, 16)
+    want = flash_attn_func(q, k, k, causal=True, deterministic=True)
+    assert torch.equal(flash_attn_func(q, k, k, causal=np.bool_(True),
+                                       deterministic=np.bool_(True)), want)
+    assert torch.equal(flash_attn_func(q, k, k, causal=np.False_), flash_attn_func(q, k, k))
+    out, lse = flash_attn_func(q, k, k, causal=np.True_, return_softmax_lse=np.True_)
+    assert torch.equal(out, want) and lse.shape == (1, 2, 7)
+    assert len(flash_attn_func(q, k, k, return_attn_probs=np.True_)) == 3
+    cu_q, cu_k = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    varlen = flash_attn_varlen_func(q[0], k[0], k[0], cu_q, cu_k, 7, 9, causal=np.True_,
+                                    deterministic=np.True_, return_attn_probs=np.False_)
+    assert torch.equal(varlen, want[0])
+    cached, _ = flash_attn_with_kvcache(q, k.clone(), k.clone(), causal=np.True_,
+                                        rotary_interleaved=np.False_,
+                                        return_softmax_lse=np.True_)
+    assert torch.equal(cached, flash_attn_with_kvcache(q, k.clone(), k.clone(), causal=True))
+    assert explain(q, k, k, layout="blhd", causal=np.True_, deterministic=np.True_) == \
+        explain(q, k, k, layout="blhd", causal=True, deterministic=True)
+    for bad in ("yes", None, 1, 0, np.int64(1), torch.tensor(True)):
+        with pytest.raises(ValueError, match="causal must be a bool, got"):
+            flash_attn_func(q, k, k, causal=bad)
+        with pytest.raises(ValueError, match="causal must be a bool, got"):
+            flash_attn_varlen_func(q[0], k[0], k[0], cu_q, cu_k, 7, 9, causal=bad)
+        with pytest.raises(ValueError, match="causal must be a bool, got"):
+            flash_attn_with_kvcache(q, k.clone(), k.clone(), causal=bad)
+        with pytest.raises(ValueError, match="deterministic must be a bool, got"):
+            flash_attn_func(q, k, k, deterministic=bad)
+    qs = q.transpose(1, 2)
+    for name in ("is_causal", "enable_gqa"):
+        with pytest.raises(TypeError, match=f"argument '{name}' must be bool"):
+            torch.nn.functional.scaled_dot_product_attention(qs, qs, qs, **{name: np.True_})
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got"):
+            scaled_dot_product_attention(qs, qs, qs, **{name: np.True_})
+
+
 def test_zero_heads_and_nested_tensors():
     q = torch.randn(2, 0, 9, 32)
     out = scaled_dot_product_attention(q, q, q)  # as PyTorch: an empty result
