@@ -47,9 +47,10 @@ def scaled_dot_product_attention(
             ones run PyTorch's own function, reported as a fallback).  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
         attn_mask: boolean (True = attend) or additive float mask, broadcastable to
-            (N, H, L, S) ((N, L, S) for 3-D inputs). Applied inside the fused kernels (CPU and
-            CUDA) tile by tile; a float mask that requires grad gets one (that gradient
-            needs an fp32 (N, H, L, S) buffer).
+            (N, H, L, S) ((N, L, S) for 3-D inputs, (N, ..., H, L, S) with more leading
+            dimensions; a ValueError names the mask's shape and that one). Applied inside
+            the fused kernels (CPU and CUDA) tile by tile; a float mask that requires grad
+            gets one (that gradient needs an fp32 (N, H, L, S) buffer).
             Rows the mask empties give 0 (as PyTorch 2.13 on the CPU).
         dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
             1.0 gives zeros; see :func:`flash_attn_ext.flash_attn_func` for the generator).
@@ -80,8 +81,10 @@ def scaled_dot_product_attention(
     # (a string "no" would be taken as True; NumPy bools refused, as PyTorch's function does)
     check_bool(enable_gqa, "enable_gqa", numpy_bool=False)
     if isinstance(query, torch.Tensor) and query.dim() > 4:
-        return _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                enable_gqa, strict)
+        query, key, value, attn_mask, lead = flatten_batch_dims(query, key, value, attn_mask)
+        out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                           scale, enable_gqa, strict=strict)
+        return out.reshape(*lead, *out.shape[1:])
     scale = check_scale(scale, "scale")
     dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
@@ -102,11 +105,12 @@ def scaled_dot_product_attention(
     return out.squeeze(1) if query.dim() == 3 else out
 
 
-def _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     strict) -> torch.Tensor:
-    """scaled_dot_product_attention for (..., H, L, E) inputs with more than one leading
-    (batch) dimension, as PyTorch's takes them: the leading dimensions (equal in query, key and
-    value) flattened into one, attn_mask broadcast over them, out given them back."""
+def flatten_batch_dims(query, key, value, attn_mask):
+    """scaled_dot_product_attention's (..., H, L, E) inputs with more than one leading (batch)
+    dimension, as PyTorch's function takes them, as one call on (N, H, L, E): the leading
+    dimensions (equal in query, key and value) flattened into one, attn_mask (checked against
+    the call's own (..., H, L, S) shape, in the caller's terms) broadcast over them.  Returns
+    (query, key, value, attn_mask, leading dimensions); out is given them back by the caller."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -115,20 +119,14 @@ def _with_batch_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, 
                              f"dimensions before (H, L, E), got query {tuple(query.shape)} and "
                              f"{name} {tuple(t.shape)}")
     lead = query.shape[:-3]
-    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 3:
-        if attn_mask.dim() > query.dim():
-            raise ValueError(f"attn_mask must be broadcastable to {tuple(lead)} + (H, L, S), "
-                             f"got shape {tuple(attn_mask.shape)}")
-        mask = attn_mask.reshape((1,) * (query.dim() - attn_mask.dim()) + attn_mask.shape)
-        if any(m not in (1, n) for m, n in zip(mask.shape[:-3], lead)):
-            raise ValueError(f"attn_mask must be broadcastable to {tuple(lead)} + (H, L, S), "
-                             f"got shape {tuple(attn_mask.shape)}")
-        attn_mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = scaled_dot_product_attention(
-        query.reshape(-1, *query.shape[-3:]), key.reshape(-1, *key.shape[-3:]),
-        value.reshape(-1, *value.shape[-3:]), attn_mask, dropout_p, is_causal, scale,
-        enable_gqa, strict=strict)
-    return out.reshape(*lead, *out.shape[1:])
+    # (anything else, and a mask of fewer than 2 dimensions, the call names)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 2:
+        check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
+        if attn_mask.dim() > 3:
+            mask = attn_mask.reshape((1,) * (query.dim() - attn_mask.dim()) + attn_mask.shape)
+            attn_mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    return (query.reshape(-1, *query.shape[-3:]), key.reshape(-1, *key.shape[-3:]),
+            value.reshape(-1, *value.shape[-3:]), attn_mask, lead)
 
 
 def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> float:
@@ -187,15 +185,7 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
             raise ValueError(f"attn_mask.dtype={attn_mask.dtype}: a float mask must be "
                              f"float32 or query's dtype {query.dtype} (as "
                              "torch.nn.functional.scaled_dot_product_attention)")
-        full = tuple(query.shape[:-1]) + (key.shape[-2],)  # (N, H, L, S) or (N, L, S)
-        # (m == 1 or m == f, not m in (1, f): under torch.compile with dynamic shapes, Dynamo
-        # evaluates `int in (..., SymInt)` as False even where they are equal)
-        ok = attn_mask.dim() <= len(full) and all(
-            m == 1 or m == f for m, f in zip(reversed(attn_mask.shape), reversed(full)))
-        if not ok:
-            dims = "(N, H, L, S)" if len(full) == 4 else "(N, L, S)"
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
-                             f"to the attention's {dims} = {full}")
+        check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
     if attn_mask.dtype == torch.bool or attn_mask.is_floating_point():
         bias = attn_mask
     else:
@@ -204,6 +194,20 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
     if query.dim() == 3 and bias.dim() == 3:
         bias = bias.unsqueeze(1)
     return bias
+
+
+def check_mask_shape(attn_mask: torch.Tensor, full: tuple) -> None:
+    """ValueError unless attn_mask broadcasts to the call's attention shape ``full``: (N, H, L,
+    S), (N, L, S) for 3-D inputs, or (N, ..., H, L, S) with more leading dimensions, as the
+    caller passed them."""
+    # (m == 1 or m == f, not m in (1, f): under torch.compile with dynamic shapes, Dynamo
+    # evaluates `int in (..., SymInt)` as False even where they are equal)
+    ok = attn_mask.dim() <= len(full) and all(
+        m == 1 or m == f for m, f in zip(reversed(attn_mask.shape), reversed(full)))
+    if not ok:
+        dims = {3: "(N, L, S)", 4: "(N, H, L, S)"}.get(len(full), "(N, ..., H, L, S)")
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
+                         f"to the attention's {dims} = {full}")
 
 
 def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):

@@ -268,6 +268,16 @@ def test_leading_batch_dimensions_must_match():
     q = torch.randn(2, 3, 4, 7, 16)
     with pytest.raises(ValueError, match="same leading \\(batch\\) dimensions"):
         flash_attn_ext.scaled_dot_product_attention(q, torch.randn(2, 1, 4, 7, 16), q)
-    with pytest.raises(ValueError, match="attn_mask must be broadcastable to \\(2, 3\\)"):
-        flash_attn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, 4, 7, 7,
-                                                                                  dtype=torch.bool))
+    # One message naming the mask's shape and the shape it must broadcast to, as the caller
+    # passed them (new-user trial: masks of up to 3 dimensions were checked after the
+    # flattening, against an (N, H, L, S) of 6 batch rows the caller never passed; larger ones
+    # by a second, differently worded rule).
+    for shape in ((3, 3, 4, 7, 7), (5, 7, 7), (3, 5, 7, 7), (2, 3, 4, 7, 8), (1, 2, 3, 4, 7, 7)):
+        with pytest.raises(ValueError) as error:
+            flash_attn_ext.scaled_dot_product_attention(
+                q, q, q, attn_mask=torch.ones(shape, dtype=torch.bool))
+        assert str(error.value) == (f"attn_mask of shape {shape} is not broadcastable to the "
+                                    "attention's (N, ..., H, L, S) = (2, 3, 4, 7, 7)")
+        assert error.value.__cause__ is None and error.value.__context__ is None
+    with pytest.raises(ValueError, match=re.escape("attn_mask must have at least 2 dimensions")):
+        flash_attn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8) > 0)
