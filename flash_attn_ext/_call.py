@@ -13,6 +13,13 @@ import torch.autograd.forward_ad as fwad
 from . import ops, planning, policy, unfused
 
 
+def check_tensors(*named: Tuple[str, object]) -> None:
+    """TypeError naming the first (name, value) whose value is not a torch.Tensor."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
     """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
     if torch.compiler.is_compiling():

@@ -7,16 +7,17 @@ import torch
 
 from . import ops
 from ._call import (
-    autocast_dtype,
+    autocast,
     check_alibi,
     check_bool,
     check_flags,
     check_scale,
     check_softcap,
+    check_tensors,
     kernel_dropout,
 )
 from .planning import Plan, plan, score_mods
-from .sdpa import check_sdpa_flags, mask_to_bias, to_bshd
+from .sdpa import beyond_kernels, check_sdpa_flags, flatten_batch_dims, mask_to_bias, to_bshd
 
 __all__ = ["explain"]
 
@@ -36,8 +37,10 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
 
     Args:
         query, key, value: tensors in ``layout``: ``"bhld"`` (N, H, L, E) as
-            scaled_dot_product_attention takes them (default), or ``"blhd"`` (N, L, H, E) as
-            flash_attn_func takes them.
+            scaled_dot_product_attention takes them (default; (N, L, E) and (N, ..., H, L, E)
+            too, explained as the one call on the flattened batch that it runs), or
+            ``"blhd"`` (N, L, H, E) as flash_attn_func takes them.  Under torch.autocast, in
+            the dtype the call runs in.
         layout: see above.
         enable_gqa: allow H_kv < H, as scaled_dot_product_attention's argument (False by
             default, as there: a call with H_kv < H without it raises ``ValueError``, and so
@@ -57,9 +60,12 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         slower kernel serves the call, or how its dQ is formed).
 
     Raises:
-        ValueError: unknown layout, or shapes/dtypes the kernels reject (the same checks as a
-            call).
-        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``).
+        ValueError: unknown layout; otherwise the ValueError the call itself raises, with its
+            message (the call's checks, in its order: e.g. head dims outside 1..256 with
+            ``"blhd"``, which flash_attn_func refuses, while the SDPA drop-in runs them on
+            the unfused math, which the plan names as a fallback).
+        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``); a
+            tensor argument that is not a tensor, as the call.
     """
     if layout not in _CALL_KEYWORDS:
         raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
@@ -72,14 +78,22 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)
-    if layout == "bhld":
+    if layout == "bhld":  # scaled_dot_product_attention's checks, in its order
+        check_bool(enable_gqa, "enable_gqa", numpy_bool=False)
+        if isinstance(query, torch.Tensor) and query.dim() > 4:  # one call on the flattened batch
+            query, key, value, attn_mask, _ = flatten_batch_dims(query, key, value, attn_mask)
         dropout_p = check_sdpa_flags(attn_mask, dropout_p, causal)
+        q, k, v = to_bshd(query, key, value, enable_gqa)
         if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
             mask_to_bias(attn_mask, query, key)
-        query, key, value = to_bshd(query, key, value, enable_gqa)
+        query, key, value = q, k, v
+        # (head dims outside the kernels': the unfused math, without the kernels' checks)
+        kernel_checks = not beyond_kernels(query, value)
     else:
+        check_tensors(("q", query), ("k", key), ("v", value))
         causal = check_bool(causal, "causal")  # (a NumPy bool too, as flash_attn_func's)
         window, dropout_p = check_flags(causal, window, dropout_p)
+        kernel_checks = True
     dropout_p, _ = kernel_dropout(dropout_p)  # (1: the kernels run without dropout)
     scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
                         "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
@@ -88,13 +102,14 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     alibi_slopes = call_kwargs.get("alibi_slopes")
     check_alibi(alibi_slopes, query)
     wl, wr = window
+    query, key, value = autocast(query, key, value)  # (the dtypes the call runs in, as run())
+    if kernel_checks:  # the checks of the kernels' op, which every call on them passes first
+        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
+                       float(dropout_p))
     p = plan(query, key, value, scale,
              score_mods(softcap, float(dropout_p), attn_mask, alibi_slopes),
-             run_dtype=autocast_dtype(query), unequal_tiles=causal or wl >= 0 or wr >= 0,
+             unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
     if p.kernel == "none":  # not a floating dtype: a call raises
         raise ValueError("; ".join(p.reasons))
-    if p.fused and query.device.type != "meta":
-        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
-                       float(dropout_p))
     return p

@@ -6,7 +6,15 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._call import check_alibi, check_bool, check_flags, check_scale, check_softcap, run
+from ._call import (
+    check_alibi,
+    check_bool,
+    check_flags,
+    check_scale,
+    check_softcap,
+    check_tensors,
+    run,
+)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
 
@@ -105,9 +113,7 @@ def flash_attn_func(
             transforms.
         FallbackError: in strict mode, when no fused kernel serves the call.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(("q", q), ("k", k), ("v", v))
     causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
     window_size, dropout_p = check_flags(causal, window_size, dropout_p)
     softmax_scale = check_scale(softmax_scale, "softmax_scale")

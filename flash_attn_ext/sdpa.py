@@ -88,11 +88,9 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, "scale")
     dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    if max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM or \
-            min(q.shape[-1], v.shape[-1]) == 0:
-        # Beyond the kernels' head dims (or an empty one, where PyTorch still answers): the
-        # unfused math, reported as a fallback.  Not PyTorch's function: for float32 with a mask
-        # its memory-efficient kernel answers rows of finfo.min with garbage.
+    if beyond_kernels(q, v):
+        # The unfused math, reported as a fallback.  Not PyTorch's function: for float32 with a
+        # mask its memory-efficient kernel answers rows of finfo.min with garbage.
         policy.record(planning.plan(q, k, v), strict)
         bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
         dropout_p, drop_all = kernel_dropout(dropout_p)
@@ -103,6 +101,14 @@ def scaled_dot_product_attention(
         out = run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def beyond_kernels(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether E or Ev lies beyond the kernels' head dims (above planning.MAX_HEAD_DIM, or 0,
+    where PyTorch still answers): the drop-in runs the unfused math then, as a fallback, without
+    the kernels' argument checks (flash_attn_func raises ValueError instead)."""
+    return max(q.shape[-1], v.shape[-1]) > planning.MAX_HEAD_DIM or \
+        min(q.shape[-1], v.shape[-1]) == 0
 
 
 def flatten_batch_dims(query, key, value, attn_mask):

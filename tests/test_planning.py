@@ -43,6 +43,77 @@ def test_explain_layouts_and_errors():
         explain(q, q, q, layout="xyz")
 
 
+def _mixed_autocast():
+    return torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16(), \
+        torch.randn(1, 2, 5, 8).bfloat16()
+
+
+# (layout, q/k/v shapes or a maker, call keywords, under autocast): explain() against the call.
+_AS_THE_CALL = {
+    "bhld head dim 300": ("bhld", ((1, 2, 5, 300),) * 3, {}, False),
+    "bhld head dim 300, Ev 8": ("bhld", ((1, 2, 5, 300), (1, 2, 5, 300), (1, 2, 5, 8)), {},
+                                False),
+    "bhld 5-D": ("bhld", ((2, 3, 4, 16, 8),) * 3, dict(is_causal=True), False),
+    "bhld 6-D": ("bhld", ((2, 1, 3, 4, 16, 8),) * 3, {}, False),
+    "bhld 5-D head dim 300": ("bhld", ((2, 3, 2, 5, 300),) * 3, {}, False),
+    "bhld 5-D mask": ("bhld", ((2, 3, 4, 16, 8),) * 3,
+                      dict(attn_mask=torch.ones(2, 1, 4, 16, 16, dtype=torch.bool)), False),
+    "bhld 5-D bad mask": ("bhld", ((2, 3, 4, 16, 8),) * 3,
+                          dict(attn_mask=torch.ones(5, 16, 16, dtype=torch.bool)), False),
+    "bhld 5-D key mismatch": ("bhld", ((2, 3, 4, 16, 8), (2, 4, 4, 16, 8), (2, 3, 4, 16, 8)),
+                              {}, False),
+    "bhld 5-D key not a tensor": ("bhld", ((2, 3, 4, 16, 8), None, (2, 3, 4, 16, 8)), {},
+                                  False),
+    "bhld 2-D": ("bhld", ((16, 8),) * 3, {}, False),
+    "bhld enable_gqa a string": ("bhld", ((1, 2, 5, 8),) * 3, dict(enable_gqa="no"), False),
+    "bhld mixed dtypes under autocast": ("bhld", _mixed_autocast, {}, True),
+    "blhd head dim 300": ("blhd", ((1, 5, 2, 300),) * 3, {}, False),
+    "blhd head dim 300 causal": ("blhd", ((1, 5, 2, 300),) * 3, dict(causal=True), False),
+    "blhd head dim 0": ("blhd", ((1, 5, 2, 0),) * 3, {}, False),
+    "blhd head dim_v 300": ("blhd", ((1, 5, 2, 8), (1, 5, 2, 8), (1, 5, 2, 300)), {}, False),
+    "blhd k of head dim 300": ("blhd", ((1, 5, 2, 8), (1, 5, 2, 300), (1, 5, 2, 300)), {},
+                               False),
+    "blhd 5-D": ("blhd", ((2, 3, 4, 16, 8),) * 3, {}, False),
+    "blhd 3-D": ("blhd", ((5, 2, 8),) * 3, {}, False),
+    "blhd q not a tensor": ("blhd", (None, (1, 5, 2, 8), (1, 5, 2, 8)), {}, False),
+    "blhd k not a tensor": ("blhd", ((1, 5, 2, 8), None, (1, 5, 2, 8)), {}, False),
+    "blhd int32": ("blhd", ((1, 5, 2, 8),) * 3, dict(dtype=torch.int32), False),
+    "blhd mixed dtypes under autocast": ("blhd", _mixed_autocast, {}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(_AS_THE_CALL))
+def test_explain_answers_as_the_call(case):
+    # explain() gives the plan the call records, or raises the call's own error (type and
+    # message); never an internal error nor a plan for a call that raises (new-user trial:
+    # head dim 300 with layout="blhd" named the unfused fallback where flash_attn_func raises;
+    # 5-D SDPA inputs, which the drop-in takes, were refused; a list for q raised
+    # AttributeError; mixed dtypes under autocast raised where the call runs).
+    import contextlib
+    layout, shapes, kwargs, under_autocast = _AS_THE_CALL[case]
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", torch.float32)
+    if callable(shapes):
+        tensors = shapes()
+    else:
+        tensors = [[1.0] if s is None else torch.ones(s, dtype=dtype) if dtype == torch.int32
+                   else torch.randn(s) for s in shapes]
+    call = flash_attn_ext.scaled_dot_product_attention if layout == "bhld" else flash_attn_func
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if under_autocast else \
+        contextlib.nullcontext()
+    with context, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = explain(*tensors, layout=layout, **kwargs)
+        except (ValueError, TypeError) as error:
+            with pytest.raises(type(error)) as raised:
+                call(*tensors, **kwargs)
+            assert str(raised.value) == str(error)
+            return
+        call(*tensors, **kwargs)
+    assert flash_attn_ext.last_plan() == plan
+
+
 def test_deterministic_backward_note(monkeypatch):
     # deterministic on sm_90: the Hopper backward adds dQ in a fixed order (a note says so);
     # where the 8-warp portable backward serves the call (head dim 256) its dQ moves to the
