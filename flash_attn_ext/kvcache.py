@@ -23,7 +23,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import ops
+from . import ops, policy
 from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
 from .varlen import fwd_varlen_op
 
@@ -238,7 +238,8 @@ def flash_attn_with_kvcache(
         block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
         causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
         rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
-        num_splits: int = 0, return_softmax_lse: bool = False):
+        num_splits: int = 0, return_softmax_lse: bool = False, *,
+        strict: Optional[bool] = None):
     """Attention of q against a KV cache, appending k/v first: FlashAttention-2's
     ``flash_attn_with_kvcache``, for inference.  (Gradients reach q and the cache's tensors
     through the attention as through :func:`flash_attn_varlen_func`; the append itself is not
@@ -270,6 +271,12 @@ def flash_attn_with_kvcache(
             head) split over this many CTAs (at most 128), 0 = a heuristic that fills the
             GPU (ignored on the other routes).
         return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
+        strict: (keyword only) raise :class:`flash_attn_ext.FallbackError` instead of falling
+            back to an unfused path (default: ``FLASH_ATTN_EXT_STRICT``), as
+            :func:`flash_attn_ext.flash_attn_func`'s.  No call of this function falls back
+            today: every call runs on the CUDA decode kernels or the packed-sequence kernels
+            (a slower fused route, not a fallback), or raises NotImplementedError, so strict
+            mode changes nothing here; the value is checked as there (True, False or None).
 
     Returns:
         out (batch, seqlen_q, num_heads, head_dim_v), or (out, softmax_lse).
@@ -278,7 +285,8 @@ def flash_attn_with_kvcache(
         NotImplementedError: tensors on other devices (meta included); on CUDA, a GPU or build
             without the kernels (naming the reason).
         ValueError: shapes, a cache too short for the append, bad lengths; flags that are not
-            what flash_attn_func takes (e.g. causal not a bool); alibi_slopes requiring grad.
+            what flash_attn_func takes (e.g. causal not a bool, strict not True, False or
+            None); alibi_slopes requiring grad.
             On the CUDA decode route, values held in CUDA tensors (cache_seqlens,
             cache_leftpad, cache_batch_idx, block_table) are not read on the host: a batch row
             whose values break these rules gets NaN out and softmax_lse rows instead, and two
@@ -292,6 +300,7 @@ def flash_attn_with_kvcache(
     rotary_interleaved = check_bool(rotary_interleaved, "rotary_interleaved")
     return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     check_alibi_grad(alibi_slopes)
+    policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import ops
+from . import ops, policy
 from ._call import (
     check_alibi_grad,
     check_bool,
@@ -108,7 +108,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            alibi_slopes: Optional[torch.Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[torch.Tensor] = None,
-                           seqused_k: Optional[torch.Tensor] = None):
+                           seqused_k: Optional[torch.Tensor] = None, *,
+                           strict: Optional[bool] = None):
     """Attention over packed sequences, FlashAttention-2's ``flash_attn_varlen_func``.
 
     Args:
@@ -144,6 +145,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqused_k: (batch,) int32, optional, on the offsets' device: sequence b uses only
             its first seqused_k[b] keys (causal alignment over those), as FlashAttention's;
             the others get zero gradients.
+        strict: (keyword only) raise :class:`flash_attn_ext.FallbackError` instead of falling
+            back to an unfused path (default: ``FLASH_ATTN_EXT_STRICT``), as
+            :func:`flash_attn_ext.flash_attn_func`'s.  No call of this function falls back
+            today: every call runs on the packed-sequence kernels, or raises
+            NotImplementedError (on CUDA, where none serves it), so strict mode changes
+            nothing here; the value is checked as there (True, False or None).
 
     Returns:
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
@@ -155,8 +162,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
             the argument and the rule); flags as flash_attn_func checks them (causal a bool,
-            window_size a pair of ints, dropout_p in [0, 1], ...); alibi_slopes requiring
-            grad.
+            window_size a pair of ints, dropout_p in [0, 1], strict True, False or None,
+            ...); alibi_slopes requiring grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
     if block_table is not None:
@@ -178,6 +185,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic = check_bool(deterministic, "deterministic")
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi_grad(alibi_slopes)
+    policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
     window_left, window_right = (int(w) for w in window_size)

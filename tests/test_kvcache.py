@@ -144,6 +144,46 @@ def test_bad_appends_and_indices_raise_before_writing():
         assert not k_cache.any() and not v_cache.any(), kwargs
 
 
+def test_strict_is_taken_as_flash_attn_func_takes_it():
+    # flash_attn_with_kvcache lacked flash_attn_func's strict= (new-user trial).  No call of it
+    # falls back (the CUDA decode kernels or the packed-sequence kernels serve every call, or it
+    # raises), so strict=True, and strict mode set for the process, leave the answer and the
+    # append as they are, with no warning and nothing counted; the value is checked by
+    # flash_attn_func's rule (policy.check_strict), before anything is appended.
+    import re
+    import warnings
+
+    from flash_attn_ext import policy
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16)
+    cache = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+
+    def call(**kw):
+        k_cache, v_cache = (c.clone() for c in cache)
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, causal=True,
+                                      **kw)
+        return out, k_cache, v_cache
+
+    want = call()
+    policy.reset_fallback_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for strict in (None, False, True):
+            assert all(torch.equal(a, b) for a, b in zip(call(strict=strict), want))
+        policy.set_strict(True)
+        try:
+            assert all(torch.equal(a, b) for a, b in zip(call(), want))
+        finally:
+            policy.set_strict(None)
+    assert policy.fallback_counts() == {}
+    for bad in ("no", 1):
+        k_cache, v_cache = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
+        with pytest.raises(ValueError, match=re.escape(
+                f"strict must be True, False or None, got {bad!r}")):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, strict=bad)
+        assert not k_cache.any() and not v_cache.any()
+
+
 @pytest.mark.parametrize("flags,match", [
     (dict(causal="False"), "causal must be a bool, got 'False'"),
     (dict(window_size=[2.7, 0]), "window_size must be a pair of ints"),

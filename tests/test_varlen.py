@@ -369,6 +369,34 @@ def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, **flags)
 
 
+def test_strict_is_taken_as_flash_attn_func_takes_it():
+    # flash_attn_varlen_func lacked flash_attn_func's strict= (new-user trial).  No call of it
+    # falls back (every call runs on the packed-sequence kernels, or raises), so strict=True,
+    # and strict mode set for the process, leave the answer as it is, with no warning and
+    # nothing counted; the value is checked by flash_attn_func's rule (policy.check_strict).
+    from flash_attn_ext import policy
+    q, k, v, cq, ck = _packed([4, 6], [5, 3], 2, 2, 8, 8, torch.float32)
+    want = flash_attn_varlen_func(q, k, v, cq, ck, 6, 5, causal=True)
+    policy.reset_fallback_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for strict in (None, False, True):
+            got = flash_attn_varlen_func(q, k, v, cq, ck, 6, 5, causal=True, strict=strict)
+            assert torch.equal(got, want)
+        policy.set_strict(True)
+        try:
+            assert torch.equal(flash_attn_varlen_func(q, k, v, cq, ck, 6, 5, causal=True), want)
+        finally:
+            policy.set_strict(None)
+    assert policy.fallback_counts() == {}
+    for bad in ("no", 1):
+        message = re.escape(f"strict must be True, False or None, got {bad!r}")
+        with pytest.raises(ValueError, match=message):
+            flash_attn_varlen_func(q, k, v, cq, ck, 6, 5, strict=bad)
+        with pytest.raises(ValueError, match=message):  # (the same rule)
+            flash_attn_func(q[None, :4], k[None, :5], v[None, :5], strict=bad)
+
+
 def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, case,
                                     tail=(0, 0), grads=True):
     """Packed sequences on the CUDA kernels against the float64 reference of each sequence, out
