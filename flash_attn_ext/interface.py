@@ -62,7 +62,8 @@ def flash_attn_func(
             Applied whenever > 0, also in eval mode: pass 0.0 there.  dropout_p = 1 drops
             every weight, as PyTorch's scaled_dot_product_attention and nn.Dropout(p=1.0):
             out is 0 with zero gradients (the kernels run without dropout and out is
-            multiplied by 0, so a NaN or inf in it stays NaN); softmax_lse is the undropped
+            multiplied by 0, so a NaN or inf in it stays NaN, and dq / dk are NaN there, as
+            in PyTorch's SDPA); softmax_lse is the undropped
             softmax's, as at every dropout_p (a loss on it still reaches q and k).
         softmax_scale: multiplies q k^T; default 1 / sqrt(head_dim).
         causal: mask with bottom-right alignment (FlashAttention >= 2.1): query i sees key j

@@ -44,7 +44,7 @@ def scaled_dot_product_attention(
         key: (N, H_kv, S, E) or (N, S, E).
         value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
             case H must be a multiple of H_kv.  E and Ev: 1 to 256 in the kernels (larger
-            ones run PyTorch's own function, reported as a fallback).  dtypes as in
+            ones run the unfused math, reported as a fallback).  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
         attn_mask: boolean (True = attend) or additive float mask, broadcastable to
             (N, H, L, S) ((N, L, S) for 3-D inputs, (N, ..., H, L, S) with more leading
