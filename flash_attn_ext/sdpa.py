@@ -41,7 +41,9 @@ def scaled_dot_product_attention(
         query: (N, H, L, E) or (N, L, E); or (N, ..., H, L, E), the leading dimensions (the
             same in key and value) flattened into one batch dimension (as PyTorch's takes
             them, without broadcasting between query, key and value).
-        key: (N, H_kv, S, E) or (N, S, E).
+        key: (N, H_kv, S, E) or (N, S, E), N (and every leading dimension) equal to query's:
+            a batch or head count of 1 is not broadcast (PyTorch's function broadcasts it:
+            here a ValueError; expand it first).
         value: (N, H_kv, S, Ev) or (N, S, Ev).  H must equal H_kv unless ``enable_gqa``, in which
             case H must be a multiple of H_kv.  E and Ev: 1 to 256 in the kernels (larger
             ones run the unfused math, reported as a fallback).  dtypes as in
