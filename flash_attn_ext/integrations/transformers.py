@@ -247,7 +247,8 @@ def register_transformers(name: str = NAME) -> None:
       a flash-attn package for it (this function wraps transformers' preloader so that it skips
       exactly the names registered here), and models that special-case FlashAttention may pass
       packed sequences as ``cu_seq_lens_q/k`` instead of a mask, which
-      :func:`attention_forward` turns into a block-diagonal mask.  A few models drop the
+      :func:`attention_forward` runs on the packed-sequence kernels (``flash_attn_varlen_func``;
+      a single sequence on CUDA as one call with a block-diagonal mask).  A few models drop the
       mask and describe packing in their own way (Pixtral's vision tower): use the second name.
     * ``attn_implementation="fae_sdpa"``: the same kernels under SDPA's conventions; every model
       that supports ``"sdpa"`` hands us exactly the masks it hands SDPA.
