@@ -332,26 +332,37 @@ def sample(model: GPT, tokenizer: CharTokenizer, prompt: str, n: int, temperatur
 # Training
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where the help says it in words (--dtype,
+    --data: their default of None stands for a choice made later)."""
+
+    def _get_help_string(self, action):
+        if "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train a small character-level GPT with flash_attn_ext attention, in "
                     "lock-step with a copy that uses PyTorch's math SDPA, and compare the losses.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=100, help="training steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=128, help="context length")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads per block")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     parser.add_argument("--log-every", type=int, default=10, help="log every N steps")
     parser.add_argument("--eval-batches", type=int, default=8,
                         help="batches for the final train/val losses")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--compile", action="store_true",
                         help="wrap both models in torch.compile(fullgraph=True)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
