@@ -510,6 +510,10 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     p = planning.plan(q1, k, k, mods=mask)
     assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim64_bf16_mask",
                                              "sm90_bwd_hdim64_bf16_mask")
+    # (head dim 256: the backward's split by role has the mask variant too)
+    q256, k256 = _CudaLike((2, 1, 32, 256)), _CudaLike((2, 9, 4, 256))
+    assert planning.plan(q256, k256, k256, mods=mask).backward_kernel == \
+        "sm90_bwd_hdim256_bf16_mask"
     for extra in (planning.SOFTCAP, planning.ALIBI, planning.DROPOUT):
         assert planning.plan(q1, k, k, mods=mask | extra).kernel == "sm90_fwd_hdim64_bf16_general"
     assert planning.plan(q1, k, k, mods=planning.BIAS).kernel == "sm90_fwd_hdim64_bf16_general"
@@ -529,6 +533,8 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     ((9, 0), 232448, 256, 0, None),  # the Hopper backward's split by role
     ((9, 0), 232448, 256, planning.SOFTCAP, None),  # softcap alone: its variant at 256 too
     ((9, 0), 232448, 256, planning.DROPOUT, "at head dims up to 128"),
+    ((9, 0), 232448, 256, planning.BIAS | planning.MASK, None),  # a boolean mask alone
+    ((9, 0), 232448, 256, planning.BIAS, "float attn_bias"),
     ((8, 0), 166912, 256, 0, "214016 bytes of shared memory"),  # not sm_80's 163 KB
     ((8, 6), 101376, 64, 0, None),            # 97 KB: the d=64 kernels fit
     ((8, 6), 101376, 128, 0, "164864 bytes of shared memory"),

@@ -286,10 +286,12 @@ DETERMINISTIC_CASES = ["plain", "causal", "window", "softcap", "causal_padding_m
                        "dropout", "dropout_softcap", "causal_alibi"]
 
 
-# (head dim 256: the variants its Hopper backward has, plain, softcap alone, ALiBi alone)
+# (head dim 256: the variants its Hopper backward has, plain, a boolean mask alone, softcap
+# alone, ALiBi alone)
 @pytest.mark.parametrize("head_dim,what", [(d, w) for d in (64, 128) for w in DETERMINISTIC_CASES]
                          + [(256, w) for w in ("plain", "causal", "window", "softcap",
-                                               "causal_alibi")])
+                                               "causal_padding_mask",
+                                               "causal_flag_padding_mask", "causal_alibi")])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
     # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
     # dropout, softcap, ALiBi), on a shape with many key blocks per query block (16 at L = 2k)
@@ -605,23 +607,38 @@ def test_hopper_mask_variant_forward_meets_the_error_rule(dtype, seqlen_q, seqle
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (1023, 1023)])
-@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 200, 256])
 @pytest.mark.parametrize("what", MASKS)
 def test_hopper_mask_variant_backward_meets_the_error_rule(hopper_bwd, dtype, seqlen_q,
                                                            seqlen_k, head_dim, what):
+    # (head dims 200 and 256: the step split by role, 64 keys per CTA, its warpgroup 0 reading
+    # the mask's bytes)
     mask, causal, window = mask_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, attn_bias=mask)
 
 
+@pytest.mark.parametrize("what", ["causal_padding", "blockdiag"])
+def test_hopper_mask_variant_at_256_top_left_and_deterministic(hopper_bwd, what):
+    # Head dim 256's mask variant with the causal mask aligned top-left (L != S) and with dQ in
+    # a fixed order (steps of wholly masked 64 x 64 blocks skipped by the consumers and counted
+    # in by the order warp), against the fp32 reference; GQA, SDPA's transposed layout.
+    mask, _, _ = mask_case(what, 2, 700, 900, 8)
+    for deterministic in (False, True):
+        hopper_backward_case(torch.bfloat16, 2, 700, 900, 8, 2, 256, causal=True,
+                             bottom_right=False, transposed=True,
+                             attn_bias=mask, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("what", ["causal_padding", "random"])
-def test_mask_variant_equals_the_mask_as_a_bias(kernel_opts, what):
+def test_mask_variant_equals_the_mask_as_a_bias(kernel_opts, what, head_dim):
     # The same mask as a boolean (the mask variant, with and without the block summary) and as
     # 0 / -inf in fp32 (the general variant, with its own exp2 form): the mask variant's
     # forward bitwise equal with and without the summary (a skipped tile adds exact zeros), the
     # general variant's within rounding; the gradients equal up to the order of the dQ
-    # additions.
-    q, k, v = rand(2, 700, 4, 128), rand(2, 700, 4, 128), rand(2, 700, 4, 128)
+    # additions.  (Head dim 256: the float bias's backward is the portable one.)
+    q, k, v = (rand(2, 700, 4, head_dim) for _ in "qkv")
     mask, causal, window = mask_case(what, 2, 700, 700, 4)
     bias = torch.zeros(mask.shape, device="cuda").masked_fill(~mask, float("-inf"))
     results = []

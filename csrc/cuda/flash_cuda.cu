@@ -210,7 +210,7 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   if (p.bias_is_mask) {  // (a boolean mask alone: kernel_select.h's mask_alone)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_mask<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_mask<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
+    return sm90::run_flash_bwd_sm90_mask<Element, 256>(p, stats, stream);
   }
   if (p.softcap_only()) {
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_softcap<Element, 64>(p, stats, stream);

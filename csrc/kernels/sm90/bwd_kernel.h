@@ -147,7 +147,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kSkipMasked) {
 #pragma unroll
         for (int r = 0; r < kM / kBiasBlock; ++r) {
-          const int c = bias_block_class(p, b, h, m0 + r * kBiasBlock, n0 + 64 * me);
+          // (the role split: both warpgroups on the block's 64 keys)
+          const int c = bias_block_class(p, b, h, m0 + r * kBiasBlock,
+                                         n0 + (T::kRoleSplit ? 0 : 64 * me));
           cls = r == 0 || c == cls ? c : kBlockMixed;
         }
       }
@@ -161,7 +163,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kRoleSplit)
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim,
-                      sm80::ScoreFn(p, b, h), m0, n0, args.dq_order != kDqAnyOrder);
+                      sm80::ScoreFn(p, b, h), m0, n0, args.dq_order != kDqAnyOrder, cls,
+                      T::kMask ? mask_row(p, b, h, 0) : nullptr,
+                      static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0));
       else
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,

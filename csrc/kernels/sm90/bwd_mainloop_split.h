@@ -15,12 +15,13 @@
 // which warpgroup 1 reaches after reading step t's); dS in the traits' two buffers (one would
 // do: warpgroup 1 writes step t + 1's after the P barrier of t + 1, which warpgroup 0 reaches
 // after its dQ GEMM of step t).
-// Plain attention with the causal / window mask, softcap alone (T::kSoftcap: warpgroup 0 hands
-// over P^T (1 - t^2), t = tanh(x scale / softcap), the score's derivative folded in as in
-// bwd_mainloop.h's softcap variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent);
-// dQ in any order or in a fixed one (deterministic: run_split_dq_order keeps the order); the
-// other score modifiers and packed sequences stay on the portable backward at this head dim
-// (kernel_select.h).
+// Plain attention with the causal / window mask, a boolean mask alone (T::kMask: warpgroup 0
+// reads its bytes in steps whose 64 x 64 block is mixed; wholly masked blocks are skipped,
+// bwd_step_skipped), softcap alone (T::kSoftcap: warpgroup 0 hands over P^T (1 - t^2),
+// t = tanh(x scale / softcap), the score's derivative folded in as in bwd_mainloop.h's softcap
+// variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent); dQ in any order or in a
+// fixed one (deterministic: run_split_dq_order keeps the order); the other score modifiers and
+// packed sequences stay on the portable backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
@@ -179,12 +180,16 @@ struct BwdMainloopSplit {
   // key block).  scale_log2: the exp2 domain's factor of S^T (scale log2 e), or of the softcap
   // variant's tanh values (softcap log2 e); fn: the softcap's 1 / (softcap / scale) and the
   // ALiBi slope and offset of the step's query head; ordered: dQ in a fixed order
-  // (add_dq_ordered).
+  // (add_dq_ordered).  The mask variant (T::kMask): cls, the boolean mask's class on the step's
+  // block (bias_blocks.h; a wholly masked block never comes here, bwd_step_skipped), mask_bh
+  // its bytes at query row 0, key 0 of (b, h) (strides from fn), read where the block is mixed;
+  // rows_left / keys_left: the step's rows and keys that exist (the others read nothing).
   __device__ __forceinline__ void step(typename T::SharedStorage& smem, int stage, int buf,
                                        bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
-                                       bool ordered) {
+                                       bool ordered, int cls, const uint8_t* mask_bh,
+                                       int32_t rows_left, int32_t keys_left) {
     const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
     float* p_shared = smem.dq.data() + 4 * tid;  // this thread's P^T values (fragment order)
     AccS acc = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -200,9 +205,21 @@ struct BwdMainloopSplit {
       // row (a copy of the loop for steps with a mask, one without: see bwd_mainloop.h), in
       // 16 bits for dV; acc keeps what warpgroup 1 needs for dS^T: P^T, or with softcap
       // P^T (1 - t^2).
+      // The mask variant's mixed blocks take a third copy, with the boolean mask's bytes (and
+      // the causal / window mask, hiding nothing where the step has none).
       const float* lse_s = smem.lse_log2[stage];
-      auto probs = [&](auto with_mask) {
-        const VisibleKeys::Relative::Thread hide = rel.thread(key0, q0);
+      auto probs = [&](auto with_mask, auto with_bool) {
+        constexpr int kNever = 1 << 30;
+        const VisibleKeys::Relative::Thread hide =
+            !decltype(with_bool)::value || masked
+                ? rel.thread(key0, q0)
+                : VisibleKeys::Relative::Thread{-kNever, kNever, kNever};
+        // (keys unit-stride or broadcast: prepare_bias)
+        const bool per_key = fn.bias_col_stride != 0;
+        const uint8_t* mask_at =
+            decltype(with_bool)::value
+                ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
+                : nullptr;
         const BwdProbs<T> prob(fn, m0, n0, key0, q0);
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
@@ -211,14 +228,25 @@ struct BwdMainloopSplit {
           // (t too: a hidden key's score may be NaN, which P^T (1 - t^2) would keep)
           if constexpr (decltype(with_mask)::value)
             if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
+          if constexpr (decltype(with_bool)::value) {
+            // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
+            // the mask above)
+            const bool exists = q0 + acc_col(i) < rows_left && key0 + acc_row(i) < keys_left;
+            const uint8_t visible =
+                exists ? mask_at[acc_col(i) * fn.bias_row_stride + (per_key ? acc_row(i) : 0)]
+                       : uint8_t{1};
+            pr = visible != 0 ? pr : 0.f;
+          }
           a16(i) = static_cast<Element>(pr);
           acc(i) = T::kSoftcap ? pr * fmaf(-t, t, 1.f) : pr;
         }
       };
-      if (masked)
-        probs(cute::true_type{});
+      if (T::kMask && cls != kBlockVisible)
+        probs(cute::true_type{}, cute::true_type{});
+      else if (masked)
+        probs(cute::true_type{}, cute::false_type{});
       else
-        probs(cute::false_type{});
+        probs(cute::false_type{}, cute::false_type{});
       CUTE_UNROLL
       for (int j = 0; j < kSVals / 4; ++j)
         *reinterpret_cast<float4*>(p_shared + 4 * 128 * j) =
@@ -292,7 +320,11 @@ struct BwdMainloopSplit {
 // step it waits for its turn at the query block's counter (bwd_dq.h's dq_turn: both
 // warpgroups of each key block before this one counted in), lets both consumer warpgroups
 // add (kSplitTurnBarrier), waits until both have fenced their adds (kSplitDoneBarrier: in
-// their next step, finish_dq_ordered) and counts the two in.
+// their next step, finish_dq_ordered) and counts the two in.  A step the consumers skip (the
+// mask variant: a wholly masked block, bwd_step_skipped) is counted in at its turn without
+// them.  While the consumers compute, the warp reads the next step's counter once: where that
+// turn has already come, the next step releases the consumers at once, without a global
+// load's round trip on their path between the count and their next adds.
 template <typename T>
 __device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
                                                    const BwdSteps& st, const BwdSeq& seq,
@@ -300,19 +332,33 @@ __device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
   const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
+  auto counter_of = [&](const BwdStepWalk& at) {
+    return p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + at.h) * counters_per_head +
+           at.m_block(st);
+  };
+  bool peeked = false;  // (the leader's) this step's turn seen come while the last one ran
   BwdStepWalk w{hk * args.group};
   for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
     const int32_t h = w.h, m_block = w.m_block(st);
-    int32_t* counter =
-        p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + h) * counters_per_head + m_block;
-    if (leader) wait_at_least(counter, 2 * dq_turn(args, st, seq, n_block, m_block));
+    int32_t* counter = counter_of(w);
+    if (leader && !peeked)
+      wait_at_least(counter, T::kConsumers * dq_turn(args, st, seq, n_block, m_block));
+    peeked = false;
     __syncwarp();
-    CUTE_UNROLL
-    for (int me = 0; me < T::kConsumers; ++me)
-      cutlass::arch::NamedBarrier::arrive(kSplitOrderThreads, kSplitTurnBarrier + me);
-    CUTE_UNROLL
-    for (int me = 0; me < T::kConsumers; ++me)
-      cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitDoneBarrier + me);
+    if (!bwd_step_skipped<T>(p, b, h, m_block, n_block)) {
+      CUTE_UNROLL
+      for (int me = 0; me < T::kConsumers; ++me)
+        cutlass::arch::NamedBarrier::arrive(kSplitOrderThreads, kSplitTurnBarrier + me);
+      if (leader && t + 1 < st.steps) {
+        BwdStepWalk nx = w;
+        nx.next(st);
+        peeked = load_acquire(counter_of(nx)) >=
+                 T::kConsumers * dq_turn(args, st, seq, n_block, nx.m_block(st));
+      }
+      CUTE_UNROLL
+      for (int me = 0; me < T::kConsumers; ++me)
+        cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitDoneBarrier + me);
+    }
     if (leader) add_release(counter, T::kConsumers);
     __syncwarp();
   }
