@@ -4,8 +4,7 @@ and forward + backward, in one process on CUDA: `total` tokens in `seqs` sequenc
 
 Rows, per (head dim, sequences, lengths, causal):
   varlen        flash_attn_varlen_func as the dispatcher runs it (sm_90: the Hopper varlen
-                forward at every head dim, the Hopper varlen backward up to head dim 128,
-                above it the portable 4-warp backward), offsets on the GPU: copied to the
+                forward and backward at every head dim), offsets on the GPU: copied to the
                 host once per call (one synchronisation, included in its time)
   varlen_host   the same with the offsets given on the CPU (no synchronisation: what a model
                 whose layers share one host copy pays per layer)

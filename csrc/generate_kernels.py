@@ -33,7 +33,7 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_dropout)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_mask.cu ... with a boolean mask alone
                                                           (run_flash_bwd_sm90_mask)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_varlen.cu  ... on packed sequences
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen.cu ... on packed sequences
                                                           (run_flash_bwd_sm90_varlen)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_softcap.cu ... with softcap alone
                                                           (run_flash_bwd_sm90_softcap)
@@ -143,8 +143,8 @@ cudaStream_t stream) {{
 """
 SM90_BWD_HEAD_DIMS = (64, 128, 256)
 # Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention,
-# a boolean mask alone, softcap alone and ALiBi alone.
-SM90_BWD_256_VARIANTS = ("", "_mask", "_softcap", "_alibi")
+# packed sequences, a boolean mask alone, softcap alone and ALiBi alone.
+SM90_BWD_256_VARIANTS = ("", "_mask", "_varlen", "_softcap", "_alibi")
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),

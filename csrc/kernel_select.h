@@ -344,15 +344,12 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                 : call.packed                    ? "_varlen"
                                                  : detail::sm90_variant(call));
 
-  // Packed sequences: the Hopper backward's varlen instantiation for plain attention up to
-  // head dim 128 (dQ added in any order, or in a fixed order when deterministic), else the
+  // Packed sequences: the Hopper backward's varlen instantiation for plain attention (dQ added
+  // in any order, or in a fixed order when deterministic), else the
   // 4-warp backward with its separate dQ kernel (per-sequence offsets; bitwise reproducible).
   if (call.packed) {
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
-      if (d > 128)
-        why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
-                      "packed sequences at head dims up to 128");
       if (call.score_mods != 0)
         why.push_back("the Hopper backward takes packed sequences without softcap, "
                       "alibi_slopes and dropout only");

@@ -9,7 +9,7 @@ and windows bottom-right aligned per sequence). The kernels are the dense ones, 
 sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
 the Hopper forward's varlen instantiation for plain attention (causal, windows and GQA
 included; its tiles come from a table of every sequence's query blocks that the host builds
-from the offsets, heaviest first) and the Hopper backward's (head dims up to 128, deterministic
+from the offsets, heaviest first) and the Hopper backward's (head dims up to 256, deterministic
 too; its CTAs from a table of every sequence's key blocks); elsewhere, and with
 softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are

@@ -637,8 +637,8 @@ def test_packed_sequences_rule(kernel_opts):
     assert bwd == "sm90_bwd_hdim128_bf16_varlen"
     assert [n for n in notes if n.startswith("backward dQ added in a fixed order") and
             "deterministic=True" in n], notes
-    for kw, text in ((dict(head_dim=256), "head dims up to 128"),
-                     (dict(mods=planning.SOFTCAP), "without softcap"),
+    assert rule(head_dim=256)[1] == "sm90_bwd_hdim256_bf16_varlen"
+    for kw, text in ((dict(mods=planning.SOFTCAP), "without softcap"),
                      (dict(mods=planning.ALIBI), "alibi_slopes"),
                      (dict(mods=planning.DROPOUT), "dropout only")):
         _, bwd, notes = rule(**kw)

@@ -511,15 +511,14 @@ def test_sm90_forward_takes_packed_sequences(case, head_dim):
     # row, L < S, an empty sequence, L = S, several query blocks with a partial last one (192
     # rows at head dims up to 64, 128 above; idle warpgroups), L > S (causal rows that see
     # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel,
-    # and so is the backward up to head dim 128 (256: the portable one, reading the Hopper
-    # forward's softmax_lse).
+    # and so is the backward (at 256 its step split by role, 64 keys per CTA).
     dtype = torch.bfloat16 if head_dim != 72 else torch.float16
     names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
                                                        [1, 40, 5, 113, 1000, 129], 6, 2,
                                                        head_dim, dtype, case, tail=(3, 2))
     hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert hopper and all(VARLEN_SM90 in n for n in hopper), names
-    assert _hopper_bwd_varlen(bwd_names) == (head_dim <= 128), bwd_names
+    assert _hopper_bwd_varlen(bwd_names), bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
@@ -761,7 +760,7 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
     # The Hopper backward reads whole tiles too: a sequence's last key block and last query
@@ -769,7 +768,8 @@ def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
     # NaN and inf in every other row of q, k, v and dout (tail rows included) must not reach
     # its gradients (rows past the end are zeroed in shared memory before the GEMMs: 0 * NaN
     # would carry them through P^T dO, dS^T Q and dS K).  Key lengths below and above 64 (one
-    # or both consumer warpgroups' keys run past the end).  dK / dV are stored from registers
+    # or both consumer warpgroups' keys run past the end; at 256, 64 keys per CTA, one or two
+    # blocks).  dK / dV are stored from registers
     # (the same bits as the clean call); dQ is added in any order (its last bits may differ,
     # so a tolerance).
     lens_q, lens_k = [100, 50, 7, 40], [90, 50, 30, 45]
@@ -811,7 +811,7 @@ def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_sm90_varlen_deterministic_backward(head_dim, mask):
     # deterministic=True (and torch.use_deterministic_algorithms) keep the Hopper varlen

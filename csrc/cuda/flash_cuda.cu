@@ -236,7 +236,7 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_varlen<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_varlen<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
+    return sm90::run_flash_bwd_sm90_varlen<Element, 256>(p, stats, stream);
   }
   if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
   if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
@@ -312,7 +312,8 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
 // The Hopper backward's tables for packed sequences, from the offsets check_packed read on the
 // host (params.h: BwdParams::sm90_varlen_rows, FwdParams::sm90_varlen_tiles): each sequence's
 // rows of the per-row scratch start at a multiple of 128 (row_base), described per 128 rows;
-// then every key block of 128 keys of every sequence that some query row sees, the heaviest
+// then every key block (of the kernel's keys per CTA at padded head dim kernel_dim, 128 or 64:
+// bwd_sm90_block_n) of every sequence that some query row sees, the heaviest
 // (most query rows that see it: under a causal mask the first blocks of the longest
 // sequences) first, so that the CTAs launched last are short.  (The padding bounds the
 // scratch at 128 rows per sequence: many very short sequences cost memory out of proportion,
@@ -323,8 +324,9 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
 // highest blocks, then all second highest, ...), since a key block's dQ waits for those above
 // it in its sequence: they must be launched before it (bwd_dq.h's descending order).
 at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tensor& q,
-                                  bool ordered) {
-  constexpr int kBlockN = 128, kRowBlock = 128;
+                                  bool ordered, int64_t kernel_dim) {
+  const int kBlockN = sm90::bwd_sm90_block_n(kernel_dim);
+  constexpr int kRowBlock = 128;
   const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
   const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
   const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
@@ -706,7 +708,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
       // accumulated dQ and the statistics (lse * log2(e), D).
       const bool ordered = choice.dq == DqPath::kOrdered;
-      const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q, ordered);
+      const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q, ordered, kernel_dim);
       if (p.sm90_varlen_padded_q == 0) {  // no sequence has a query row: zeros (allocated)
         return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
       }

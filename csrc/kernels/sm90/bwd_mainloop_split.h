@@ -15,13 +15,14 @@
 // which warpgroup 1 reaches after reading step t's); dS in the traits' two buffers (one would
 // do: warpgroup 1 writes step t + 1's after the P barrier of t + 1, which warpgroup 0 reaches
 // after its dQ GEMM of step t).
-// Plain attention with the causal / window mask, a boolean mask alone (T::kMask: warpgroup 0
+// Plain attention with the causal / window mask (packed sequences too: T::kVarlen), a boolean
+// mask alone (T::kMask: warpgroup 0
 // reads its bytes in steps whose 64 x 64 block is mixed; wholly masked blocks are skipped,
 // bwd_step_skipped), softcap alone (T::kSoftcap: warpgroup 0 hands over P^T (1 - t^2),
 // t = tanh(x scale / softcap), the score's derivative folded in as in bwd_mainloop.h's softcap
 // variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent); dQ in any order or in a
-// fixed one (deterministic: run_split_dq_order keeps the order); the other score modifiers and
-// packed sequences stay on the portable backward at this head dim (kernel_select.h).
+// fixed one (deterministic: run_split_dq_order keeps the order); dropout and the general
+// variant stay on the portable backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
@@ -42,9 +43,14 @@ namespace flash_attn_ext::sm90 {
 // Named barriers of the split step (CUTLASS's user ids; bwd_dq.h's writer barriers are unused
 // at this head dim): dS written by warpgroup 1 (both wait), P^T written by warpgroup 0; with
 // dQ in a fixed order, between consumer warpgroup me and the order warp (run_split_dq_order):
-// kSplitTurnBarrier + me its turn come, kSplitDoneBarrier + me its adds performed.
+// kSplitTurnBarrier + me its turn come, kSplitDoneBarrier + me its adds performed; with packed
+// sequences, kSplitZeroBarrier + me: warpgroup me's zeros written (zero_kv_rows, zero_qdo_rows).
 constexpr int kSplitDsBarrier = 0, kSplitPBarrier = 1, kSplitTurnBarrier = 2,
-              kSplitDoneBarrier = 4;
+              kSplitDoneBarrier = 4, kSplitZeroBarrier = 6;
+static_assert(kSplitZeroBarrier + 2 +
+                      static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) <=
+                  16,
+              "the split's named barriers exceed the hardware's 16");
 constexpr int kSplitOrderThreads = 128 + 32;  // a consumer warpgroup and the order warp
 
 __device__ __forceinline__ void red_add_v4(float* ptr, float a, float b, float c, float d) {
@@ -298,6 +304,33 @@ struct BwdMainloopSplit {
     warpgroup_fence_operand(a16);
   }
 
+  // Packed sequences (T::kVarlen; bwd_kernel.h says why): keys from `first` of the block
+  // (relative to n0) become zeros in what this warpgroup reads, K in both (S^T, dQ), V in
+  // warpgroup 1 (dP^T); rows from `first` of ring stage `stage`, zeros in Q and dO, which both
+  // read.  Where both write, they write the same zeros, each before its own GEMMs, as in
+  // bwd_mainloop.h.
+  __device__ __forceinline__ void zero_kv_rows(typename T::SharedStorage& smem, int64_t first,
+                                               int me, int tid) {
+    const int from = first < 0 ? 0 : first > kN ? kN : static_cast<int>(first);
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+    Base::zero_rows(sK, from, kN, tid);
+    if (me == 1) {
+      Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
+      Base::zero_rows(sV, from, kN, tid);
+    }
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before wgmma reads
+    cutlass::arch::NamedBarrier::sync(128, kSplitZeroBarrier + me);
+  }
+  __device__ __forceinline__ void zero_qdo_rows(typename T::SharedStorage& smem, int stage,
+                                                int first, int me, int tid) {
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQ{});
+    Base::zero_rows(sQ(_, _, stage), first < 0 ? 0 : first, kM, tid);
+    Base::zero_rows(sdO(_, _, stage), first < 0 ? 0 : first, kM, tid);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, kSplitZeroBarrier + me);
+  }
+
   // This warpgroup's accumulator (dV in warpgroup 0, dK in 1) to rows row_base .. of dv / dk
   // (keys_left of the block's keys exist; columns cut at the head dim; store_kv_accumulator).
   __device__ __forceinline__ void store_dkdv(const BwdParams& p, int64_t row_base,
@@ -332,9 +365,12 @@ __device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
   const BwdParams& p = args.p;
   const bool leader = threadIdx.x % 32 == 0;
   const int64_t counters_per_head = dq_semaphores_per_head(p.seqlen_q);
+  // (packed sequences: a counter per block of the padded scratch rows, as bwd_dq.h's writer)
   auto counter_of = [&](const BwdStepWalk& at) {
-    return p.dq_semaphore + (static_cast<int64_t>(b) * p.heads_q + at.h) * counters_per_head +
-           at.m_block(st);
+    return p.dq_semaphore +
+           (T::kVarlen ? bwd_scratch_row(args, b, at.h, seq, at.m_block(st)) / T::kBlockM
+                       : (static_cast<int64_t>(b) * p.heads_q + at.h) * counters_per_head +
+                             at.m_block(st));
   };
   bool peeked = false;  // (the leader's) this step's turn seen come while the last one ran
   BwdStepWalk w{hk * args.group};

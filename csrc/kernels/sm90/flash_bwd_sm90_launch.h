@@ -1,7 +1,7 @@
 // The Hopper backward instantiations: one translation unit each (flash_bwd_sm90_hdim*_*.cu),
 // compiled where the Hopper forward is (FLASH_ATTN_EXT_SM90).  Head dims are padded up to 64,
-// 128 or 256 (256: plain, softcap alone and ALiBi alone; kernel_select.h sends the rest to the
-// portable backward).
+// 128 or 256 (256: plain, packed sequences, a boolean mask alone, softcap alone and ALiBi alone;
+// kernel_select.h sends the rest to the portable backward).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,10 @@
 #include "params.h"
 
 namespace flash_attn_ext::sm90 {
+
+// Keys per CTA of the instantiation for padded head dim `head_dim` (Sm90BwdTraits::kBlockN: 64
+// where the step is split by role): the key-block table of packed sequences is built with it.
+constexpr int bwd_sm90_block_n(int64_t head_dim) { return head_dim > 128 ? 64 : 128; }
 
 // Rows per (batch, head) of the statistics scratch: seqlen_q rounded up to whole 128-row blocks
 // (the largest query block of a step).
