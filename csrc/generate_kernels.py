@@ -29,7 +29,7 @@ The files, under csrc/kernels/:
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
-  sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_dropout.cu ... with dropout alone
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_dropout.cu ... with dropout alone
                                                           (run_flash_bwd_sm90_dropout)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_mask.cu ... with a boolean mask alone
                                                           (run_flash_bwd_sm90_mask)
@@ -143,8 +143,8 @@ cudaStream_t stream) {{
 """
 SM90_BWD_HEAD_DIMS = (64, 128, 256)
 # Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention,
-# packed sequences, a boolean mask alone, softcap alone and ALiBi alone.
-SM90_BWD_256_VARIANTS = ("", "_mask", "_varlen", "_softcap", "_alibi")
+# packed sequences, a boolean mask alone, dropout alone, softcap alone and ALiBi alone.
+SM90_BWD_256_VARIANTS = ("", "_dropout", "_mask", "_varlen", "_softcap", "_alibi")
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),

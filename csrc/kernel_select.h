@@ -380,22 +380,23 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   }
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies (head
-  // dim 256: plain attention, a boolean mask alone, softcap alone or ALiBi alone), else the
-  // 8-warp kernels
+  // dim 256: plain attention, a boolean mask alone, dropout alone, softcap alone or ALiBi alone),
+  // else the 8-warp kernels
   // (flash_bwd_lean.cuh) for plain attention where their shared memory fits the GPU, else the
   // 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to head dim 128, and
   // the kernels must run as sm_90 machine code), atomics elsewhere, a separate kernel for
   // bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
     std::vector<std::string> why;
-    // (head dim 256: the step split by role, plain attention, a boolean mask alone, softcap
-    // alone or ALiBi alone; kernels/sm90/bwd_mainloop_split.h)
+    // (head dim 256: the step split by role, plain attention, a boolean mask alone, dropout
+    // alone, softcap alone or ALiBi alone; kernels/sm90/bwd_mainloop_split.h)
     if (d > 128 && call.score_mods != 0 && call.score_mods != kSoftcap &&
-        call.score_mods != kAlibi && !mask_alone(call.score_mods))
+        call.score_mods != kAlibi && call.score_mods != kDropout &&
+        !mask_alone(call.score_mods))
       why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
-                    "float attn_bias, dropout and softcap / alibi_slopes with other "
-                    "modifiers at head dims up to 128 (a boolean attn_mask alone, softcap "
-                    "alone and alibi_slopes alone up to 256)");
+                    "float attn_bias and modifiers together at head dims up to 128 (a boolean "
+                    "attn_mask alone, dropout alone, softcap alone and alibi_slopes alone up "
+                    "to 256)");
     if (call.score_mods & kBiasGrad)
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");

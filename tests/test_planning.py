@@ -130,7 +130,11 @@ def test_deterministic_backward_note(monkeypatch):
     ordered = planning.plan(q256, q256, q256, deterministic=True)
     assert ordered.backward_kernel == "sm90_bwd_hdim256_bf16"
     assert "fixed order of key blocks" in ordered.notes[0]
-    portable = planning.plan(q256, q256, q256, mods=planning.DROPOUT, deterministic=True)
+    dropped = planning.plan(q256, q256, q256, mods=planning.DROPOUT, deterministic=True)
+    assert dropped.backward_kernel == "sm90_bwd_hdim256_bf16_dropout"
+    assert "fixed order of key blocks" in dropped.notes[0]
+    portable = planning.plan(q256, q256, q256, mods=planning.DROPOUT | planning.SOFTCAP,
+                             deterministic=True)
     assert portable.backward_kernel == "sm80_bwd_hdim256_bf16"
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -428,7 +432,7 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     q256 = _CudaLike((2, 100, 4, 256))
     p = planning.plan(q256, q256, q256, mods=planning.DROPOUT)
     assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim256_bf16_dropout",
-                                             "sm80_bwd_hdim256_bf16")
+                                             "sm90_bwd_hdim256_bf16_dropout")
     assert planning.plan(q, q, q, run_dtype=torch.float16).kernel == "sm90_fwd_hdim128_fp16"
     kernel_opts(force_portable=True)
     p = planning.plan(q, q, q)
@@ -532,7 +536,8 @@ def test_cuda_plan_names_the_mask_variant(monkeypatch):
     ((8, 0), 166912, 64, planning.SOFTCAP, "alibi_slopes and dropout"),
     ((9, 0), 232448, 256, 0, None),  # the Hopper backward's split by role
     ((9, 0), 232448, 256, planning.SOFTCAP, None),  # softcap alone: its variant at 256 too
-    ((9, 0), 232448, 256, planning.DROPOUT, "at head dims up to 128"),
+    ((9, 0), 232448, 256, planning.DROPOUT, None),  # dropout alone: its variant at 256 too
+    ((9, 0), 232448, 256, planning.DROPOUT | planning.SOFTCAP, "at head dims up to 128"),
     ((9, 0), 232448, 256, planning.BIAS | planning.MASK, None),  # a boolean mask alone
     ((9, 0), 232448, 256, planning.BIAS, "float attn_bias"),
     ((8, 0), 166912, 256, 0, "214016 bytes of shared memory"),  # not sm_80's 163 KB

@@ -286,12 +286,13 @@ DETERMINISTIC_CASES = ["plain", "causal", "window", "softcap", "causal_padding_m
                        "dropout", "dropout_softcap", "causal_alibi"]
 
 
-# (head dim 256: the variants its Hopper backward has, plain, a boolean mask alone, softcap
-# alone, ALiBi alone)
+# (head dim 256: the variants its Hopper backward has, plain, a boolean mask alone, dropout
+# alone, softcap alone, ALiBi alone)
 @pytest.mark.parametrize("head_dim,what", [(d, w) for d in (64, 128) for w in DETERMINISTIC_CASES]
                          + [(256, w) for w in ("plain", "causal", "window", "softcap",
                                                "causal_padding_mask",
-                                               "causal_flag_padding_mask", "causal_alibi")])
+                                               "causal_flag_padding_mask", "dropout",
+                                               "causal_alibi")])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hopper_bwd, head_dim, what):
     # Ten runs, the same bits, in every variant of the Hopper backward (plain, general, mask,
     # dropout, softcap, ALiBi), on a shape with many key blocks per query block (16 at L = 2k)

@@ -231,7 +231,7 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
   if (p.dropout) {  // dropout alone
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_dropout<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_dropout<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
+    return sm90::run_flash_bwd_sm90_dropout<Element, 256>(p, stats, stream);
   }
   if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_varlen<Element, 64>(p, stats, stream);

@@ -165,7 +165,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                       p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim,
                       sm80::ScoreFn(p, b, h), m0, n0, args.dq_order != kDqAnyOrder, cls,
                       T::kMask ? mask_row(p, b, h, 0) : nullptr,
-                      static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0));
+                      static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
+                      T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
+                      (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q);
       else
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,

@@ -18,11 +18,14 @@
 // Plain attention with the causal / window mask (packed sequences too: T::kVarlen), a boolean
 // mask alone (T::kMask: warpgroup 0
 // reads its bytes in steps whose 64 x 64 block is mixed; wholly masked blocks are skipped,
-// bwd_step_skipped), softcap alone (T::kSoftcap: warpgroup 0 hands over P^T (1 - t^2),
+// bwd_step_skipped), dropout alone (T::kDropout: warpgroup 0 draws the keep bits while its S^T
+// GEMM runs, takes P^T Z / P(kept) for dV and hands over P^T with the bit in its sign, -P^T
+// where dropped, so that warpgroup 1 needs no bits of its own), softcap alone (T::kSoftcap:
+// warpgroup 0 hands over P^T (1 - t^2),
 // t = tanh(x scale / softcap), the score's derivative folded in as in bwd_mainloop.h's softcap
 // variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent); dQ in any order or in a
-// fixed one (deterministic: run_split_dq_order keeps the order); dropout and the general
-// variant stay on the portable backward at this head dim (kernel_select.h).
+// fixed one (deterministic: run_split_dq_order keeps the order); the general variant stays on
+// the portable backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
@@ -190,12 +193,16 @@ struct BwdMainloopSplit {
   // block (bias_blocks.h; a wholly masked block never comes here, bwd_step_skipped), mask_bh
   // its bytes at query row 0, key 0 of (b, h) (strides from fn), read where the block is mixed;
   // rows_left / keys_left: the step's rows and keys that exist (the others read nothing).
+  // The dropout variant (T::kDropout): drop, the forward's dropout mask (dropout.h;
+  // drop_row_base the row id of query row 0 of (b, h)): dV takes P^T Z / P(kept) and dS^T =
+  // P^T (dP^T Z / P(kept) - D), D = rowsum(dO O) of the dropped O, as bwd_mainloop.h's.
   __device__ __forceinline__ void step(typename T::SharedStorage& smem, int stage, int buf,
                                        bool masked, const VisibleKeys::Relative& rel,
                                        float scale, float scale_log2, float* dq_tile,
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
                                        bool ordered, int cls, const uint8_t* mask_bh,
-                                       int32_t rows_left, int32_t keys_left) {
+                                       int32_t rows_left, int32_t keys_left,
+                                       const sm80::DropoutFn& drop, int64_t drop_row_base) {
     const int key0 = get<0>(tScS(0)), q0 = get<1>(tScS(0));
     float* p_shared = smem.dq.data() + 4 * tid;  // this thread's P^T values (fragment order)
     AccS acc = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -204,6 +211,12 @@ struct BwdMainloopSplit {
     warpgroup_arrive();
     Base::gemm_zero(mma_sdp, tSrKV, tSrQdO(_, _, _, stage), acc);  // S^T (0) or dP^T (1)
     warpgroup_commit_batch();
+    // The dropout variant: warpgroup 0's keep bits while the GEMM runs (bit i: accumulator
+    // element i, the same (key, query) coordinates as the one-warpgroup-per-64-keys step's).
+    uint64_t kept = 0;
+    if constexpr (T::kDropout)
+      if (me == 0)
+        kept = drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (me == 0) {
@@ -243,8 +256,16 @@ struct BwdMainloopSplit {
                        : uint8_t{1};
             pr = visible != 0 ? pr : 0.f;
           }
-          a16(i) = static_cast<Element>(pr);
-          acc(i) = T::kSoftcap ? pr * fmaf(-t, t, 1.f) : pr;
+          if constexpr (T::kDropout) {
+            // (P^T Z / P(kept) for dV; -P^T where dropped for warpgroup 1: P^T >= 0, and a
+            // dropped 0 is -0, its sign bit set all the same)
+            const bool keep = (kept >> i) & 1u;
+            a16(i) = static_cast<Element>(keep ? pr * drop.scale : 0.f);
+            acc(i) = keep ? pr : -pr;
+          } else {
+            a16(i) = static_cast<Element>(pr);
+            acc(i) = T::kSoftcap ? pr * fmaf(-t, t, 1.f) : pr;
+          }
         }
       };
       if (T::kMask && cls != kBlockVisible)
@@ -261,8 +282,10 @@ struct BwdMainloopSplit {
       issue_kv(a16, stage);  // dV += P^T dO
     } else {
       // dS^T scale = P^T (dP^T scale - D scale), scaled before it is rounded to 16 bits
-      // (bwd_mainloop.h says why); with softcap P^T (1 - t^2) in place of P^T.
+      // (bwd_mainloop.h says why); with softcap P^T (1 - t^2) in place of P^T; with dropout
+      // dP^T Z / P(kept) in place of dP^T, Z from the sign of what warpgroup 0 handed over.
       const float* d_s = smem.delta[stage];
+      const float dp_scale = T::kDropout ? scale * drop.scale : scale;
       cutlass::arch::NamedBarrier::sync(256, kSplitPBarrier);
       CUTE_UNROLL
       for (int j = 0; j < kSVals / 4; ++j) {
@@ -271,7 +294,12 @@ struct BwdMainloopSplit {
         CUTE_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int i = 4 * j + e;
-          a16(i) = static_cast<Element>(pv[e] * (acc(i) * scale - d_s[q0 + acc_col(i)] * scale));
+          float pr = pv[e], dp = acc(i) * dp_scale;
+          if constexpr (T::kDropout) {
+            dp = signbit(pr) ? 0.f : dp;
+            pr = fabsf(pr);
+          }
+          a16(i) = static_cast<Element>(pr * (dp - d_s[q0 + acc_col(i)] * scale));
         }
       }
       // dS^T to shared memory as dS (query, key), queries contiguous (stmatrix; see

@@ -79,12 +79,12 @@ struct Sm90BwdTraits {
   // thread; by role each holds one of them (128).  dQ is added by the consumers themselves
   // (red.global.add.v4.f32): the writer's staging tile (64 KiB) does not fit beside K, V and
   // the Q / dO ring (bwd_mainloop_split.h).
-  // Plain attention (packed sequences too), a boolean mask alone, softcap alone and ALiBi alone
-  // (their factors in warpgroup 0's P^T).
+  // Plain attention (packed sequences too), a boolean mask alone, dropout alone, softcap alone
+  // and ALiBi alone (their factors in warpgroup 0's P^T).
   static constexpr bool kRoleSplit = kHeadDim == 256;
-  static_assert(!(kRoleSplit && (kGeneral || kDropout)),
-                "head dim 256: plain attention, packed sequences, a boolean mask alone, softcap "
-                "alone or ALiBi alone");
+  static_assert(!(kRoleSplit && kGeneral),
+                "head dim 256: plain attention, packed sequences, a boolean mask alone, dropout "
+                "alone, softcap alone or ALiBi alone");
   static constexpr int kBlockN = kRoleSplit ? 64 : 128;  // keys per CTA (64 per warpgroup)
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
   // load; the S^T / dP^T accumulators, 2 x 64 floats, fit beside dK / dV's 2 x 32), 64 at 128

@@ -1,7 +1,7 @@
 // The Hopper backward instantiations: one translation unit each (flash_bwd_sm90_hdim*_*.cu),
 // compiled where the Hopper forward is (FLASH_ATTN_EXT_SM90).  Head dims are padded up to 64,
-// 128 or 256 (256: plain, packed sequences, a boolean mask alone, softcap alone and ALiBi alone;
-// kernel_select.h sends the rest to the portable backward).
+// 128 or 256 (256: plain, packed sequences, a boolean mask alone, dropout alone, softcap alone
+// and ALiBi alone; kernel_select.h sends the rest to the portable backward).
 #pragma once
 
 #include <cuda_runtime.h>
