@@ -66,6 +66,7 @@ def varlen_cases() -> int:
             ([1, 17, 0, 113, 300], [1, 40, 5, 113, 129], 4, 2, 40, dict(causal=True)),
             ([130, 7, 260], [200, 7, 100], 2, 2, 128, dict(window_size=(50, 7))),
             ([70, 0, 129], [129, 3, 65], 2, 1, 256, dict()),
+            ([70, 0, 129], [129, 3, 65], 2, 1, 256, dict(causal=True, deterministic=True)),
             ([300, 5], [300, 64], 2, 2, 64, dict(causal=True, used=[250, 64])),
             # dQ in a fixed order (the writer warp, a counter per padded query block)
             ([1, 17, 0, 300], [1, 40, 5, 290], 4, 2, 128, dict(causal=True, deterministic=True)),
@@ -146,6 +147,8 @@ def main() -> None:
                # Dropout (dropout.h's cells: lanes swap halves of Philox calls), with a mask.
                (300, 129, 2, 1, 128, 128, True, (-1, -1), True, 0.0, "padding", 0.1),
                (130, 200, 4, 2, 64, 64, False, (-1, -1), True, 0.0, False, 0.3),
+               # dropout alone at head dim 256 (the split's keep bits in P^T's sign)
+               (130, 200, 2, 1, 256, 256, True, (-1, -1), True, 0.0, False, 0.2),
                # A boolean mask alone: the mask variant (a byte per score in mixed blocks), the
                # padding mask above as booleans, and a dense random one with an odd row stride.
                (700, 700, 2, 1, 128, 128, False, (-1, -1), True, 0.0, "bool_padding", 0.0),
