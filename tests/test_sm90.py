@@ -51,17 +51,18 @@ def test_plan_names_the_hopper_forward(head_dim, padded):
     assert p.kernel == f"sm90_fwd_hdim{padded}_bf16" and p.fused
     assert p.notes == ()
     assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16"
-    for mods, suffix in ((planning.SOFTCAP, "_softcap"), (planning.ALIBI, "_alibi")):
+    for mods, suffix in ((planning.SOFTCAP, "_softcap"), (planning.ALIBI, "_alibi"),
+                         (planning.DROPOUT, "_dropout"), (planning.BIAS | planning.MASK, "_mask")):
         assert planning.plan(q, q, q, mods=mods).backward_kernel == \
             f"sm90_bwd_hdim{padded}_bf16{suffix}"
     p = planning.plan(q, q, q, deterministic=True)
     assert p.backward_kernel == f"sm90_bwd_hdim{padded}_bf16" and len(p.notes) == 1
     assert "fixed order" in p.notes[0]
-    # Head dim 256 with other score modifiers: the portable backward (the
-    # 8-warp kernels, 214016 bytes of shared memory, which sm_90 has, or the 4-warp ones with
-    # modifiers), and the plan says why.
+    # Head dim 256 with score modifiers together or a float bias: the portable backward (the
+    # 4-warp kernels with modifiers), and the plan says why.
     if padded == 256:
-        for kw in (dict(mods=planning.DROPOUT), dict(mods=planning.SOFTCAP | planning.ALIBI)):
+        for kw in (dict(mods=planning.DROPOUT | planning.SOFTCAP),
+                   dict(mods=planning.SOFTCAP | planning.ALIBI), dict(mods=planning.BIAS)):
             p = planning.plan(q, q, q, **kw)
             assert p.backward_kernel == f"sm80_bwd_hdim{padded}_bf16", kw
             assert "at head dims up to 128" in p.notes[0], (kw, p.notes)
