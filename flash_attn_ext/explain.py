@@ -17,6 +17,7 @@ from ._call import (
     kernel_dropout,
 )
 from .planning import Plan, plan, score_mods
+from .policy import check_strict
 from .sdpa import beyond_kernels, check_sdpa_flags, flatten_batch_dims, mask_to_bias, to_bshd
 
 __all__ = ["explain"]
@@ -78,38 +79,53 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
     dropout_p = call_kwargs.get("dropout_p", 0.0)
-    if layout == "bhld":  # scaled_dot_product_attention's checks, in its order
+    strict = call_kwargs.get("strict")
+    # The call's checks in the call's order (each function's own, then run()'s), so that a
+    # call with several bad arguments is explained with the error the call raises first.
+    if layout == "bhld":  # scaled_dot_product_attention's
         check_bool(enable_gqa, "enable_gqa", numpy_bool=False)
         if isinstance(query, torch.Tensor) and query.dim() > 4:  # one call on the flattened batch
             query, key, value, attn_mask, _ = flatten_batch_dims(query, key, value, attn_mask)
+        scale = check_scale(call_kwargs.get("scale"), "scale")
         dropout_p = check_sdpa_flags(attn_mask, dropout_p, causal)
         q, k, v = to_bshd(query, key, value, enable_gqa)
+        # (head dims outside the kernels': the unfused math, without the kernels' checks; the
+        # call records that fallback, strict or not, before it reads the mask)
+        kernel_checks = not beyond_kernels(q, v)
+        if not kernel_checks:
+            check_strict(strict)
         if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
             mask_to_bias(attn_mask, query, key)
         query, key, value = q, k, v
-        # (head dims outside the kernels': the unfused math, without the kernels' checks)
-        kernel_checks = not beyond_kernels(query, value)
-    else:
+    else:  # flash_attn_func's
         check_tensors(("q", query), ("k", key), ("v", value))
         causal = check_bool(causal, "causal")  # (a NumPy bool too, as flash_attn_func's)
         window, dropout_p = check_flags(causal, window, dropout_p)
+        scale = check_scale(call_kwargs.get("softmax_scale"), "softmax_scale")
         kernel_checks = True
-    dropout_p, _ = kernel_dropout(dropout_p)  # (1: the kernels run without dropout)
-    scale = check_scale(call_kwargs.get("softmax_scale", call_kwargs.get("scale")),
-                        "softmax_scale" if "softmax_scale" in call_kwargs else "scale")
     softcap = check_softcap(call_kwargs.get("softcap", 0.0))
     deterministic = check_bool(call_kwargs.get("deterministic", False), "deterministic")
+    if layout == "blhd":
+        for flag in ("return_softmax_lse", "return_attn_probs"):
+            check_bool(call_kwargs.get(flag, False), flag)
     alibi_slopes = call_kwargs.get("alibi_slopes")
     check_alibi(alibi_slopes, query)
+    dropout_p, _ = kernel_dropout(dropout_p)  # (1: the kernels run without dropout)
     wl, wr = window
     query, key, value = autocast(query, key, value)  # (the dtypes the call runs in, as run())
-    if kernel_checks:  # the checks of the kernels' op, which every call on them passes first
-        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
-                       float(dropout_p))
     p = plan(query, key, value, scale,
              score_mods(softcap, float(dropout_p), attn_mask, alibi_slopes),
              unequal_tiles=causal or wl >= 0 or wr >= 0,
              deterministic=deterministic)
+    if kernel_checks:
+        # run(): a fused call records its plan (strict checked) before the kernels' op checks
+        # its arguments; a fallback checks them first, as the op would (_call.run).
+        if p.fused:
+            check_strict(strict)
+        ops.check_args(query, key, value, scale, causal, wl, 0 if causal else wr, softcap,
+                       float(dropout_p))
+        if not p.fused:
+            check_strict(strict)
     if p.kernel == "none":  # not a floating dtype: a call raises
         raise ValueError("; ".join(p.reasons))
     return p

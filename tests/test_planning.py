@@ -82,6 +82,43 @@ _AS_THE_CALL = {
 }
 
 
+# Bad values of each layout's keywords; explain() must raise what the call raises first.
+_BAD_ARGUMENTS = {
+    "bhld": dict(strict="yes", scale="x", dropout_p=2.0, is_causal="no"),
+    "blhd": dict(strict="yes", dropout_p=2.0, softmax_scale="x", causal=3,
+                 return_softmax_lse="y", return_attn_probs=2, deterministic="z",
+                 window_size=(1,), softcap=-1.0),
+}
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_explain_raises_the_calls_first_error(layout):
+    # One or two bad arguments at a time: explain() raises the call's error, the same one when
+    # two are bad (new-user trial: explain() did not check strict= nor the return flags, and
+    # in the SDPA layout checked dropout_p and is_causal before scale, the call after).
+    import itertools
+    bad = _BAD_ARGUMENTS[layout]
+    t = torch.randn(2, 4, 16, 32)
+    call = flash_attn_ext.scaled_dot_product_attention if layout == "bhld" else flash_attn_func
+
+    def outcome(f, **kw):
+        try:
+            f(t, t, t, **kw)
+            return None
+        except (ValueError, TypeError) as error:
+            return type(error), str(error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for combo in itertools.chain(itertools.combinations(bad, 1),
+                                     itertools.combinations(bad, 2)):
+            kw = {name: bad[name] for name in combo}
+            want = outcome(call, **kw)
+            got = outcome(explain, layout=layout, **kw)
+            assert got == want, (combo, got, want)
+            if "strict" in combo or any(n.startswith("return_") for n in combo):
+                assert want is not None, combo  # (each of these is refused)
+
+
 @pytest.mark.parametrize("case", list(_AS_THE_CALL))
 def test_explain_answers_as_the_call(case):
     # explain() gives the plan the call records, or raises the call's own error (type and
