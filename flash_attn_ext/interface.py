@@ -139,7 +139,8 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[torch.Tensor] = None,
                               deterministic: bool = False, return_attn_probs: bool = False,
-                              *, return_softmax_lse: bool = False):
+                              *, return_softmax_lse: bool = False,
+                              strict: Optional[bool] = None):
     """FlashAttention-2's ``flash_attn_qkvpacked_func``: ``qkv`` (batch, seqlen, 3, num_heads,
     head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
     gradient of qkv's shape). Otherwise :func:`flash_attn_func` (arguments, returns, errors).
@@ -153,7 +154,8 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                          f"head_dim), got {_shape(qkv)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs, return_softmax_lse=return_softmax_lse)
+                           return_attn_probs, return_softmax_lse=return_softmax_lse,
+                           strict=strict)
 
 
 def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
@@ -161,7 +163,8 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[torch.Tensor] = None,
                              deterministic: bool = False, return_attn_probs: bool = False,
-                             *, return_softmax_lse: bool = False):
+                             *, return_softmax_lse: bool = False,
+                             strict: Optional[bool] = None):
     """FlashAttention-2's ``flash_attn_kvpacked_func``: ``kv`` (batch, seqlen_k, 2,
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_func`.
 
@@ -174,7 +177,7 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                          f"head_dim), got {_shape(kv)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                           return_softmax_lse=return_softmax_lse)
+                           return_softmax_lse=return_softmax_lse, strict=strict)
 
 
 def _shape(t) -> str:

@@ -206,7 +206,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
                                      softcap: float = 0.0,
                                      alibi_slopes: Optional[torch.Tensor] = None,
                                      deterministic: bool = False,
-                                     return_attn_probs: bool = False):
+                                     return_attn_probs: bool = False, *,
+                                     strict: Optional[bool] = None):
     """FlashAttention-2's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, num_heads,
     head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
     (total, 3, num_heads, head_dim) gradient); the same offsets for queries and keys. Otherwise
@@ -219,7 +220,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
                                   max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, strict=strict)
 
 
 def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
@@ -230,7 +231,8 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
                                     softcap: float = 0.0,
                                     alibi_slopes: Optional[torch.Tensor] = None,
                                     deterministic: bool = False,
-                                    return_attn_probs: bool = False):
+                                    return_attn_probs: bool = False, *,
+                                    strict: Optional[bool] = None):
     """FlashAttention-2's ``flash_attn_varlen_kvpacked_func``: ``kv`` (total_k, 2,
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_varlen_func`."""
     if not isinstance(kv, torch.Tensor):
@@ -241,4 +243,4 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
                                   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, strict=strict)

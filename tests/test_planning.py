@@ -272,6 +272,32 @@ def test_flash_attn_func_strict_does_not_raise_on_cpu():
     flash_attn_func(q, q, q, strict=True)
 
 
+def test_packed_variants_take_strict():
+    # The packed variants of flash_attn_func and flash_attn_varlen_func lacked their strict=
+    # (new-user trial: TypeError); it is passed through, value rule included.
+    from flash_attn_ext import (
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+    )
+    qkv = torch.randn(2, 5, 3, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    calls = {
+        "qkvpacked": lambda **kw: flash_attn_qkvpacked_func(qkv, **kw),
+        "kvpacked": lambda **kw: flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], **kw),
+        "varlen_qkvpacked": lambda **kw: flash_attn_varlen_qkvpacked_func(
+            qkv.reshape(10, 3, 2, 8), cu, 6, **kw),
+        "varlen_kvpacked": lambda **kw: flash_attn_varlen_kvpacked_func(
+            qkv.reshape(10, 3, 2, 8)[:, 0], qkv.reshape(10, 3, 2, 8)[:, 1:], cu, cu, 6, 6, **kw),
+    }
+    for name, call in calls.items():
+        want = call()
+        assert torch.equal(call(strict=True), want), name
+        with pytest.raises(ValueError, match="strict must be True, False or None"):
+            call(strict="no")
+
+
 def test_fallback_through_the_public_api_on_meta():
     q = torch.empty(2, 7, 4, 16, device="meta")
     with pytest.warns(UserWarning, match="'meta'"):
