@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import warnings
 from typing import Optional
 
@@ -129,4 +130,20 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
-                      "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.", stacklevel=4)
+                      "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.",
+                      stacklevel=_caller_stacklevel())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel, from note_fallback, of the first frame outside
+    flash_attn_ext: the line that called the attention (the depth from there to here differs by
+    path: flash_attn_func, the SDPA drop-in, patch(), the backward)."""
+    frame, level = sys._getframe(1), 1  # (note_fallback's frame is level 1)
+    while os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        if frame.f_back is None:  # (called from C++ alone, as autograd's engine may)
+            return level
+        frame, level = frame.f_back, level + 1
+    return level

@@ -224,6 +224,26 @@ def test_fallback_reasons_warn_once_count_and_strict():
     policy.record(p, strict=False)  # the call's own argument wins
 
 
+def test_fallback_warning_names_the_callers_line():
+    # The warning pointed at a line inside flash_attn_ext (a fixed stacklevel, right for one
+    # path only; new-user trial): it names the line that called the attention, on each path.
+    q = torch.empty(2, 7, 4, 16, device="meta")
+    calls = {
+        "flash_attn_func": lambda: flash_attn_func(q, q, q, causal=True),
+        "sdpa": lambda: flash_attn_ext.scaled_dot_product_attention(
+            q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2)),
+    }
+    for name, call in calls.items():
+        policy.reset_fallback_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        mine = [w for w in caught if "falling back" in str(w.message)]
+        assert len(mine) == 1 and mine[0].filename == __file__, (name, [
+            (w.filename, w.lineno) for w in mine])
+    policy.reset_fallback_counts()
+
+
 def test_strict_env_variable():
     code = ("import torch, flash_attn_ext as f; from flash_attn_ext import planning, policy;"
             "q = torch.empty(1, 4, 2, 8, device='meta');"
