@@ -2,9 +2,10 @@
 
 Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call time, as
 ``torch.nn.MultiheadAttention``'s fast path and most model code do) then run on flash_attn_ext.
-Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors) go to
-PyTorch's own function, reported like every fallback (warning once, counted, an error in strict
-mode).
+Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors, key or
+value broadcast against query: a batch or head count of 1 or fewer dimensions, which PyTorch's
+function broadcasts) go to PyTorch's own function, reported like every fallback (warning once,
+counted, an error in strict mode).
 Code that imported the function by name before patching keeps the original, and modules that
 never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
 (its default) computes the weights itself, and ``nn.TransformerEncoderLayer``'s native fast
@@ -34,6 +35,10 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         reason = "nested (jagged) tensors: flash_attn_ext takes dense ones"
     elif query.dim() < 3:
         reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or higher inputs"
+    elif _broadcasts(query, key, value, enable_gqa):
+        reason = ("key or value broadcast against query (a batch or head count of 1, or fewer "
+                  "dimensions): flash_attn_ext takes them expanded to query's batch and head "
+                  "counts")
     if reason is not None:
         policy.note_fallback(reason, "the original torch.nn.functional."
                                "scaled_dot_product_attention")
@@ -42,6 +47,28 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                         enable_gqa=enable_gqa)
+
+
+def _broadcasts(query, key, value, enable_gqa) -> bool:
+    """Whether key or value differ from query in rank or in their dimensions before (S, E) in a
+    way PyTorch's function broadcasts (a batch or head count of 1, fewer dimensions), which the
+    drop-in refuses (ValueError).  Grouped heads with enable_gqa are the drop-in's own; shapes
+    that do not broadcast either stay with it, for its error."""
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return False  # (the drop-in names the argument)
+    lead_q = tuple(query.shape[:-2])
+    for t in (key, value):
+        lead = tuple(t.shape[:-2])
+        if lead == lead_q:
+            continue
+        if enable_gqa and t.dim() == query.dim() and lead[:-1] == lead_q[:-1]:
+            continue  # (heads grouped: the drop-in's rule, and its error where they do not)
+        try:
+            if torch.broadcast_shapes(lead, lead_q) == torch.Size(lead_q):
+                return True
+        except RuntimeError:
+            pass
+    return False
 
 
 _patched.__doc__ = _ORIGINAL.__doc__

@@ -2,6 +2,7 @@
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -120,3 +121,39 @@ def test_torchscript_under_patch_uses_pytorchs_operator():
         assert torch.allclose(scripted(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
         pickle.dumps(torch.nn.functional.scaled_dot_product_attention)  # picklable by name
     torch.jit.script(torch.nn.TransformerEncoderLayer(8, 2))  # scripting still works after
+
+
+def test_patch_hands_broadcasting_calls_to_pytorch():
+    # PyTorch's function broadcasts key and value against query (a batch or head count of 1,
+    # fewer dimensions); the drop-in refuses them (ValueError), so under patch() a model that
+    # relied on it broke (new-user trial).  Those calls now go to PyTorch's function, reported
+    # as a fallback (warned once, counted, refused in strict mode); grouped heads with
+    # enable_gqa stay ours, and a mismatch that does not broadcast still raises ours.
+    q = torch.randn(4, 8, 16, 32)
+    cases = {"batch of 1": torch.randn(1, 8, 16, 32), "one head": torch.randn(4, 1, 16, 32),
+             "3-D": torch.randn(8, 16, 32)}
+    policy.reset_fallback_counts()
+    with flash_attn_ext.patch():
+        for name, kv in cases.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+            want = torch.nn.functional.softmax(
+                (q @ kv.transpose(-1, -2) / 32 ** 0.5).masked_fill(
+                    torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")), -1) @ kv
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, msg=name)
+            assert all(w.filename == __file__ for w in caught
+                       if "falling back" in str(w.message)), name
+        counts = policy.fallback_counts()
+        assert sum(counts.values()) == 3 and all("broadcast" in r for r in counts), counts
+        policy.set_strict(True)
+        try:
+            with pytest.raises(flash_attn_ext.FallbackError, match="broadcast"):
+                F.scaled_dot_product_attention(q, cases["one head"], cases["one head"])
+            kv = torch.randn(4, 2, 16, 32)  # grouped heads: ours, fused
+            out = F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        finally:
+            policy.set_strict(None)
+        with pytest.raises(ValueError, match="heads"):  # (no enable_gqa: ours, its error)
+            F.scaled_dot_product_attention(q, kv, kv)
+    policy.reset_fallback_counts()
