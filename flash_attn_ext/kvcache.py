@@ -24,7 +24,14 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import ops, policy
-from ._call import check_alibi_grad, check_bool, check_flags, check_scale, check_softcap
+from ._call import (
+    check_alibi_grad,
+    check_bool,
+    check_flags,
+    check_scale,
+    check_softcap,
+    check_tensors,
+)
 from .varlen import fwd_varlen_op
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -284,7 +291,9 @@ def flash_attn_with_kvcache(
     Raises:
         NotImplementedError: tensors on other devices (meta included); on CUDA, a GPU or build
             without the kernels (naming the reason).
-        ValueError: shapes, a cache too short for the append, bad lengths; flags that are not
+        TypeError: q, k_cache, v_cache, k or v not a tensor (naming it).
+        ValueError: shapes, a cache too short for the append, bad lengths, k and v without
+            cache_seqlens (as FlashAttention-2: where to append them); flags that are not
             what flash_attn_func takes (e.g. causal not a bool, strict not True, False or
             None); alibi_slopes requiring grad.
             On the CUDA decode route, values held in CUDA tensors (cache_seqlens,
@@ -301,9 +310,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     check_alibi_grad(alibi_slopes)
     policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if q.device.type not in ("cpu", "cuda"):  # (meta too: the length checks read values)
         raise NotImplementedError(
             f"flash_attn_with_kvcache runs on CPU and CUDA tensors, got q on {q.device}")
@@ -313,6 +320,14 @@ def flash_attn_with_kvcache(
                          f"{tuple(v_cache.shape)}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    if k is not None:
+        check_tensors(("k", k), ("v", v))
+        if cache_seqlens is None:
+            # (FlashAttention-2 refuses it too: without it the cache counts as full, and on
+            # CUDA the append would land past its end, its rows NaN)
+            raise ValueError("k and v (new keys and values to append) need cache_seqlens, "
+                             "each batch row's cache length before the append, got "
+                             "cache_seqlens=None")
     batch, seqlen_q, heads, _ = q.shape
     device = q.device
     page = k_cache.shape[1]  # (paged: the page size; else the cache's length)

@@ -86,6 +86,13 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3)
     with pytest.raises(ValueError, match="k and v must be given together"):
         flash_attn_with_kvcache(q, k_cache, v_cache, new)
+    # New keys without cache_seqlens: the missing argument named (new-user trial: the message
+    # was about cache_seqlens + seqlen_new, an argument the call did not pass; on CUDA the rows
+    # came back NaN); a new k that is not a tensor named (was an AttributeError).
+    with pytest.raises(ValueError, match="k and v .* need cache_seqlens.*got cache_seqlens=None"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, [1.0], new, cache_seqlens=1)
     with pytest.raises(ValueError, match="block_table must be"):
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
     with pytest.raises(NotImplementedError, match="runs on CPU and CUDA tensors"):
