@@ -48,6 +48,42 @@ struct BwdProbs {
   }
 };
 
+// What hides S^T's accumulator elements from a thread's P^T (both mainloops): the causal /
+// window mask (rel, where the step is `masked`) and, with kBool (the mask variant's mixed
+// steps), the boolean mask's bytes (mask_bh at query row 0, key 0 of (b, h); its strides from
+// fn: keys unit-stride or broadcast, prepare_bias).  Built once per step at the thread's first
+// (key, query) key0, q0 of keys n0 .. and query rows m0 ..; with kBool the causal / window
+// mask hides nothing where the step has none (one copy of the loop for both); rows and keys
+// past the ends (rows_left, keys_left) read no byte, their P^T being 0 by the statistics and
+// the mask.
+template <bool kBool>
+struct BwdHide {
+  static constexpr int kNever = 1 << 30;
+  VisibleKeys::Relative::Thread hide;
+  const uint8_t* mask_at = nullptr;
+  int64_t row_stride = 0;
+  bool per_key = false;
+
+  __device__ __forceinline__ BwdHide(const VisibleKeys::Relative& rel, bool masked, int key0,
+                                     int q0, const sm80::ScoreFn& fn, const uint8_t* mask_bh,
+                                     int64_t m0, int64_t n0)
+      : hide(!kBool || masked ? rel.thread(key0, q0)
+                              : VisibleKeys::Relative::Thread{-kNever, kNever, kNever}) {
+    if constexpr (kBool) {
+      row_stride = fn.bias_row_stride;
+      per_key = fn.bias_col_stride != 0;
+      mask_at = mask_bh + (m0 + q0) * row_stride + (per_key ? n0 + key0 : 0);
+    }
+  }
+  // Whether the causal / window mask hides the element at (acc_row, acc_col) of the thread's
+  // first; and the boolean mask's byte there (1 where the element's row or key does not
+  // exist: `exists`).
+  __device__ __forceinline__ bool by_rel(int row, int col) const { return hide.hidden(row, col); }
+  __device__ __forceinline__ uint8_t visible(int row, int col, bool exists) const {
+    return exists ? mask_at[col * row_stride + (per_key ? row : 0)] : uint8_t{1};
+  }
+};
+
 // A key block's dK or dV accumulator (acc, its (key, column) coordinates coord) to `out`, the
 // thread's first element's place in dk / dv (row stride row_stride), rows_left of its rows
 // and cols of its columns existing, one 32-bit word per pair of columns.  Every element's
@@ -314,17 +350,8 @@ struct BwdMainloop {
       // The mask variant's mixed steps take a third copy, with the boolean mask (and the
       // causal/window mask, hiding nothing where the step has none).
       auto probs = [&](auto with_mask, auto with_bool) {
-        constexpr int kNever = 1 << 30;
-        const VisibleKeys::Relative::Thread hide =
-            !decltype(with_bool)::value || masked
-                ? rel.thread(key0, q0)
-                : VisibleKeys::Relative::Thread{-kNever, kNever, kNever};
-        // (keys unit-stride or broadcast: prepare_bias)
-        const bool per_key = fn.bias_col_stride != 0;
-        const uint8_t* mask_at =
-            decltype(with_bool)::value
-                ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
-                : nullptr;
+        const BwdHide<decltype(with_bool)::value> hide(rel, masked, key0, q0, fn, mask_bh, m0,
+                                                       n0);
         // (the softcap and ALiBi variants' terms: Sm90BwdTraits::kSoftcap, kAlibi)
         const BwdProbs<T> prob(fn, m0, n0, key0, q0);
         CUTE_UNROLL
@@ -335,16 +362,11 @@ struct BwdMainloop {
           // (the softcap variant's t too: a hidden key's score may be NaN, which P^T (1 - t^2)
           // below would keep)
           if constexpr (decltype(with_mask)::value)
-            if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
-          if constexpr (decltype(with_bool)::value) {
-            // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
-            // the mask above)
-            const bool exists = q < rows_left && key < keys_left;
-            const uint8_t visible =
-                exists ? mask_at[acc_col(i) * fn.bias_row_stride + (per_key ? acc_row(i) : 0)]
-                       : uint8_t{1};
-            pr = visible != 0 ? pr : 0.f;
-          }
+            if (hide.by_rel(acc_row(i), acc_col(i))) pr = t = 0.f;
+          if constexpr (decltype(with_bool)::value)
+            pr = hide.visible(acc_row(i), acc_col(i), q < rows_left && key < keys_left) != 0
+                     ? pr
+                     : 0.f;
           if constexpr (T::kSoftcap) {
             // P^T for dV now; S^T's register keeps P^T ds/dx / scale = P^T (1 - t^2) for dS^T.
             // (A select of 0 where P^T is 0 instead of t = 0 for hidden keys above spilled 516

@@ -224,21 +224,12 @@ struct BwdMainloopSplit {
       // row (a copy of the loop for steps with a mask, one without: see bwd_mainloop.h), in
       // 16 bits for dV; acc keeps what warpgroup 1 needs for dS^T: P^T, or with softcap
       // P^T (1 - t^2).
-      // The mask variant's mixed blocks take a third copy, with the boolean mask's bytes (and
-      // the causal / window mask, hiding nothing where the step has none).
+      // The mask variant's mixed blocks take a third copy, with the boolean mask's bytes
+      // (BwdHide).
       const float* lse_s = smem.lse_log2[stage];
       auto probs = [&](auto with_mask, auto with_bool) {
-        constexpr int kNever = 1 << 30;
-        const VisibleKeys::Relative::Thread hide =
-            !decltype(with_bool)::value || masked
-                ? rel.thread(key0, q0)
-                : VisibleKeys::Relative::Thread{-kNever, kNever, kNever};
-        // (keys unit-stride or broadcast: prepare_bias)
-        const bool per_key = fn.bias_col_stride != 0;
-        const uint8_t* mask_at =
-            decltype(with_bool)::value
-                ? mask_bh + (m0 + q0) * fn.bias_row_stride + (per_key ? n0 + key0 : 0)
-                : nullptr;
+        const BwdHide<decltype(with_bool)::value> hide(rel, masked, key0, q0, fn, mask_bh, m0,
+                                                       n0);
         const BwdProbs<T> prob(fn, m0, n0, key0, q0);
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) {
@@ -246,16 +237,12 @@ struct BwdMainloopSplit {
           float pr = prob(acc(i), scale_log2, lse_s[q0 + acc_col(i)], acc_col(i) - acc_row(i), t);
           // (t too: a hidden key's score may be NaN, which P^T (1 - t^2) would keep)
           if constexpr (decltype(with_mask)::value)
-            if (hide.hidden(acc_row(i), acc_col(i))) pr = t = 0.f;
-          if constexpr (decltype(with_bool)::value) {
-            // (rows and keys past the ends read nothing: their P^T is 0 by the statistics and
-            // the mask above)
-            const bool exists = q0 + acc_col(i) < rows_left && key0 + acc_row(i) < keys_left;
-            const uint8_t visible =
-                exists ? mask_at[acc_col(i) * fn.bias_row_stride + (per_key ? acc_row(i) : 0)]
-                       : uint8_t{1};
-            pr = visible != 0 ? pr : 0.f;
-          }
+            if (hide.by_rel(acc_row(i), acc_col(i))) pr = t = 0.f;
+          if constexpr (decltype(with_bool)::value)
+            pr = hide.visible(acc_row(i), acc_col(i),
+                              q0 + acc_col(i) < rows_left && key0 + acc_row(i) < keys_left) != 0
+                     ? pr
+                     : 0.f;
           if constexpr (T::kDropout) {
             // (P^T Z / P(kept) for dV; -P^T where dropped for warpgroup 1: P^T >= 0, and a
             // dropped 0 is -0, its sign bit set all the same)
