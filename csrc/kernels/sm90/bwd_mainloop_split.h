@@ -320,19 +320,17 @@ struct BwdMainloopSplit {
   }
 
   // Packed sequences (T::kVarlen; bwd_kernel.h says why): keys from `first` of the block
-  // (relative to n0) become zeros in what this warpgroup reads, K in both (S^T, dQ), V in
-  // warpgroup 1 (dP^T); rows from `first` of ring stage `stage`, zeros in Q and dO, which both
-  // read.  Where both write, they write the same zeros, each before its own GEMMs, as in
-  // bwd_mainloop.h.
+  // (relative to n0) become zeros, K by warpgroup 0 (its S^T reads it first; warpgroup 1's dQ
+  // reads it only after the dS barrier, which warpgroup 0 reaches after these writes), V by
+  // warpgroup 1 (only its dP^T reads it); rows from `first` of ring stage `stage`, zeros in Q
+  // and dO, which both read before any barrier between them: each writes the same zeros
+  // before its own GEMMs, as in bwd_mainloop.h.
   __device__ __forceinline__ void zero_kv_rows(typename T::SharedStorage& smem, int64_t first,
                                                int me, int tid) {
     const int from = first < 0 ? 0 : first > kN ? kN : static_cast<int>(first);
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
-    Base::zero_rows(sK, from, kN, tid);
-    if (me == 1) {
-      Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutK{});
-      Base::zero_rows(sV, from, kN, tid);
-    }
+    Tensor sKV = make_tensor(make_smem_ptr(me == 0 ? smem.k.data() : smem.v.data()),
+                             typename T::SmemLayoutK{});
+    Base::zero_rows(sKV, from, kN, tid);
     cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before wgmma reads
     cutlass::arch::NamedBarrier::sync(128, kSplitZeroBarrier + me);
   }
