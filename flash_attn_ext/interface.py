@@ -84,11 +84,11 @@ def flash_attn_func(
             into an fp32 buffer from many CTAs do so in the order the CTAs get there (faster;
             dq's last bits vary with the summation order): the Hopper backward on sm_90
             (every variant up to head dim 128: masks, softcap, ALiBi, dropout; plain
-            attention, a boolean mask alone, softcap alone and ALiBi alone at 256), and plain
-            attention on the 8-warp portable kernels.  With True the Hopper backward adds in
-            a fixed order (0.86-1.02x its default speed on an H200 at head dims up to 128,
-            0.80-0.91x at 256), and the 8-warp kernels take a separate dq kernel
-            (0.64-0.78x).  The 4-warp kernels and the CPU are reproducible either way.
+            attention, a boolean mask alone, dropout alone, softcap alone and ALiBi alone at
+            256), and plain attention on the 8-warp portable kernels.  With True the Hopper
+            backward adds in a fixed order (0.86-1.02x its default speed on an H200 at head
+            dims up to 128, 0.80-0.91x at 256), and the 8-warp kernels take a separate dq
+            kernel (0.64-0.78x).  The 4-warp kernels and the CPU are reproducible either way.
         return_attn_probs: FlashAttention-2's argument (its 11th positional one, as here), for
             code written against it: with True the call returns (out, softmax_lse, None); the
             attention probabilities are never stored, so the third item is None.
