@@ -345,8 +345,8 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                                                  : detail::sm90_variant(call));
 
   // Packed sequences: the Hopper backward's varlen instantiation for plain attention (dQ added
-  // in any order, or in a fixed order when deterministic), else the
-  // 4-warp backward with its separate dQ kernel (per-sequence offsets; bitwise reproducible).
+  // in any order, or in a fixed order when deterministic), else the 4-warp backward with its
+  // separate dQ kernel (per-sequence offsets; bitwise reproducible).
   if (call.packed) {
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
@@ -380,10 +380,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   }
 
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies (head
-  // dim 256: plain attention, a boolean mask alone, dropout alone, softcap alone or ALiBi alone),
-  // else the 8-warp kernels
-  // (flash_bwd_lean.cuh) for plain attention where their shared memory fits the GPU, else the
-  // 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to head dim 128, and
+  // dim 256: plain attention, a boolean mask alone, dropout alone, softcap alone or ALiBi
+  // alone), else the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared
+  // memory fits the GPU, else the 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to head dim 128, and
   // the kernels must run as sm_90 machine code), atomics elsewhere, a separate kernel for
   // bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)

@@ -123,7 +123,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // Packed sequences: keys past the sequence's end are the next sequence's (or TMA's zeros
     // past the tensor).  The mask gives them P^T = 0, but dS^T = 0 * (dP^T - D) and dQ = dS K
     // would carry a NaN or inf of theirs through: each warpgroup zeroes its own keys' rows of
-    // K and V past the end (the other warpgroup reads them in dQ only after the dS barrier).
+    // K and V past the end (the other warpgroup reads them in dQ only after the dS barrier;
+    // the role split, both on the same keys: K by warpgroup 0, V by warpgroup 1,
+    // bwd_mainloop_split.h).
     if constexpr (T::kVarlen)
       if (n0 + kN > seq.len_k) mainloop.zero_kv_rows(smem, seq.len_k - n0, me, tid);
     // (the writer's staging; the role split adds its dQ itself)

@@ -16,16 +16,15 @@
 // do: warpgroup 1 writes step t + 1's after the P barrier of t + 1, which warpgroup 0 reaches
 // after its dQ GEMM of step t).
 // Plain attention with the causal / window mask (packed sequences too: T::kVarlen), a boolean
-// mask alone (T::kMask: warpgroup 0
-// reads its bytes in steps whose 64 x 64 block is mixed; wholly masked blocks are skipped,
-// bwd_step_skipped), dropout alone (T::kDropout: warpgroup 0 draws the keep bits while its S^T
-// GEMM runs, takes P^T Z / P(kept) for dV and hands over P^T with the bit in its sign, -P^T
-// where dropped, so that warpgroup 1 needs no bits of its own), softcap alone (T::kSoftcap:
-// warpgroup 0 hands over P^T (1 - t^2),
-// t = tanh(x scale / softcap), the score's derivative folded in as in bwd_mainloop.h's softcap
-// variant) and ALiBi alone (T::kAlibi: its term in P^T's exponent); dQ in any order or in a
-// fixed one (deterministic: run_split_dq_order keeps the order); the general variant stays on
-// the portable backward at this head dim (kernel_select.h).
+// mask alone (T::kMask: warpgroup 0 reads its bytes in steps whose 64 x 64 block is mixed;
+// wholly masked blocks are skipped, bwd_step_skipped), dropout alone (T::kDropout: warpgroup 0
+// draws the keep bits while its S^T GEMM runs, takes P^T Z / P(kept) for dV and hands over P^T
+// with the bit in its sign, -P^T where dropped, so that warpgroup 1 needs no bits of its own),
+// softcap alone (T::kSoftcap: warpgroup 0 hands over P^T (1 - t^2), t = tanh(x scale /
+// softcap), the score's derivative folded in as in bwd_mainloop.h's softcap variant) and ALiBi
+// alone (T::kAlibi: its term in P^T's exponent); dQ in any order or in a fixed one
+// (deterministic: run_split_dq_order keeps the order); the general variant stays on the
+// portable backward at this head dim (kernel_select.h).
 // The split by role is the budget worked out in docs/perf/sm90_backward.md ("Next");
 // FlashAttention-3 (arXiv:2407.08608) takes 64 x 80 tiles there instead, with the dK / dV and
 // dQ products transposed over both warpgroups.
