@@ -135,11 +135,13 @@ def test_values_that_break_a_rule_give_nan_rows_only():
     q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.float16)
     good = torch.tensor([10, 20, 30, 40], dtype=torch.int32, device="cuda")
     want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good)
-
-    want3 = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good, num_splits=3)
+    # The combine kernel's NaN path, a row's splits on one warp (3) and spread over 4 and 8
+    # warps (33, 128; most of them empty: at most 40 keys, 3 blocks of 16).
+    wants = {s: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good, num_splits=s)
+             for s in (3, 33, 128)}
 
     def check(bad_rows, **kw):
-        for splits, expected in ((0, want), (3, want3)):  # (3: the combine kernel's NaN path)
+        for splits, expected in ((0, want), *wants.items()):
             out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=splits,
                                                return_softmax_lse=True, **kw)
             torch.cuda.synchronize()
@@ -230,6 +232,39 @@ def test_long_caches_split_over_the_sms():
     assert_error_rule(out, low.to(torch.bfloat16), true, 2.0, "split")
     assert_error_rule(one, low.to(torch.bfloat16), true, 2.0, "one split")
     assert (lse - true_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("num_splits", [17, 33, 65, 128])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (256, torch.float16),
+                                     (200, torch.bfloat16)])
+def test_many_splits_merge_as_one(num_splits, d, dtype):
+    # Few rows and many splits: the combine spreads each row's splits over 2, 4, 8 and 8 warps
+    # of a CTA (combine_row_warps: more than 16, 32, 64 splits) and adds their parts through
+    # shared memory.  135 rows (odd: the last CTA has rows past the end), head dim 200 (a
+    # partial second 128-channel chunk); batch row 0 fills every split (2048 keys, 16 per
+    # split at 128), row 1 is empty (zeros, LSE -inf), row 2 leaves the last splits empty.
+    gen = torch.Generator().manual_seed(8000 + num_splits + d)
+    batch, seqlen_q, heads, heads_k, cache_len = 3, 3, 15, 1, 2048
+    q = torch.randn(batch, seqlen_q, heads, d, generator=gen).to("cuda", dtype)
+    k_cache, v_cache = (torch.randn(batch, cache_len, heads_k, d, generator=gen).to("cuda", dtype)
+                        for _ in "kv")
+    lens = torch.tensor([cache_len, 0, 1337], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                       num_splits=num_splits, return_softmax_lse=True)
+    one, lse1 = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=1,
+                                        return_softmax_lse=True)
+    assert not out[1].any() and torch.isneginf(lse[1]).all(), "an empty row: zeros, lse -inf"
+    for b in (0, 2):
+        keys, values = k_cache[b:b + 1, :int(lens[b])], v_cache[b:b + 1, :int(lens[b])]
+        true, true_lse = attention_ref(q[b:b + 1], keys, values, compute_dtype=torch.float32)
+        low, _ = attention_ref(q[b:b + 1], keys, values, compute_dtype=dtype)
+        assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0, f"{num_splits} splits, [{b}]")
+        assert_error_rule(one[b:b + 1], low.to(dtype), true, 2.0, f"one split, [{b}]")
+        assert (lse[b] - true_lse[0]).abs().max().item() < 1e-3
+        assert (lse[b] - lse1[b]).abs().max().item() < 1e-3
+        # (fp32 sums in another order, then one rounding: at most an ulp apart)
+        ulp = torch.finfo(dtype).eps * one[b].float().abs().max().item()
+        assert (out[b].float() - one[b].float()).abs().max().item() <= 2 * ulp
 
 
 def test_inputs_the_kernels_must_not_mishandle():

@@ -4,11 +4,12 @@ alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plai
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
 general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
 order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
-sizes, left padding, batch indices, appends with rotary, split-KV, rows whose values break a
-rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and backward's varlen
-instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).  `--decode`: only
-the decode calls; `--ordered`: only the deterministic Hopper backward's calls; `--hdim256`:
-only the Hopper backward's head dim 256 calls; `--varlen`: only the packed sequences.
+sizes, left padding, batch indices, appends with rotary, split-KV up to 128 splits, rows whose
+values break a rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and
+backward's varlen instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).
+`--decode`: only the decode calls; `--ordered`: only the deterministic Hopper backward's
+calls; `--hdim256`: only the Hopper backward's head dim 256 calls; `--varlen`: only the packed
+sequences.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered |
         --hdim256 | --varlen]
@@ -52,6 +53,16 @@ def decode_cases() -> int:
         if page:
             bad["block_table"] = kw["block_table"] + 10**6
         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, **bad)
+        calls += 1
+    # Many splits over few rows: the combine spreads each row's splits over 8 warps (128
+    # splits, MQA at B = 1) and over 4 (33 splits, head dim 256, 15 rows: a CTA with a row past
+    # the end, a batch row with no key, one whose last splits are empty).
+    for batch, heads, d, splits in [(1, 32, 128, 128), (3, 5, 256, 33)]:
+        k_cache, v_cache = (torch.randn(batch, 2100, 1, d, device=dev, dtype=dt) for _ in "kv")
+        q = torch.randn(batch, 1, heads, d, device=dev, dtype=dt)
+        lens = torch.tensor([2100, 0, 1000][:batch], device=dev, dtype=torch.int32)
+        flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                               num_splits=splits)
         calls += 1
     torch.cuda.synchronize()
     return calls

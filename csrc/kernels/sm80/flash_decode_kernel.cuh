@@ -427,64 +427,168 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   }
 }
 
-// Merges the splits of one (b, h, i) row per warp (see the top of this file); rows of any NaN
-// split stay NaN, rows that saw no key get zeros and LSE -inf.  The weights exp(lse_s - lse)
-// go through shared memory so that the loads of out_accum are independent (unrolled, several
-// in flight per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).
-constexpr int kCombineWarps = 4, kMaxDecodeSplits = 128;
+// The combine: merges the num_splits partial outputs of each (b, h, i) row (see the top of this
+// file); rows of any NaN split stay NaN, rows that saw no key get zeros and LSE -inf.  A CTA of
+// kCombineWarps warps takes kCombineWarps / row_warps rows, row_warps warps per row
+// (combine_row_warps): with many splits and few rows (MQA at B = 1, S = 32k: 32 rows, 109
+// splits) one warp per row read its splits serially on a few SMs (19 us against cuDNN's whole
+// 14 us call on the H200, docs/perf/decode.md), so the splits of a row are cut into row_warps
+// contiguous parts, each warp sums its part of out_accum, and the row's first warp adds the
+// parts from shared memory and writes the row.  Predicted, not yet measured: MQA B = 1,
+// S = 32k, d = 128 ~19 -> ~3 us.  The weights exp(lse_s - lse) go through shared memory so
+// that the loads of out_accum are independent (several in flight per lane: a loop that
+// computed each weight between loads ran ~20 us at 32 splits).
+constexpr int kCombineWarps = 8, kMaxDecodeSplits = 128;
+// Channels of a row the combine's shared memory holds (head_dim_v up to kMaxHeadDim).
+constexpr int kCombineMaxDim = 256;
+// Splits one warp reads before its row is spread over more warps: up to 16, two batches of
+// kCombineBatch independent loads per lane, so a row costs two L2 round trips, not ~14.
+constexpr int kCombineSplitsPerWarp = 16;
+// Loads of out_accum each lane has in flight (8 x 16 bytes: 32 registers).
+constexpr int kCombineBatch = 8;
+// Warps (rows x warps per row) past which more warps per row should buy nothing (chosen, not
+// measured): ~16 per SM of an H100 / H200 (132 SMs) keep its loads in flight, and a spread
+// adds a barrier, the partial sums through shared memory and the LSE loads in every warp.
+constexpr int64_t kCombineEnoughWarps = 2048;
+static_assert(kMaxDecodeSplits % 32 == 0, "the LSE loads: kMaxDecodeSplits / 32 per lane");
+static_assert(kCombineMaxDim % 128 == 0, "the channel loop: 128 channels per warp pass");
+static_assert(kCombineMaxDim >= kMaxHeadDim, "the combine takes every head dim");
+
+// Warps that share one row of the combine, 1, 2, 4 or 8 (a divisor of kCombineWarps): doubled
+// while the row's warps would each read more than kCombineSplitsPerWarp splits and all the
+// rows' warps stay within kCombineEnoughWarps.  Rows with few splits keep one warp each.
+__host__ __device__ constexpr int combine_row_warps(int num_splits, int64_t rows) {
+  int w = 1;
+  while (2 * w <= kCombineWarps && num_splits > kCombineSplitsPerWarp * w &&
+         rows * 2 * w <= kCombineEnoughWarps)
+    w *= 2;
+  return w;
+}
+static_assert(combine_row_warps(16, 1) == 1 && combine_row_warps(17, 1) == 2 &&
+                  combine_row_warps(33, 1) == 4 && combine_row_warps(65, 1) == 8 &&
+                  combine_row_warps(128, 32) == 8 && combine_row_warps(128, 4096) == 1,
+              "combine_row_warps");
+
+// (2 CTAs per SM in the launch bounds: without a minimum, ptxas kept the kernel at 32-48
+// registers by sinking each load of out_accum to just before its FMAs, two or three in flight
+// per lane, in the one-warp-per-row form before this one too; with it, 72 registers and each
+// batch's kCombineBatch loads issued together, on sm_80 and sm_90a.)
 template <typename Element>
-__global__ void __launch_bounds__(32 * kCombineWarps)
-    flash_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(32 * kCombineWarps, 2)
+    flash_decode_combine_kernel(const __grid_constant__ DecodeParams p, int row_warps) {
+  // Each warp's weights (its part of the splits) and partial sums.
   __shared__ float s_w[kCombineWarps][kMaxDecodeSplits];
+  __shared__ __align__(16) float s_o[kCombineWarps][kCombineMaxDim];
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
-  if (row >= rows) return;
+  const int part = warp % row_warps;
+  const int64_t row =
+      static_cast<int64_t>(blockIdx.x) * (kCombineWarps / row_warps) + warp / row_warps;
+  // A warp past the last row reads nothing but still meets the barrier below.
+  const bool active = row < rows;
   const int splits = p.num_splits;
+  const int s_begin = part * splits / row_warps, s_end = (part + 1) * splits / row_warps;
+  // The row's maximum and sum over all its splits, in every warp of the row: at most
+  // kMaxDecodeSplits / 32 independent loads per lane, cheaper than a barrier to share them.
+  constexpr int kPerLane = kMaxDecodeSplits / 32;
+  float x[kPerLane];
   float m = -INFINITY;
   bool nan = false;
-  for (int s = lane; s < splits; s += 32) {
-    const float x = p.lse_accum[s * rows + row];
-    nan |= isnan(x);
-    m = fmaxf(m, x);
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int s = lane + 32 * k;
+    x[k] = active && s < splits ? p.lse_accum[s * rows + row] : -INFINITY;
+    nan |= isnan(x[k]);
+    m = fmaxf(m, x[k]);
   }
   nan = __any_sync(0xffffffff, nan);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
   const float m_use = m == -INFINITY ? 0.f : m;
   float sum = 0.f;
-  for (int s = lane; s < splits; s += 32) {
-    const float w = expf(p.lse_accum[s * rows + row] - m_use);  // 0 for an empty split
-    s_w[warp][s] = w;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int s = lane + 32 * k;
+    const float w = expf(x[k] - m_use);  // 0 for an empty split (and past the splits)
+    if (s >= s_begin && s < s_end) s_w[warp][s - s_begin] = w;
     sum += w;
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
   __syncwarp();
   const float kNaN = __int_as_float(0x7fffffff);
-  const float lse = nan ? kNaN : (m == -INFINITY ? -INFINITY : m_use + logf(sum));
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float f = nan ? kNaN : (sum > 0.f ? 1.f / sum : 0.f);
+  const bool writer = active && part == 0;
+  if (writer && lane == 0) {
+    static_cast<float*>(p.softmax_lse)[row] =
+        nan ? kNaN : (m == -INFINITY ? -INFINITY : m_use + logf(sum));
+  }
   const int64_t h = (row / p.seqlen_q) % p.heads_q, b = row / (p.seqlen_q * p.heads_q),
                 i = row % p.seqlen_q;
-  if (lane == 0) static_cast<float*>(p.softmax_lse)[row] = lse;
   Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
                  h * p.out_head_stride;
-  // Four channels per lane and load (head_dim_v is a multiple of 8: rows are 32-byte aligned).
-  for (int c = 4 * lane; c < p.head_dim_v; c += 128) {
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float* src = p.out_accum + row * p.head_dim_v + c;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float4 x = *reinterpret_cast<const float4*>(src + s * rows * p.head_dim_v);
-      const float w = s_w[warp][s];
-      o.x = fmaf(w, x.x, o.x);
-      o.y = fmaf(w, x.y, o.y);
-      o.z = fmaf(w, x.z, o.z);
-      o.w = fmaf(w, x.w, o.w);
-    }
-    const float f = nan ? kNaN : inv;
+  auto store = [&](int c, const float4& o) {
     *reinterpret_cast<uint32_t*>(out + c) = pack2<Element>(o.x * f, o.y * f);
     *reinterpret_cast<uint32_t*>(out + c + 2) = pack2<Element>(o.z * f, o.w * f);
+  };
+  // Four channels per lane and load (head_dim_v is a multiple of 8: rows are 32-byte aligned),
+  // chunk j at channels 4 lane + 128 j: this warp's sums first, then the parts added, then the
+  // stores.
+  constexpr int kChunks = kCombineMaxDim / 128;
+  const int64_t split_stride = rows * p.head_dim_v;
+  const int count = active ? s_end - s_begin : 0;
+  float4 acc[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = 4 * lane + 128 * j;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* src = p.out_accum + (active ? row * p.head_dim_v + c : 0) +
+                       s_begin * split_stride;
+    const int n = c < p.head_dim_v ? count : 0;
+    for (int s0 = 0; s0 < n; s0 += kCombineBatch) {
+      // The batch's loads first, then its FMAs (past the part: zeros, weight 0): an unrolled
+      // loop of load-and-FMA issued its remainder (n % 8 splits) one load at a time.
+      float4 v[kCombineBatch];
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        v[u] = s0 + u < n ? *reinterpret_cast<const float4*>(src + (s0 + u) * split_stride)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const float w = s0 + u < n ? s_w[warp][s0 + u] : 0.f;
+        o.x = fmaf(w, v[u].x, o.x);
+        o.y = fmaf(w, v[u].y, o.y);
+        o.z = fmaf(w, v[u].z, o.z);
+        o.w = fmaf(w, v[u].w, o.w);
+      }
+    }
+    acc[j] = o;
+  }
+  if (row_warps > 1) {  // (the same in every CTA: a kernel argument)
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j)
+      *reinterpret_cast<float4*>(&s_o[warp][4 * lane + 128 * j]) = acc[j];
+    __syncthreads();  // every warp's part in s_o
+    if (!writer) return;  // the row's first warp adds the parts of warps + 1 .. + row_warps - 1
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+#pragma unroll
+      for (int k = 1; k < kCombineWarps; ++k) {
+        if (k >= row_warps) break;
+        const float4 v = *reinterpret_cast<const float4*>(&s_o[warp + k][4 * lane + 128 * j]);
+        acc[j].x += v.x;
+        acc[j].y += v.y;
+        acc[j].z += v.z;
+        acc[j].w += v.w;
+      }
+    }
+  }
+  if (!writer) return;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = 4 * lane + 128 * j;
+    if (c < p.head_dim_v) store(c, acc[j]);
   }
 }
 
@@ -565,6 +669,14 @@ cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream
 
 template <typename Element, int kHeadDim>
 cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
+  // The combine's limits, checked before either kernel runs: its static shared memory holds
+  // kMaxDecodeSplits weights and kCombineMaxDim channels per warp, its loads take 4 channels.
+  const int64_t combine_rows = p.batch * p.heads_q * p.seqlen_q;
+  const int row_warps = combine_row_warps(p.num_splits, combine_rows);
+  if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits ||
+      (p.num_splits > 1 && (p.head_dim_v > kCombineMaxDim || p.head_dim_v % 4 != 0 ||
+                            row_warps < 1 || kCombineWarps % row_warps != 0)))
+    return cudaErrorInvalidValue;
   const int rows_per_cta = decode_block_rows(static_cast<int>(p.head_dim),
                                              p.seqlen_q * (p.heads_q / p.heads_kv));
   cudaError_t err;
@@ -575,10 +687,10 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
     err = launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  if (p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
+  const int rows_per_combine_cta = kCombineWarps / row_warps;
   return launch(flash_decode_combine_kernel<Element>,
-                (p.batch * p.heads_q * p.seqlen_q + kCombineWarps - 1) / kCombineWarps,
-                32 * kCombineWarps, 0, stream, p);
+                (combine_rows + rows_per_combine_cta - 1) / rows_per_combine_cta,
+                32 * kCombineWarps, 0, stream, p, row_warps);
 }
 
 template <typename Element>
