@@ -393,9 +393,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
         call.score_mods != kAlibi && call.score_mods != kDropout &&
         !mask_alone(call.score_mods))
       why.push_back("head_dim=" + std::to_string(d) + " (padded): the Hopper backward takes "
-                    "float attn_bias and modifiers together at head dims up to 128 (a boolean "
-                    "attn_mask alone, dropout alone, softcap alone and alibi_slopes alone up "
-                    "to 256)");
+                    "a float attn_bias, or modifiers together, at head dims up to 128 only (at "
+                    "256: a boolean attn_mask alone, dropout alone, softcap alone or "
+                    "alibi_slopes alone)");
     if (call.score_mods & kBiasGrad)
       why.push_back("attn_mask/attn_bias requires grad: its gradient is written by the portable "
                     "backward");

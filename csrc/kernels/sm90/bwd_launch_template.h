@@ -29,6 +29,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
       std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
   constexpr int kD = T::kHeadDim;
   constexpr bool varlen = T::kVarlen;
+  static_assert(bwd_sm90_block_n(kD) == T::kBlockN,
+                "bwd_sm90_block_n (the key-block table's block) must be the traits' kBlockN");
   // Rows of the tensors (packed sequences: one batch entry of all rows) and of the per-row
   // scratch per (batch, query head).
   const int64_t rows_q = varlen ? p.total_q : p.seqlen_q;

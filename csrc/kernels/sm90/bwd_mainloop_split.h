@@ -322,8 +322,10 @@ struct BwdMainloopSplit {
   // (relative to n0) become zeros, K by warpgroup 0 (its S^T reads it first; warpgroup 1's dQ
   // reads it only after the dS barrier, which warpgroup 0 reaches after these writes), V by
   // warpgroup 1 (only its dP^T reads it); rows from `first` of ring stage `stage`, zeros in Q
-  // and dO, which both read before any barrier between them: each writes the same zeros
-  // before its own GEMMs, as in bwd_mainloop.h.
+  // by warpgroup 0 (its S^T reads Q first; warpgroup 1's dK reads it only after the dS
+  // barrier, which warpgroup 0 reaches after these writes) and in dO by both (warpgroup 1's
+  // dP^T reads it before any barrier between them, warpgroup 0's dV without waiting for
+  // warpgroup 1): each writes the same dO zeros before its own GEMMs.
   __device__ __forceinline__ void zero_kv_rows(typename T::SharedStorage& smem, int64_t first,
                                                int me, int tid) {
     const int from = first < 0 ? 0 : first > kN ? kN : static_cast<int>(first);
@@ -337,7 +339,7 @@ struct BwdMainloopSplit {
                                                 int first, int me, int tid) {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutQ{});
-    Base::zero_rows(sQ(_, _, stage), first < 0 ? 0 : first, kM, tid);
+    if (me == 0) Base::zero_rows(sQ(_, _, stage), first < 0 ? 0 : first, kM, tid);
     Base::zero_rows(sdO(_, _, stage), first < 0 ? 0 : first, kM, tid);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, kSplitZeroBarrier + me);
@@ -403,6 +405,7 @@ __device__ __forceinline__ void run_split_dq_order(const Sm90BwdArgs<T>& args,
         peeked = load_acquire(counter_of(nx)) >=
                  T::kConsumers * dq_turn(args, st, seq, n_block, nx.m_block(st));
       }
+      __syncwarp();  // (the leader's read done before the warp's bar.sync, as everywhere else)
       CUTE_UNROLL
       for (int me = 0; me < T::kConsumers; ++me)
         cutlass::arch::NamedBarrier::sync(kSplitOrderThreads, kSplitDoneBarrier + me);
