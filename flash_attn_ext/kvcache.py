@@ -25,7 +25,7 @@ import torch
 
 from . import ops, policy
 from ._call import (
-    check_alibi_grad,
+    check_alibi,
     check_bool,
     check_flags,
     check_scale,
@@ -308,9 +308,9 @@ def flash_attn_with_kvcache(
     softcap = check_softcap(softcap)
     rotary_interleaved = check_bool(rotary_interleaved, "rotary_interleaved")
     return_softmax_lse = check_bool(return_softmax_lse, "return_softmax_lse")
-    check_alibi_grad(alibi_slopes)
     policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     check_tensors(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
     if q.device.type not in ("cpu", "cuda"):  # (meta too: the length checks read values)
         raise NotImplementedError(
             f"flash_attn_with_kvcache runs on CPU and CUDA tensors, got q on {q.device}")
@@ -372,6 +372,9 @@ def flash_attn_with_kvcache(
                 raise ValueError(f"{name} must have {name}_cache's dtype and device "
                                  f"({cache.dtype}, {cache.device}), got {t.dtype} on {t.device}")
     if rotary_cos is not None or rotary_sin is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t is not None:
+                check_tensors((name, t))
         if rotary_cos is None or rotary_sin is None or rotary_cos.dim() != 2 or \
                 rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
             raise ValueError(

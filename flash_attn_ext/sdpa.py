@@ -93,8 +93,9 @@ def scaled_dot_product_attention(
     if beyond_kernels(q, v):
         # The unfused math, reported as a fallback.  Not PyTorch's function: for float32 with a
         # mask its memory-efficient kernel answers rows of finfo.min with garbage.
-        policy.record(planning.plan(q, k, v), strict)
+        # (the mask checked first: a bad mask is the call's error, not a fallback's)
         bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
+        policy.record(planning.plan(q, k, v), strict)
         dropout_p, drop_all = kernel_dropout(dropout_p)
         out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
                                             0.0, bias, dropout_p)

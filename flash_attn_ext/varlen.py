@@ -30,7 +30,7 @@ import torch
 
 from . import ops, policy
 from ._call import (
-    check_alibi_grad,
+    check_alibi,
     check_bool,
     check_flags,
     check_scale,
@@ -184,7 +184,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softcap = check_softcap(softcap)
     deterministic = check_bool(deterministic, "deterministic")
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
-    check_alibi_grad(alibi_slopes)
+    check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
     policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")

@@ -95,6 +95,19 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, [1.0], new, cache_seqlens=1)
     with pytest.raises(ValueError, match="block_table must be"):
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1, 1))
+    # Lists for rotary tables and slopes named (were AttributeErrors).
+    table = [[1.0] * 4] * 8
+    with pytest.raises(TypeError, match="rotary_cos must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, rotary_cos=table,
+                                rotary_sin=torch.zeros(8, 4), cache_seqlens=1)
+    with pytest.raises(TypeError, match="rotary_sin must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, rotary_cos=torch.ones(8, 4),
+                                rotary_sin=table, cache_seqlens=1)
+    with pytest.raises(ValueError, match="alibi_slopes must be a floating tensor .* got list"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=[0.5, 0.25])
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\) = "
+                                         r"\(2,\) or \(batch, num_heads\) = \(1, 2\), got \[3\]"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=torch.ones(3))
     with pytest.raises(NotImplementedError, match="runs on CPU and CUDA tensors"):
         flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
     # (a length tensor on the meta device has no values to read: named, not PyTorch's copy

@@ -106,6 +106,17 @@ def test_head_dim_beyond_the_kernels_falls_back_visibly():
     assert not flash_attn_ext.explain(q, q, q).fused
     with pytest.raises(policy.FallbackError, match="head dims 1 to 256"):
         scaled_dot_product_attention(q, q, q, strict=True)
+    # A bad mask is the call's error, before any fallback is counted or refused (the fallback
+    # was recorded first: strict mode named the fallback, not the mask).
+    policy.reset_fallback_counts()
+    bad = torch.zeros(3, 9, dtype=torch.bool)
+    for strict in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match="attn_mask of shape \\(3, 9\\) is not "
+                                                 "broadcastable"):
+                scaled_dot_product_attention(q, q, q, attn_mask=bad, strict=strict)
+    assert not policy.fallback_counts()
 
 
 def test_head_dims_beyond_the_kernels_run_the_unfused_math_with_masks():

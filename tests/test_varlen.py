@@ -295,6 +295,9 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=[4, 6])
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
         flash_attn_ext.flash_attn_varlen_qkvpacked_func([q], cq, 6)
+    # (slopes as a list: named, as flash_attn_func names them; was an AttributeError)
+    with pytest.raises(ValueError, match="alibi_slopes must be a floating tensor .* got list"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, alibi_slopes=[0.5, 0.25])
 
 
 @pytest.mark.parametrize("bad", [None, "6", 6.7, True])
