@@ -154,13 +154,16 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
 // alibi_slopes of a packed call: (num_heads,) or (batch, num_heads), batch the number of
 // sequences.  Returns what the dense checks (check_attn_args: dtype, device, heads) are given
 // for them on the packed (1, total, H, D) views: one row.
+// (Checked here in the caller's terms: the dense checks would name the views' batch of 1.)
 inline std::optional<at::Tensor> packed_alibi_row(const std::optional<at::Tensor>& alibi_slopes,
-                                                  int64_t batch) {
+                                                  int64_t batch, int64_t heads) {
   if (!alibi_slopes.has_value()) return std::nullopt;
   const at::Tensor& slopes = *alibi_slopes;
-  TORCH_CHECK_VALUE(slopes.dim() == 1 || (slopes.dim() == 2 && slopes.size(0) == batch),
-                    "alibi_slopes must have shape (num_heads,) or (batch, num_heads) with batch = "
-                    "len(cu_seqlens_q) - 1 = ", batch, ", got ", slopes.sizes());
+  TORCH_CHECK_VALUE((slopes.dim() == 1 && slopes.size(0) == heads) ||
+                        (slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads),
+                    "alibi_slopes must have shape (num_heads,) = (", heads,
+                    ",) or (batch, num_heads) = (", batch, ", ", heads,
+                    ") with batch = len(cu_seqlens_q) - 1, got ", slopes.sizes());
   return slopes.dim() == 2 && batch > 0 ? slopes[0] : slopes.reshape({-1});
 }
 
@@ -191,7 +194,7 @@ inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_
   c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k);
   c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
-                        packed_alibi_row(alibi_slopes, c.pk.batch), std::nullopt, dropout_p);
+                        packed_alibi_row(alibi_slopes, c.pk.batch, q_in.size(1)), std::nullopt, dropout_p);
   return c;
 }
 

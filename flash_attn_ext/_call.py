@@ -20,6 +20,15 @@ def check_tensors(*named: Tuple[str, object]) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_devices(q: torch.Tensor, *named: Tuple[str, Optional[torch.Tensor]]) -> None:
+    """ValueError naming the first (name, tensor) not on q's device (None skipped).  A call
+    that mixes devices must say so: with a meta tensor among CPU ones PyTorch dispatches it to
+    the fake kernel, which returns uninitialised memory of the right shape."""
+    for name, t in named:
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+
+
 def check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
     """Refuse what the op's autograd registration cannot do, instead of answering wrongly."""
     if torch.compiler.is_compiling():
@@ -82,12 +91,17 @@ def autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return cast(q), cast(k), cast(v)
 
 
-def as_number(x):
+def as_number(x, name: str = "the argument"):
     """``x`` as a Python number when it is a real number PyTorch's function accepts in its
     place (a NumPy scalar, a 0-d real tensor); anything else unchanged, bools included, for the
-    checks to refuse."""
+    checks to refuse.  A 0-d tensor that requires grad (with grad enabled) raises ValueError
+    naming ``name``: its value is read as a number, so it would get no gradient, silently."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0 and x.dtype != torch.bool and not x.is_complex():
+            if x.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"{name} is a tensor that requires grad, but flash_attn_ext "
+                                 f"takes it as a number and computes no gradient for it; pass "
+                                 f"a float (or {name}.detach())")
             return x.item()
         return x
     if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
@@ -100,7 +114,7 @@ def check_scale(scale, name: str) -> Optional[float]:
     number or a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
     if scale is None:
         return None
-    scale = as_number(scale)
+    scale = as_number(scale, name)
     # (Comparisons rather than math.isfinite: under torch.compile a symbolic scale, e.g. with
     # dynamic=True, traces through them and not through math.isfinite.)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat)) or \
@@ -113,7 +127,7 @@ def check_scale(scale, name: str) -> Optional[float]:
 def check_softcap(softcap) -> float:
     """``softcap`` as a float (a Python or NumPy number or a 0-d real tensor); ValueError
     otherwise (bools refused); the kernels check its range."""
-    softcap = as_number(softcap)
+    softcap = as_number(softcap, "softcap")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     return float(softcap)
@@ -121,8 +135,11 @@ def check_softcap(softcap) -> float:
 
 def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
     """ops.check_alibi_slopes (the op's rule: shape (num_heads,) or (batch, num_heads), floating,
-    q's device; ValueError), and no gradient wanted: none is computed for the slopes, as in
-    FlashAttention-2, and a silently missing gradient would be a wrong answer."""
+    q's device; ValueError; TypeError for a non-tensor), and no gradient wanted: none is
+    computed for the slopes, as in FlashAttention-2, and a silently missing gradient would be a
+    wrong answer."""
+    if alibi_slopes is not None:
+        check_tensors(("alibi_slopes", alibi_slopes))
     ops.check_alibi_slopes(alibi_slopes, q)
     check_alibi_grad(alibi_slopes)
 
@@ -138,7 +155,7 @@ def check_alibi_grad(alibi_slopes) -> None:
 def check_seqlen(value, name: str) -> int:
     """``value`` as an int (a Python integer, a NumPy one or a 0-d integer tensor); ValueError
     otherwise (bools, floats and strings refused: a float would be truncated)."""
-    value = as_number(value)
+    value = as_number(value, name)
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     return value
@@ -168,7 +185,7 @@ def check_flags(causal, window_size, dropout_p,
     dropout_p is in [0, 1]: 1 gives zeros (:func:`kernel_dropout`)."""
     if not isinstance(causal, bool):
         raise ValueError(f"{causal_name} must be a bool, got {causal!r}")
-    dropout_p = as_number(dropout_p)
+    dropout_p = as_number(dropout_p, "dropout_p")
     if isinstance(window_size, (tuple, list)):
         window_size = tuple(as_number(w) for w in window_size)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2

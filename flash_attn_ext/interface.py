@@ -146,10 +146,12 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
     gradient of qkv's shape). Otherwise :func:`flash_attn_func` (arguments, returns, errors).
 
     Raises:
+        TypeError: qkv not a tensor.
         ValueError: qkv not of shape (batch, seqlen, 3, num_heads, head_dim); as
             :func:`flash_attn_func`.
     """
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+    check_tensors(("qkv", qkv))
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be a tensor of shape (batch, seqlen, 3, num_heads, "
                          f"head_dim), got {_shape(qkv)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
@@ -169,10 +171,12 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_func`.
 
     Raises:
+        TypeError: kv not a tensor.
         ValueError: kv not of shape (batch, seqlen_k, 2, num_heads_k, head_dim); as
             :func:`flash_attn_func`.
     """
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+    check_tensors(("kv", kv))
+    if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be a tensor of shape (batch, seqlen_k, 2, num_heads_k, "
                          f"head_dim), got {_shape(kv)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,

@@ -27,14 +27,18 @@ from . import ops, policy
 from ._call import (
     check_alibi,
     check_bool,
+    check_devices,
     check_flags,
     check_scale,
     check_softcap,
     check_tensors,
 )
+from .planning import MAX_HEAD_DIM
 from .varlen import fwd_varlen_op
 
 __all__ = ["flash_attn_with_kvcache"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -94,6 +98,9 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
                       cache_leftpad=None, block_table=None, seqlen_new=0, rotary_rows=0,
                       seqlen_ro=-1, softmax_scale=None, causal=False, window_left=-1,
                       window_right=-1, softcap=0.0, alibi_slopes=None, num_splits=0):
+    check_devices(q, ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+                  ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                  ("block_table", block_table), ("alibi_slopes", alibi_slopes))
     batch, seqlen_q, heads, _ = q.shape
     return (q.new_empty((batch, seqlen_q, heads, v_cache.shape[3])),
             q.new_empty((batch, heads, seqlen_q), dtype=torch.float32))
@@ -289,13 +296,16 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, num_heads, head_dim_v), or (out, softmax_lse).
 
     Raises:
-        NotImplementedError: tensors on other devices (meta included); on CUDA, a GPU or build
-            without the kernels (naming the reason).
-        TypeError: q, k_cache, v_cache, k or v not a tensor (naming it).
-        ValueError: shapes, a cache too short for the append, bad lengths, k and v without
-            cache_seqlens (as FlashAttention-2: where to append them); flags that are not
-            what flash_attn_func takes (e.g. causal not a bool, strict not True, False or
-            None); alibi_slopes requiring grad.
+        NotImplementedError: q on a device other than CPU or CUDA (meta included); on CUDA,
+            a GPU or build without the kernels (naming the reason).
+        TypeError: q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes,
+            block_table or cache_batch_idx not a tensor (naming it).
+        ValueError: another tensor not on q's device (the lengths and indices may be on the
+            CPU); shapes, head dims outside 1-256, a cache too short for the append, bad
+            lengths, k and v without cache_seqlens (as FlashAttention-2: where to append
+            them); flags that are not what flash_attn_func takes (e.g. causal not a bool,
+            softcap < 0, strict not True, False or None); alibi_slopes requiring grad.  All of
+            these before anything is appended to the cache.
             On the CUDA decode route, values held in CUDA tensors (cache_seqlens,
             cache_leftpad, cache_batch_idx, block_table) are not read on the host: a batch row
             whose values break these rules gets NaN out and softmax_lse rows instead, and two
@@ -385,17 +395,29 @@ def flash_attn_with_kvcache(
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with block_table (paged KV)")
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
-                block_table.dim() != 2 or block_table.shape[0] != batch:
+        check_tensors(("block_table", block_table))
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+                block_table.shape[0] != batch:
             raise ValueError(f"block_table must be a (batch, max_num_blocks) = ({batch}, ...) "
-                             f"int32 tensor, got "
-                             + (f"{block_table.dtype} of shape {tuple(block_table.shape)}"
-                                if isinstance(block_table, torch.Tensor)
-                                else type(block_table).__name__))
-    if cache_batch_idx is not None and not isinstance(cache_batch_idx, torch.Tensor):
+                             f"int32 tensor, got {block_table.dtype} of shape "
+                             f"{tuple(block_table.shape)}")
+    if cache_batch_idx is not None:
         # (an int would pick one entry for all)
-        raise ValueError(f"cache_batch_idx must be a (batch,) = ({batch},) integer tensor, got "
-                         f"{type(cache_batch_idx).__name__}")
+        check_tensors(("cache_batch_idx", cache_batch_idx))
+    # Every tensor on q's device (the lengths and indices may also be on the CPU: _int32), and
+    # every rule the kernels check, before anything is written into the cache.
+    check_devices(q, ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                  ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                  ("block_table", block_table))
+    for name, d in (("head_dim (q.shape[3])", head_dim), ("head_dim_v (v_cache.shape[3])",
+                                                          head_dim_v)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    if not softcap <= _FLOAT32_MAX or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    if softmax_scale is not None and not abs(softmax_scale) <= _FLOAT32_MAX:
+        raise ValueError(f"softmax_scale must be finite and representable in float32, got "
+                         f"{softmax_scale}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     local = causal or window_size[0] >= 0 or window_size[1] >= 0

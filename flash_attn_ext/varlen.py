@@ -30,8 +30,10 @@ import torch
 
 from . import ops, policy
 from ._call import (
+    autocast,
     check_alibi,
     check_bool,
+    check_devices,
     check_flags,
     check_scale,
     check_seqlen,
@@ -67,6 +69,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None,
                      deterministic=False):
     _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    check_devices(q, ("k", k), ("v", v), ("alibi_slopes", alibi_slopes))
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))
@@ -79,6 +82,9 @@ def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
                      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      seqused_k=None, dsoftmax_lse=None, deterministic=False):
     _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    check_devices(q, ("dout", dout), ("k", k), ("v", v), ("out", out),
+                  ("softmax_lse", softmax_lse), ("alibi_slopes", alibi_slopes),
+                  ("dsoftmax_lse", dsoftmax_lse))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -156,12 +162,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
 
     Raises:
-        TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k or seqused_k not a tensor (e.g. a list
-            of offsets).
+        TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k or alibi_slopes not a
+            tensor (e.g. a list of offsets).
         NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
-            the argument and the rule); flags as flash_attn_func checks them (causal a bool,
+            the argument and the rule); k, v or alibi_slopes not on q's device; flags as flash_attn_func checks them (causal a bool,
             window_size a pair of ints, dropout_p in [0, 1], strict True, False or None,
             ...); alibi_slopes requiring grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
@@ -185,6 +191,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic = check_bool(deterministic, "deterministic")
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
+    check_devices(q, ("k", k), ("v", v))
+    q, k, v = autocast(q, k, v)  # (as flash_attn_func: SDPA's autocast rule)
     policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")

@@ -103,7 +103,6 @@ def test_alibi_far_keys_vanish_without_nan():
     (torch.ones(2, 4, 1), r"alibi_slopes must have shape"),
     (torch.ones(3, 4), r"\(batch, num_heads\) = \(2, 4\)"),
     (torch.ones(4, dtype=torch.int32), "a floating tensor .* got dtype torch.int32"),
-    ([0.5] * 4, "alibi_slopes must be a floating tensor .* got list"),
     (torch.ones(4, device="meta"), "alibi_slopes must be on cpu"),
     (torch.ones(4, requires_grad=True), "computes no gradient for the slopes"),
 ])
@@ -111,6 +110,14 @@ def test_alibi_slopes_checks(slopes, match):
     q = torch.randn(2, 5, 4, 8)
     with pytest.raises(ValueError, match=match):
         flash_attn_func(q, q, q, alibi_slopes=slopes)
+
+
+def test_alibi_slopes_that_are_not_a_tensor_are_a_type_error():
+    # (reference.md: TypeError where a tensor argument is not a tensor; was a ValueError here
+    # and an AttributeError in the packed and kvcache functions)
+    q = torch.randn(2, 5, 4, 8)
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor, got list"):
+        flash_attn_func(q, q, q, alibi_slopes=[0.5] * 4)
 
 
 @pytest.mark.parametrize("slopes,match", [

@@ -327,5 +327,28 @@ def test_packed_dense_variants_read_in_place_and_match():
         out2, flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True))
     with pytest.raises(ValueError, match=r"qkv must be a tensor of shape .* got \(2, 13, 2"):
         flash_attn_qkvpacked_func(qkv[:, :, :2])
-    with pytest.raises(ValueError, match="kv must be a tensor of shape .* got list"):
+    with pytest.raises(TypeError, match="kv must be a torch.Tensor, got list"):
         flash_attn_kvpacked_func(q, [kv])
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
+        flash_attn_qkvpacked_func([1, 2])
+
+
+def test_scalars_that_require_grad_are_refused():
+    # A 0-d tensor scale or softcap that requires grad was read with .item(): a learnable
+    # temperature silently got no gradient (new-user trial; PyTorch's own function refuses a
+    # tensor scale).  Without grad mode, or detached, it is a number as before.
+    from flash_attn_ext import scaled_dot_product_attention
+
+    q = torch.randn(1, 5, 2, 8)
+    s = torch.tensor(0.3, requires_grad=True)
+    with pytest.raises(ValueError, match="softmax_scale is a tensor that requires grad"):
+        flash_attn_func(q, q, q, softmax_scale=s)
+    with pytest.raises(ValueError, match="softcap is a tensor that requires grad"):
+        flash_attn_func(q, q, q, softcap=torch.tensor(5.0, requires_grad=True))
+    with pytest.raises(ValueError, match="scale is a tensor that requires grad"):
+        scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
+                                     scale=s)
+    want = flash_attn_func(q, q, q, softmax_scale=0.3)
+    assert torch.equal(flash_attn_func(q, q, q, softmax_scale=s.detach()), want)
+    with torch.no_grad():
+        assert torch.equal(flash_attn_func(q, q, q, softmax_scale=s), want)

@@ -296,8 +296,41 @@ def test_offsets_that_are_not_tensors_are_a_type_error_naming_them():
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
         flash_attn_ext.flash_attn_varlen_qkvpacked_func([q], cq, 6)
     # (slopes as a list: named, as flash_attn_func names them; was an AttributeError)
-    with pytest.raises(ValueError, match="alibi_slopes must be a floating tensor .* got list"):
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor, got list"):
         flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, alibi_slopes=[0.5, 0.25])
+
+
+def test_tensors_on_another_device_are_named():
+    # A meta tensor among CPU ones dispatched the op to its fake kernel, which returned
+    # uninitialised memory without an error (new-user trial); now named before the op.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    for kw, name in ((dict(k=k.to("meta")), "k"), (dict(v=v.to("meta")), "v")):
+        args = dict(q=q, k=k, v=v) | kw
+        with pytest.raises(ValueError, match=f"{name} must be on q's device \\(cpu\\), got meta"):
+            flash_attn_varlen_func(args["q"], args["k"], args["v"], cq, ck, 6, 6)
+    with pytest.raises(ValueError, match="alibi_slopes must be on cpu, got meta"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, alibi_slopes=torch.rand(2, device="meta"))
+    # The op called directly with a meta tensor reaches the fake kernel: named there too.
+    with pytest.raises(ValueError, match="k must be on q's device"):
+        torch.ops.flash_attn_ext.fwd_varlen(q, k.to("meta"), v, cq, ck, 6, 6)
+
+
+def test_alibi_slopes_of_the_wrong_length_name_the_call_s_batch():
+    # (the message named the packed views' batch of 1, not the number of sequences)
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\) = "
+                                         r"\(2,\) or \(batch, num_heads\) = \(2, 2\) with "
+                                         r"batch = len\(cu_seqlens_q\) - 1, got \[3\]"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, alibi_slopes=torch.rand(3))
+
+
+def test_autocast_casts_packed_sequences_as_flash_attn_func():
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flash_attn_varlen_func(q, k.bfloat16(), v, cq, ck, 6, 6)
+    assert out.dtype == torch.bfloat16
+    want = flash_attn_varlen_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), cq, ck, 6, 6)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("bad", [None, "6", 6.7, True])
