@@ -718,6 +718,52 @@ def test_bias_block_summary_changes_no_result(hopper_bwd, kernel_opts, what, seq
         kernel_opts(sm90_bias_blocks="yes")
 
 
+def _diagonal_masks(seqlen_q, seqlen_k):
+    """Boolean (L, S) masks whose 64 x 64 blocks straddle a diagonal in every way: causal masks
+    shifted by offsets on and off the blocks' grid, and near-diagonal masks (a row one key
+    longer, a hole, random prefixes, the line's mirror as left padding makes it)."""
+    i = torch.arange(seqlen_q, device="cuda")[:, None]
+    j = torch.arange(seqlen_k, device="cuda")[None, :]
+    masks = {f"tril{d}": j <= i + d for d in (-70, -63, -1, 0, 1, 37, 62, 63, 64, 130)}
+    longer = j <= i
+    longer[70, 71] = True
+    masks["one_row_longer"] = longer
+    hole = j <= i
+    hole[100, 50] = False
+    masks["one_row_hole"] = hole
+    lengths = torch.randint(0, seqlen_k + 1, (seqlen_q, 1), device="cuda")
+    masks["random_prefixes"] = j < lengths
+    masks["suffix"] = j >= i - 5
+    return masks
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mask_variant_on_diagonal_blocks(kernel_opts, head_dim):
+    # The mask variant's forward with the block summary (tiles skipped, visible runs, mixed
+    # tiles read) bitwise the same as reading every byte, and within the error rule, on masks
+    # whose blocks cut a diagonal at every offset (rows emptied by the shift included); the
+    # Hopper backward on two of them.
+    seqlen_q, seqlen_k = 200, 331
+    q, k, v = rand(2, seqlen_q, 4, head_dim), rand(2, seqlen_k, 2, head_dim), \
+        rand(2, seqlen_k, 2, head_dim)
+    masks = _diagonal_masks(seqlen_q, seqlen_k)
+    for name, mask in masks.items():
+        outs = {}
+        for blocks in (True, False):
+            kernel_opts(sm90_bias_blocks=blocks)
+            outs[blocks] = ops.fwd(q, k, v, None, False, -1, -1, True, 0.0, None, mask)[:2]
+        (out, lse), (out0, lse0) = outs[True], outs[False]
+        assert torch.equal(out, out0) and torch.equal(lse, lse0), name
+        true_out, true_lse = attention_ref(q.float(), k.float(), v.float(), attn_bias=mask,
+                                           compute_dtype=torch.float32)
+        low_out, _ = attention_ref(q, k, v, attn_bias=mask, compute_dtype=q.dtype)
+        check_forward(out, lse, low_out, true_out, true_lse, f"out ({name})")
+    kernel_opts(sm90_bias_blocks=True, sm90_bwd="on")
+    for name in ("tril37", "one_row_longer"):
+        hopper_backward_case(torch.bfloat16, 2, seqlen_q, seqlen_k, 4, 2, head_dim,
+                             attn_bias=masks[name])
+
+
 def test_nan_in_a_bias_block_reaches_the_rows_that_see_it():
     # A NaN in a block that is otherwise 0 makes the block "mixed": read, so the NaN reaches
     # exactly the rows that see it, forward and backward (never a silently finite answer).
