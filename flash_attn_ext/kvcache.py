@@ -67,7 +67,7 @@ def _int32(value, batch: int, device, name: str, *, read_values: bool = True) ->
     device tensor's values on the host); without it they are clamped, for the decode kernels to
     refuse (NaN rows), so that nothing waits for the GPU."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        if not read_values:
+        if not read_values or isinstance(value, (str, bytes, float)):
             raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, "
                              f"got {type(value).__name__}")
         value = torch.as_tensor(value)

@@ -167,9 +167,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
             the reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
-            the argument and the rule); k, v or alibi_slopes not on q's device; flags as flash_attn_func checks them (causal a bool,
-            window_size a pair of ints, dropout_p in [0, 1], strict True, False or None,
-            ...); alibi_slopes requiring grad.
+            the argument and the rule); k, v or alibi_slopes not on q's device; flags as
+            flash_attn_func checks them (causal a bool, window_size a pair of ints, dropout_p
+            in [0, 1], strict True, False or None, ...); alibi_slopes requiring grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
     if block_table is not None:

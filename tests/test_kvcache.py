@@ -230,6 +230,9 @@ def test_bad_caches_and_shared_pages_raise_naming_them():
         flash_attn_with_kvcache(q, k_cache, v_cache, block_table=[[0], [1]])
     with pytest.raises(TypeError, match="cache_batch_idx must be a torch.Tensor, got int"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=1)
+    # (a string was PyTorch's "new(): invalid data type 'str'")
+    with pytest.raises(ValueError, match="cache_seqlens must be an int or a .* got str"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens="3")
     new = torch.randn(2, 1, 2, 16)
     with pytest.raises(ValueError, match="map to the same page row"):
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3,
