@@ -282,8 +282,8 @@ def flash_attn_with_kvcache(
             block_table[b, 0], block_table[b, 1], ... of k_cache/v_cache (any page size; read
             in place by the CUDA decode kernels, gathered into a copy on the other routes).
         num_splits: split-KV on the CUDA decode kernels: the keys of each (batch row, KV
-            head) split over this many CTAs (at most 128), 0 = a heuristic that fills the
-            GPU (ignored on the other routes).
+            head) split over this many CTAs (at most 128: larger values run as 128), 0 = a
+            heuristic that fills the GPU (ignored on the other routes).
         return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
         strict: (keyword only) raise :class:`flash_attn_ext.FallbackError` instead of falling
             back to an unfused path (default: ``FLASH_ATTN_EXT_STRICT``), as

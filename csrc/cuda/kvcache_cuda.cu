@@ -21,7 +21,7 @@ namespace flash_attn_ext::cuda {
 
 namespace {
 
-constexpr int kMaxSplits = 128;  // = kMaxDecodeSplits, the combine kernel's limit
+constexpr int kMaxSplits = sm80::kMaxDecodeSplits;  // the combine kernel's limit
 
 // A 16-bit floating tensor the kernels read in place: 16-byte aligned rows of a contiguous
 // last dimension (the caches are never copied: the append writes into them).

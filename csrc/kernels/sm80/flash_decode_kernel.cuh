@@ -434,11 +434,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 // splits) one warp per row read its splits serially on a few SMs (19 us against cuDNN's whole
 // 14 us call on the H200, docs/perf/decode.md), so the splits of a row are cut into row_warps
 // contiguous parts, each warp sums its part of out_accum, and the row's first warp adds the
-// parts from shared memory and writes the row.  Predicted, not yet measured: MQA B = 1,
-// S = 32k, d = 128 ~19 -> ~3 us.  The weights exp(lse_s - lse) go through shared memory so
-// that the loads of out_accum are independent (several in flight per lane: a loop that
-// computed each weight between loads ran ~20 us at 32 splits).
-constexpr int kCombineWarps = 8, kMaxDecodeSplits = 128;
+// parts from shared memory and writes the row.  Measured on the H200 (docs/perf/decode.md):
+// MQA B = 1, S = 32k, d = 128 19.1 -> 3.8 us (predicted ~3).  The weights exp(lse_s - lse)
+// go through shared memory so that the loads of out_accum are independent (several in flight
+// per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).
+constexpr int kCombineWarps = 8;  // (kMaxDecodeSplits: flash_decode_launch.h)
 // Channels of a row the combine's shared memory holds (head_dim_v up to kMaxHeadDim).
 constexpr int kCombineMaxDim = 256;
 // Splits one warp reads before its row is spread over more warps: up to 16, two batches of

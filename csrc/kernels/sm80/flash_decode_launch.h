@@ -11,6 +11,10 @@
 
 namespace flash_attn_ext::sm80 {
 
+// The most splits of the keys the combine kernel merges per row (flash_decode_kernel.cuh: its
+// shared memory and LSE loads are sized by it); the glue clamps num_splits to it.
+constexpr int kMaxDecodeSplits = 128;
+
 // Split-KV decode (and its combine kernel when p.num_splits > 1), on `stream`.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_decode(const DecodeParams& p, cudaStream_t stream);
