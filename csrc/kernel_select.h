@@ -382,9 +382,9 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   // 3. The backward: the Hopper kernel (kernels/sm90/bwd_*.h) on sm_90 where it applies (head
   // dim 256: plain attention, a boolean mask alone, dropout alone, softcap alone or ALiBi
   // alone), else the 8-warp kernels (flash_bwd_lean.cuh) for plain attention where their shared
-  // memory fits the GPU, else the 4-warp ones; their dQ by bulk reductions on sm_90 (its tile fits up to head dim 128, and
-  // the kernels must run as sm_90 machine code), atomics elsewhere, a separate kernel for
-  // bitwise-reproducible gradients.
+  // memory fits the GPU, else the 4-warp ones; their dQ by bulk reductions on sm_90 (its tile
+  // fits up to head dim 128, and the kernels must run as sm_90 machine code), atomics
+  // elsewhere, a separate kernel for bitwise-reproducible gradients.
   if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
     std::vector<std::string> why;
     // (head dim 256: the step split by role, plain attention, a boolean mask alone, dropout

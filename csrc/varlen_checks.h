@@ -194,7 +194,8 @@ inline PackedCall check_packed_call(const at::Tensor& q_in, const at::Tensor& k_
   c.pk = check_packed(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k);
   c.a = check_attn_args(c.q, c.k, c.v, softmax_scale, causal, window_left, window_right, softcap,
-                        packed_alibi_row(alibi_slopes, c.pk.batch, q_in.size(1)), std::nullopt, dropout_p);
+                        packed_alibi_row(alibi_slopes, c.pk.batch, q_in.size(1)), std::nullopt,
+                        dropout_p);
   return c;
 }
 
