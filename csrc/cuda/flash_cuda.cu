@@ -118,7 +118,8 @@ TensorDesc describe(const at::Tensor& t) {
 // (flash_attn_ext's Python layer sends such calls to its fallback and reports them).
 KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttnArgs& a, int score_mods, bool deterministic,
-                        const KernelOptions& options, bool packed = false) {
+                        const KernelOptions& options, bool packed = false,
+                        const std::optional<at::Tensor>& attn_bias = std::nullopt) {
   CallInfo call;
   call.dtype = q.scalar_type() == at::kBFloat16 ? "bf16"
                : q.scalar_type() == at::kHalf   ? "fp16"
@@ -133,6 +134,10 @@ KernelChoice select_for(const at::Tensor& q, const at::Tensor& k, const at::Tens
   call.v = describe(v);
   call.score_mods = score_mods;
   call.unequal_tiles = a.window_left >= 0 || a.window_right >= 0;
+  // (broadcastable to (B, H, L, S): its rows differ where its query dimension has more than
+  // one element in memory)
+  call.bias_rows_differ = attn_bias.has_value() && attn_bias->dim() >= 2 &&
+                          attn_bias->size(-2) > 1 && attn_bias->stride(-2) != 0;
   call.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
   call.packed = packed;
   KernelChoice c = select_cuda_kernels(this_build(), current_device_info(), call, options);
@@ -420,7 +425,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const KernelOptions options = kernel_options();
   const int mods = score_mods_of(softcap, attn_bias, dropout_p, false, alibi_slopes.has_value());
-  const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic, options);
+  const KernelChoice choice =
+      select_for(q_in, k_in, v_in, a, mods, deterministic, options, false, attn_bias);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t dv_padded = v.size(3);
   at::Tensor out_padded =
