@@ -256,8 +256,9 @@ def flash_attn_with_kvcache(
         strict: Optional[bool] = None):
     """Attention of q against a KV cache, appending k/v first: FlashAttention-2's
     ``flash_attn_with_kvcache``, for inference.  (Gradients reach q and the cache's tensors
-    through the attention as through :func:`flash_attn_varlen_func`; the append itself is not
-    differentiable: k and v are copied into the caches in place under ``torch.no_grad``.)
+    through the attention as through :func:`flash_attn_varlen_func`, and k and v through the
+    rows they are appended to, whose old values get none; the in-place copy into the caches
+    itself is made under ``torch.no_grad``.)
 
     Args:
         q: (batch, seqlen_q, num_heads, head_dim).
@@ -281,6 +282,9 @@ def flash_attn_with_kvcache(
         block_table: (batch, max_num_blocks) int32 or None: paged KV, entry b's cache is pages
             block_table[b, 0], block_table[b, 1], ... of k_cache/v_cache (any page size; read
             in place by the CUDA decode kernels, gathered into a copy on the other routes).
+            Only the slots of pages a row uses (its rows cache_leftpad .. cache_seqlens +
+            seqlen_new) must hold page indices; the others may hold anything (e.g. -1), as
+            in FlashAttention-2.
         num_splits: split-KV on the CUDA decode kernels: the keys of each (batch row, KV
             head) split over this many CTAs (at most 128: larger values run as 128), 0 = a
             heuristic that fills the GPU (ignored on the other routes).
@@ -357,6 +361,9 @@ def flash_attn_with_kvcache(
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"k_cache and v_cache must have q's dtype, got q.dtype={q.dtype}, "
                          f"k_cache.dtype={k_cache.dtype}, v_cache.dtype={v_cache.dtype}")
+    if q.dtype not in ops._FLOAT_DTYPES:  # (the attention op's rule, before the append)
+        raise ValueError(f"q, k_cache and v_cache must be float16, bfloat16, float32 or float64, "
+                         f"got {q.dtype}")
     if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
                          f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")
@@ -441,19 +448,27 @@ def flash_attn_with_kvcache(
             softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
             float(softcap), bool(rotary_interleaved), alibi_slopes)
         return (out, lse) if return_softmax_lse else out
-    if block_table is not None and block_table.numel():
-        outside = (block_table < 0) | (block_table >= k_cache.shape[0])
-        if bool(outside.any()):
-            at = tuple(outside.nonzero()[0].tolist())
-            raise ValueError(f"block_table entries must be page indices in [0, "
-                             f"{k_cache.shape[0]}) (k_cache.shape[0]), got "
-                             f"block_table[{', '.join(map(str, at))}]="
-                             f"{int(block_table[at])}")
     seqlens = _int32(seqlen_cache if cache_seqlens is None else cache_seqlens, batch, device,
                      "cache_seqlens")
     leftpad = _int32(0 if cache_leftpad is None else cache_leftpad, batch, device,
                      "cache_leftpad")
     new = 0 if k is None else k.shape[1]
+    if block_table is not None and block_table.numel():
+        # Only the pages a row uses (rows leftpad .. cache_seqlens + seqlen_new) must exist:
+        # FlashAttention-2 reads no other, so tables padded with e.g. -1 are valid (the CUDA
+        # decode kernels check the pages they read, flash_decode_kernel.cuh).  (Lengths that
+        # break their rules are refused below with their own message.)
+        slot = torch.arange(block_table.shape[1], device=block_table.device)
+        first = leftpad.to(block_table.device).long()[:, None] // page
+        end = (seqlens.to(block_table.device).long()[:, None] + new + page - 1) // page
+        outside = ((block_table < 0) | (block_table >= k_cache.shape[0])) & \
+            (slot >= first) & (slot < end)
+        if bool(outside.any()):
+            at = tuple(outside.nonzero()[0].tolist())
+            raise ValueError(f"block_table entries must be page indices in [0, "
+                             f"{k_cache.shape[0]}) (k_cache.shape[0]) where a row uses the "
+                             f"page, got block_table[{', '.join(map(str, at))}]="
+                             f"{int(block_table[at])}")
     if bool((seqlens < 0).any()):
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
     if bool((seqlens + new > seqlen_cache).any()):
@@ -482,6 +497,10 @@ def flash_attn_with_kvcache(
                              f"appended (two rows would write one entry), got {entries.tolist()}")
     rotary = rotary_cos is not None
     positions = seqlens.long()[:, None] + torch.arange(max(seqlen_q, new), device=device)
+    # New keys and values whose gradient is wanted reach the attention as the rows they are
+    # appended to (below), so that they get it (and the cache's overwritten rows none).
+    grad_new = k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    k_new, v_new = k, v
     with torch.no_grad():
         if k is not None:
             if rotary:
@@ -506,10 +525,18 @@ def flash_attn_with_kvcache(
     # The cache as packed sequences: entry b's keys are rows b * seqlen_cache + leftpad[b] ..
     # of the (batch * seqlen_cache) rows, of which seqlens[b] + new - leftpad[b] are used.
     if block_table is not None:  # (the pages gathered into each entry's cache: a copy)
-        kc, vc = (c[block_table.long()].flatten(1, 2) for c in (k_cache, v_cache))
+        # (unused slots may hold anything: clamped, their rows are past the used ones)
+        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
+        kc, vc = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))
     else:
         kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
         vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
+    if grad_new:  # (the same values as the append wrote, now with k's and v's gradient)
+        if rotary:
+            k_new = _rotate(k_new, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
+        at = (torch.arange(batch, device=device)[:, None].expand(batch, new), positions[:, :new])
+        kc = kc.index_put(at, k_new.to(kc.dtype))
+        vc = vc.index_put(at, v_new.to(vc.dtype))
     rows = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_cache
     cu_k = torch.cat([rows[:-1] + leftpad, rows[-1:]])
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q

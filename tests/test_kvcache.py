@@ -433,3 +433,87 @@ def test_tensors_on_another_device_are_named():
     with pytest.raises(ValueError, match="rotary_cos must be on q's device"):
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=3,
                                 rotary_cos=table, rotary_sin=table)
+
+
+def test_a_dtype_the_kernels_refuse_is_refused_before_the_append():
+    # An int32 (or complex, bool) q was refused by the attention op after k and v had been
+    # appended (new-user trial), against the docstring's "before anything is appended".
+    for dtype in (torch.int32, torch.complex64, torch.bool):
+        k_cache, v_cache = torch.zeros(1, 4, 2, 4, dtype=dtype), torch.zeros(1, 4, 2, 4, dtype=dtype)
+        new = torch.ones(1, 1, 2, 4, dtype=dtype)
+        with pytest.raises(ValueError, match=f"must be float16, bfloat16, float32 or float64, "
+                                             f"got {dtype}"):
+            flash_attn_with_kvcache(torch.ones(1, 1, 2, 4, dtype=dtype), k_cache, v_cache, new,
+                                    new, cache_seqlens=1)
+        assert not k_cache.any() and not v_cache.any(), dtype
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_appended_keys_and_values_get_their_gradient(rotary, paged):
+    # k and v requiring grad got none (their append ran under torch.no_grad) while q's
+    # gradient came back: a silently missing gradient (new-user trial).  Now they get the
+    # gradient of the rows they are appended to, and the cache's overwritten rows get none:
+    # the same gradients as attention over the caches with k and v written in out of place.
+    torch.manual_seed(3)
+    batch, new, cache_len, heads, heads_k, d = 2, 2, 8, 4, 2, 8
+    f64 = torch.float64
+    q = torch.randn(batch, new, heads, d, dtype=f64, requires_grad=True)
+    k, v = (torch.randn(batch, new, heads_k, d, dtype=f64, requires_grad=True) for _ in "kv")
+    k_base, v_base = (torch.randn(batch, cache_len, heads_k, d, dtype=f64) for _ in "kv")
+    seqlens = torch.tensor([2, 5], dtype=torch.int32)
+    kw = dict(cache_seqlens=seqlens, causal=True)
+    if rotary:
+        angles = torch.rand(cache_len, 2, dtype=f64) * 6
+        kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+
+    def ours(q, k, v, k_base, v_base):
+        k_cache, v_cache = k_base.clone(), v_base.clone()
+        if not paged:
+            return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+        # pages of 4 rows, entry b's at pages 2b + 1, 2b (reversed), each table padded with -1
+        k_pages, v_pages = (c.reshape(batch, 2, 4, heads_k, d).flip(1).reshape(
+            2 * batch, 4, heads_k, d) for c in (k_cache, v_cache))
+        table = torch.tensor([[1, 0, -1], [3, 2, -1]], dtype=torch.int32)
+        return flash_attn_with_kvcache(q, k_pages, v_pages, k, v, block_table=table, **kw)
+
+    def reference(q, k, v, k_base, v_base):
+        positions = seqlens.long()[:, None] + torch.arange(new)
+        if rotary:
+            k = _rotary_ref(k, kw["rotary_cos"], kw["rotary_sin"], positions, True)
+            q = _rotary_ref(q, kw["rotary_cos"], kw["rotary_sin"], positions, True)
+        at = (torch.arange(batch)[:, None].expand(batch, new), positions)
+        k_all, v_all = k_base.index_put(at, k), v_base.index_put(at, v)
+        outs = []
+        for b in range(batch):
+            n = int(seqlens[b]) + new
+            o, _ = attention_ref(q[b:b + 1], k_all[b:b + 1, :n], v_all[b:b + 1, :n], causal=True)
+            outs.append(o)
+        return torch.cat(outs)
+
+    dout = torch.randn(batch, new, heads, d, dtype=f64)
+    leaves = (q, k, v, k_base.requires_grad_(), v_base.requires_grad_())
+    got = torch.autograd.grad(ours(*leaves), leaves, dout)
+    want = torch.autograd.grad(reference(*leaves), leaves, dout)
+    for name, g, w in zip(("q", "k", "v", "k_cache", "v_cache"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_block_table_slots_past_the_used_pages_may_hold_anything():
+    # FlashAttention-2 reads only the pages cache_seqlens (+ seqlen_new) reach; tables padded
+    # with -1 were refused (new-user trial).  A slot a row uses must still be a page.
+    torch.manual_seed(2)
+    k_pages, v_pages = torch.randn(12, 1, 2, 8, dtype=torch.float64), \
+        torch.randn(12, 1, 2, 5, dtype=torch.float64)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    padded = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -7]], dtype=torch.int32)
+    full = torch.tensor([[0, 1, 2, 5], [3, 4, 6, 7]], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=padded)
+    want = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=full)
+    assert torch.equal(out, want)
+    new = torch.randn(2, 1, 2, 8, dtype=torch.float64), torch.randn(2, 1, 2, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"where a row uses the page, got block_table\[1, 2\]=-1"):
+        flash_attn_with_kvcache(q, k_pages, v_pages, *new,
+                                cache_seqlens=torch.tensor([2, 2], dtype=torch.int32),
+                                block_table=padded)  # (the appends reach slots 2 of both rows)
