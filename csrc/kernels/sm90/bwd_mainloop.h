@@ -154,6 +154,16 @@ struct BwdMainloop {
   static constexpr int kSVals = decltype(size(std::declval<AccS&>()))::value;
   static_assert(kSVals == kM / 2, "unexpected wgmma accumulator layout");
   static_assert(decltype(size(std::declval<FragP&>()))::value == kSVals, "");
+  // A thread's S^T values lie in kSVals / 2 query columns (fwd_traits.h's acc_col): value i in
+  // slot col_slot(i), slot c at column offset slot_col(c).
+  __device__ __forceinline__ static constexpr int col_slot(int i) { return (i & 1) + 2 * (i >> 2); }
+  __device__ __forceinline__ static constexpr int slot_col(int c) { return (c & 1) + 8 * (c >> 1); }
+  static constexpr bool slots_match() {
+    for (int i = 0; i < kSVals; ++i)
+      if (slot_col(col_slot(i)) != acc_col(i) || col_slot(i) >= kSVals / 2) return false;
+    return true;
+  }
+  static_assert(slots_match(), "col_slot must invert slot_col over acc_col's columns");
 
   TiledMmaSdP mma_sdp;
   TiledMmadKV mma_dkv;
@@ -340,6 +350,24 @@ struct BwdMainloop {
       uint64_t kept = 0;
       if constexpr (T::kDropout)
         kept = drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0);
+      // The step's lse log2(e) of this thread's query columns, read while the GEMMs run.  Read
+      // after the wait for S^T, the loads' latency (shared memory busy with both warpgroups'
+      // GEMM operands) stalled the first exponents: ~8% of the kernel's warp stall samples at
+      // head dim 128 (ncu, docs/perf/sm90_backward.md).  Only with 64-row steps (16 values):
+      // at head dim 64 (128 rows, 32 values) ptxas spilled 52 bytes more (plain) and 168
+      // (mask variant).
+      constexpr bool kLseAhead = kM == 64;
+      float lse_q[kLseAhead ? kSVals / 2 : 1];
+      if constexpr (kLseAhead) {
+        CUTE_UNROLL
+        for (int c = 0; c < kSVals / 2; ++c) lse_q[c] = lse_s[q0 + slot_col(c)];
+      }
+      auto lse_of = [&](int i) {
+        if constexpr (kLseAhead)
+          return lse_q[col_slot(i)];
+        else
+          return lse_s[q0 + acc_col(i)];
+      };
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);
       // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
@@ -358,7 +386,7 @@ struct BwdMainloop {
         for (int i = 0; i < kSVals; ++i) {
           const int key = key0 + acc_row(i), q = q0 + acc_col(i);  // (fwd_traits.h)
           float t;
-          float pr = prob(acc_s(i), scale_log2, lse_s[q], acc_col(i) - acc_row(i), t);
+          float pr = prob(acc_s(i), scale_log2, lse_of(i), acc_col(i) - acc_row(i), t);
           // (the softcap variant's t too: a hidden key's score may be NaN, which P^T (1 - t^2)
           // below would keep)
           if constexpr (decltype(with_mask)::value)
