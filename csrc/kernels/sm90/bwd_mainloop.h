@@ -355,8 +355,9 @@ struct BwdMainloop {
       // GEMM operands) stalled the first exponents: ~8% of the kernel's warp stall samples at
       // head dim 128 (ncu, docs/perf/sm90_backward.md).  Only with 64-row steps (16 values):
       // at head dim 64 (128 rows, 32 values) ptxas spilled 52 bytes more (plain) and 168
-      // (mask variant).
-      constexpr bool kLseAhead = kM == 64;
+      // (mask variant).  Not in the mask variant: at head dim 128 it spilled 44 bytes more
+      // (104 -> 148) and its backward measured 4-6% slower (1b244b6 against 36429dd).
+      constexpr bool kLseAhead = kM == 64 && !T::kMask;
       float lse_q[kLseAhead ? kSVals / 2 : 1];
       if constexpr (kLseAhead) {
         CUTE_UNROLL
