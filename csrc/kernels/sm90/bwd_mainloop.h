@@ -350,13 +350,14 @@ struct BwdMainloop {
       uint64_t kept = 0;
       if constexpr (T::kDropout)
         kept = drop.template keep_bits<kM / 8, false>(drop_row_base, n0 + key0, m0 + q0);
-      // The step's lse log2(e) of this thread's query columns, read while the GEMMs run.  Read
-      // after the wait for S^T, the loads' latency (shared memory busy with both warpgroups'
-      // GEMM operands) stalled the first exponents: ~8% of the kernel's warp stall samples at
-      // head dim 128 (ncu, docs/perf/sm90_backward.md).  Only with 64-row steps (16 values):
-      // at head dim 64 (128 rows, 32 values) ptxas spilled 52 bytes more (plain) and 168
-      // (mask variant).  Not in the mask variant: at head dim 128 it spilled 44 bytes more
-      // (104 -> 148) and its backward measured 4-6% slower (1b244b6 against 36429dd).
+      // The step's lse log2(e) of this thread's query columns, read while the GEMMs run rather
+      // than after the wait for S^T, where the first exponents waited on them.  (ncu at head
+      // dim 128: the stall at the first exponent stayed, so it is mostly the wait for S^T's
+      // accumulators; the kernel 1.5% shorter, docs/perf/sm90_backward.md.)  Only with 64-row
+      // steps (16 values): at head dim 64 (128 rows, 32 values) ptxas spilled 52 bytes more
+      // (plain) and 168 (mask variant).  Not in the mask variant: at head dim 128 it spilled 44
+      // bytes more (104 -> 148) and its backward measured 4-6% slower (1b244b6 against
+      // 36429dd).
       constexpr bool kLseAhead = kM == 64 && !T::kMask;
       float lse_q[kLseAhead ? kSVals / 2 : 1];
       if constexpr (kLseAhead) {
