@@ -439,7 +439,7 @@ def test_a_dtype_the_kernels_refuse_is_refused_before_the_append():
     # An int32 (or complex, bool) q was refused by the attention op after k and v had been
     # appended (new-user trial), against the docstring's "before anything is appended".
     for dtype in (torch.int32, torch.complex64, torch.bool):
-        k_cache, v_cache = torch.zeros(1, 4, 2, 4, dtype=dtype), torch.zeros(1, 4, 2, 4, dtype=dtype)
+        k_cache, v_cache = (torch.zeros(1, 4, 2, 4, dtype=dtype) for _ in "kv")
         new = torch.ones(1, 1, 2, 4, dtype=dtype)
         with pytest.raises(ValueError, match=f"must be float16, bfloat16, float32 or float64, "
                                              f"got {dtype}"):
