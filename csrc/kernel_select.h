@@ -40,8 +40,9 @@ struct KernelOptions {
   bool force_portable = false;  // the portable sm80 kernels on every GPU
   PackGqa sm90_pack_gqa = PackGqa::kAuto;
   // The Hopper forward's tile schedule: kAuto is kDynamic when a causal mask, a window, packed
-  // sequences or a boolean mask whose rows differ make tiles unequal, else kStatic (one CTA per SM; kDynamic takes the next tile from an atomic
-  // counter, longest first; kTile launches one CTA per tile).
+  // sequences or a boolean mask whose rows differ make tiles unequal, else kStatic (one CTA per
+  // SM; kDynamic takes the next tile from an atomic counter, longest first; kTile launches one
+  // CTA per tile).
   Sm90Schedule sm90_schedule = Sm90Schedule::kAuto;
   int32_t sm90_section_pairs = 0;  // (batch, head) pairs per tile-order section; 0: launcher's
   bool sm90_row_shift = true;      // causal: the partial query block first
