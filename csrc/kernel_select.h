@@ -44,7 +44,10 @@ struct KernelOptions {
   // SM; kDynamic takes the next tile from an atomic counter, longest first; kTile launches one
   // CTA per tile).
   Sm90Schedule sm90_schedule = Sm90Schedule::kAuto;
-  int32_t sm90_section_pairs = 0;  // (batch, head) pairs per tile-order section; 0: launcher's
+  // (batch, head) pairs per section of the Hopper forward's tile order, and of the Hopper
+  // backward's launch order under a causal mask or window (there 1: the key block fastest over
+  // the whole launch); 0: the launchers' choice
+  int32_t sm90_section_pairs = 0;
   bool sm90_row_shift = true;      // causal: the partial query block first
   bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
   bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90

@@ -119,8 +119,9 @@ struct FwdParams {
   int32_t sm90_varlen_block_m = 0;
   int32_t* tile_counter = nullptr;  // Hopper forward: scratch int32 for its tile scheduler
   int32_t max_ctas = 0;  // Hopper forward: CTAs to launch at most (0: one per SM)
-  // Hopper forward: (batch, head) pairs per section of its tile order (0: the launcher's choice;
-  // KernelOptions::sm90_section_pairs, experimental)
+  // Hopper forward: (batch, head) pairs per section of its tile order; Hopper backward, causal or
+  // windowed with dQ in any order: (batch, KV head) pairs per section of its launch order (0: the
+  // launcher's choice; KernelOptions::sm90_section_pairs, experimental)
   int32_t heads_per_section = 0;
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
   // KernelOptions::sm90_row_shift = false, experimental, clears it)

@@ -784,6 +784,24 @@ def test_hopper_backward_long_sequence(hopper_bwd):
     hopper_backward_case(torch.bfloat16, 1, 4224, 4224, 2, 1, 256, causal=True)
 
 
+@pytest.mark.parametrize("head_dim, seqlen", [(128, 16384), (64, 32768), (256, 8192)])
+def test_hopper_backward_causal_sections_cover_every_key_block(hopper_bwd, head_dim, seqlen):
+    # Causal calls with dQ in any order launch in sections of (batch, KV head) pairs sized to
+    # ~40 MiB of L2, the key block slowest within each (bwd_launch_template.h, bwd_kernel.h).
+    # A pair takes 16 MiB here (d = 64 at 32k, 128 at 16k, 256 at 8k): two make a section
+    # and three pairs leave a last section of one.  Every key block must be computed exactly
+    # once: dK and dV (summed in the CTA) bitwise equal to the deterministic order's, which
+    # launches the key block fastest; dQ (added in another order) close to it.
+    q, k, v = (rand(1, seqlen, 3, head_dim).requires_grad_() for _ in "qkv")
+    dout = rand(1, seqlen, 3, head_dim)
+    grads = [torch.autograd.grad(flash_attn_func(q, k, v, causal=True, deterministic=det),
+                                 (q, k, v), dout) for det in (False, True)]
+    (dq, dk, dv), (dq_det, dk_det, dv_det) = grads
+    assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)
+    assert dk.abs().amax(dim=(0, 2, 3)).min() > 0  # (no key row left at zero)
+    torch.testing.assert_close(dq.float(), dq_det.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_hopper_and_portable_backward_agree(kernel_opts):
     # The same call on both backwards: two summation orders, close, not bitwise equal; the
     # option switches within the process and the plan follows it.

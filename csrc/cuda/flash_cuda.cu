@@ -550,6 +550,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
           p.dq_semaphore = dq_semaphore.data_ptr<int32_t>();
         }
         float* stats_ptr = stats.data_ptr<float>();
+        p.heads_per_section = kernel_options().sm90_section_pairs;
         const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);

@@ -89,6 +89,22 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
                        num_m_blocks * (num_n_blocks + 1) < 0x7fffffffLL
                    ? kDqRotated
                    : kDqDescending;
+  // Unequal CTAs (a causal mask or a window) with dQ in any order: sections of (batch, KV head)
+  // pairs whose Q, dO (the group's query heads) and fp32 dQ buffer take about 40 MiB of L2
+  // (FlashAttention-3's figure for its sections), the key block slowest within each
+  // (bwd_kernel.h).  p.heads_per_section > 0 (KernelOptions::sm90_section_pairs, experimental)
+  // overrides the size; 1 is the key block fastest over the whole launch.
+  int32_t section_pairs = 0;
+  if (!varlen && dq_order == kDqAnyOrder && (p.window_left >= 0 || p.window_right >= 0)) {
+    const int64_t pairs = p.batch * p.heads_kv;
+    const int64_t pair_bytes =
+        (p.heads_q / p.heads_kv) *
+        (p.seqlen_q * (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(Element)) +
+         pitch * kD * static_cast<int64_t>(sizeof(float)));
+    const int64_t fit = (int64_t{40} << 20) / (pair_bytes > 0 ? pair_bytes : 1);
+    const int64_t want = p.heads_per_section > 0 ? p.heads_per_section : fit;
+    section_pairs = static_cast<int32_t>(want < 1 ? 1 : want > pairs ? pairs : want);
+  }
   Sm90BwdArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{},
                     gmem(p.q, rows_q, p.head_dim, p.heads_q, batch, p.q_row_stride,
@@ -112,7 +128,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
       static_cast<int32_t>(pitch),
       static_cast<int32_t>(num_n_blocks),
       static_cast<int32_t>(p.heads_q / p.heads_kv),
-      dq_order};
+      dq_order,
+      section_pairs};
   const int64_t ctas = varlen ? int64_t{p.sm90_varlen_entries} * p.heads_kv
                               : num_n_blocks * p.batch * p.heads_kv;
   if (ctas > 0x7fffffffLL) return cudaErrorInvalidValue;

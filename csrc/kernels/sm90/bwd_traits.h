@@ -211,6 +211,9 @@ struct Sm90BwdArgs {
   // The order in which the key blocks add their dQ tiles to a query block (bwd_dq.h): kDqAnyOrder
   // (as the CTAs get there), or with p.dq_semaphore kDqDescending / kDqRotated.
   int32_t dq_order;
+  // Dense calls with dQ in any order and unequal CTAs (a causal mask or a window): (batch, KV
+  // head) pairs per section of the launch order (bwd_kernel.h); 0: the key block fastest.
+  int32_t section_pairs;
 };
 
 // Sm90BwdArgs::dq_order.  kDqDescending: the CTA of key block n is blockIdx n_blocks - 1 - n of its
