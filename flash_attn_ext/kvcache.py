@@ -459,8 +459,8 @@ def flash_attn_with_kvcache(
         # decode kernels check the pages they read, flash_decode_kernel.cuh).  (Lengths that
         # break their rules are refused below with their own message.)
         slot = torch.arange(block_table.shape[1], device=block_table.device)
-        first = leftpad.to(block_table.device).long()[:, None] // page
-        end = (seqlens.to(block_table.device).long()[:, None] + new + page - 1) // page
+        first = leftpad.long()[:, None] // page  # (block_table is on q's device, as these)
+        end = (seqlens.long()[:, None] + new + page - 1) // page
         outside = ((block_table < 0) | (block_table >= k_cache.shape[0])) & \
             (slot >= first) & (slot < end)
         if bool(outside.any()):
@@ -500,11 +500,10 @@ def flash_attn_with_kvcache(
     # New keys and values whose gradient is wanted reach the attention as the rows they are
     # appended to (below), so that they get it (and the cache's overwritten rows none).
     grad_new = k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-    k_new, v_new = k, v
+    if k is not None and rotary:  # (once, with autograd: k's gradient flows through it)
+        k = _rotate(k, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
     with torch.no_grad():
         if k is not None:
-            if rotary:
-                k = _rotate(k, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
             # In place, each entry at its own length: (cache entry or page, row) per token.
             pos = positions[:, :new]
             if block_table is not None:
@@ -532,11 +531,9 @@ def flash_attn_with_kvcache(
         kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
         vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
     if grad_new:  # (the same values as the append wrote, now with k's and v's gradient)
-        if rotary:
-            k_new = _rotate(k_new, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
         at = (torch.arange(batch, device=device)[:, None].expand(batch, new), positions[:, :new])
-        kc = kc.index_put(at, k_new.to(kc.dtype))
-        vc = vc.index_put(at, v_new.to(vc.dtype))
+        kc = kc.index_put(at, k.to(kc.dtype))
+        vc = vc.index_put(at, v.to(vc.dtype))
     rows = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_cache
     cu_k = torch.cat([rows[:-1] + leftpad, rows[-1:]])
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q
