@@ -9,7 +9,9 @@ turn, in the same process (rows "ours" for auto, "ours-off", "ours-on"): the Hop
 against the portable one.  --deterministic: also ours with deterministic=True ("ours-det").
 --section-pairs 1 ...: also ours under each value of the kernel option sm90_section_pairs (rows
 "ours-s<N>"; for a causal call, the (batch, KV head) pairs per section of the Hopper backward's
-launch order, 1: the key block fastest over the whole launch).
+launch order, 1: the key block fastest over the whole launch).  --direct-epilogue: also ours
+with kernel_options(sm90_direct_epilogue=True) (row "ours-direct": dK and dV stored from
+registers instead of through shared memory).
 bf16, B * L = 16384 tokens, H * d = 2048, inputs (B, L, H, d).
 
 --sm80-forward: also time the portable (sm80) forward (kernel_options(force_portable=True)) and SDPA
@@ -34,18 +36,21 @@ import flash_attn_ext
 
 
 def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",),
-                 deterministic: bool = False, section_pairs: tuple = ()):
+                 deterministic: bool = False, section_pairs: tuple = (),
+                 direct_epilogue: bool = False):
     """name -> zero-argument backward of a fixed forward graph (retain_graph): ours (under each
     value of the kernel option sm90_bwd; with ``deterministic`` also "ours-det", the default
     choice with deterministic=True; "ours-s<N>" under sm90_section_pairs=N for each N of
-    ``section_pairs``), SDPA's FLASH and cuDNN backends."""
+    ``section_pairs``; with ``direct_epilogue`` "ours-direct"), SDPA's FLASH and cuDNN
+    backends."""
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in "qkv")
     dout = torch.randn_like(q)
 
-    def ours(choice, det=False, pairs=0):
-        options = {"sm90_bwd": choice, "sm90_section_pairs": pairs}
+    def ours(choice, det=False, pairs=0, direct=False):
+        options = {"sm90_bwd": choice, "sm90_section_pairs": pairs,
+                   "sm90_direct_epilogue": direct}
         with flash_attn_ext.kernel_options(**options):
             out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, deterministic=det)
 
@@ -65,6 +70,7 @@ def backward_fns(d: int, seqlen: int, causal: bool, sm90_bwd: tuple = ("auto",),
         **{"ours" if c == "auto" else f"ours-{c}": ours(c) for c in sm90_bwd},
         **({"ours-det": ours("auto", True)} if deterministic else {}),
         **{f"ours-s{n}": ours("auto", pairs=n) for n in section_pairs},
+        **({"ours-direct": ours("auto", direct=True)} if direct_epilogue else {}),
         "flash": lambda: torch.autograd.grad(out_flash, (qt, kt, vt), dout_t,
                                              retain_graph=True),
         "cudnn": lambda: torch.autograd.grad(out_cudnn, (qt, kt, vt), dout_t,
@@ -113,13 +119,16 @@ def main() -> None:
     parser.add_argument("--section-pairs", type=int, nargs="+", default=[],
                         help="also time ours under each value of the kernel option "
                         "sm90_section_pairs (rows ours-s<N>)")
+    parser.add_argument("--direct-epilogue", action="store_true",
+                        help="also time ours with sm90_direct_epilogue=True (row ours-direct)")
     args = parser.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.dims:
         for seqlen in args.seqlens:
             for causal in causals:
                 flops, fns = backward_fns(d, seqlen, causal, tuple(args.sm90_bwd),
-                                          args.deterministic, tuple(args.section_pairs))
+                                          args.deterministic, tuple(args.section_pairs),
+                                          args.direct_epilogue)
                 if args.sm80_forward and not args.ncu:
                     ours_ms, flash_ms = forward_ms(d, seqlen, causal)
                     print(f"d={d:3d} L={seqlen:5d} causal={causal!s:5} sm80  fwd "

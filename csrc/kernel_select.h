@@ -49,7 +49,9 @@ struct KernelOptions {
   // the whole launch); 0: the launchers' choice
   int32_t sm90_section_pairs = 0;
   bool sm90_row_shift = true;      // causal: the partial query block first
-  bool sm90_direct_epilogue = false;  // O stored from registers instead of by TMA
+  // The Hopper forward's O stored from registers instead of by TMA, and the Hopper backward's dK
+  // and dV (head dims 64 and 128) from registers instead of through shared memory
+  bool sm90_direct_epilogue = false;
   bool bwd_atomic_dq = false;  // the 8-warp backward's per-lane atomic dQ also on sm_90
   // The Hopper kernels' general variant with a bias: summarise it by blocks first
   // (kernels/sm90/bias_blocks.h: skip masked tiles, no reads where it is 0); false reads it

@@ -129,7 +129,8 @@ struct FwdParams {
   // Hopper forward: pack the query heads of a GQA group into one tile (see its launcher; the
   // glue sets it as kernel_select.h decides)
   bool sm90_pack_gqa = false;
-  // Hopper forward: store O from registers instead of by TMA (an experimental variant,
+  // Hopper forward: store O from registers instead of by TMA; Hopper backward (head dims 64 and
+  // 128): dK and dV from registers instead of through shared memory (an experimental variant,
   // KernelOptions::sm90_direct_epilogue)
   bool sm90_direct_epilogue = false;
 

@@ -11,7 +11,7 @@ Skipped without an sm_90 GPU and a build with the Hopper kernels.
 import pytest
 import torch
 
-from flash_attn_ext import explain, flash_attn_func, ops, planning
+from flash_attn_ext import explain, flash_attn_func, flash_attn_varlen_func, ops, planning
 from reference import (
     assert_error_rule,
     attention_ref,
@@ -800,6 +800,38 @@ def test_hopper_backward_causal_sections_cover_every_key_block(hopper_bwd, head_
     assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)
     assert dk.abs().amax(dim=(0, 2, 3)).min() > 0  # (no key row left at zero)
     torch.testing.assert_close(dq.float(), dq_det.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(64, 64), (40, 40), (128, 128), (72, 72),
+                                                 (128, 64)])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_hopper_backward_staged_and_direct_dkdv_stores_agree(kernel_opts, head_dim, head_dim_v,
+                                                             packed):
+    # dK and dV stored through shared memory (16-byte rows, the default at head dims 64 and
+    # 128) and from registers (sm90_direct_epilogue): the same accumulators, so bitwise equal,
+    # with partial key blocks (113 keys; packed: sequences ending inside a warpgroup's 64 rows
+    # and one with no key), GQA and cut head dims.  Outputs are poisoned (conftest.py): a row
+    # or column left unwritten shows.
+    kernel_opts(sm90_bwd="on")
+    lens = [113, 0, 70, 190] if packed else [113] * 2
+    total = sum(lens)
+    q = rand(total, 4, head_dim).requires_grad_()
+    k = rand(total, 2, head_dim).requires_grad_()
+    v = rand(total, 2, head_dim_v).requires_grad_()
+    dout = rand(total, 4, head_dim_v)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    grads = {}
+    for direct in (False, True):
+        kernel_opts(sm90_direct_epilogue=direct)
+        if packed:
+            out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        else:
+            out = flash_attn_func(*(t.view(2, 113, *t.shape[1:]) for t in (q, k, v)),
+                                  causal=True).view(total, 4, head_dim_v)
+        grads[direct] = torch.autograd.grad(out, (k, v), dout)
+    for name, staged, direct in zip(("dk", "dv"), grads[False], grads[True]):
+        assert torch.isfinite(staged).all(), name
+        assert torch.equal(staged, direct), name
 
 
 def test_hopper_and_portable_backward_agree(kernel_opts):

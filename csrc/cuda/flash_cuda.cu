@@ -551,6 +551,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         }
         float* stats_ptr = stats.data_ptr<float>();
         p.heads_per_section = kernel_options().sm90_section_pairs;
+        p.sm90_direct_epilogue = kernel_options().sm90_direct_epilogue;
         const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
@@ -715,6 +716,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
       // accumulated dQ and the statistics (lse * log2(e), D).
       const bool ordered = choice.dq == DqPath::kOrdered;
+      p.sm90_direct_epilogue = kernel_options().sm90_direct_epilogue;
       const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q, ordered, kernel_dim);
       if (p.sm90_varlen_padded_q == 0) {  // no sequence has a query row: zeros (allocated)
         return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};

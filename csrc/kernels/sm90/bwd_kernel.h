@@ -206,6 +206,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kRoleSplit) mainloop.finish_dq_ordered();  // (the last step's adds)
   }
   // zeros where no query row sees the block
+  if constexpr (!T::kRoleSplit) {
+    if (BwdMainloop<T>::staged_store_fits(p)) {
+      // Both warpgroups past their last GEMM (the other's dQ GEMM reads every key of K) before
+      // either overwrites K and V (the dS barrier's id: both pass it equally often).
+      cutlass::arch::NamedBarrier::sync(256, 0);
+      mainloop.store_dkdv_staged(p, smem.k.data(), smem.v.data(),
+                                 static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk,
+                                 ctid / 128, ctid % 128);
+      return;
+    }
+  }
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
