@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: the landing gate of a CUDA-path commit (the brief: test_cuda, test_sm90 and
+# the compile tests on that exact commit), in the order that matters when the call runs out of
+# time: the build (skipped when the warm machine kept this tree's), the compile tests of every
+# file, test_sm90 and test_cuda, then the other CUDA test files as long as time is left.  Each
+# stage has its own log under $OUT and a summary line; a stage the deadline cut says so
+# ("cut"), so a partial gate is never read as a pass.  Timing on the H200 (2026-12-04): build
+# 190-250 s, compile tests ~60 s, test_sm90 + test_cuda ~120 s, the other 15 files ~250 s.
+# Usage on the GPU machine:
+#   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] bash dev/gpu/gpu_gate.sh
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+DEADLINE=${DEADLINE:-580}
+if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1; then
+  (FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
+    > "$OUT/build.log" 2>&1) || { tail -30 "$OUT/build.log"; echo "gate: build failed"; exit 1; }
+fi
+echo "gate: build done at ${SECONDS} s"
+OTHERS="tests/test_ops.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask.py
+  tests/test_alibi.py tests/test_dropout.py tests/test_decode.py tests/test_sdpa.py
+  tests/test_torch_flash.py tests/test_transformers.py tests/test_numerics_nan.py
+  tests/test_validation.py tests/test_planning.py tests/test_patch.py tests/test_autocast.py
+  tests/test_attention.py"
+stage() {  # name, pytest arguments...
+  local name=$1 left=$((DEADLINE - SECONDS))
+  shift
+  if [ "$left" -le 5 ]; then echo "gate: $name: not run (no time left)"; return 1; fi
+  timeout "$left" python3 -m pytest -q -rfE "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local summary
+  summary=$(tail -1 "$OUT/$name.log")
+  if [ $rc -eq 124 ]; then summary="cut at the deadline after: $summary"; fi
+  echo "gate: $name: $summary"
+  grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -10
+  return $rc
+}
+stage compile -k compile tests/test_cuda.py tests/test_ops.py tests/test_sm90.py
+stage core -k "not compile" tests/test_sm90.py tests/test_cuda.py
+# shellcheck disable=SC2086
+stage others -k "not compile" $OTHERS
+echo "gate: end at ${SECONDS} s"
