@@ -193,3 +193,38 @@ def test_bench_decode_times_every_implementation(cpu_bench):
     assert torch.equal(flash_attn_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens),
                        flash_attn_ext.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                               block_table=table))
+
+
+def test_bench_context_parallel_cpu_mode(tmp_path, monkeypatch, capfd):
+    # bench_context_parallel's --device cpu mode: two gloo processes, PyTorch's context
+    # parallelism over our CPU kernels (registered for the aten flash ops).  Attention (bf16,
+    # GQA, causal with head-tail load balancing and not) within the error rule, CP and single
+    # run; the tiny model's loss curve under CP equal to the single-process one while it moves;
+    # and our impls served exactly the ring steps: 2 per attention call, forward and backward.
+    pytest.importorskip("transformers")
+    import bench_context_parallel as bcp
+    monkeypatch.setattr(sys, "argv", ["bench_context_parallel.py", "--device", "cpu",
+                                      "--train-steps", "3", "--warmup", "1",
+                                      "--out-dir", str(tmp_path)])
+    assert bcp.main() == 0
+    (path,) = tmp_path.glob("context_parallel_*_cpu.json")
+    assert f"wrote {path}" in capfd.readouterr().out  # (rank 0's table, then this)
+    data = json.loads(path.read_text())
+    assert data["meta"]["device"] == "cpu" and data["meta"]["world"] == 2
+    attention = [r for r in data["rows"] if r["part"] == "attention"]
+    assert [(r["causal"], r["what"]) for r in attention] == [
+        (c, w) for c in (True, False) for w in ("out", "dq", "dk", "dv")]
+    for r in attention:
+        assert "error" not in r and r["ok"] and r["gqa"] == "native", r
+        assert 0 < r["err_cp"] <= r["bound"] and r["ours_calls"] == [2, 2]
+    training = {(r["impl"], r["cp"]): r for r in data["rows"] if r["part"] == "training"}
+    assert set(training) == {("ours", False), ("flash", False), ("ours", True)}
+    cp, single = training[("ours", True)], training[("ours", False)]
+    assert all("error" not in r and r["tokens_per_s_per_gpu"] > 0 for r in training.values())
+    assert cp["loss_equal"] and len(cp["losses"]) == 3
+    assert single["losses"][-1] < single["losses"][0] - 0.5  # (the curve moves)
+    layers, steps, ring = 2, 3, 2
+    assert cp["ours_calls"] == [layers * steps * ring] * 2
+    assert single["ours_calls"] == [layers * steps] * 2
+    assert training[("flash", False)]["ours_calls"] == [0, 0]
+    assert cp["local_tokens"] == single["local_tokens"] // 2
