@@ -7,7 +7,10 @@
 # ("cut"), so a partial gate is never read as a pass.  Timing on the H200 (2026-12-04): build
 # 190-250 s, compile tests ~60 s, test_sm90 + test_cuda ~120 s, the other 15 files ~250 s.
 # Usage on the GPU machine:
-#   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] bash dev/gpu/gpu_gate.sh
+#   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] [STAGES="compile core
+#   others"] [AFTER="<command>"] bash dev/gpu/gpu_gate.sh
+# STAGES picks the stages (a second, warm call: STAGES=others); AFTER runs last with the time
+# left (e.g. an A/B benchmark of the same build), its output in $OUT/after.log.
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -35,8 +38,20 @@ stage() {  # name, pytest arguments...
   grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | head -10
   return $rc
 }
-stage compile -k compile tests/test_cuda.py tests/test_ops.py tests/test_sm90.py
-stage core -k "not compile" tests/test_sm90.py tests/test_cuda.py
+STAGES=${STAGES:-compile core others}
+case " $STAGES " in *" compile "*)
+  stage compile -k compile tests/test_cuda.py tests/test_ops.py tests/test_sm90.py;; esac
+case " $STAGES " in *" core "*)
+  stage core -k "not compile" tests/test_sm90.py tests/test_cuda.py;; esac
 # shellcheck disable=SC2086
-stage others -k "not compile" $OTHERS
+case " $STAGES " in *" others "*) stage others -k "not compile" $OTHERS;; esac
+if [ -n "${AFTER:-}" ]; then
+  left=$((DEADLINE - SECONDS))
+  if [ "$left" -gt 5 ]; then
+    timeout "$left" bash -c "$AFTER" > "$OUT/after.log" 2>&1
+    echo "gate: after (rc $?): $(tail -3 "$OUT/after.log")"
+  else
+    echo "gate: after: not run (no time left)"
+  fi
+fi
 echo "gate: end at ${SECONDS} s"
