@@ -546,7 +546,9 @@ def attention_point(mesh, args, device, clock: Clock, seqlen: int, causal: bool)
                          device)
     cp_results = {}
     for impl in args.cp_impls:
-        result = cp_run(mesh, args, device, point, impl, inputs)
+        result = attention_run(
+            args, device, point, impl,
+            lambda r: cp_attention_grads(mesh, inputs, point["causal"], r), mesh)
         if result is not None and STATE["rank"] == 0:
             cp_results[impl] = result
         result = None
@@ -562,46 +564,27 @@ def attention_point(mesh, args, device, clock: Clock, seqlen: int, causal: bool)
     clock.done("attention", seqlen, time.time() - start)
 
 
-def cp_run(mesh, args, device, point: dict, impl: str, inputs):
-    """One implementation under CP on every rank: its row (recorded by rank 0) and, where every
-    rank succeeded, the unsharded (out, dq, dk, dv)."""
-    row = dict(point, part="attention_run", impl=impl, cp=True, gpus=WORLD)
-    causal, result, error = point["causal"], None, None
+def attention_run(args, device, point: dict, impl: str, grads, mesh=None):
+    """One implementation's attention, forward and backward, timed: under CP on every rank
+    (``mesh``; its row recorded by rank 0), or on rank 0's GPU alone (``mesh`` None).
+    ``grads(repeat_kv)`` returns (out, dq, dk, dv) (unsharded under CP); returned where every
+    rank that ran succeeded, else None."""
+    cp = mesh is not None
+    row = dict(point, part="attention_run", impl=impl, cp=cp, gpus=WORLD if cp else 1)
+    result, error = None, None
     try:
         with backend(impl, device):
             with counted(row) as restart:
                 row["flash_impl"] = current_impl()
-                result = with_gqa_fallback(
-                    lambda r: cp_attention_grads(mesh, inputs, causal, r), row, restart,
-                    collective=True)
+                result = with_gqa_fallback(grads, row, restart, collective=cp)
                 sync(device)
             repeat = row["gqa"] != "native"
-            row["ms"] = timed_ms(lambda: cp_attention_grads(mesh, inputs, causal, repeat),
-                                 args.attn_reps, device)
-    except Exception as e:  # (recorded on every rank's behalf by settle)
+            row["ms"] = timed_ms(lambda: grads(repeat), args.attn_reps, device)
+    except Exception as e:  # (recorded; under CP on every rank's behalf by settle)
         error = failure(e)
-    ring = [WORLD, WORLD] if impl == "ours" else [0, 0]
-    ok = settle(row, error, [ring] * WORLD, collective=True)
-    return result if ok else None
-
-
-def single_run(args, device, point: dict, impl: str, inputs):
-    """One implementation on rank 0's GPU alone: its row and (out, dq, dk, dv), or None."""
-    row = dict(point, part="attention_run", impl=impl, cp=False, gpus=1)
-    causal, result, error = point["causal"], None, None
-    try:
-        with backend(impl, device):
-            with counted(row) as restart:
-                row["flash_impl"] = current_impl()
-                result = with_gqa_fallback(
-                    lambda r: attention_grads(inputs, causal, r), row, restart)
-                sync(device)
-            repeat = row["gqa"] != "native"
-            row["ms"] = timed_ms(lambda: attention_grads(inputs, causal, repeat),
-                                 args.attn_reps, device)
-    except Exception as e:  # (recorded)
-        error = failure(e)
-    ok = settle(row, error, [[1, 1] if impl == "ours" else [0, 0]], collective=False)
+    # Our impls' calls per rank: a ring step each (WORLD) under CP, one alone; PyTorch's none.
+    calls = (WORLD if cp else 1) if impl == "ours" else 0
+    ok = settle(row, error, [[calls, calls]] * (WORLD if cp else 1), collective=cp)
     return result if ok else None
 
 
@@ -610,7 +593,8 @@ def compare(point: dict, inputs, cp_results: dict, args, device) -> None:
     criteria rows of ours under CP and on one GPU (the docstring's rules)."""
     singles = {}
     for impl in args.single_impls:
-        result = single_run(args, device, point, impl, inputs)
+        result = attention_run(args, device, point, impl,
+                               lambda r: attention_grads(inputs, point["causal"], r))
         if result is not None:
             singles[impl] = result
         result = None

@@ -12,11 +12,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUDGET=${BUDGET:-540}
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
-if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1; then
-  (FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} python3 setup.py -q build_ext --inplace \
-    > "$OUT/build.log" 2>&1) || { tail -30 "$OUT/build.log"; echo "gpu_cp: build failed"; exit 1; }
-fi
-echo "gpu_cp: build done at ${SECONDS} s"
+build_once gpu_cp 32
 python3 -m flash_attn_ext info > "$OUT/info.txt" 2>&1
 # (A build without the Hopper kernels still checks context parallelism, on the portable
 # kernels, but its timings are not the ones wanted: said, not stopped for.)

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (dev/gpu/gpu_session.sh, gpu_profile_bwd.sh, gpu_ab.sh): strict mode, the
+# Sourced by the device scripts (dev/gpu/gpu_*.sh): strict mode, the
 # repository root as working directory, $OUT (default ./gpu_out) created, unbuffered Python, and
 # the system C++ compiler where the image has one.  The device image's default C++ compiler
 # (/opt/gcc) links a private copy of libstdc++ into the extension, whose iostreams then crash on
@@ -27,3 +27,13 @@ if [ -d /usr/local/cuda/bin ]; then export PATH=$PATH:/usr/local/cuda/bin; fi
 # The lent GPU is an H200: build for it only (both kernel families run there; 8.0 would double
 # the build time for nothing).
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+# build_once NAME [JOBS]: the CUDA build in place, unless a warm machine kept this tree's
+# (flash_attn_ext/_C*.so present); its log in $OUT/build.log; on failure the log's tail and
+# "NAME: build failed", exit 1.
+build_once() {
+  if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1; then
+    (FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-${2:-16}} python3 setup.py -q build_ext \
+      --inplace > "$OUT/build.log" 2>&1) || { tail -30 "$OUT/build.log"; echo "$1: build failed"; exit 1; }
+  fi
+  echo "$1: build done at ${SECONDS} s"
+}

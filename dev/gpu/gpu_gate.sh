@@ -15,11 +15,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DEADLINE=${DEADLINE:-580}
-if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1; then
-  (FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
-    > "$OUT/build.log" 2>&1) || { tail -30 "$OUT/build.log"; echo "gate: build failed"; exit 1; }
-fi
-echo "gate: build done at ${SECONDS} s"
+build_once gate
 OTHERS="tests/test_ops.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask.py
   tests/test_alibi.py tests/test_dropout.py tests/test_decode.py tests/test_sdpa.py
   tests/test_torch_flash.py tests/test_transformers.py tests/test_numerics_nan.py
