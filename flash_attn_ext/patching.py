@@ -61,13 +61,17 @@ def _broadcasts(query, key, value, enable_gqa) -> bool:
         lead = tuple(t.shape[:-2])
         if lead == lead_q:
             continue
-        if enable_gqa and t.dim() == query.dim() and lead[:-1] == lead_q[:-1]:
-            continue  # (heads grouped: the drop-in's rule, and its error where they do not)
+        # With enable_gqa the head counts need not broadcast (PyTorch's rule: key's divides
+        # query's): only the dimensions before the heads are compared then.
+        grouped = enable_gqa and lead and lead_q and lead[-1] > 0 and lead_q[-1] % lead[-1] == 0
+        if grouped and t.dim() == query.dim() and lead[:-1] == lead_q[:-1]:
+            continue  # (heads grouped: the drop-in's rule)
+        mine, theirs = (lead[:-1], lead_q[:-1]) if grouped else (lead, lead_q)
         try:
-            if torch.broadcast_shapes(lead, lead_q) == torch.Size(lead_q):
+            if torch.broadcast_shapes(mine, theirs) == torch.Size(theirs):
                 return True
         except RuntimeError:
-            pass
+            pass  # (not PyTorch's broadcast either: the drop-in's error)
     return False
 
 

@@ -247,9 +247,17 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             raise ValueError(f"{name} is a nested tensor, which flash_attn_ext does not take: "
                              "use torch.nn.functional.scaled_dot_product_attention (under "
                              "flash_attn_ext.patch() such calls go to it)")
-        if t.dim() not in (3, 4):
-            raise ValueError(f"{name} must have 3 (N, L, E) or 4 (N, H, L, E) dimensions, got "
+        if t.dim() < 3:
+            raise ValueError(f"{name} must have at least 3 dimensions: (N, L, E), (N, H, L, E) "
+                             f"or, in scaled_dot_product_attention, (N, ..., H, L, E); got "
                              f"{name}.dim()={t.dim()} with shape {tuple(t.shape)}")
+        if t.dim() > 4:
+            # (scaled_dot_product_attention flattens more leading dimensions when query has
+            # them; here only the other two do)
+            raise ValueError(f"{name} must have 3 (N, L, E) or 4 (N, H, L, E) dimensions here "
+                             f"(more leading dimensions only in scaled_dot_product_attention, "
+                             f"and in query, key and value alike), got {name}.dim()={t.dim()} "
+                             f"with shape {tuple(t.shape)}")
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError("query, key and value must have the same number of dimensions, got "
                          f"{query.dim()}, {key.dim()} and {value.dim()}")

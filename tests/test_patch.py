@@ -157,3 +157,23 @@ def test_patch_hands_broadcasting_calls_to_pytorch():
         with pytest.raises(ValueError, match="heads"):  # (no enable_gqa: ours, its error)
             F.scaled_dot_product_attention(q, kv, kv)
     policy.reset_fallback_counts()
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 16, 32), (2, 16, 32), (1, 1, 16, 32)],
+                         ids=["batch of 1", "3-D", "batch and head of 1"])
+def test_patch_hands_grouped_heads_that_broadcast_to_pytorch(shape):
+    # enable_gqa with key / value whose batch broadcasts (or fewer dimensions): the head counts
+    # 2 and 8 do not broadcast, so the check took these for the drop-in's, which refused them
+    # (ValueError); PyTorch's function takes them (new-user trial).  Now a reported fallback,
+    # equal to PyTorch's result.
+    q = torch.randn(4, 8, 16, 32, dtype=torch.float64)
+    kv = torch.randn(*shape, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    policy.reset_fallback_counts()
+    with flash_attn_ext.patch(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    torch.testing.assert_close(out, want)
+    counts = policy.fallback_counts()
+    assert sum(counts.values()) == 1 and all("broadcast" in r for r in counts), counts
+    policy.reset_fallback_counts()

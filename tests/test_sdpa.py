@@ -292,3 +292,16 @@ def test_leading_batch_dimensions_must_match():
         assert error.value.__cause__ is None and error.value.__context__ is None
     with pytest.raises(ValueError, match=re.escape("attn_mask must have at least 2 dimensions")):
         flash_attn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8) > 0)
+
+
+def test_rank_errors_state_the_rule():
+    # A 2-D query named "3 or 4 dimensions" although 5-D inputs are taken (new-user trial).
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=re.escape("query must have at least 3 dimensions: "
+                                                   "(N, L, E), (N, H, L, E) or")):
+        flash_attn_ext.scaled_dot_product_attention(x, x, x)
+    q, kv = torch.randn(2, 4, 8, 16), torch.randn(1, 2, 4, 8, 16)
+    with pytest.raises(ValueError, match="key must have 3 .* dimensions here"):
+        flash_attn_ext.scaled_dot_product_attention(q, kv, kv)
+    q5 = torch.randn(1, 2, 4, 8, 16)
+    assert flash_attn_ext.scaled_dot_product_attention(q5, q5, q5).shape == q5.shape

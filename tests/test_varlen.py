@@ -346,6 +346,15 @@ def test_max_seqlen_must_be_an_int(bad):
     assert torch.equal(flash_attn_varlen_func(q, k, v, cq, ck, torch.tensor(6), 6), ref)
 
 
+def test_max_seqlen_beyond_int64_is_a_clear_error():
+    # 2**63 reached the op, whose argument parser said "Expected a value of type 'int' ...
+    # but instead found type 'int'" (new-user trial).
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    for name, args in (("max_seqlen_q", (2**63, 6)), ("max_seqlen_k", (6, -2**63 - 1))):
+        with pytest.raises(ValueError, match=f"{name} must fit in int64, got"):
+            flash_attn_varlen_func(q, k, v, cq, ck, *args)
+
+
 def test_offsets_on_another_device_are_a_clear_error_not_uninitialised_memory():
     # An offset tensor on the meta device beside CPU tensors dispatches the ops to their fake
     # kernels, which returned uninitialised memory (new-user trial); they now apply the
