@@ -158,7 +158,7 @@ class BwdFunction : public torch::autograd::Function<BwdFunction> {
 // Packed sequences (the varlen ops), the same way: fwd_varlen's backward is bwd_varlen.
 Tensor3 call_fwd_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
-                        int64_t max_seqlen_q, int64_t max_seqlen_k,
+                        c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                         std::optional<double> softmax_scale, bool causal, int64_t window_left,
                         int64_t window_right, double softcap, const OptTensor& alibi_slopes,
                         double dropout_p, const OptTensor& seqused_k, bool deterministic) {
@@ -166,8 +166,9 @@ Tensor3 call_fwd_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("flash_attn_ext::fwd_varlen", "")
           .typed<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, int64_t, int64_t, std::optional<double>, bool, int64_t,
-                         int64_t, double, const OptTensor&, double, const OptTensor&, bool)>();
+                         const Tensor&, c10::SymInt, c10::SymInt, std::optional<double>, bool,
+                         int64_t, int64_t, double, const OptTensor&, double, const OptTensor&,
+                         bool)>();
   at::AutoDispatchBelowADInplaceOrView guard;
   return op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -176,9 +177,10 @@ Tensor3 call_fwd_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
 
 Tensor3 call_bwd_varlen(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
-                        const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                        const Tensor& rng_state, std::optional<double> softmax_scale,
-                        bool causal, int64_t window_left, int64_t window_right, double softcap,
+                        const Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                        c10::SymInt max_seqlen_k, const Tensor& rng_state,
+                        std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                        int64_t window_right, double softcap,
                         const OptTensor& alibi_slopes, double dropout_p,
                         const OptTensor& seqused_k, const OptTensor& dsoftmax_lse,
                         bool deterministic, bool with_autograd) {
@@ -186,8 +188,8 @@ Tensor3 call_bwd_varlen(const Tensor& dout, const Tensor& q, const Tensor& k, co
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("flash_attn_ext::bwd_varlen", "")
           .typed<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                         int64_t, const Tensor&, std::optional<double>, bool, int64_t, int64_t,
+                         const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymInt,
+                         c10::SymInt, const Tensor&, std::optional<double>, bool, int64_t, int64_t,
                          double, const OptTensor&, double, const OptTensor&, const OptTensor&,
                          bool)>();
   std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
@@ -201,8 +203,8 @@ class VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& cu_seqlens_q,
-                               const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, std::optional<double> softmax_scale,
+                               const Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                               c10::SymInt max_seqlen_k, std::optional<double> softmax_scale,
                                bool causal, int64_t window_left, int64_t window_right,
                                double softcap, const OptTensor& alibi_slopes, double dropout_p,
                                const OptTensor& seqused_k, bool deterministic) {
@@ -226,8 +228,8 @@ class VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
     const auto& d = ctx->saved_data;
     const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
     auto [dq, dk, dv] = call_bwd_varlen(
-        dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], d.at("max_seqlen_q").toInt(),
-        d.at("max_seqlen_k").toInt(), s[7], d.at("softmax_scale").toOptional<double>(),
+        dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], d.at("max_seqlen_q").toSymInt(),
+        d.at("max_seqlen_k").toSymInt(), s[7], d.at("softmax_scale").toOptional<double>(),
         d.at("causal").toBool(), d.at("window_left").toInt(), d.at("window_right").toInt(),
         d.at("softcap").toDouble(), optional_of(s[8]), d.at("dropout_p").toDouble(),
         optional_of(s[9]), optional_of(grads[1]), d.at("deterministic").toBool(),
@@ -245,8 +247,8 @@ class VarlenBwdFunction : public torch::autograd::Function<VarlenBwdFunction> {
   static variable_list forward(AutogradContext*, const Tensor& dout, const Tensor& q,
                                const Tensor& k, const Tensor& v, const Tensor& out,
                                const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
-                               const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, const Tensor& rng_state,
+                               const Tensor& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                               c10::SymInt max_seqlen_k, const Tensor& rng_state,
                                std::optional<double> softmax_scale, bool causal,
                                int64_t window_left, int64_t window_right, double softcap,
                                const OptTensor& alibi_slopes, double dropout_p,
@@ -292,7 +294,7 @@ Tensor4 bwd_autograd(const Tensor& dout, const Tensor& q, const Tensor& k, const
 
 Tensor3 fwd_varlen_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
-                            int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                             std::optional<double> softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
                             const OptTensor& alibi_slopes, double dropout_p,
@@ -307,7 +309,8 @@ Tensor3 fwd_varlen_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
 Tensor3 bwd_varlen_autograd(const Tensor& dout, const Tensor& q, const Tensor& k,
                             const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                             const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
-                            int64_t max_seqlen_q, int64_t max_seqlen_k, const Tensor& rng_state,
+                            c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
+                            const Tensor& rng_state,
                             std::optional<double> softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
                             const OptTensor& alibi_slopes, double dropout_p,

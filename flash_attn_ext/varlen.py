@@ -199,8 +199,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window_left, window_right = (int(w) for w in window_size)
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
-    out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                        int(max_seqlen_k), softmax_scale, bool(causal),
+    # (max_seqlen_q / _k as check_seqlen returns them: an int, or under torch.compile possibly
+    # a SymInt, e.g. from .item() of the offsets, which the op's SymInt arguments take)
+    out, softmax_lse, _ = fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,
                                         float(dropout_p), seqused_k, bool(deterministic))
     out = dropped(out, drop_all)

@@ -188,6 +188,33 @@ def test_compiles_fullgraph_forward_and_backward(device, backend):
                                    rtol=0 if device == "cpu" else 1e-2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA device and a CUDA build"))])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiles_with_max_seqlen_from_the_offsets(device, backend):
+    # FlashAttention-2's idiom inside a compiled function: max_seqlen = the longest length from
+    # cu_seqlens by .item(), a data-dependent SymInt under torch.compile (with
+    # capture_scalar_outputs), which the ops' int arguments refused ("Expected a value of type
+    # 'int' ... found type 'SymInt'", new-user trial); they take SymInt now.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, cq, ck = _packed([9, 20], [12, 20], 2, 1, 16, 16, dtype)
+    q, k, v = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+    cq, ck = cq.to(device), ck.to(device)
+
+    def f(q, k, v, cq, ck):
+        max_q, max_k = ((c[1:] - c[:-1]).max().item() for c in (cq, ck))
+        return flash_attn_varlen_func(q, k, v, cq, ck, max_q, max_k, causal=True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, cq, ck)
+    want = flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, causal=True)
+    assert torch.equal(out, want)
+    for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                    torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(g, w, atol=0 if device == "cpu" else 1e-2,
+                                   rtol=0 if device == "cpu" else 1e-2)
+
+
 def test_double_backward_is_a_clear_error():
     # The varlen ops' autograd (C++, as the dense ops'): a gradient of the gradient is refused
     # by name, not computed as if the backward were constant.

@@ -298,14 +298,14 @@ TORCH_LIBRARY_FRAGMENT(flash_attn_ext, m) {
   // in any order); the forward takes it only to hand it to the backward (autograd).
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool causal=False, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale=None, bool causal=False, "
       "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
       "float dropout_p=0.0, Tensor? seqused_k=None, bool deterministic=False) -> (Tensor out, "
       "Tensor softmax_lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
       "Tensor rng_state, float? softmax_scale=None, bool causal=False, int window_left=-1, "
       "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
       "float dropout_p=0.0, Tensor? seqused_k=None, Tensor? dsoftmax_lse=None, "
