@@ -129,9 +129,15 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
     _counts[reason] += 1
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"flash_attn_ext: falling back to {target} because {reason}. "
-                      "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.",
-                      stacklevel=_caller_stacklevel())
+        # At the caller's line, as warnings.warn(stacklevel=...) would put it, but with a
+        # registry of its own: Python's per-line memory (the "default" action) would hide the
+        # warning again after reset_fallback_counts(), which promises it anew.  The user's
+        # filters ("ignore", "error", "once") still apply.
+        frame = sys._getframe(_caller_stacklevel() - 1)
+        warnings.warn_explicit(f"flash_attn_ext: falling back to {target} because {reason}. "
+                               "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.",
+                               UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__"), registry={})
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -244,6 +244,28 @@ def test_fallback_warning_names_the_callers_line():
     policy.reset_fallback_counts()
 
 
+def test_fallback_warns_again_after_reset_under_the_default_filter():
+    # reset_fallback_counts() promises the warning anew, but Python's "default" action (once
+    # per line) hid it at the same line (new-user trial); the user's filters still apply.
+    q = torch.empty(1, 4, 2, 8, device="meta")
+
+    def warned(action):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter(action)
+            for _ in range(3):
+                policy.reset_fallback_counts()
+                policy.record(planning.plan(q, q, q), strict=False)  # (one line, three times)
+        return len([w for w in caught if "falling back" in str(w.message)])
+    assert warned("default") == 3
+    assert warned("ignore") == 0
+    policy.reset_fallback_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="falling back"):
+            policy.record(planning.plan(q, q, q), strict=False)
+    policy.reset_fallback_counts()
+
+
 def test_strict_env_variable():
     code = ("import torch, flash_attn_ext as f; from flash_attn_ext import planning, policy;"
             "q = torch.empty(1, 4, 2, 8, device='meta');"
