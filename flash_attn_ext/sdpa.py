@@ -90,20 +90,27 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, "scale")
     dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    if beyond_kernels(q, v):
-        # The unfused math, reported as a fallback.  Not PyTorch's function: for float32 with a
-        # mask its memory-efficient kernel answers rows of finfo.min with garbage.
-        # (the mask checked first: a bad mask is the call's error, not a fallback's)
-        bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
-        policy.record(planning.plan(q, k, v), strict)
-        dropout_p, drop_all = kernel_dropout(dropout_p)
-        out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
-                                            0.0, bias, dropout_p)
-        out = dropped(out, drop_all)
-    else:
-        out = run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
+    out = attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
+           strict) -> torch.Tensor:
+    """run_sdpa, or where the head dims lie beyond the kernels (beyond_kernels) the unfused
+    math, reported as a fallback (warned, counted, refused in strict mode); (B, L, H, Ev).
+    Not PyTorch's function: for float32 with a mask its memory-efficient kernel answers rows
+    of finfo.min with garbage."""
+    if not beyond_kernels(q, v):
+        return run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
+                        strict)
+    # (the mask checked first: a bad mask is the call's error, not a fallback's)
+    bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
+    policy.record(planning.plan(q, k, v), strict)
+    dropout_p, drop_all = kernel_dropout(dropout_p)
+    out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
+                                        softcap, bias, dropout_p)
+    return dropped(out, drop_all)
 
 
 def beyond_kernels(q: torch.Tensor, v: torch.Tensor) -> bool:

@@ -355,3 +355,71 @@ def test_registration_does_not_depend_on_import_order(first):
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().startswith("cpu_flash_fwd"), run.stdout
+
+
+def _packed_row(device):
+    """One row of three sequences (5, 7, 4 tokens): ids, their position_ids and cu_seq_lens."""
+    torch.manual_seed(3)
+    lengths = (5, 7, 4)
+    ids = torch.randint(0, 97, (1, sum(lengths)), device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32, device=device)
+    return ids, lengths, positions, cu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_kind", ["llama_compiled", "mistral_window"])
+def test_packed_sequences_with_a_mask_do_not_attend_across(device, model_kind):
+    # transformers hands a mask as well as the packing: under torch.compile its causal mask,
+    # sliding-window models (eager) their window's.  The offsets and the positions were then
+    # ignored and the sequences attended to each other (new-user trial: 0.55 in the logits);
+    # the mask is now narrowed to the sequences.
+    ids, lengths, positions, cu = _packed_row(device)
+    if model_kind == "llama_compiled":
+        model = make_models(device)["ours"].eval()
+        packed_call = torch.compile(model)
+    else:
+        cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=128,
+                                         sliding_window=4)
+        torch.manual_seed(0)
+        model = transformers.MistralForCausalLM._from_config(
+            cfg, attn_implementation="flash_attn_ext").to(device=device, dtype=LOW[device])
+        packed_call = model.train()  # (with a cache: the mask functions leave packing alone)
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=part[None]).logits[0]
+                           for part in ids[0].split(list(lengths))])
+        tol = 1e-4 if device == "cpu" else 5e-2
+        for kwargs in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 7,
+                        "max_length_k": 7}, {}):
+            packed = packed_call(input_ids=ids, position_ids=positions, **kwargs).logits[0]
+            assert (packed.float() - alone.float()).abs().max().item() < tol, kwargs
+
+
+def test_head_dims_beyond_the_kernels_fall_back_in_the_integration():
+    # Head dim 288: the SDPA drop-in runs the unfused math (a reported fallback), but the
+    # integration called the kernels' path and raised (new-user trial).  Now the same
+    # fallback: warned, counted, refused in strict mode.
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=288)
+    torch.manual_seed(0)
+    ours = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg),
+                                                      attn_implementation="flash_attn_ext")
+    ref = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg),
+                                                     attn_implementation="sdpa")
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 12))
+    policy.reset_fallback_counts()
+    with pytest.warns(UserWarning, match="falling back.*head_dim=288"):
+        out = ours(input_ids=ids).logits
+    torch.testing.assert_close(out, ref(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    assert sum(policy.fallback_counts().values()) >= 1
+    policy.set_strict(True)
+    try:
+        with pytest.raises(flash_attn_ext.FallbackError):
+            ours(input_ids=ids)
+    finally:
+        policy.set_strict(None)
+        policy.reset_fallback_counts()

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .._call import check_flags
-from ..sdpa import run_sdpa, to_bshd
+from ..sdpa import attend, beyond_kernels, to_bshd
 
 NAME = "flash_attn_ext"
 
@@ -66,8 +66,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             do not turn such positions into a mask when the model has a cache, as in training
             mode with the default ``use_cache``, so without this the sequences attended to
             each other).  The positions are copied to the host once per tensor and version,
-            on CUDA a synchronisation per forward pass; under ``torch.compile`` they are not
-            read (pass ``cu_seq_lens_q/k`` there).  ``s_aux`` (attention sinks) is
+            on CUDA a synchronisation per forward pass; under ``torch.compile`` they cannot be
+            read there.  With a mask as well (under ``torch.compile`` transformers passes its
+            causal mask; sliding-window models their window's) the mask is narrowed to the
+            sequences of ``cu_seq_lens_q/k`` or ``position_ids`` on the device
+            (_within_sequences), compiled too.  Head dims beyond the kernels: the unfused
+            math, a reported fallback (sdpa.attend).  ``s_aux`` (attention sinks) is
             refused.  Others (caches, ``sliding_window``, which the mask already encodes) do
             not change the result.
 
@@ -87,17 +91,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("flash_attn_ext does not implement attention sinks (s_aux, "
                                   "e.g. GPT-OSS); use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(is_causal and query.shape[2] > 1)
     if attention_mask is None and not _packed(kwargs):
         offsets = _offsets_from_positions(query, key, kwargs.get("position_ids"))
         if offsets is not None:
             kwargs = dict(kwargs, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
     if attention_mask is None and _packed(kwargs):
-        causal = bool(is_causal and query.shape[2] > 1)
         several = kwargs["cu_seq_lens_q"].numel() > 2  # (a shape: no device sync)
         if query.shape[0] == 1 and kwargs.get("position_bias") is None and \
-                (query.device.type == "cpu" or several):
+                (query.device.type == "cpu" or several) and \
+                not beyond_kernels(query, value):
             return _varlen_forward(query, key, value, kwargs, dropout, scaling, causal), None
         attention_mask = _packed_sequence_mask(query, key, kwargs, causal)
+    elif attention_mask is not None:
+        # A mask as well as packed sequences (under torch.compile transformers passes its
+        # causal mask, sliding-window models their window's): the sequences must still not
+        # attend to each other, so the mask is narrowed to them (the offsets ignored, they
+        # did: new-user trial).
+        attention_mask = _within_sequences(attention_mask, query, key, kwargs, causal)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
@@ -106,13 +117,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         is_causal = False
     _, dropout = check_flags(is_causal, (-1, -1), dropout, causal_name="is_causal")
     q, k, v = to_bshd(query, key, value, enable_gqa=True)
-    out = run_sdpa(q, k, v, query, key, attention_mask, dropout, is_causal, scaling,
-                   float(kwargs.get("softcap") or 0.0), None)
+    # (head dims beyond the kernels: the unfused math, a reported fallback, as in the drop-in)
+    out = attend(q, k, v, query, key, attention_mask, dropout, is_causal, scaling,
+                 float(kwargs.get("softcap") or 0.0), None)
     return out, None
 
 
 def _packed(kwargs) -> bool:
     return kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+
+
+def _within_sequences(mask, query, key, kwargs, causal: bool) -> torch.Tensor:
+    """transformers' ``mask`` (bool or additive, broadcastable to (B, H, L, S)) narrowed to
+    the packed sequences: those of ``cu_seq_lens_q/k`` (_packed_sequence_mask), or of a single
+    row's ``position_ids`` (a sequence starts at every position 0; computed on the device, so
+    also under torch.compile, where _offsets_from_positions cannot read them).  The mask as
+    it is where neither describes packed sequences (or its shape is not (.., L or 1, S))."""
+    if mask.shape[-1] != key.shape[2] or mask.shape[-2] not in (1, query.shape[2]):
+        return mask
+    if _packed(kwargs):
+        same = _packed_sequence_mask(query, key, kwargs, causal)
+    else:
+        pos = kwargs.get("position_ids")
+        if not isinstance(pos, torch.Tensor) or query.shape[0] != 1 or query.shape[2] < 2 or \
+                key.shape[2] != query.shape[2] or pos.numel() != query.shape[2]:
+            return mask
+        seq = torch.cumsum(pos.reshape(-1).to(mask.device) == 0, 0)  # (the sequence of each)
+        same = seq[:, None] == seq[None, :]
+    if mask.dtype == torch.bool:
+        return mask & same
+    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
 
 
 def _packed_sequence_mask(query, key, kwargs, causal: bool) -> torch.Tensor:
@@ -251,7 +285,10 @@ def register_transformers(name: str = NAME) -> None:
       a single sequence on CUDA as one call with a block-diagonal mask).  A few models drop the
       mask and describe packing in their own way (Pixtral's vision tower): use the second name.
     * ``attn_implementation="fae_sdpa"``: the same kernels under SDPA's conventions; every model
-      that supports ``"sdpa"`` hands us exactly the masks it hands SDPA.
+      that supports ``"sdpa"`` hands us exactly the masks it hands SDPA.  One difference from
+      ``"sdpa"``: a row packed by ``position_ids`` keeps its sequences apart (as under the first
+      name; ``"sdpa"`` lets them attend to each other where transformers' mask functions leave
+      packing alone).
 
     Raises:
         ImportError: transformers is not installed (tested with transformers 5.17).
