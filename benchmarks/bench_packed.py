@@ -56,7 +56,7 @@ def time_point(d: int, total: int, lens: list, heads: int = 16, heads_kv: int = 
     def mask_route():
         mask = integration._packed_sequence_mask(q, k, kwargs, True)
         qb, kb, vb = flash_attn_ext.to_bshd(q, k, v, enable_gqa=True)
-        integration.run_sdpa(qb, kb, vb, q, k, mask, 0.0, False, None, 0.0, None).backward(dout)
+        integration.attend(qb, kb, vb, q, k, mask, 0.0, False, None, 0.0, None).backward(dout)
 
     def varlen_route():
         integration._varlen_forward(q, k, v, kwargs, 0.0, None, True).backward(dout)
