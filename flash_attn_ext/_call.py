@@ -59,8 +59,8 @@ def check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
                 "(loss.backward(), torch.autograd.grad)")
         if torch._C._functorch.is_gradtrackingtensor(t):
             raise NotImplementedError(
-                "flash_attn_ext does not support torch.func.grad/jacrev/jacfwd (functorch "
-                "gradient transforms); use torch.autograd.grad or loss.backward()")
+                "flash_attn_ext does not support torch.func's gradient transforms (grad, vjp, "
+                "jacrev, jacfwd, hessian); use torch.autograd.grad or loss.backward()")
 
 
 def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:

@@ -150,8 +150,10 @@ def test_forward_mode_and_functorch_grad_are_refused():
     q, k, v = (torch.randn(1, 10, 2, 8, dtype=torch.float64) for _ in range(3))
     with pytest.raises(NotImplementedError, match="forward-mode AD"):
         torch.func.jvp(lambda q: flash_attn_func(q, k, v), (q,), (torch.randn_like(q),))
-    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+    with pytest.raises(NotImplementedError, match="torch.func's gradient transforms"):
         torch.func.grad(lambda q: flash_attn_func(q, k, v).sum())(q)
+    with pytest.raises(NotImplementedError, match=r"\(grad, vjp, jacrev"):  # (its name too)
+        torch.func.vjp(lambda q: flash_attn_func(q, k, v), q)
     # vmap of the forward is fine.
     out = torch.vmap(lambda q: flash_attn_func(q, k, v))(q.unsqueeze(0).expand(3, -1, -1, -1,
                                                                                 -1))
