@@ -803,12 +803,12 @@ def test_hopper_backward_causal_sections_cover_every_key_block(hopper_bwd, head_
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(64, 64), (40, 40), (128, 128), (72, 72),
-                                                 (128, 64)])
+                                                 (128, 64), (256, 256), (200, 200)])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_hopper_backward_staged_and_direct_dkdv_stores_agree(kernel_opts, head_dim, head_dim_v,
                                                              packed):
-    # dK and dV stored through shared memory (16-byte rows, the default at head dims 64 and
-    # 128) and from registers (sm90_direct_epilogue): the same accumulators, so bitwise equal,
+    # dK and dV stored through shared memory (16-byte rows, the default) and from registers
+    # (sm90_direct_epilogue): the same accumulators, so bitwise equal (256: the role split),
     # with partial key blocks (113 keys; packed: sequences ending inside a warpgroup's 64 rows
     # and one with no key), GQA and cut head dims.  Outputs are poisoned (conftest.py): a row
     # or column left unwritten shows.
@@ -820,6 +820,8 @@ def test_hopper_backward_staged_and_direct_dkdv_stores_agree(kernel_opts, head_d
     v = rand(total, 2, head_dim_v).requires_grad_()
     dout = rand(total, 4, head_dim_v)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    shapes = (rand(2, 113, 4, head_dim), rand(2, 113, 2, head_dim), rand(2, 113, 2, head_dim_v))
+    assert planning.plan(*shapes).backward_kernel.startswith("sm90_bwd_")
     grads = {}
     for direct in (False, True):
         kernel_opts(sm90_direct_epilogue=direct)

@@ -4,9 +4,9 @@
 //     issues the TMA loads (bwd_producer.h); its warp 1 adds the consumers' dQ tiles to the
 //     fp32 buffer (bwd_dq.h: run_bwd_dq_writer).
 //   * warpgroups 1 and 2, the consumers: 64 keys each; per step bwd_mainloop.h (its dQ through
-//     bwd_dq.h), at the end dK and dV stored from registers.  At head dim 256 both take the
-//     same 64 keys, split by role (bwd_mainloop_split.h; no writer warp), and each stores one
-//     of dK and dV.
+//     bwd_dq.h), at the end dK and dV stored through shared memory (store_dkdv_staged).  At
+//     head dim 256 both take the same 64 keys, split by role (bwd_mainloop_split.h; no writer
+//     warp), and each stores one of dK and dV.
 #pragma once
 
 #include <cstdint>
@@ -206,16 +206,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kRoleSplit) mainloop.finish_dq_ordered();  // (the last step's adds)
   }
   // zeros where no query row sees the block
-  if constexpr (!T::kRoleSplit) {
-    if (BwdMainloop<T>::staged_store_fits(p)) {
-      // Both warpgroups past their last GEMM (the other's dQ GEMM reads every key of K) before
-      // either overwrites K and V (the dS barrier's id: both pass it equally often).
-      cutlass::arch::NamedBarrier::sync(256, 0);
-      mainloop.store_dkdv_staged(p, smem.k.data(), smem.v.data(),
-                                 static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk,
-                                 ctid / 128, ctid % 128);
-      return;
-    }
+  if (BwdMainloop<T>::staged_store_fits(p)) {
+    // Both warpgroups past their last GEMM (the other's dQ GEMM reads every key of K) before
+    // either overwrites K and V (the dS barrier's id, 0 in both mainloops: both warpgroups
+    // pass it equally often).
+    cutlass::arch::NamedBarrier::sync(256, 0);
+    mainloop.store_dkdv_staged(p, smem.k.data(), smem.v.data(),
+                               static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk,
+                               ctid / 128, ctid % 128);
+    return;
   }
   mainloop.store_dkdv(p, static_cast<int64_t>(seq.k0) + n0, seq.len_k - n0, b, hk);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -109,6 +109,69 @@ __device__ __forceinline__ void store_kv_accumulator(const Acc& acc, const Coord
   }
 }
 
+// The layout stage_kv_rows relies on: accumulator values 8k .. 8k + 7 of a warpgroup's 64 x kD
+// tile are the pairs of the 8 x 8 matrices (rows + 0, chunk 2k), (rows + 8, chunk 2k), (+0,
+// 2k + 1), (+8, 2k + 1) of the thread's warp (fwd_traits.h's acc_row / acc_col), in
+// stmatrix's order of four matrices.
+template <int kD>
+constexpr bool stmatrix_order() {
+  for (int i = 0; i < kD / 2; ++i) {
+    const int m = (i % 8) / 2;
+    if (acc_row(i) != 8 * (m & 1) || acc_col(i) != (i & 1) + 8 * (2 * (i / 8) + (m >> 1)))
+      return false;
+  }
+  return true;
+}
+
+// dK / dV through shared memory, where store_kv_accumulator stores 4 bytes per thread from
+// registers (a warp's store filled half of each of its 32-byte sectors; ncu: all of the
+// kernel's excess sectors): a warpgroup's 64 x kD accumulator (thread tid of 128) to `rows`,
+// 64 rows of kD elements in shared memory, by stmatrix, 16-byte chunks swizzled (chunk c of
+// row r at chunk c ^ (r & 7) of its row: the 8 rows of each 8 x 8 matrix, and 8 consecutive
+// chunks of a row, fall on distinct banks).  Then, after a barrier of the warpgroup,
+// copy_kv_rows reads one 16-byte chunk per thread and stores whole rows (full sectors).
+// (FlashAttention-3 also stages dK and dV in shared memory, then stores them by TMA; 16-byte
+// stores keep the packed sequences' row bounds without a descriptor per call.)
+template <int kD, typename Element, typename Acc>
+__device__ __forceinline__ void stage_kv_rows(const Acc& acc, Element* rows, int tid) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  static_assert(kChunks % 8 == 0, "the swizzle permutes chunks in groups of 8");
+  static_assert(decltype(size(acc))::value == kD / 2 && stmatrix_order<kD>(),
+                "unexpected wgmma accumulator layout");
+  const int lane = tid % 32;
+  // stmatrix: lane l gives the address of row l % 8 of matrix l / 8
+  const int row_l = 16 * (tid / 32) + 8 * ((lane >> 3) & 1) + (lane & 7);
+  CUTE_UNROLL
+  for (int k = 0; k < kChunks / 2; ++k) {
+    uint32_t r[4];
+    CUTE_UNROLL
+    for (int m = 0; m < 4; ++m) {
+      Element pair[2] = {static_cast<Element>(acc(8 * k + 2 * m)),
+                         static_cast<Element>(acc(8 * k + 2 * m + 1))};
+      r[m] = *reinterpret_cast<uint32_t*>(pair);
+    }
+    const int chunk = (2 * k + (lane >> 4)) ^ (row_l & 7);
+    SM90_U32x4_STSM_N::copy(r[0], r[1], r[2], r[3],
+                            *reinterpret_cast<uint128_t*>(rows + row_l * kD + chunk * 8));
+  }
+}
+
+// stage_kv_rows' 64 rows to out (row stride row_stride, 16-byte aligned), its first n_rows
+// rows and the chunks of its first cols columns (a multiple of 8).
+template <int kD, typename Element>
+__device__ __forceinline__ void copy_kv_rows(const Element* rows, Element* out,
+                                             int64_t row_stride, int n_rows, int cols,
+                                             int tid) {
+  constexpr int kChunks = kD / 8;
+  CUTE_UNROLL
+  for (int it = 0; it < 64 * kChunks / 128; ++it) {
+    const int idx = tid + 128 * it, r = idx / kChunks, c = idx % kChunks;
+    if (r < n_rows && 8 * c < cols)
+      *reinterpret_cast<uint4*>(out + r * row_stride + 8 * c) =
+          *reinterpret_cast<const uint4*>(rows + r * kD + (c ^ (r & 7)) * 8);
+  }
+}
+
 template <typename T>
 struct BwdMainloop {
   using Element = typename T::Element;
@@ -547,74 +610,29 @@ struct BwdMainloop {
     return !p.sm90_direct_epilogue && strides % 8 == 0 && bases % 16 == 0;
   }
 
-  // The layout store_dkdv_staged relies on: accumulator values 8k .. 8k + 7 are the pairs of
-  // the 8 x 8 matrices (rows + 0, chunk 2k), (rows + 8, chunk 2k), (+0, 2k + 1), (+8, 2k + 1)
-  // (fwd_traits.h's acc_row / acc_col), in stmatrix's order of four matrices.
-  static constexpr bool stmatrix_order() {
-    for (int i = 0; i < kD / 2; ++i) {
-      const int m = (i % 8) / 2;
-      if (acc_row(i) != 8 * (m & 1) || acc_col(i) != (i & 1) + 8 * (2 * (i / 8) + (m >> 1)))
-        return false;
-    }
-    return true;
-  }
-
-  // dK and dV rows row_base .. (keys_left of the block's keys exist) through shared memory,
-  // where store_dkdv stores 4 bytes per thread from registers (a warp's store filled half of
-  // each of its 32-byte sectors): each warpgroup's accumulators by stmatrix into its own 64
-  // rows of the K and V tiles (sk, sv: free once both warpgroups' last GEMMs have read them,
-  // the caller's barrier), then read back a 16-byte chunk per thread and stored in whole
-  // rows (full sectors).  Chunk c of row r lies at chunk c ^ (r & 7) of its row: the 8 rows
-  // of each 8 x 8 matrix and 8 consecutive chunks of a row fall on distinct banks.
-  // (FlashAttention-3 also stages dK and dV in shared memory, then stores them by TMA.)
+  // dK and dV rows row_base .. (keys_left of the block's keys exist) through shared memory
+  // (stage_kv_rows, copy_kv_rows): each warpgroup's 64 keys into its own rows of the K and V
+  // tiles (sk, sv: free once both warpgroups' last GEMMs have read them, the caller's
+  // barrier).
   __device__ __forceinline__ void store_dkdv_staged(const BwdParams& p, Element* sk, Element* sv,
                                                     int64_t row_base, int64_t keys_left,
                                                     int32_t b, int32_t hk, int me,
                                                     int tid) const {
-    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-    static_assert(kChunks % 8 == 0 && kN == 128, "the swizzle permutes chunks in groups of 8");
-    static_assert(decltype(size(std::declval<AccKV&>()))::value == kD / 2 && stmatrix_order(),
-                  "unexpected wgmma accumulator layout");
-    const int lane = tid % 32;
-    // stmatrix: lane l gives the address of row l % 8 of matrix l / 8
-    const int row_l = 64 * me + 16 * (tid / 32) + 8 * ((lane >> 3) & 1) + (lane & 7);
-    auto stage = [&](const AccKV& acc, Element* base) {
-      CUTE_UNROLL
-      for (int k = 0; k < kChunks / 2; ++k) {
-        uint32_t r[4];
-        CUTE_UNROLL
-        for (int m = 0; m < 4; ++m) {
-          Element pair[2] = {static_cast<Element>(acc(8 * k + 2 * m)),
-                             static_cast<Element>(acc(8 * k + 2 * m + 1))};
-          r[m] = *reinterpret_cast<uint32_t*>(pair);
-        }
-        const int chunk = (2 * k + (lane >> 4)) ^ (row_l & 7);
-        SM90_U32x4_STSM_N::copy(r[0], r[1], r[2], r[3],
-                                *reinterpret_cast<uint128_t*>(base + row_l * kD + chunk * 8));
-      }
-    };
-    stage(acc_dk, sk);
-    stage(acc_dv, sv);
+    static_assert(kN == 128, "two warpgroups of 64 keys");
+    stage_kv_rows<kD>(acc_dk, sk + 64 * me * kD, tid);
+    stage_kv_rows<kD>(acc_dv, sv + 64 * me * kD, tid);
     cutlass::arch::NamedBarrier::sync(128, 1 + me);  // (this warpgroup's rows only)
     const int64_t left = keys_left - 64 * me;
     const int rows = static_cast<int>(left < 64 ? left : 64);
     const int64_t row0 = row_base + 64 * me;
-    auto* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride +
-               row0 * p.dk_row_stride;
-    auto* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride +
-               row0 * p.dv_row_stride;
-    CUTE_UNROLL
-    for (int it = 0; it < 64 * kChunks / 128; ++it) {
-      const int idx = tid + 128 * it, r = idx / kChunks, c = idx % kChunks;
-      if (r >= rows) continue;
-      const int at = (64 * me + r) * kD + (c ^ (r & 7)) * 8;
-      if (8 * c < p.head_dim)
-        *reinterpret_cast<uint4*>(dk + r * p.dk_row_stride + 8 * c) =
-            *reinterpret_cast<const uint4*>(sk + at);
-      if (8 * c < p.head_dim_v)
-        *reinterpret_cast<uint4*>(dv + r * p.dv_row_stride + 8 * c) =
-            *reinterpret_cast<const uint4*>(sv + at);
-    }
+    copy_kv_rows<kD>(sk + 64 * me * kD,
+                     static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
+                         hk * p.dk_head_stride + row0 * p.dk_row_stride,
+                     p.dk_row_stride, rows, static_cast<int>(p.head_dim), tid);
+    copy_kv_rows<kD>(sv + 64 * me * kD,
+                     static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
+                         hk * p.dv_head_stride + row0 * p.dv_row_stride,
+                     p.dv_row_stride, rows, static_cast<int>(p.head_dim_v), tid);
   }
 };
 

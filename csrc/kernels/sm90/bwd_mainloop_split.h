@@ -360,6 +360,27 @@ struct BwdMainloopSplit {
     store_kv_accumulator(acc_kv, tdKcdK, out, row_stride, rows_left,
                          static_cast<int>(is_v ? p.head_dim_v : p.head_dim) - c0);
   }
+
+  // The same through shared memory (bwd_mainloop.h's stage_kv_rows and copy_kv_rows; where
+  // Base::staged_store_fits): dV by warpgroup 0 in the V tile's space, dK by 1 in K's (both
+  // free once both warpgroups' last GEMMs have read them, the caller's barrier).
+  __device__ __forceinline__ void store_dkdv_staged(const BwdParams& p, Element* sk, Element* sv,
+                                                    int64_t row_base, int64_t keys_left,
+                                                    int32_t b, int32_t hk, int, int) const {
+    static_assert(kN == 64, "both warpgroups on the same 64 keys");
+    const bool is_v = me == 0;
+    Element* rows = is_v ? sv : sk;
+    stage_kv_rows<kD>(acc_kv, rows, tid);
+    cutlass::arch::NamedBarrier::sync(128, kSplitZeroBarrier + me);  // (this warpgroup's)
+    const int64_t row_stride = is_v ? p.dv_row_stride : p.dk_row_stride;
+    copy_kv_rows<kD>(rows,
+                     static_cast<Element*>(is_v ? p.dv : p.dk) +
+                         b * (is_v ? p.dv_batch_stride : p.dk_batch_stride) +
+                         hk * (is_v ? p.dv_head_stride : p.dk_head_stride) +
+                         row_base * row_stride,
+                     row_stride, static_cast<int>(keys_left < kN ? keys_left : kN),
+                     static_cast<int>(is_v ? p.head_dim_v : p.head_dim), tid);
+  }
 };
 
 // dQ in a fixed order at head dim 256 (deterministic: args.dq_order, p.dq_semaphore): a warp
