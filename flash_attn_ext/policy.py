@@ -133,7 +133,7 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
         # registry of its own: Python's per-line memory (the "default" action) would hide the
         # warning again after reset_fallback_counts(), which promises it anew.  The user's
         # filters ("ignore", "error", "once") still apply.
-        frame = sys._getframe(_caller_stacklevel() - 1)
+        frame = _caller_frame()
         warnings.warn_explicit(f"flash_attn_ext: falling back to {target} because {reason}. "
                                "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.",
                                UserWarning, frame.f_code.co_filename, frame.f_lineno,
@@ -143,13 +143,13 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _caller_stacklevel() -> int:
-    """warnings.warn's stacklevel, from note_fallback, of the first frame outside
-    flash_attn_ext: the line that called the attention (the depth from there to here differs by
-    path: flash_attn_func, the SDPA drop-in, patch(), the backward)."""
-    frame, level = sys._getframe(1), 1  # (note_fallback's frame is level 1)
-    while os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        if frame.f_back is None:  # (called from C++ alone, as autograd's engine may)
-            return level
-        frame, level = frame.f_back, level + 1
-    return level
+def _caller_frame():
+    """The first frame outside flash_attn_ext: the line that called the attention (the depth
+    from there to note_fallback differs by path: flash_attn_func, the SDPA drop-in, patch(),
+    the backward); the outermost frame where every frame is ours (called from C++ alone, as
+    autograd's engine may)."""
+    frame = sys._getframe(1)
+    while os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR) and \
+            frame.f_back is not None:
+        frame = frame.f_back
+    return frame

@@ -139,8 +139,7 @@ def _within_sequences(mask, query, key, kwargs, causal: bool) -> torch.Tensor:
         same = _packed_sequence_mask(query, key, kwargs, causal)
     else:
         pos = kwargs.get("position_ids")
-        if not isinstance(pos, torch.Tensor) or query.shape[0] != 1 or query.shape[2] < 2 or \
-                key.shape[2] != query.shape[2] or pos.numel() != query.shape[2]:
+        if not _one_packable_row(query, key, pos):
             return mask
         seq = torch.cumsum(pos.reshape(-1).to(mask.device) == 0, 0)  # (the sequence of each)
         same = seq[:, None] == seq[None, :]
@@ -214,6 +213,15 @@ def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     return _per_version(_host_offsets_cache, (cu_q, cu_k), copy)
 
 
+def _one_packable_row(query, key, position_ids) -> bool:
+    """Whether ``position_ids`` may describe sequences packed into the call's row: a tensor of
+    one position per query, one row, and as many keys as queries (not a cache's earlier keys),
+    at least two of them."""
+    return isinstance(position_ids, torch.Tensor) and query.shape[0] == 1 and \
+        query.shape[2] >= 2 and key.shape[2] == query.shape[2] and \
+        position_ids.numel() == query.shape[2]
+
+
 def _offsets_from_positions(query, key, position_ids) -> Optional[torch.Tensor]:
     """int32 CPU offsets of the sequences packed into one row that ``position_ids`` describes
     (a sequence starts at every position 0, and at the row's start), as FlashAttention-2's
@@ -222,9 +230,7 @@ def _offsets_from_positions(query, key, position_ids) -> Optional[torch.Tensor]:
     (a cache's earlier keys), or under ``torch.compile`` (the values cannot be read there).
     The host copy is made once per tensor and version (every layer of a forward pass gets the
     same tensor)."""
-    if position_ids is None or not isinstance(position_ids, torch.Tensor) or \
-            query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2] or \
-            position_ids.numel() != query.shape[2] or torch.compiler.is_compiling():
+    if not _one_packable_row(query, key, position_ids) or torch.compiler.is_compiling():
         return None
 
     def offsets():
