@@ -484,8 +484,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   check_bias_grad(attn_bias, bias_requires_grad);
   const int mods =
       score_mods_of(softcap, attn_bias, dropout_p, want_dbias, alibi_slopes.has_value());
-  const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic,
-                                         kernel_options());
+  // (one snapshot of the options for the choice and the launch, as the forward takes)
+  const KernelOptions options = kernel_options();
+  const KernelChoice choice = select_for(q_in, k_in, v_in, a, mods, deterministic, options);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
   const at::Tensor lse = softmax_lse.contiguous();
@@ -550,8 +551,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
           p.dq_semaphore = dq_semaphore.data_ptr<int32_t>();
         }
         float* stats_ptr = stats.data_ptr<float>();
-        p.heads_per_section = kernel_options().sm90_section_pairs;
-        p.sm90_direct_epilogue = kernel_options().sm90_direct_epilogue;
+        p.heads_per_section = options.sm90_section_pairs;
+        p.sm90_direct_epilogue = options.sm90_direct_epilogue;
         const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
@@ -676,10 +677,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttnArgs& a = c.a;
   const Packed& pk = c.pk;
   check_packed_bwd_tensors(a, dout_in, out_in, softmax_lse, at::kFloat);
+  const KernelOptions options = kernel_options();
   const KernelChoice choice =
       select_for(c.q, c.k, c.v, a, score_mods_of(softcap, std::nullopt, dropout_p, false,
                                                  alibi_slopes.has_value()),
-                 deterministic, kernel_options(), /*packed=*/true);
+                 deterministic, options, /*packed=*/true);
   const at::Tensor q = kernel_ready(c.q), k = kernel_ready(c.k), v = kernel_ready(c.v);
   const at::Tensor out = kernel_ready(last_dim_contiguous(out_in).unsqueeze(0));
   const at::Tensor dout = kernel_ready(last_dim_contiguous(dout_in).unsqueeze(0));
@@ -716,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
       // accumulated dQ and the statistics (lse * log2(e), D).
       const bool ordered = choice.dq == DqPath::kOrdered;
-      p.sm90_direct_epilogue = kernel_options().sm90_direct_epilogue;
+      p.sm90_direct_epilogue = options.sm90_direct_epilogue;
       const at::Tensor tables = sm90_bwd_varlen_tables(p, pk, q, ordered, kernel_dim);
       if (p.sm90_varlen_padded_q == 0) {  // no sequence has a query row: zeros (allocated)
         return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};

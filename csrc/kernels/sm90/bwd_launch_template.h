@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -103,7 +104,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
          pitch * kD * static_cast<int64_t>(sizeof(float)));
     const int64_t fit = (int64_t{40} << 20) / (pair_bytes > 0 ? pair_bytes : 1);
     const int64_t want = p.heads_per_section > 0 ? p.heads_per_section : fit;
-    section_pairs = static_cast<int32_t>(want < 1 ? 1 : want > pairs ? pairs : want);
+    section_pairs = static_cast<int32_t>(std::clamp<int64_t>(want, 1, pairs));
   }
   Sm90BwdArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{},
