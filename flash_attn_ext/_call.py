@@ -109,9 +109,14 @@ def as_number(x, name: str = "the argument"):
     return x
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_scale(scale, name: str) -> Optional[float]:
-    """A softmax scale as the kernels take it: None, or a finite real number (a Python or NumPy
-    number or a 0-d real tensor, as PyTorch accepts); ValueError otherwise (bools included)."""
+    """A softmax scale as the kernels take it: None, or a real number representable in float32
+    (a Python or NumPy number or a 0-d real tensor, as PyTorch accepts; |scale| <= 3.4e38, the
+    kernels' rule, checked here so that the error names the caller's argument); ValueError
+    otherwise (bools included)."""
     if scale is None:
         return None
     scale = as_number(scale, name)
@@ -121,6 +126,9 @@ def check_scale(scale, name: str) -> Optional[float]:
             not -math.inf < scale < math.inf:
         raise ValueError(f"{name} must be a finite number or a 0-d real tensor (None: "
                          f"1/sqrt(head_dim)), got {scale!r}")
+    if not -_FLOAT32_MAX <= scale <= _FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite and representable in float32 (|{name}| <= "
+                         f"{_FLOAT32_MAX:.4g}), got {scale!r}")
     return float(scale)
 
 

@@ -90,7 +90,14 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, "scale")
     dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
-    out = attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
+    try:
+        out = attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
+    except ValueError:
+        # The fast path of to_bshd leaves devices and dtype support to the kernels' checks,
+        # whose errors name flash_attn_func's q, k and v: where one of the drop-in's own rules
+        # is broken, its error (naming query, key and value) instead; free on success.
+        _checked_to_bshd(query, key, value, enable_gqa)
+        raise
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out
 
@@ -302,6 +309,13 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
         raise ValueError(f"query, key and value must have the same dtype, got query.dtype="
                          f"{query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}{cast}")
+    if not dtypes[0].is_floating_point:
+        raise ValueError(f"query.dtype={query.dtype} is not supported: query, key and value must "
+                         f"be floating point (CPU: float32, float64, float16, bfloat16; CUDA: "
+                         f"float16 and bfloat16 on the kernels, float32 on a fallback)")
+    if not key.device == value.device == query.device:
+        raise ValueError(f"query, key and value must be on the same device, got query.device="
+                         f"{query.device}, key.device={key.device}, value.device={value.device}")
     if query.dim() == 3:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -305,3 +305,18 @@ def test_rank_errors_state_the_rule():
         flash_attn_ext.scaled_dot_product_attention(q, kv, kv)
     q5 = torch.randn(1, 2, 4, 8, 16)
     assert flash_attn_ext.scaled_dot_product_attention(q5, q5, q5).shape == q5.shape
+
+
+def test_errors_name_the_drop_in_arguments():
+    # The drop-in's errors name its own arguments (query / key / value, scale), also where its
+    # fast path leaves a rule to the kernels' checks, whose messages say q, k, v and
+    # softmax_scale (new-user trial): devices, an integer dtype, a scale beyond float32.
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"^query, key and value must be on the same device, "
+                                         r"got query.device=cpu, key.device=meta"):
+        scaled_dot_product_attention(q, q.to("meta"), q)
+    with pytest.raises(ValueError, match=r"^query.dtype=torch.int64 is not supported"):
+        scaled_dot_product_attention(q.long(), q.long(), q.long())
+    with pytest.raises(ValueError, match=r"^scale must be finite and representable in "
+                                         r"float32 .* got 1e\+300"):
+        scaled_dot_product_attention(q, q, q, scale=1e300)
