@@ -27,13 +27,18 @@ if [ -d /usr/local/cuda/bin ]; then export PATH=$PATH:/usr/local/cuda/bin; fi
 # The lent GPU is an H200: build for it only (both kernel families run there; 8.0 would double
 # the build time for nothing).
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
-# build_once NAME [JOBS]: the CUDA build in place, unless a warm machine kept this tree's
-# (flash_attn_ext/_C*.so present); its log in $OUT/build.log; on failure the log's tail and
-# "NAME: build failed", exit 1.
+# build_once NAME [JOBS]: the CUDA build in place, unless this machine already built this tree's
+# sources (a warm machine keeps flash_attn_ext/_C*.so and build/ between calls; the stamp, a
+# hash of csrc/ and setup.py, tells a changed tree from the same one, so that a warm call never
+# tests the previous call's binary; the rebuild is incremental); its log in $OUT/build.log; on
+# failure the log's tail and "NAME: build failed", exit 1.
 build_once() {
-  if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1; then
+  local stamp
+  stamp=$(find csrc setup.py -type f | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16)
+  if ! ls flash_attn_ext/_C*.so > /dev/null 2>&1 || [ "$(cat build/cuda_build.stamp 2>/dev/null)" != "$stamp" ]; then
     (FLASH_ATTN_EXT_CUDA=1 MAX_JOBS=${MAX_JOBS:-${2:-16}} python3 setup.py -q build_ext \
       --inplace > "$OUT/build.log" 2>&1) || { tail -30 "$OUT/build.log"; echo "$1: build failed"; exit 1; }
+    mkdir -p build && echo "$stamp" > build/cuda_build.stamp
   fi
   echo "$1: build done at ${SECONDS} s"
 }
