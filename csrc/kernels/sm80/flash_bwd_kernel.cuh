@@ -78,113 +78,57 @@ struct BwdTraits {
 
 // D = rowsum(dO * O) - dsoftmax_lse in fp32, (batch, heads_q, pitch) contiguous (pitch >=
 // seqlen_q; rows past seqlen_q get 0); kTpr threads per row (one 16-byte load of O and of dO per
-// thread and chunk: rows are 16-byte aligned and head_dim_v a multiple of 8, the glue's
-// kernel_ready), kRows rows per thread, 256 / kTpr * kRows rows per CTA.  With `lse_log2` (the
-// Hopper backward's statistics), also softmax_lse * log2(e) in the same layout (+inf past
-// seqlen_q and for rows that see no key, so that P = 0 there).  Also zeroes `zero_quads` float4
-// at `zero` (the atomic-dQ scratch, so that no memset pass precedes the dK/dV kernel).  (A
-// gradient g_i flowing into lse_i adds g_i * P_ij to dS_ij, i.e. subtracts it from D.)
-//
-// Speed (a pass over B L H d of O and dO, and the fp32 dQ buffer's zeroing): the rows are
-// walked in memory order (`heads_inner`: the query heads of one position fastest when they lie
-// closer together than positions, as in (batch, seqlen, heads, head_dim)), so that a warp's
-// loads are one contiguous run rather than 128-byte pieces a head's row stride apart; each
-// thread issues the loads of all its kRows rows before it adds, and the row's coordinates
-// come from 32-bit divisions where the row count allows (64-bit ones are a long instruction
-// sequence for each row).
-struct DeltaRow {
-  int64_t b, h, i;  // batch, query head, row of the (batch, heads_q, pitch) statistics
-};
-__device__ __forceinline__ DeltaRow delta_row(int64_t r, int64_t heads, int64_t pitch,
-                                              bool heads_inner, bool narrow) {
-  int64_t outer, inner, n_inner = heads_inner ? heads : pitch;
-  if (narrow) {  // r < 2^32 and so are the divisors
-    const uint32_t r32 = static_cast<uint32_t>(r), n32 = static_cast<uint32_t>(n_inner);
-    outer = r32 / n32;
-    inner = r32 - static_cast<uint32_t>(outer) * n32;
-  } else {
-    outer = r / n_inner;
-    inner = r - outer * n_inner;
-  }
-  if (heads_inner) {  // r = (b * pitch + i) * heads + h
-    const int64_t b = narrow ? static_cast<uint32_t>(outer) / static_cast<uint32_t>(pitch)
-                             : outer / pitch;
-    return DeltaRow{b, inner, outer - b * pitch};
-  }
-  // r = (b * heads + h) * pitch + i
-  const int64_t b = narrow ? static_cast<uint32_t>(outer) / static_cast<uint32_t>(heads)
-                           : outer / heads;
-  return DeltaRow{b, outer - b * heads, inner};
-}
-
-template <typename Element, int kTpr, int kRows>
+// thread and step: rows are 16-byte aligned and head_dim_v a multiple of 8, the glue's
+// kernel_ready), 256 / kTpr rows per CTA.  With `lse_log2` (the Hopper backward's statistics),
+// also softmax_lse * log2(e) in the same layout (+inf past seqlen_q and for rows that see no
+// key, so that P = 0 there).  Also zeroes `zero_quads` float4 at `zero` (the atomic-dQ scratch,
+// so that no memset pass precedes the dK/dV kernel).  (A gradient g_i flowing into lse_i adds
+// g_i * P_ij to dS_ij, i.e. subtracts it from D.)
+template <typename Element, int kTpr>
 __global__ void __launch_bounds__(256)
     flash_bwd_delta_kernel(const BwdParams p, float* delta, float4* zero, int64_t zero_quads,
-                           int64_t pitch, float* lse_log2_out, const int32_t* row_blocks,
-                           bool heads_inner) {
-  static_assert(kTpr >= 1 && kTpr <= 32 && (kTpr & (kTpr - 1)) == 0 && kRows >= 1, "");
-  constexpr int kRowsPerPass = 256 / kTpr;  // rows of the CTA per pass; kRows passes
+                           int64_t pitch, float* lse_log2_out, const int32_t* row_blocks) {
+  static_assert(kTpr >= 1 && kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "");
   const int tid = static_cast<int>(threadIdx.x);
   for (int64_t i = int64_t(blockIdx.x) * 256 + tid; i < zero_quads; i += int64_t(gridDim.x) * 256)
     zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int64_t total = p.batch * p.heads_q * pitch;
-  const bool narrow = total <= int64_t(UINT32_MAX);
+  const int64_t row_id = int64_t(blockIdx.x) * (256 / kTpr) + tid / kTpr;
   const int t = tid % kTpr;
-  const Element* o_row[kRows];
-  const Element* d_row[kRows];
-  int64_t stat[kRows], src_row[kRows];  // the row in the statistics / in (b, h, seqlen_q)
-  bool valid[kRows], in_seq[kRows];
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    const int64_t r = (int64_t(blockIdx.x) * kRows + j) * kRowsPerPass + tid / kTpr;
-    valid[j] = r < total;
-    const DeltaRow c = delta_row(valid[j] ? r : 0, p.heads_q, pitch, heads_inner, narrow);
-    // The row of out / dout / softmax_lse that scratch row i holds: i itself, or with
-    // row_blocks (packed sequences' padded rows, BwdParams::sm90_varlen_rows) the one its
-    // 128-row block maps.
-    in_seq[j] = valid[j] && c.i < p.seqlen_q;
-    int64_t src = c.i;
-    if (row_blocks != nullptr && valid[j]) {
-      in_seq[j] = c.i % 128 < row_blocks[2 * (c.i / 128) + 1];
-      src = row_blocks[2 * (c.i / 128)] + c.i % 128;
-    }
-    stat[j] = (c.b * p.heads_q + c.h) * pitch + c.i;
-    src_row[j] = (c.b * p.heads_q + c.h) * p.seqlen_q + src;
-    o_row[j] = static_cast<const Element*>(p.out) + c.b * p.out_batch_stride +
-               src * p.out_row_stride + c.h * p.out_head_stride;
-    d_row[j] = static_cast<const Element*>(p.dout) + c.b * p.dout_batch_stride +
-               src * p.dout_row_stride + c.h * p.dout_head_stride;
+  const bool valid = row_id < p.batch * p.heads_q * pitch;
+  const int64_t i = row_id % pitch, bh = row_id / pitch;
+  // The row of out / dout / softmax_lse that scratch row i holds: i itself, or with row_blocks
+  // (packed sequences' padded rows, BwdParams::sm90_varlen_rows) the one its 128-row block maps.
+  bool in_seq = valid && i < p.seqlen_q;
+  int64_t src = i;
+  if (row_blocks != nullptr && valid) {
+    in_seq = i % 128 < row_blocks[2 * (i / 128) + 1];
+    src = row_blocks[2 * (i / 128)] + i % 128;
   }
-  float sum[kRows];
+  float sum = 0.f;
+  if (in_seq) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const auto* o = static_cast<const Element*>(p.out) + b * p.out_batch_stride +
+                    src * p.out_row_stride + h * p.out_head_stride;
+    const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride +
+                    src * p.dout_row_stride + h * p.dout_head_stride;
+    for (int c = t * 8; c < p.head_dim_v; c += kTpr * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
 #pragma unroll
-  for (int j = 0; j < kRows; ++j) sum[j] = 0.f;
-  for (int c = t * 8; c < p.head_dim_v; c += kTpr * 8) {
-    uint4 ov[kRows], dv[kRows];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      ov[j] = in_seq[j] ? *reinterpret_cast<const uint4*>(o_row[j] + c) : make_uint4(0, 0, 0, 0);
-      dv[j] = in_seq[j] ? *reinterpret_cast<const uint4*>(d_row[j] + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const Element* oe = reinterpret_cast<const Element*>(&ov[j]);
-      const Element* de = reinterpret_cast<const Element*>(&dv[j]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum[j] += to_float(oe[e]) * to_float(de[e]);
+      for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
     }
   }
 #pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-#pragma unroll
-    for (int s = kTpr / 2; s > 0; s >>= 1) sum[j] += __shfl_xor_sync(0xffffffff, sum[j], s);
-    if (valid[j] && t == 0) {
-      const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);
-      delta[stat[j]] = !in_seq[j] ? 0.f : dlse == nullptr ? sum[j] : sum[j] - dlse[src_row[j]];
-      if (lse_log2_out != nullptr)
-        lse_log2_out[stat[j]] =
-            in_seq[j] ? lse_log2(static_cast<const float*>(p.softmax_lse)[src_row[j]])
-                      : INFINITY;
-    }
+  for (int s = kTpr / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+  if (valid && t == 0) {
+    const int64_t row = bh * p.seqlen_q + src;  // in (batch, heads_q, seqlen_q) tensors
+    const auto* dlse = static_cast<const float*>(p.dsoftmax_lse);
+    delta[row_id] = !in_seq ? 0.f : dlse == nullptr ? sum : sum - dlse[row];
+    if (lse_log2_out != nullptr)
+      lse_log2_out[row_id] =
+          in_seq ? lse_log2(static_cast<const float*>(p.softmax_lse)[row]) : INFINITY;
   }
 }
 
@@ -196,8 +140,7 @@ cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int6
                              cudaStream_t stream, int64_t pitch = -1,
                              float* lse_log2_out = nullptr,
                              const int32_t* row_blocks = nullptr) {
-  constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRows = 4;
-  constexpr int kRowsPerCta = 256 / kTpr * kRows;
+  constexpr int kTpr = kHeadDim / 8 < 32 ? kHeadDim / 8 : 32, kRowsPerCta = 256 / kTpr;
   // Packed sequences: D row by row over all total_q rows of each head, which is this kernel's
   // dense form for one batch entry of total_q rows (batch strides are 0; the statistics are
   // (heads_q, total_q), as this layout; rows outside every sequence get a D nothing reads).
@@ -210,13 +153,9 @@ cudaError_t launch_bwd_delta(const BwdParams& p, float* delta, float* zero, int6
   }
   if (pitch < 0) pitch = rows_of.seqlen_q;
   const int64_t rows = rows_of.batch * rows_of.heads_q * pitch;
-  // Walk the rows in out's memory order (the kernel's note): heads fastest where a head's row
-  // lies closer to the next head's than to the next position's.
-  const bool heads_inner = p.out_head_stride < p.out_row_stride;
-  return launch(flash_bwd_delta_kernel<Element, kTpr, kRows>,
-                (rows + kRowsPerCta - 1) / kRowsPerCta, 256, 0, stream, rows_of, delta,
-                reinterpret_cast<float4*>(zero), zero_floats / 4, pitch, lse_log2_out, row_blocks,
-                heads_inner);
+  return launch(flash_bwd_delta_kernel<Element, kTpr>, (rows + kRowsPerCta - 1) / kRowsPerCta,
+                256, 0, stream, rows_of, delta, reinterpret_cast<float4*>(zero), zero_floats / 4,
+                pitch, lse_log2_out, row_blocks);
 }
 
 // kGeneral: softcap, attn_bias and dropout are handled (runtime flags), as in the forward.
