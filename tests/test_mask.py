@@ -81,6 +81,49 @@ def test_mask_rows_emptied_give_zero_and_no_nan():
     assert not torch.isnan(g).any()
 
 
+@pytest.mark.parametrize("dtype,fill", [
+    (torch.float32, -1e4), (torch.float32, -1e6), (torch.float32, -1e9),
+    (torch.float32, torch.finfo(torch.float32).min), (torch.bfloat16, -1e9),
+    (torch.float64, -1e300), (torch.float64, torch.finfo(torch.float64).min)], ids=str)
+@pytest.mark.parametrize("seqlen_k", [7, 300])
+@pytest.mark.parametrize("heads_kv", [1, 4])
+def test_rows_a_finite_mask_value_hides_keep_their_gradients(dtype, fill, seqlen_k, heads_kv):
+    # A row whose every key a large finite mask value hides (masked_fill(-1e9), finfo.min: a
+    # padded row in older code) is the uniform average of v, forward and backward alike.  The
+    # CPU backward recomputed P = exp(S - lse) from an LSE of magnitude |fill|, whose float
+    # cannot carry log(S_k): that row's P came out ~S_k times too large, and so its dq, dv and
+    # dmask (new-user trial).  Those rows' q is 0, so that their scores are exactly `fill` in
+    # every precision and the float64 truth is the same uniform average.  MQA (heads_kv 1) splits
+    # the key tiles over threads; 300 keys span several key tiles.
+    torch.manual_seed(0)
+    B, H, L, E, EV = 2, 4, 9, 16, 24
+    query = torch.randn(B, H, L, E, dtype=dtype)
+    query[0, :, [2, 7]] = 0
+    query.requires_grad_()
+    key = torch.randn(B, heads_kv, seqlen_k, E, dtype=dtype, requires_grad=True)
+    value = torch.randn(B, heads_kv, seqlen_k, EV, dtype=dtype, requires_grad=True)
+    mask = torch.randn(B, 1, L, seqlen_k, dtype=dtype)
+    mask[0, :, [2, 7]] = fill
+    mask.requires_grad_()
+    inputs = [query, key, value, mask]
+    gqa = heads_kv != H
+    out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa,
+                                       strict=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+
+    def theirs(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
+        o = torch_math(*leaves[:3], leaves[3], gqa)
+        return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
+
+    true, true_g = theirs(torch.float64)
+    low, low_g = theirs(dtype)
+    assert_error_rule(out, low, true, 2.0, "out")
+    for n, a, lo, t in zip(["dq", "dk", "dv", "dmask"], grads, low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, n)
+
+
 def test_bias_op_opcheck():
     q = torch.randn(2, 9, 4, 16, requires_grad=True)
     k = torch.randn(2, 13, 2, 16, requires_grad=True)

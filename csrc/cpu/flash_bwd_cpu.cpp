@@ -8,6 +8,12 @@
 //   P  = exp(scale * Q K^T - lse)            recomputed, never stored
 //   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
 //   dK += scale * dS^T Q,   dQ += scale * dS K   (dQ accumulated in the task's own buffer)
+// Rows whose saved LSE is too large in magnitude for its float to carry log(l) (|lse| >= 64:
+// scores shifted by a large finite mask value such as -1e9 or finfo.min, or huge scores) get
+// their max m and sum l recomputed exactly first (one more pass of Q K^T over their keys), and
+// P = exp((S - m) - log l) there: exp(S - lse) would scale such a row's P by exp(lse's rounding),
+// e.g. by S_k (the key count) for a row that a finite mask value hides completely, whose forward
+// is the uniform average.  Other rows are unchanged (their extra term is 0).
 // Every query head of a group belongs to the task of its key/value head, so dK/dV sum over the
 // group and no two threads ever write the same gradient.  With fewer (batch, kv head) pairs than
 // threads the key tiles are split too, and the partial dQ are summed in a fixed order: the
@@ -18,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -112,6 +119,9 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
     std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
     std::vector<acc_t> pz_buf(p.dropout ? BQ * BK : 0);  // P with dropout applied
     std::vector<uint8_t> keep(p.dropout ? BQ * BK : 0);
+    // P = exp((S - row_hi) - row_lo) per row: (lse, 0), or (m, log l) recomputed (header).
+    std::vector<acc_t> row_hi(group * L), row_lo(group * L);
+    std::vector<uint8_t> exact_row(group * L);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
       const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -145,18 +155,96 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
           k + b * p.k_batch_stride + hk * p.k_head_stride + k_first * p.k_row_stride;
       const scalar_t* v_head =
           v + b * p.v_batch_stride + hk * p.v_head_stride + k_first * p.v_row_stride;
+      // K^T of key tile [j0, j0 + nk) for the scores (kt_w, or the returned view).
+      auto key_tile = [&](int64_t j0, int64_t nk) {
+        const scalar_t* kt = k_head + j0 * p.k_row_stride;
+        if (dot) {
+          bf16dot::pack_transposed(kt_w.data(), BK, bits(kt), p.k_row_stride, nk, D);
+          return Mat<acc_t>{nullptr, 0};
+        }
+        return acc_view(kt, nk, D, p.k_row_stride, k_buf.data());
+      };
+      // S = the scores of query rows [i0, i0 + mq) of head h against the key tile key_tile
+      // prepared, as the forward forms them; returns Q's view (non-bf16-dot path).
+      auto score_rows = [&](acc_t* S, const Mat<acc_t>& km, int64_t h, int64_t i0, int64_t mq,
+                            int64_t j0, int64_t nk, acc_t* dtanh_tile) {
+        if (dot) {
+          bf16dot::pack_rows(q_w.data(), D2, bits(q_ptr(h, i0)), p.q_row_stride, mq, D);
+          bf16dot::gemm(f32(S), BK, q_w.data(), D2, 1, kt_w.data(), BK, mq, nk, D2,
+                        static_cast<float>(scale), false);
+          finish_scores(S, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
+          return Mat<acc_t>{nullptr, 0};
+        }
+        const Mat<acc_t> qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
+        score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
+        return qm;
+      };
+      bool any_exact = false;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = 0; i < Lb; ++i) {
+          const acc_t x = lse[seqs.lse_index(p, b, hk * group + g, i)];
+          const bool flag = std::isfinite(x) && std::abs(x) >= acc_t(64);
+          row_hi[g * L + i] = flag ? -std::numeric_limits<acc_t>::infinity() : x;
+          row_lo[g * L + i] = 0;  // (the running sum l of a flagged row, then log l)
+          exact_row[g * L + i] = flag;
+          any_exact = any_exact || flag;
+        }
+      }
+      if (any_exact) {  // m and l of the flagged rows over all their keys (not only the chunk's)
+        const int64_t len_k = seqs.len_k(p, b);
+        for (int64_t j0 = 0; j0 < len_k; j0 += BK) {
+          const int64_t nk = std::min(BK, len_k - j0);
+          const Mat<acc_t> km = key_tile(j0, nk);
+          for (int64_t g = 0; g < group; ++g) {
+            for (int64_t i0 = 0; i0 < Lb; i0 += BQ) {
+              const int64_t mq = std::min(BQ, Lb - i0);
+              const uint8_t* flags = exact_row.data() + g * L + i0;
+              if (std::find(flags, flags + mq, uint8_t(1)) == flags + mq) continue;
+              if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
+              acc_t* S = s_buf.data();
+              score_rows(S, km, hk * group + g, i0, mq, j0, nk, nullptr);
+              for (int64_t r = 0; r < mq; ++r) {
+                if (!flags[r]) continue;
+                acc_t &m = row_hi[g * L + i0 + r], &l = row_lo[g * L + i0 + r];
+                for (int64_t c = 0; c < nk; ++c) {
+                  const acc_t x = S[r * BK + c];
+                  if (x == -std::numeric_limits<acc_t>::infinity()) continue;
+                  if (x > m) {
+                    l = l * std::exp(m - x) + acc_t(1);
+                    m = x;
+                  } else {
+                    l += std::exp(x - m);
+                  }
+                }
+              }
+            }
+          }
+        }
+        // (a row whose scores held no finite maximum, NaN among them, keeps its lse: NaN
+        // propagates as before)
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t i = 0; i < Lb; ++i) {
+            if (!exact_row[g * L + i]) continue;
+            if (row_hi[g * L + i] == -std::numeric_limits<acc_t>::infinity()) {
+              row_hi[g * L + i] = lse[seqs.lse_index(p, b, hk * group + g, i)];
+              row_lo[g * L + i] = 0;
+            } else {
+              row_lo[g * L + i] = std::log(row_lo[g * L + i]);
+            }
+          }
+        }
+      }
 
       for (int64_t j0 = key_lo; j0 < key_hi; j0 += BK) {
         const int64_t nk = std::min(BK, key_hi - j0);
-        Mat<acc_t> km{nullptr, 0}, vm{nullptr, 0};
+        const Mat<acc_t> km = key_tile(j0, nk);
+        Mat<acc_t> vm{nullptr, 0};
         if (dot) {
           const scalar_t* kt = k_head + j0 * p.k_row_stride;
-          bf16dot::pack_transposed(kt_w.data(), BK, bits(kt), p.k_row_stride, nk, D);
           bf16dot::pack_transposed(vt_w.data(), BK, bits(v_head + j0 * p.v_row_stride),
                                    p.v_row_stride, nk, Dv);
           bf16dot::pack_interleaved(ki_w.data(), D, bits(kt), p.k_row_stride, nk, D);
         } else {
-          km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride, k_buf.data());
           vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride, v_buf.data());
         }
         std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
@@ -171,24 +259,20 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
             acc_t* S = s_buf.data();
             acc_t* dP = dp_buf.data();
             acc_t* dtanh_tile = p.softcap > 0.0 ? dtanh.data() : nullptr;
-            Mat<acc_t> qm{nullptr, 0}, dom{nullptr, 0};
+            const Mat<acc_t> qm = score_rows(S, km, h, i0, mq, j0, nk, dtanh_tile);
+            Mat<acc_t> dom{nullptr, 0};
             if (dot) {
-              bf16dot::pack_rows(q_w.data(), D2, bits(q_ptr(h, i0)), p.q_row_stride, mq, D);
               bf16dot::pack_rows(do_w.data(), Dv2, bits(do_ptr(h, i0)), p.dout_row_stride, mq,
                                  Dv);
               bf16dot::pack_interleaved(qi_w.data(), D, bits(q_ptr(h, i0)), p.q_row_stride, mq,
                                         D);
               bf16dot::pack_interleaved(doi_w.data(), Dv, bits(do_ptr(h, i0)),
                                         p.dout_row_stride, mq, Dv);
-              bf16dot::gemm(f32(S), BK, q_w.data(), D2, 1, kt_w.data(), BK, mq, nk, D2,
-                            static_cast<float>(scale), false);
-              finish_scores(S, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
             } else {
-              qm = acc_view(q_ptr(h, i0), mq, D, p.q_row_stride, q_buf.data());
               dom = acc_view(do_ptr(h, i0), mq, Dv, p.dout_row_stride, do_buf.data());
-              score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0, dtanh_tile);
             }
-            probs_from_lse_rows(S, mq, nk, BK, lse + seqs.lse_index(p, b, h, i0));
+            probs_from_lse_rows(S, mq, nk, BK, row_hi.data() + g * L + i0,
+                                row_lo.data() + g * L + i0);
             if (p.dropout) {
               // The forward's mask: dV = (P Z / (1 - p))^T dO and dP = Z / (1 - p) * dO V^T.
               for (int64_t r = 0; r < mq; ++r) {

@@ -101,7 +101,7 @@ FAE_INLINE void online_softmax_rows_impl(T* S, int64_t rows, int64_t cols, int64
 
 template <typename T>
 FAE_INLINE void probs_from_lse_rows_impl(T* S, int64_t rows, int64_t cols, int64_t ld,
-                                         const T* lse) {
+                                         const T* lse, const T* lse_lo) {
   const T inf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* s = S + r * ld;
@@ -109,9 +109,9 @@ FAE_INLINE void probs_from_lse_rows_impl(T* S, int64_t rows, int64_t cols, int64
       for (int64_t c = 0; c < cols; ++c) s[c] = T(0);
       continue;
     }
-    const T lr = lse[r];
+    const T lr = lse[r], lo = lse_lo[r];
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) s[c] = exp_nonpositive(s[c] - lr);
+    for (int64_t c = 0; c < cols; ++c) s[c] = exp_nonpositive((s[c] - lr) - lo);
   }
 }
 
@@ -139,11 +139,12 @@ void online_softmax_rows(double* S, int64_t rows, int64_t cols, int64_t ld, doub
 }
 
 FAE_MULTIVERSION void probs_from_lse_rows(float* S, int64_t rows, int64_t cols, int64_t ld,
-                                          const float* lse) {
-  probs_from_lse_rows_impl(S, rows, cols, ld, lse);
+                                          const float* lse, const float* lse_lo) {
+  probs_from_lse_rows_impl(S, rows, cols, ld, lse, lse_lo);
 }
-void probs_from_lse_rows(double* S, int64_t rows, int64_t cols, int64_t ld, const double* lse) {
-  probs_from_lse_rows_impl(S, rows, cols, ld, lse);
+void probs_from_lse_rows(double* S, int64_t rows, int64_t cols, int64_t ld, const double* lse,
+                         const double* lse_lo) {
+  probs_from_lse_rows_impl(S, rows, cols, ld, lse, lse_lo);
 }
 
 FAE_MULTIVERSION void softmax_grad_rows(const float* P, float* dP, int64_t rows, int64_t cols,

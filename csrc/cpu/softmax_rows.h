@@ -19,10 +19,14 @@ void online_softmax_rows(float* S, int64_t rows, int64_t cols, int64_t ld, float
 void online_softmax_rows(double* S, int64_t rows, int64_t cols, int64_t ld, double* m, double* l,
                          double* alpha);
 
-// Recomputes probabilities from scores and the saved log-sum-exp: S = exp(S - lse[row]);
-// rows with lse = -inf (nothing visible) become 0.
-void probs_from_lse_rows(float* S, int64_t rows, int64_t cols, int64_t ld, const float* lse);
-void probs_from_lse_rows(double* S, int64_t rows, int64_t cols, int64_t ld, const double* lse);
+// Recomputes probabilities from scores and the saved log-sum-exp, given as two terms per row:
+// S = exp((S - lse[row]) - lse_lo[row]) (lse_lo 0, or lse = the row's max and lse_lo its log
+// sum where lse alone would not carry it: flash_bwd_cpu.cpp); rows with lse = -inf (nothing
+// visible) become 0.
+void probs_from_lse_rows(float* S, int64_t rows, int64_t cols, int64_t ld, const float* lse,
+                         const float* lse_lo);
+void probs_from_lse_rows(double* S, int64_t rows, int64_t cols, int64_t ld, const double* lse,
+                         const double* lse_lo);
 
 // dS = P * (dP - delta[row]), written over dP (Algorithm 2 line 14; delta = rowsum(dO * O)).
 void softmax_grad_rows(const float* P, float* dP, int64_t rows, int64_t cols, int64_t ld,
