@@ -25,6 +25,14 @@ def torch_math(query, key, value, mask, gqa):
     return out.nan_to_num(0.0)  # rows the mask empties: PyTorch NaN, ours 0 (docs/design.md)
 
 
+def torch_math_grads(inputs, dout, gqa, compute_dtype, mask=None):
+    """torch_math and its gradients in compute_dtype, of inputs (query, key, value[, mask]) as
+    fresh leaves; `mask`: the fixed mask where it is not among the inputs."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
+    out = torch_math(*leaves[:3], leaves[3] if len(leaves) > 3 else mask, gqa)
+    return out, torch.autograd.grad(out, leaves, dout.to(compute_dtype))
+
+
 MASKS = {
     "padding_bool_B11S": lambda B, H, L, S: torch.rand(B, 1, 1, S) > 0.3,
     "bool_B1LS": lambda B, H, L, S: torch.rand(B, 1, L, S) > 0.5,
@@ -55,14 +63,8 @@ def test_mask_matches_torch(device, dtype, shape, name, gqa):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, dout)
 
-    def theirs(compute_dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
-        m = leaves[3] if mask_grad else mask
-        o = torch_math(*leaves[:3], m, gqa)
-        return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
-
-    true, true_g = theirs(torch.float64)
-    low, low_g = theirs(dtype)
+    true, true_g = torch_math_grads(inputs, dout, gqa, torch.float64, mask)
+    low, low_g = torch_math_grads(inputs, dout, gqa, dtype, mask)
     assert_error_rule(out, low, true, 2.0, "out")
     names = ["dq", "dk", "dv", "dmask"]
     for n, a, lo, t in zip(names, grads, low_g, true_g):
@@ -112,13 +114,8 @@ def test_rows_a_finite_mask_value_hides_keep_their_gradients(dtype, fill, seqlen
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, dout)
 
-    def theirs(compute_dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
-        o = torch_math(*leaves[:3], leaves[3], gqa)
-        return o, torch.autograd.grad(o, leaves, dout.to(compute_dtype))
-
-    true, true_g = theirs(torch.float64)
-    low, low_g = theirs(dtype)
+    true, true_g = torch_math_grads(inputs, dout, gqa, torch.float64)
+    low, low_g = torch_math_grads(inputs, dout, gqa, dtype)
     assert_error_rule(out, low, true, 2.0, "out")
     for n, a, lo, t in zip(["dq", "dk", "dv", "dmask"], grads, low_g, true_g):
         assert_error_rule(a, lo, t, 3.0, n)
