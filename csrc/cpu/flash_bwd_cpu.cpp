@@ -122,6 +122,7 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
     // P = exp((S - row_hi) - row_lo) per row: (lse, 0), or (m, log l) recomputed (header).
     std::vector<acc_t> row_hi(group * L), row_lo(group * L);
     std::vector<uint8_t> exact_row(group * L);
+    std::vector<acc_t> exact_m(group * L), exact_l(group * L), alpha(BQ);  // (the exact pass)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
       const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -184,9 +185,11 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
         for (int64_t i = 0; i < Lb; ++i) {
           const acc_t x = lse[seqs.lse_index(p, b, hk * group + g, i)];
           const bool flag = std::isfinite(x) && std::abs(x) >= acc_t(64);
-          row_hi[g * L + i] = flag ? -std::numeric_limits<acc_t>::infinity() : x;
-          row_lo[g * L + i] = 0;  // (the running sum l of a flagged row, then log l)
+          row_hi[g * L + i] = x;
+          row_lo[g * L + i] = 0;
           exact_row[g * L + i] = flag;
+          exact_m[g * L + i] = -std::numeric_limits<acc_t>::infinity();
+          exact_l[g * L + i] = 0;
           any_exact = any_exact || flag;
         }
       }
@@ -201,22 +204,11 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
               const uint8_t* flags = exact_row.data() + g * L + i0;
               if (std::find(flags, flags + mq, uint8_t(1)) == flags + mq) continue;
               if (vis.end(i0 + mq - 1) <= j0 || vis.begin(i0) >= j0 + nk) continue;
+              // (the forward's online softmax over the tile's rows, flagged or not: vectorised)
               acc_t* S = s_buf.data();
               score_rows(S, km, hk * group + g, i0, mq, j0, nk, nullptr);
-              for (int64_t r = 0; r < mq; ++r) {
-                if (!flags[r]) continue;
-                acc_t &m = row_hi[g * L + i0 + r], &l = row_lo[g * L + i0 + r];
-                for (int64_t c = 0; c < nk; ++c) {
-                  const acc_t x = S[r * BK + c];
-                  if (x == -std::numeric_limits<acc_t>::infinity()) continue;
-                  if (x > m) {
-                    l = l * std::exp(m - x) + acc_t(1);
-                    m = x;
-                  } else {
-                    l += std::exp(x - m);
-                  }
-                }
-              }
+              online_softmax_rows(S, mq, nk, BK, exact_m.data() + g * L + i0,
+                                  exact_l.data() + g * L + i0, alpha.data());
             }
           }
         }
@@ -224,13 +216,10 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
         // propagates as before)
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t i = 0; i < Lb; ++i) {
-            if (!exact_row[g * L + i]) continue;
-            if (row_hi[g * L + i] == -std::numeric_limits<acc_t>::infinity()) {
-              row_hi[g * L + i] = lse[seqs.lse_index(p, b, hk * group + g, i)];
-              row_lo[g * L + i] = 0;
-            } else {
-              row_lo[g * L + i] = std::log(row_lo[g * L + i]);
-            }
+            const acc_t m = exact_m[g * L + i];
+            if (!exact_row[g * L + i] || !std::isfinite(m)) continue;
+            row_hi[g * L + i] = m;
+            row_lo[g * L + i] = std::log(exact_l[g * L + i]);
           }
         }
       }
