@@ -83,13 +83,22 @@ def test_mask_rows_emptied_give_zero_and_no_nan():
     assert not torch.isnan(g).any()
 
 
-@pytest.mark.parametrize("dtype,fill", [
+FINITE_FILLS = [("cpu", dt, fill) for dt, fill in [
     (torch.float32, -1e4), (torch.float32, -1e6), (torch.float32, -1e9),
     (torch.float32, torch.finfo(torch.float32).min), (torch.bfloat16, -1e9),
-    (torch.float64, -1e300), (torch.float64, torch.finfo(torch.float64).min)], ids=str)
+    (torch.float64, -1e300), (torch.float64, torch.finfo(torch.float64).min)]]
+if HAS_CUDA:  # pragma: no cover - needs a GPU
+    # (values below about -2.4e38 are -inf on CUDA, docs/reference.md: not these)
+    FINITE_FILLS += [("cuda", dt, fill) for dt, fill in [
+        (torch.bfloat16, -1e4), (torch.bfloat16, -1e6), (torch.bfloat16, -1e9),
+        (torch.bfloat16, -1e30), (torch.float16, -1e4), (torch.float16, -65504.0)]]
+
+
+@pytest.mark.parametrize("device,dtype,fill", FINITE_FILLS, ids=str)
 @pytest.mark.parametrize("seqlen_k", [7, 300])
 @pytest.mark.parametrize("heads_kv", [1, 4])
-def test_rows_a_finite_mask_value_hides_keep_their_gradients(dtype, fill, seqlen_k, heads_kv):
+def test_rows_a_finite_mask_value_hides_keep_their_gradients(device, dtype, fill, seqlen_k,
+                                                             heads_kv):
     # A row whose every key a large finite mask value hides (masked_fill(-1e9), finfo.min: a
     # padded row in older code) is the uniform average of v, forward and backward alike.  The
     # CPU backward recomputed P = exp(S - lse) from an LSE of magnitude |fill|, whose float
@@ -99,12 +108,13 @@ def test_rows_a_finite_mask_value_hides_keep_their_gradients(dtype, fill, seqlen
     # the key tiles over threads; 300 keys span several key tiles.
     torch.manual_seed(0)
     B, H, L, E, EV = 2, 4, 9, 16, 24
-    query = torch.randn(B, H, L, E, dtype=dtype)
+    query = torch.randn(B, H, L, E, dtype=dtype, device=device)
     query[0, :, [2, 7]] = 0
     query.requires_grad_()
-    key = torch.randn(B, heads_kv, seqlen_k, E, dtype=dtype, requires_grad=True)
-    value = torch.randn(B, heads_kv, seqlen_k, EV, dtype=dtype, requires_grad=True)
-    mask = torch.randn(B, 1, L, seqlen_k, dtype=dtype)
+    key = torch.randn(B, heads_kv, seqlen_k, E, dtype=dtype, device=device, requires_grad=True)
+    value = torch.randn(B, heads_kv, seqlen_k, EV, dtype=dtype, device=device,
+                        requires_grad=True)
+    mask = torch.randn(B, 1, L, seqlen_k, dtype=dtype, device=device)
     mask[0, :, [2, 7]] = fill
     mask.requires_grad_()
     inputs = [query, key, value, mask]
