@@ -29,6 +29,8 @@ def torch_math_grads(inputs, dout, gqa, compute_dtype, mask=None):
     """torch_math and its gradients in compute_dtype, of inputs (query, key, value[, mask]) as
     fresh leaves; `mask`: the fixed mask where it is not among the inputs."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
+    if mask is not None and mask.is_floating_point():
+        mask = mask.detach().to(compute_dtype)
     out = torch_math(*leaves[:3], leaves[3] if len(leaves) > 3 else mask, gqa)
     return out, torch.autograd.grad(out, leaves, dout.to(compute_dtype))
 
@@ -97,8 +99,9 @@ if HAS_CUDA:  # pragma: no cover - needs a GPU
 @pytest.mark.parametrize("device,dtype,fill", FINITE_FILLS, ids=str)
 @pytest.mark.parametrize("seqlen_k", [7, 300])
 @pytest.mark.parametrize("heads_kv", [1, 4])
+@pytest.mark.parametrize("mask_grad", [True, False], ids=["mask_grad", "fixed_mask"])
 def test_rows_a_finite_mask_value_hides_keep_their_gradients(device, dtype, fill, seqlen_k,
-                                                             heads_kv):
+                                                             heads_kv, mask_grad):
     # A row whose every key a large finite mask value hides (masked_fill(-1e9), finfo.min: a
     # padded row in older code) is the uniform average of v, forward and backward alike.  The
     # CPU backward recomputed P = exp(S - lse) from an LSE of magnitude |fill|, whose float
@@ -116,16 +119,18 @@ def test_rows_a_finite_mask_value_hides_keep_their_gradients(device, dtype, fill
                         requires_grad=True)
     mask = torch.randn(B, 1, L, seqlen_k, dtype=dtype, device=device)
     mask[0, :, [2, 7]] = fill
-    mask.requires_grad_()
-    inputs = [query, key, value, mask]
+    # (on an H200 a mask without gradient runs the Hopper backward's general variant, one with
+    # gradient the portable backward, which writes the mask's gradient)
+    mask.requires_grad_(mask_grad)
+    inputs = [query, key, value] + ([mask] if mask_grad else [])
     gqa = heads_kv != H
     out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa,
                                        strict=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, dout)
 
-    true, true_g = torch_math_grads(inputs, dout, gqa, torch.float64)
-    low, low_g = torch_math_grads(inputs, dout, gqa, dtype)
+    true, true_g = torch_math_grads(inputs, dout, gqa, torch.float64, mask)
+    low, low_g = torch_math_grads(inputs, dout, gqa, dtype, mask)
     assert_error_rule(out, low, true, 2.0, "out")
     for n, a, lo, t in zip(["dq", "dk", "dv", "dmask"], grads, low_g, true_g):
         assert_error_rule(a, lo, t, 3.0, n)
