@@ -136,6 +136,47 @@ def test_rows_a_finite_mask_value_hides_keep_their_gradients(device, dtype, fill
         assert_error_rule(a, lo, t, 3.0, n)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("mask_grad", [True, False], ids=["mask_grad", "fixed_mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hidden_rows_on_cuda_at_size_and_deterministic(mask_grad, dtype):
+    # The CUDA backward's exact pass over rows a finite mask value hides, where it has more
+    # than one window of rows (300 query rows), several key tiles (1023 keys), head dim 128, a
+    # GQA group of 4, and hidden rows beside ordinary ones in every (batch, head); under
+    # torch.use_deterministic_algorithms its gradients are bitwise the same run after run.
+    torch.manual_seed(1)
+    B, H, HKV, L, S, E = 2, 8, 2, 300, 1023, 128
+    dev = "cuda"
+    query = torch.randn(B, H, L, E, dtype=dtype, device=dev)
+    key = torch.randn(B, HKV, S, E, dtype=dtype, device=dev)
+    value = torch.randn(B, HKV, S, E, dtype=dtype, device=dev)
+    mask = torch.randn(B, 1, L, S, dtype=dtype, device=dev)
+    hidden = torch.tensor([0, 1, 7, 150, 255, 256, 299], device=dev)
+    query[:, :, hidden] = 0  # scores exactly the fill: the float64 truth is the uniform average
+    mask[:, :, hidden] = -1e9 if dtype == torch.bfloat16 else -65504.0
+    inputs = [t.requires_grad_() for t in (query, key, value)]
+    if mask_grad:
+        inputs.append(mask.requires_grad_())
+    dout = torch.randn(B, H, L, E, dtype=dtype, device=dev)
+    runs = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            out = scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True,
+                                               strict=True)
+            runs.append(torch.autograd.grad(out, inputs, dout))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert torch.equal(a, b)
+    true, true_g = torch_math_grads(inputs, dout, True, torch.float64, mask)
+    low, low_g = torch_math_grads(inputs, dout, True, dtype, mask)
+    assert_error_rule(out, low, true, 2.0, "out")
+    for n, a, lo, t in zip(["dq", "dk", "dv", "dmask"], runs[0], low_g, true_g):
+        assert_error_rule(a, lo, t, 3.0, n)
+
+
 def test_bias_op_opcheck():
     q = torch.randn(2, 9, 4, 16, requires_grad=True)
     k = torch.randn(2, 13, 2, 16, requires_grad=True)

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cuda/exact_rows.h"
 #include "dropout.h"
 #include "kernels/sm80/flash_bwd_launch.h"
 #include "kernels/sm80/flash_fwd_launch.h"
@@ -531,6 +532,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       const bool bf16 = q.scalar_type() == at::kBFloat16;
+      // Rows whose LSE cannot give their P (a floating bias of huge finite values hiding all of
+      // a row's keys; cuda/exact_rows.h): the main backward reads a copy of the LSE that hides
+      // them, the exact pass below does their part.
+      const bool exact_rows = attn_bias.has_value() && attn_bias->is_floating_point();
+      at::Tensor lse_hidden, exact_flags, exact_any, row_stats;
+      if (exact_rows) {
+        lse_hidden = at::empty_like(lse);
+        exact_flags = at::empty({lse.numel()}, lse.options().dtype(at::kByte));
+        exact_any = at::empty({1}, lse.options().dtype(at::kInt));
+        row_stats = at::empty({3 * lse.numel()}, lse.options());
+        C10_CUDA_CHECK(cudaMemsetAsync(exact_any.data_ptr(), 0, sizeof(int32_t), stream));
+        C10_CUDA_CHECK(exact_rows_flag(p, lse_hidden.data_ptr<float>(),
+                                       exact_flags.data_ptr<uint8_t>(),
+                                       exact_any.data_ptr<int32_t>(), stream));
+        p.softmax_lse = lse_hidden.data_ptr();
+      }
       cudaError_t err;
 #ifdef FLASH_ATTN_EXT_SM90
       if (choice.bwd == BwdKernel::kSm90) {
@@ -576,6 +593,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                    : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
       }
       C10_CUDA_CHECK(err);
+      if (exact_rows) {
+        const uint8_t* flags = exact_flags.data_ptr<uint8_t>();
+        const int32_t* any = exact_any.data_ptr<int32_t>();
+        C10_CUDA_CHECK(bf16 ? exact_rows_backward<__nv_bfloat16>(p, flags, any,
+                                                                 row_stats.data_ptr<float>(), stream)
+                            : exact_rows_backward<__half>(p, flags, any,
+                                                          row_stats.data_ptr<float>(), stream));
+      }
     }
   }
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v),
