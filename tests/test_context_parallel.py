@@ -34,6 +34,7 @@ exact to float64 only with that private option off.
 
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -172,6 +173,7 @@ def _worker(rank, port, result_dir):
     calls = []
     _counting(torch_flash, calls)
     lib = torch_flash.register_kernels("CPU")
+    saved = False
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
         results = {"real_sdpa_error": real_sdpa_error(mesh)}
@@ -179,9 +181,18 @@ def _worker(rank, port, result_dir):
             del calls[:]
             results[name] = dict(grads=run_case(mesh, *case), calls=list(calls))
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks saved: no collective of either is in flight at teardown
+        saved = True
     finally:
         lib._destroy()
         dist.destroy_process_group()
+    if saved:
+        # Without the interpreter's own teardown: once, on a loaded machine, a rank aborted
+        # there ("terminate called without an active exception", from gloo's threads) after
+        # both had saved their results, which failed the whole module.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _free_port() -> int:
