@@ -7,8 +7,10 @@ zeros (read everywhere: sm90_bias_blocks off), then the mask variant with its bl
 with no walk at all) and a (B, 1, L, S) causal mask (against "plain causal").
 
     ncu --profile-from-start off --kernel-name regex:flash_fwd_sm90 \
-        python dev/gpu/ncu_fwd_variants.py
+        python dev/gpu/ncu_fwd_variants.py [--dim 64]
 """
+
+import sys
 
 import torch
 
@@ -18,7 +20,9 @@ from flash_attn_ext import ops
 
 def main() -> None:
     torch.manual_seed(0)
-    b, h, n, d = 4, 16, 4096, 128
+    # `--dim D` (64, 128, 256): the head dim, with H = 2048 / D heads as bench_score_mods.py
+    d = int(sys.argv[sys.argv.index("--dim") + 1]) if "--dim" in sys.argv else 128
+    b, h, n = 4, 2048 // d, 4096
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
     slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")
     zeros = torch.zeros(1, 1, 1, n, device="cuda")

@@ -2,17 +2,18 @@
 synccheck): forward + backward for padded head dims 64/128/256, odd sizes, causal both
 alignments, a window, GQA, a mask with a gradient, softcap and dropout; the plain cases again with
 the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the Hopper kernels'
-general variant, boolean masks on their mask variant, the Hopper backward's deterministic dQ
-order; then flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page
-sizes, left padding, batch indices, appends with rotary, split-KV up to 128 splits, rows whose
-values break a rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and
+general variant, boolean masks on their mask variant, rows a float bias of -1e9 hides (the
+backward's exact pass), the Hopper backward's deterministic dQ order; then
+flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page sizes, left
+padding, batch indices, appends with rotary, split-KV up to 128 splits, rows whose values break
+a rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and
 backward's varlen instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).
 `--decode`: only the decode calls; `--ordered`: only the deterministic Hopper backward's
-calls; `--hdim256`: only the Hopper backward's head dim 256 calls; `--varlen`: only the packed
-sequences.
+calls; `--hidden`: only the exact pass's; `--hdim256`: only the Hopper backward's head dim 256
+calls; `--varlen`: only the packed sequences.
 
     compute-sanitizer --tool memcheck python dev/gpu/sanitize_cases.py [--decode | --ordered |
-        --hdim256 | --varlen]
+        --hdim256 | --varlen | --hidden]
 """
 
 import sys
@@ -170,6 +171,17 @@ def main() -> None:
     deterministic += [False] * len(general)
     runs += [(i, {"sm90_bwd": "on"}, False)
              for i in range(len(cases) - len(general), len(cases))]
+    # Rows a float bias of -1e9 hides entirely (the backward's exact pass around the main
+    # kernels: flagged rows, their dq rows and their dk / dv added in key tiles), with the
+    # bias's gradient (the portable backward) and without (the Hopper general variant), GQA,
+    # dropout, softcap, a window; more than one window of rows and of key tiles.
+    hidden = [(300, 129, 4, 2, 128, 128, False, (-1, -1), True, 0.0, "hidden", 0.1),
+              (70, 300, 2, 1, 64, 40, True, (-1, -1), False, 5.0, "hidden", 0.0),
+              (260, 70, 2, 2, 256, 256, False, (30, 4), True, 0.0, "hidden", 0.0)]
+    cases += hidden
+    deterministic += [False, True, False]
+    runs += [(i, opts, grad) for i in range(len(cases) - len(hidden), len(cases))
+             for opts, grad in (({}, True), ({"sm90_bwd": "on"}, False))]
     # deterministic=True on the Hopper backward (the dQ writer warp and its barriers): a window
     # (descending order), no mask (rotated), the general and the mask variants; at head dim 256
     # the split's order warp (run_split_dq_order), causal (descending) and rotated, and the
@@ -184,6 +196,8 @@ def main() -> None:
     cases += ordered
     deterministic += [True] * len(ordered)
     runs += [(i, {}, False) for i in range(len(cases) - len(ordered), len(cases))]
+    if "--hidden" in sys.argv:  # only the exact pass's calls
+        runs = [r for r in runs if cases[r[0]][10] == "hidden"]
     if "--ordered" in sys.argv:  # only those (synccheck, racecheck: their barriers)
         runs = runs[-len(ordered):]
     if "--hdim256" in sys.argv:  # only the Hopper backward's head dim 256 (its split by role)
@@ -192,7 +206,7 @@ def main() -> None:
     for i, options, bias_grad in runs:
         with flash_attn_ext.kernel_options(**options):
             run_case(cases[i], deterministic[i], dev, dt, bias_grad)
-    only = "--ordered" in sys.argv or "--hdim256" in sys.argv
+    only = any(a in sys.argv for a in ("--ordered", "--hdim256", "--hidden"))
     decode = decode_cases() if not only else 0
     packed = varlen_cases() if not only else 0
     print(f"sanitize_cases: {len(runs)} cases, {decode} decode and {packed} packed-sequence "
@@ -216,6 +230,9 @@ def run_case(case, deterministic, dev, dt, bias_grad=True):
             bias = visible[:, None]
     if has_bias == "bool_random":
         bias = torch.rand(2, H, L, S, device=dev) < 0.6
+    if has_bias == "hidden":  # rows hidden by a huge finite value: the exact pass (exact_rows.h)
+        bias = torch.randn(2, H, L, S, device=dev)
+        bias[:, :, ::7] = -1e9
     out, lse, rng = ops.fwd(q, k, v, None, causal, window[0], window[1], br, softcap, slopes,
                             bias, p)
     grads = ops.bwd_op(torch.randn_like(out), q, k, v, out, lse, rng, None, causal,
