@@ -239,10 +239,12 @@ def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
     low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert_error_rule(out, low_out, true_out, 2.0, "out")
-    # Where PyTorch's own low-precision computation overflows, the rule above bounds nothing:
-    # then out (weights of v in [0, 1]) must still be within its dtype's rounding of the truth,
-    # and each gradient within a few of its dtype's ulps of the largest true one.
+    # Where PyTorch's own low-precision computation overflows, the error rule bounds nothing
+    # (assert_error_rule refuses such a yardstick) and is not applied: then out (weights of v
+    # in [0, 1]) must still be within its dtype's rounding of the truth, and each gradient
+    # within a few of its dtype's ulps of the largest true one (below, in every case).
+    if math.isfinite(max_err(low_out, true_out)):
+        assert_error_rule(out, low_out, true_out, 2.0, "out")
     eps = torch.finfo(dtype).eps
     assert max_err(out, true_out) <= 2 * eps + slack(true_out, dtype)
     rel = (lse.double() - true_lse).abs().max().item() / max(1.0, true_lse.abs().max().item())
@@ -251,7 +253,8 @@ def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads,
                                         cancel):
         assert torch.isfinite(ours).all(), name
-        assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
+        if math.isfinite(max_err(low, true)):
+            assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
         bound = 8 * eps * (true.abs().max().item() + c) + slack(true, dtype)
         assert max_err(ours, true) <= bound, (name, max_err(ours, true), bound)
 

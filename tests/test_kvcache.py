@@ -325,8 +325,11 @@ def test_paged_cache_equals_the_contiguous_one(page):
 @pytest.mark.parametrize("layout", ["plain", "leftpad", "batch_idx", "paged"])
 def test_cuda_call_equals_the_cpu_call(layout):
     # The CUDA call (bf16, the packed-sequence kernels) against the CPU's on the same bf16 values
-    # in float32 (the CPU tests hold that one to a float64 reference): the same in-place appends,
-    # outputs within bf16 rounding.  Causal, interleaved rotary, GQA, head dim 64.
+    # in float32 (the CPU tests hold that one to a float64 reference): outputs within bf16
+    # rounding (the CUDA call's rotated q and new k are rounded to bf16 before attention, the
+    # float32 call's are not, so no tighter), the in-place appends (rotated in float32, each
+    # product rounded as PyTorch rounds it, then rounded to bf16) within half a bf16 ulp of
+    # the float32 call's.  Causal, interleaved rotary, GQA, head dim 64.
     torch.manual_seed(0)
     batch, seqlen_q, new, heads, heads_k, d, page = 3, 2, 3, 4, 2, 64, 16
     pages = 4 * batch + 1 if layout == "paged" else 0
@@ -358,7 +361,8 @@ def test_cuda_call_equals_the_cpu_call(layout):
     assert (out_gpu - out_cpu).abs().max().item() < 3e-2
     assert (lse_gpu - lse_cpu).abs().max().item() < 1e-2
     for c_gpu, c_cpu in zip(cache_gpu, cache_cpu):  # the appends: rotated k rounded to bf16
-        assert (c_gpu - c_cpu).abs().max().item() <= 1e-2 * c_cpu.abs().max().item()
+        half_ulp = c_cpu.abs() * 2.0**-8  # (bf16: 8 significant bits)
+        assert ((c_gpu - c_cpu).abs() <= half_ulp).all()
 
 
 @pytest.mark.parametrize("kw", [dict(cache_seqlens=torch.tensor([3, 7], dtype=torch.int32)),

@@ -684,8 +684,11 @@ def test_hopper_general_bias_strides_and_a_bias_that_needs_its_gradient():
     q32 = q.detach().float().requires_grad_()
     ref, _ = attention_ref(q32, k.float(), v.float(), attn_bias=b32, compute_dtype=torch.float32)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q32, b32))
-    for a, b in zip(grads, ref_grads):
-        assert (a.float() - b).abs().max().item() <= 3e-2 * b.abs().max().item()
+    b_low, q_low = bias.detach().requires_grad_(), q.detach().requires_grad_()
+    low, _ = attention_ref(q_low, k, v, attn_bias=b_low, compute_dtype=q.dtype)
+    low_grads = torch.autograd.grad(low.float().square().sum(), (q_low, b_low))
+    for name, a, lo, t in zip(("dq", "dbias"), grads, low_grads, ref_grads):
+        assert_error_rule(a, lo, t.double(), 3.0, name)
 
 
 @pytest.mark.parametrize("what", ["padding", "causal_padding", "window_padding", "bias"])
@@ -882,8 +885,9 @@ def test_long_sequence_and_many_heads():
     out = flash_attn_func(q, k, v, causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True).transpose(1, 2)
-    assert torch.isfinite(out).all()
-    assert (out.float() - ref).abs().max().item() < 2e-2
+    low = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+    assert_error_rule(out, low, ref.double(), 2.0, "out")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
