@@ -21,7 +21,9 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from reference import assert_error_rule, attention_ref, cancellation_scale
 import flash_attn_ext
+from flash_attn_ext import _C
 
+_C.set_debug_poison(True)  # outputs start as NaN, as in the test process (conftest.py)
 torch.manual_seed(0)
 cases = [  # (B, H, H_kv, L, S, D, Dv, flash_attn_func flags)
     (1, 2, 2, 1, 17, 40, 40, {}),
