@@ -40,18 +40,20 @@ def merge(parts):
 def chunked_attention(q, k, v, chunks, causal, prefix=False):
     """Attention of q over k, v with the sequence split into `chunks` equal chunks: per query
     chunk, one call per key chunk it sees (merged), or with prefix=True one call over the key
-    prefix up to and including its chunk (causal bottom-right, L != S)."""
+    prefix up to and including its chunk (causal bottom-right, L != S).  Returns out and the
+    merged softmax_lse (B, H, L)."""
     qs, ks, vs = (t.chunk(chunks, dim=1) for t in (q, k, v))
-    outs = []
+    outs, lses = [], []
     for i, qi in enumerate(qs):
         if prefix and causal:
             kp, vp = torch.cat(ks[: i + 1], 1), torch.cat(vs[: i + 1], 1)
-            outs.append(partial_attention(qi, kp, vp, True)[0])
-            continue
-        parts = [partial_attention(qi, ks[j], vs[j], causal and j == i)
-                 for j in range(chunks) if not (causal and j > i)]
-        outs.append(merge(parts)[0])
-    return torch.cat(outs, 1)
+            out, lse = partial_attention(qi, kp, vp, True)
+        else:
+            out, lse = merge([partial_attention(qi, ks[j], vs[j], causal and j == i)
+                              for j in range(chunks) if not (causal and j > i)])
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 1), torch.cat(lses, 2)
 
 
 def make(seqlen=96, dtype=torch.float64, seed=0):
@@ -69,13 +71,14 @@ def test_sharded_attention_merges_to_the_whole(causal, prefix, dtype):
     q, k, v = make(dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = chunked_attention(*leaves, chunks=4, causal=causal, prefix=prefix)
-    ref = flash_attn_func(*ref_leaves, causal=causal)
+    out, lse = chunked_attention(*leaves, chunks=4, causal=causal, prefix=prefix)
+    ref, ref_lse = flash_attn_func(*ref_leaves, causal=causal, return_softmax_lse=True)
     dout = torch.randn_like(ref)
     (out * dout).sum().backward()
     (ref * dout).sum().backward()
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse.to(lse.dtype), atol=tol, rtol=tol)
     for a, b in zip(leaves, ref_leaves):
         torch.testing.assert_close(a.grad, b.grad, atol=10 * tol, rtol=10 * tol)
 
