@@ -24,6 +24,8 @@ How to run it
     python examples/train_gpt.py                      # 100 steps, CPU fp32 (~30 s on 2 idle cores)
     python examples/train_gpt.py --steps 5 --compile  # both models under torch.compile
     python examples/train_gpt.py --dtype bf16         # bfloat16 weights and activations
+    python examples/train_gpt.py --dtype fp16         # mixed precision: fp32 weights, fp16
+                                                      # compute (autocast), a GradScaler
     python examples/train_gpt.py --sample 300         # then generate 300 characters
 
     (From a source checkout without installing: ``PYTHONPATH=. python examples/train_gpt.py``.)
@@ -36,6 +38,11 @@ What it checks
     both models.  On CPU in fp32/fp64 the run fails (exit status 1) when the two training loss
     curves ever differ by more than ``--tolerance`` (default 1e-4).  On CUDA or in bf16/fp16
     the difference is reported but not enforced: the kernels and the rounding differ there.
+    In every dtype the run fails when a training loss is NaN or infinite.
+
+    fp16 runs as fp16 training is done: fp32 weights and optimizer state, the forward under
+    ``torch.autocast`` in fp16, the loss scaled by a ``torch.amp.GradScaler`` (AdamW's eps of
+    1e-8 is 0 in fp16, so all-fp16 AdamW divides 0 by 0 wherever a gradient vanishes).
 
     Exact attention kernels still round differently from the math backend (about 1e-6 in fp32),
     so the curves match only while training is stable: with a learning rate high enough to make
@@ -245,6 +252,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, attention: Attention) -> None:
         super().__init__()
         self.config = config
+        self.autocast_dtype: torch.dtype | None = None  # fp16 mixed precision: float16
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config, attention) for _ in range(config.n_layer))
@@ -270,11 +278,13 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, L) token ids -> (B, L, vocab_size) logits."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        with torch.autocast(idx.device.type, dtype=self.autocast_dtype or torch.float16,
+                            enabled=self.autocast_dtype is not None):
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            x = self.tok_emb(idx) + self.pos_emb(positions)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -389,14 +399,21 @@ def synchronize(device: torch.device) -> None:
 
 
 def train_step(model: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
-               x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """One forward, backward and AdamW step; returns (loss, seconds it took)."""
+               x: torch.Tensor, y: torch.Tensor, device: torch.device,
+               scaler: torch.amp.GradScaler | None = None) -> tuple[float, float]:
+    """One forward, backward and AdamW step (through ``scaler`` for fp16); returns (loss,
+    seconds it took)."""
     synchronize(device)
     start = time.perf_counter()
     loss = lm_loss(model(x), y)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     synchronize(device)
     return loss.item(), time.perf_counter() - start
 
@@ -407,6 +424,7 @@ class RunStats:
 
     max_diff: float = 0.0  # largest |loss ours - loss ref| over the run
     max_diff_step: int = 0
+    nonfinite_step: int = 0  # the first step whose loss (either model's) was NaN or infinite
     seconds_ours: float = 0.0  # fwd+bwd+step time after step 1 (warm-up, compilation)
     seconds_ref: float = 0.0
     plan: flash_attn_ext.Plan | None = None  # the kernels that served our attention
@@ -433,14 +451,19 @@ def prepare_data(args: argparse.Namespace) -> tuple[CharTokenizer, torch.Tensor,
 
 def build_models(args: argparse.Namespace, vocab_size: int, device: torch.device,
                  dtype: torch.dtype) -> tuple[GPT, GPT]:
-    """Builds our model and the reference: one set of initial weights, two attentions."""
+    """Builds our model and the reference: one set of initial weights, two attentions (fp16:
+    fp32 weights, the forward under autocast)."""
     torch.manual_seed(args.seed)
     config = GPTConfig(vocab_size, args.seq_len, args.n_layer, args.n_head, args.d_model)
     ours = GPT(config, flash_attn_ext.scaled_dot_product_attention)
     ref = copy.deepcopy(ours)
     ref.set_attention(math_sdpa)
-    ours.to(device=device, dtype=dtype)
-    ref.to(device=device, dtype=dtype)
+    for model in (ours, ref):
+        if dtype == torch.float16:
+            model.to(device=device)
+            model.autocast_dtype = torch.float16
+        else:
+            model.to(device=device, dtype=dtype)
     check_identical(ours, ref)
     n_params = sum(p.numel() for p in ours.parameters())
     print(f"model:  {args.n_layer} layers, {args.n_head} heads, d_model {args.d_model}, "
@@ -456,6 +479,9 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
     (``plan``: explain()'s plan for our attention, shown where calls are not recorded)."""
     opt_ours = make_optimizer(ours, args.lr, args.weight_decay)
     opt_ref = make_optimizer(ref, args.lr, args.weight_decay)
+    amp = ours.autocast_dtype is not None
+    scaler_ours = torch.amp.GradScaler(device.type) if amp else None
+    scaler_ref = torch.amp.GradScaler(device.type) if amp else None
     fwd_ours: Callable[[torch.Tensor], torch.Tensor] = ours
     fwd_ref: Callable[[torch.Tensor], torch.Tensor] = ref
     if args.compile:
@@ -474,10 +500,12 @@ def train_lockstep(args: argparse.Namespace, ours: GPT, ref: GPT, train_data: to
                     mininterval=0.1, disable=not sys.stderr.isatty())
     for step in progress:
         x, y = next(train_batches)  # the same batch for both models
-        loss_ours, seconds_ours = train_step(fwd_ours, opt_ours, x, y, device)
+        loss_ours, seconds_ours = train_step(fwd_ours, opt_ours, x, y, device, scaler_ours)
         # Eager calls are recorded; compiled ones are not (the plan explain() gave stays).
         stats.plan = flash_attn_ext.last_plan() or stats.plan
-        loss_ref, seconds_ref = train_step(fwd_ref, opt_ref, x, y, device)
+        loss_ref, seconds_ref = train_step(fwd_ref, opt_ref, x, y, device, scaler_ref)
+        if not stats.nonfinite_step and not math.isfinite(loss_ours + loss_ref):
+            stats.nonfinite_step = step
 
         if step > 1:
             stats.seconds_ours += seconds_ours
@@ -536,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, train_data, val_data = prepare_data(args)
     ours, ref = build_models(args, tokenizer.vocab_size, device, dtype)
     note = ""
-    if device.type == "cuda" and dtype_name in ("bf16", "fp16"):
+    if dtype_name == "fp16":
+        note = " (mixed precision: fp32 weights and optimizer state, fp16 autocast, GradScaler)"
+    elif device.type == "cuda" and dtype_name == "bf16":
         note = (" (both models are cast to this dtype: weights, activations and optimizer "
                 "state)")
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
@@ -557,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
                       args.seed)
         print(f"\nsample from our model (temperature {args.temperature}):\n{text}")
 
+    if stats.nonfinite_step:
+        print(f"\nFAIL: a training loss was NaN or infinite at step {stats.nonfinite_step}")
+        return 1
     if not enforced:
         print(f"\nnot enforced on {device.type}/{dtype_name} (the tolerance applies on CPU in "
               f"fp32/fp64): max |loss difference| {stats.max_diff:.2e}")

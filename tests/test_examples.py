@@ -36,3 +36,21 @@ def test_train_gpt_help_shows_each_default_once():
                             ("--weight-decay WEIGHT_DECAY", 0.1), ("--seed SEED", 0)):
         after = text.split(option, 2)[2]  # (the option's help, after the usage line)
         assert after.split(" --", 1)[0].endswith(f"(default: {default})"), option
+
+
+def test_train_gpt_fp16_trains_with_finite_losses():
+    """--dtype fp16 trained to NaN from its second step (all-fp16 AdamW: eps 1e-8 is 0 in fp16,
+    a vanishing gradient gives 0 / 0) and still exited 0; now mixed precision (fp32 weights,
+    fp16 autocast, a GradScaler), and a NaN or infinite loss fails the run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "8",
+         "--log-every", "1", "--n-layer", "1", "--d-model", "32", "--batch-size", "2",
+         "--seq-len", "32", "--eval-batches", "1", "--device", "cpu", "--dtype", "fp16"],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "cpu_flash_fwd_fp16" in r.stdout
+    steps = [line.split() for line in r.stdout.splitlines()
+             if line.split()[:1] and line.split()[0].isdigit()]
+    assert len(steps) == 8 and all(float(s[1]) < 10 and float(s[2]) < 10 for s in steps), steps
+    assert "nan" not in r.stdout.lower()
