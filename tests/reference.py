@@ -140,6 +140,7 @@ def cancellation_scale(q, k, v, dout, **kw):
     last, max |score|: P is recomputed as exp(score - lse) from a float32 lse, so its relative
     error is ~eps32 * |score|.
     """
+    dbias_shape = kw.pop("_dbias_shape", None)  # (dbias_cancellation)
     with torch.no_grad():
         qd, kd, vd, dod = (t.detach().double() for t in (q, k, v, dout))
         group = qd.shape[2] // kd.shape[2]
@@ -167,6 +168,8 @@ def cancellation_scale(q, k, v, dout, **kw):
         if q.dtype in (torch.float16, torch.bfloat16):
             ratio = torch.finfo(q.dtype).eps / torch.finfo(torch.float32).eps
         a = probs * (dp_abs + ratio * delta_abs)
+        if dbias_shape is not None:
+            return a.sum_to_size(dbias_shape).max().item() if a.numel() else 0.0
         cdq = scale * torch.einsum("bhls,bshd->blhd", a, kk.abs())
         cdk = scale * torch.einsum("bhls,blhd->bshd", a, qd.abs())
         cdv = torch.einsum("bhls,blhd->bshd", probs, dod.abs())
@@ -177,6 +180,13 @@ def cancellation_scale(q, k, v, dout, **kw):
         finite = scores.masked_fill(~visible | ~torch.isfinite(scores), 0.0)
         score_mag = finite.abs().max().item() if finite.numel() else 0.0
         return tuple(t.max().item() if t.numel() else 0.0 for t in (cdq, cdk, cdv)) + (score_mag,)
+
+
+def dbias_cancellation(q, k, v, dout, bias_shape, **kw) -> float:
+    """cancellation_scale's term for the gradient of an additive bias of ``bias_shape``: dS =
+    P (dP - delta) summed over the dimensions the bias broadcasts, its cancelling terms'
+    magnitude sum P (|dO| |V| + |delta|) likewise."""
+    return cancellation_scale(q, k, v, dout, _dbias_shape=tuple(bias_shape), **kw)
 
 
 def assert_error_rule(ours, low, true, factor: float, what: str, cancellation: float = 0.0,
