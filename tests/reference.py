@@ -109,6 +109,13 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
+def finite_abs_max(t: torch.Tensor) -> float:
+    """Largest |t| over its finite elements (0 where there are none): the size of a reference
+    that may hold -inf (an LSE) or nothing at all."""
+    finite = t[torch.isfinite(t)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
 # Absolute slack of the error rule per dtype: a few ulps at magnitude 1.
 SLACK = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -120,8 +127,7 @@ def slack(true: torch.Tensor, dtype: torch.dtype) -> float:
     in bf16 was ~9x PyTorch's whole error for outputs of 0.35 at L = 1023, and let an output
     that dropped each row's last key pass), plus float32's SLACK for what the kernels' float32
     accumulators leave where the truth is ~0 (a gradient whose terms cancel)."""
-    finite = true[torch.isfinite(true)]
-    scale = finite.abs().max().item() if finite.numel() else 0.0
+    scale = finite_abs_max(true)
     if dtype in (torch.float16, torch.bfloat16):
         return SLACK[dtype] * min(1.0, scale) + SLACK[torch.float32] + \
             torch.finfo(dtype).eps * scale
@@ -202,8 +208,7 @@ def assert_error_rule(ours, low, true, factor: float, what: str, cancellation: f
         f"{what}: PyTorch's {low.dtype} result is NaN or infinite where the float64 one is not: "
         "the rule bounds nothing there; give this case a bound of its own")
     acc_eps = torch.finfo(torch.float64 if ours.dtype == torch.float64 else torch.float32).eps
-    finite = true[torch.isfinite(true)]
-    magnitude = finite.abs().max().item() if finite.numel() else 0.0
+    magnitude = finite_abs_max(true)
     s = slack(true, ours.dtype) + 4 * acc_eps * (cancellation + score_scale * magnitude)
     bound = factor * low_err + s
     assert ours_err <= bound, (f"{what}: error {ours_err:.3e} > {factor} x PyTorch's "
