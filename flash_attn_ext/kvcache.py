@@ -5,7 +5,7 @@ embedding, and q attends to each batch entry's cached keys.
 
 On CUDA (fp16/bf16, one head_dim that is a multiple of 8 up to 256, caches readable in place,
 softmax_scale > 0, no gradient wanted, and above head dim 64 a GPU with ~140 KB of shared
-memory per block: _decode_kernel_serves) the call runs on the decode kernels (csrc/kernels/sm80/
+memory per block: _decode_refusal) the call runs on the decode kernels (csrc/kernels/sm80/
 flash_decode_kernel.cuh): split-KV with an LSE-combining kernel, the query heads of a GQA group
 packed into one tile, the cache read in place (contiguous entries, ``cache_batch_idx``, or pages
 of any size through ``block_table``), the append and the new keys' rotary embedding in one
@@ -25,6 +25,7 @@ import torch
 
 from . import ops, policy
 from ._call import (
+    as_number,
     check_alibi,
     check_bool,
     check_devices,
@@ -33,8 +34,8 @@ from ._call import (
     check_softcap,
     check_tensors,
 )
-from .planning import MAX_HEAD_DIM
-from .varlen import fwd_varlen_op
+from .planning import MAX_HEAD_DIM, Plan, score_mods
+from .varlen import fwd_varlen_op, record_plan
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -164,35 +165,62 @@ def _in_place(t: torch.Tensor) -> bool:
 _LARGE_SMEM_CAPABILITIES = {(8, 0), (8, 7), (9, 0), (10, 0), (10, 3)}
 
 
-def _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
-                          rotary_cos) -> bool:
-    """Whether the CUDA decode kernels (split-KV, no host synchronisation) take the call: fp16
-    / bf16 on a GPU of compute capability 8.0 or newer (above head dim 64, one whose shared
-    memory holds them), one head_dim (a multiple of 8, at most 256) for q, k and v, caches
-    readable in place, a positive softmax_scale, float32 alibi_slopes on q's device, a
-    non-empty rotary table, and no gradient wanted (the decode kernels have no backward).  The
-    other calls run on the packed-sequence kernels (varlen), whose checks name what is wrong."""
-    if q.device.type != "cuda" or q.dtype not in _DECODE_DTYPES or \
-            k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return False
+def _decode_refusal(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
+                    rotary_cos) -> Optional[str]:
+    """Why the CUDA decode kernels (split-KV, no host synchronisation) do not take the call,
+    or None where they do: fp16 / bf16 on a GPU of compute capability 8.0 or newer (above
+    head dim 64, one whose shared memory holds them), one head_dim (a multiple of 8, at most
+    256) for q, k and v, caches readable in place, a positive softmax_scale, float32
+    alibi_slopes on q's device, a non-empty rotary table, and no gradient wanted (the decode
+    kernels have no backward).  The other calls run on the packed-sequence kernels (varlen),
+    whose checks name what is wrong; the reason goes into the call's plan (last_plan)."""
+    if q.device.type != "cuda":
+        return "the decode kernels are CUDA kernels"
+    if q.dtype not in _DECODE_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return (f"q.dtype={q.dtype}, k_cache.dtype={k_cache.dtype}, v_cache.dtype="
+                f"{v_cache.dtype}: they take float16 or bfloat16, the caches in q's dtype")
     head_dim = q.shape[3]
     if k_cache.shape[3] != head_dim or v_cache.shape[3] != head_dim or head_dim % 8 or \
-            head_dim > 256 or not (_in_place(k_cache) and _in_place(v_cache)):
-        return False
+            head_dim > 256:
+        return (f"head dims {head_dim} (q), {k_cache.shape[3]} (k_cache), {v_cache.shape[3]} "
+                f"(v_cache): they take one head dim, a multiple of 8 up to 256")
+    if not (_in_place(k_cache) and _in_place(v_cache)):
+        return ("k_cache or v_cache cannot be read in place (they need a contiguous last "
+                "dimension and strides and a start of whole 16-byte chunks)")
     capability = torch.cuda.get_device_capability(q.device)
     if capability[0] < 8 or (head_dim > 64 and capability not in _LARGE_SMEM_CAPABILITIES):
-        return False
+        return (f"compute capability {capability[0]}.{capability[1]} at head dim {head_dim} "
+                f"(they need 8.0 or newer, and above head dim 64 ~140 KB of shared memory "
+                f"per block)")
     if softmax_scale is not None and not softmax_scale > 0:
-        return False  # (the kernel's running maximum is on q.k, which a scale <= 0 reverses)
+        # (the kernel's running maximum is on q.k, which a scale <= 0 reverses)
+        return f"softmax_scale={softmax_scale}: they take a positive scale"
     if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or
                                      alibi_slopes.device != q.device):
-        return False
+        return (f"alibi_slopes of dtype {alibi_slopes.dtype} on {alibi_slopes.device}: they "
+                f"take float32 slopes on q's device")
     if rotary_cos is not None and rotary_cos.shape[0] == 0:
-        return False
+        return "an empty rotary table"
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
-        return False
-    return True
+        return "a gradient is wanted (they have no backward)"
+    return None
+
+
+def _record_decode_plan(q, strict) -> None:
+    """Records the decode route's plan (``flash_attn_ext.last_plan()``): the decode kernel's
+    instantiation (csrc/kernels/sm80/flash_decode_launch.h: head dims padded to 64, 128 or
+    256), which has no backward (the route takes no call that wants a gradient)."""
+    if torch.compiler.is_compiling():
+        return  # (as the other calls: recorded by eager calls only)
+    head_dim = q.shape[3]
+    padded = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    policy.record(Plan(f"sm80_decode_hdim{padded}_{dtype}", "none", True,
+                       backward_fused=False,
+                       backward_reasons=("the decode kernels have no backward: a call that "
+                                         "wants a gradient runs on the packed-sequence "
+                                         "kernels",)), strict)
 
 
 def _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -270,8 +298,9 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None: q and the new k get the
             rotary embedding on their first rotary_dim channels at positions cache_seqlens[b] +
             i (causal or windowed calls; else every query at cache_seqlens[b]), as
-            FlashAttention-2. rotary_interleaved: pairs (2i, 2i + 1) (GPT-J) or halves
-            (GPT-NeoX).
+            FlashAttention-2; floating tables (integer ones raise ValueError). Without k and v
+            q alone is rotated (FlashAttention-2 refuses such a call). rotary_interleaved:
+            pairs (2i, 2i + 1) (GPT-J) or halves (GPT-NeoX).
         cache_seqlens: int or (batch,) int32: each entry's cached length before the append
             (default: seqlen_cache, a full cache).
         cache_batch_idx: (batch,) integer or None: the cache entry of each batch element
@@ -286,7 +315,7 @@ def flash_attn_with_kvcache(
             seqlen_new) must hold page indices; the others may hold anything (e.g. -1), as
             in FlashAttention-2.
         num_splits: split-KV on the CUDA decode kernels: the keys of each (batch row, KV
-            head) split over this many CTAs (at most 128: larger values run as 128), 0 = a
+            head) split over this many CTAs (at most 256: larger values run as 256), 0 = a
             heuristic that fills the GPU (ignored on the other routes).
         return_softmax_lse: also return softmax_lse (batch, num_heads, seqlen_q).
         strict: (keyword only) raise :class:`flash_attn_ext.FallbackError` instead of falling
@@ -399,6 +428,10 @@ def flash_attn_with_kvcache(
                 f"/ 2) with rotary_dim <= head_dim = {head_dim}, got "
                 f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
                 f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
+        if not (rotary_cos.is_floating_point() and rotary_sin.is_floating_point()):
+            # (an integer table would be a table of 0s and 1s, silently)
+            raise ValueError(f"rotary_cos and rotary_sin must be floating tensors, got "
+                             f"{rotary_cos.dtype} and {rotary_sin.dtype}")
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with block_table (paged KV)")
@@ -425,12 +458,15 @@ def flash_attn_with_kvcache(
     if softmax_scale is not None and not abs(softmax_scale) <= _FLOAT32_MAX:
         raise ValueError(f"softmax_scale must be finite and representable in float32, got "
                          f"{softmax_scale}")
+    num_splits = as_number(num_splits, "num_splits")  # (a NumPy int or 0-d tensor, as others)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     local = causal or window_size[0] >= 0 or window_size[1] >= 0
     seqlen_cache = page * (block_table.shape[1] if block_table is not None else 1)
-    if _decode_kernel_serves(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
-                             rotary_cos):
+    refusal = _decode_refusal(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
+                              rotary_cos)
+    if refusal is None:
+        _record_decode_plan(q, strict)
         return _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -538,10 +574,17 @@ def flash_attn_with_kvcache(
     cu_k = torch.cat([rows[:-1] + leftpad, rows[-1:]])
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q
     longest_k = seqlen_cache + (int(leftpad.max()) if batch > 0 else 0)  # (cu_k's widest gap)
+    q_packed = q.reshape(batch * seqlen_q, heads, q.shape[-1])
+    kc = kc.reshape(batch * seqlen_cache, *kc.shape[2:])
+    vc = vc.reshape(batch * seqlen_cache, *vc.shape[2:])
+    if not torch.compiler.is_compiling():
+        record_plan(q_packed, kc, vc, softmax_scale, local,
+                    score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
+                    note=None if q.device.type == "cpu" else
+                    f"not on the decode kernels: {refusal}; the packed-sequence kernels "
+                    f"serve it (the values are checked on the host, which waits for the GPU)")
     out, lse, _ = fwd_varlen_op(
-        q.reshape(batch * seqlen_q, heads, q.shape[-1]),
-        kc.reshape(batch * seqlen_cache, *kc.shape[2:]),
-        vc.reshape(batch * seqlen_cache, *vc.shape[2:]), cu_q, cu_k, seqlen_q, longest_k,
+        q_packed, kc, vc, cu_q, cu_k, seqlen_q, longest_k,
         softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
         alibi_slopes, 0.0, seqlens + new - leftpad)
     out = out.reshape(batch, seqlen_q, heads, out.shape[-1])

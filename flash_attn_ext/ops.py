@@ -28,6 +28,31 @@ except ImportError as e:  # e.g. `import flash_attn_ext` from an unbuilt source 
 fwd_op = torch.ops.flash_attn_ext.fwd.default
 bwd_op = torch.ops.flash_attn_ext.bwd.default
 
+
+
+def _keep_random_calls_apart() -> None:
+    """Stop AOTAutograd's common-subexpression pass from merging two fwd (or fwd_varlen) calls
+    with identical arguments.  The pass spares only the aten random ops it lists (``rand_ops`` in
+    ``torch._functorch.compile_utils``), not ops tagged ``nondeterministic_seeded`` as fwd is
+    (its dropout mask comes from PyTorch's generator), so two dropout calls on the same inputs
+    in one compiled training graph got one mask, and the second call's generator draw was
+    lost (compiled differed from eager).  Listing the seeded ops there is what the pass does
+    for ``aten.dropout``.  A PyTorch without that list (a private module) keeps the old behaviour;
+    ``tests/test_dropout.py`` fails if this stops working."""
+    try:
+        from torch._functorch import compile_utils
+    except ImportError:
+        return
+    rand_ops = getattr(compile_utils, "rand_ops", None)
+    if not isinstance(rand_ops, list):
+        return
+    for packet in (torch.ops.flash_attn_ext.fwd, torch.ops.flash_attn_ext.fwd_varlen):
+        if packet not in rand_ops:
+            rand_ops.append(packet)
+
+
+_keep_random_calls_apart()
+
 # Read once: a constant for the dispatcher, so torch.compile never traces into the pybind call.
 _BUILD_INFO = dict(_C.build_info())
 

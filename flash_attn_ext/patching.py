@@ -4,7 +4,8 @@ Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call tim
 ``torch.nn.MultiheadAttention``'s fast path and most model code do) then run on flash_attn_ext.
 Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors, key or
 value broadcast against query: a batch or head count of 1 or fewer dimensions, which PyTorch's
-function broadcasts) go to PyTorch's own function, reported like every fallback (warning once,
+function broadcasts; inside torch.func's gradient transforms or forward-mode AD, which the
+drop-in refuses) go to PyTorch's own function, reported like every fallback (warning once,
 counted, an error in strict mode).
 Code that imported the function by name before patching keeps the original, and modules that
 never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
@@ -22,8 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from . import policy
+from ._call import check_transforms
+from .planning import unfused
 from .sdpa import scaled_dot_product_attention
 from .unfused import TORCH_SDPA as _ORIGINAL
+
+_ORIGINAL_NAME = "fallback:the original torch.nn.functional.scaled_dot_product_attention"
 
 
 def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -39,14 +44,28 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         reason = ("key or value broadcast against query (a batch or head count of 1, or fewer "
                   "dimensions): flash_attn_ext takes them expanded to query's batch and head "
                   "counts")
+    else:
+        reason = _refused_transform(query, key, value, attn_mask, dropout_p)
     if reason is not None:
-        policy.note_fallback(reason, "the original torch.nn.functional."
-                               "scaled_dot_product_attention")
+        # (recorded as a plan too: last_plan() named the previous call's kernels after it)
+        policy.record(unfused(_ORIGINAL_NAME, (reason,)), None)
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)
     return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                         enable_gqa=enable_gqa)
+
+
+def _refused_transform(query, key, value, attn_mask, dropout_p) -> Optional[str]:
+    """The drop-in's refusal of the active torch.func transform or forward-mode AD level
+    (_call.check_transforms: gradient transforms, jvp, dropout under vmap(randomness='same')),
+    or None; PyTorch's function takes such calls."""
+    tensors = [t for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor)]
+    try:
+        check_transforms(*tensors, dropout_p=dropout_p if isinstance(dropout_p, float) else 0.0)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 def _broadcasts(query, key, value, enable_gqa) -> bool:
@@ -87,14 +106,24 @@ _lock = threading.Lock()  # patch handles made and undone from several threads
 
 class _Patch(contextlib.AbstractContextManager):
     """One patch: the function stays ours while any handle is live, whatever order they are
-    undone in; the last undo restores what was there before the first."""
+    undone in; the last undo restores what was there before the first.  Entering a handle
+    (``with``) makes it live again if it was undone, so a handle can be reused."""
 
     def __init__(self) -> None:
+        self._apply()
+
+    def _apply(self) -> None:
         with _lock:
+            if self in _active:
+                return
             if not _active:
                 _Patch._before = F.scaled_dot_product_attention
             _active.append(self)
             F.scaled_dot_product_attention = _patched
+
+    def __enter__(self) -> _Patch:
+        self._apply()
+        return self
 
     def undo(self) -> None:
         """Ends this handle (idempotent); the last live handle restores the original."""

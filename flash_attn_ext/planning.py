@@ -171,7 +171,8 @@ def score_mods(softcap: float, dropout_p: float, attn_bias: Optional[torch.Tenso
 @functools.lru_cache(maxsize=4096)
 def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[float],
                head_dim: int, head_dim_v: int, layout: Optional[tuple], mods: int,
-               unequal_tiles: bool, deterministic: bool, options: tuple) -> Plan:
+               unequal_tiles: bool, deterministic: bool, options: tuple,
+               packed: bool = False) -> Plan:
     """The rule's answer as a Plan (cached: it depends on nothing but these values;
     ``options`` stands for the process's kernel options, which the rule reads)."""
     del options
@@ -179,7 +180,7 @@ def _cuda_plan(build: tuple, device: tuple, dtype: str, softmax_scale: Optional[
     fused, reasons, forward, backward, notes = ops._C.select_cuda_kernels(
         {"cuda": cuda, "sm90": sm90, "cuda_archs": archs}, device, dtype, softmax_scale,
         head_dim, head_dim_v, None if layout is None else list(layout), mods,
-        unequal_tiles, deterministic)
+        unequal_tiles, deterministic, packed)
     if not fused:
         return unfused(FALLBACK, tuple(reasons))
     return Plan(forward, backward, True, notes=tuple(notes))
@@ -208,22 +209,36 @@ def _pinned(size) -> int:
     return lo
 
 
-def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """Sizes then strides of q, k and v, as the rule takes them."""
-    return (*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride())
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> tuple:
+    """Sizes then strides of q, k and v, as the rule takes them.  ``packed``: q, k, v of a
+    varlen call, (total, heads, head_dim), described as the varlen ops describe them to the
+    rule (csrc/varlen_checks.h): (1, total, heads, head_dim), a tensor whose last dimension is
+    not contiguous as its contiguous copy."""
+    if not packed:
+        return (*q.shape, *q.stride(), *k.shape, *k.stride(), *v.shape, *v.stride())
+    out = ()
+    for t in (q, k, v):
+        total, heads, dim = t.shape
+        strides = tuple(t.stride())
+        if not (strides[2] == 1 or dim <= 1):
+            strides = (heads * dim, dim, 1)  # (the op's contiguous copy)
+        out += (1, total, heads, dim, total * strides[0], *strides)  # (as unsqueeze(0))
+    return out
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          softmax_scale: Optional[float] = None, mods: int = 0,
          run_dtype: Optional[torch.dtype] = None, unequal_tiles: bool = False,
-         deterministic: bool = False) -> Plan:
+         deterministic: bool = False, packed: bool = False) -> Plan:
     """Plans a call on q/k/v in (batch, seqlen, num_heads, head_dim) layout.
 
     ``mods``: what the call adds to plain attention (score_mods: softcap, an attn_mask/
     attn_bias, dropout, the bias's gradient, ALiBi); ``run_dtype``: the
     dtype the call runs in when it differs from q's (torch.autocast); ``unequal_tiles``: a causal
     mask or a window (the Hopper forward's schedule); ``deterministic``: the call asks for
-    bitwise-reproducible gradients (torch.use_deterministic_algorithms(True) counts too).
+    bitwise-reproducible gradients (torch.use_deterministic_algorithms(True) counts too);
+    ``packed``: a varlen call, q, k, v of shape (total, heads, head_dim) (the rule's
+    packed-sequence kernels).
     """
     q_dtype = run_dtype or q.dtype
     dtype = _DTYPE_NAMES.get(q_dtype)
@@ -236,15 +251,16 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   f"take head dims 1 to {MAX_HEAD_DIM}",))
     device = q.device.type
     if device == "cpu":
-        return _CPU_PLANS[dtype]
+        return _CPU_PLANS[dtype, bool(packed)]
     if device != "cuda":
         return unfused(FALLBACK, (f"device type {device!r} has no flash_attn_ext kernel",))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _plan_cuda(q, k, v, index, dtype, softmax_scale, mods, unequal_tiles, deterministic)
+    return _plan_cuda(q, k, v, index, dtype, softmax_scale, mods, unequal_tiles, deterministic,
+                      packed)
 
 
 def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, mods, unequal_tiles,
-               deterministic) -> Plan:
+               deterministic, packed: bool = False) -> Plan:
     """plan() of a call on CUDA device ``index`` (the path torch.compile traces for CUDA
     calls: tests/test_planning.py traces it on the CPU with the GPU's answers stood in)."""
     info = ops.build_info()
@@ -258,16 +274,18 @@ def _plan_cuda(q, k, v, index: int, dtype: str, softmax_scale, mods, unequal_til
     args = (build, gpu, dtype, softmax_scale, _pinned(q.shape[-1]), _pinned(v.shape[-1]),
             # (traced: no sizes, so that the graph neither guards on them nor recompiles for
             # each; the op applies the whole rule with the real sizes when it runs)
-            None if compiling else _layout(q, k, v), int(mods), bool(unequal_tiles),
+            None if compiling else _layout(q, k, v, packed), int(mods), bool(unequal_tiles),
             bool(deterministic) or (not compiling and torch.are_deterministic_algorithms_enabled()),
-            _options_key)
+            _options_key, bool(packed))
     return _cuda_plan_traced(*args) if compiling else _cuda_plan(*args)
 
 
 # The CPU kernels' plan per dtype, built once (a plain dict, not functools.cache: Dynamo warns
 # about every cache wrapper it traces through and ignores it anyway).
-_CPU_PLANS = {dtype: Plan(f"cpu_flash_fwd_{dtype}", f"cpu_flash_bwd_{dtype}", True)
-              for dtype in _DTYPE_NAMES.values()}
+_CPU_PLANS = {(dtype, packed): Plan(f"cpu_flash_fwd_{dtype}{suffix}",
+                                     f"cpu_flash_bwd_{dtype}{suffix}", True)
+              for dtype in _DTYPE_NAMES.values()
+              for packed, suffix in ((False, ""), (True, "_varlen"))}
 
 
 _read_kernel_env()

@@ -111,7 +111,8 @@ def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
         # the write to a module global, and fullgraph=True would fail.
         _last_plan = p
     if not p.fused:
-        note_fallback("; ".join(p.reasons), FALLBACK, strict)
+        note_fallback("; ".join(p.reasons),
+                      p.kernel if p.kernel.startswith("fallback:") else FALLBACK, strict)
     elif needs_grad and not p.backward_fused and strict_enabled(strict) \
             and not torch.compiler.is_compiling():
         note_fallback("backward: " + "; ".join(p.backward_reasons), p.backward_kernel, strict)

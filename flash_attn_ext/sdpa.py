@@ -198,15 +198,21 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask must be on query's device {query.device}, got "
                          f"{attn_mask.device}")
+    # Under torch.autocast PyTorch casts a float mask to the autocast dtype with q, k and v
+    # (float64 stays); a float32 mask is kept as it is here, the more precise bias.
+    mask_cast = autocast_dtype(attn_mask) if attn_mask.is_floating_point() else None
+    if mask_cast is not None and attn_mask.dtype != torch.float32:
+        attn_mask = attn_mask.to(mask_cast)
     if key is not None:
         if attn_mask.dim() < 2:
             raise ValueError(f"attn_mask must have at least 2 dimensions (L, S), got shape "
                              f"{tuple(attn_mask.shape)} (as "
                              "torch.nn.functional.scaled_dot_product_attention)")
-        if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32,
-                                                                     query.dtype):
+        run_dtype = autocast_dtype(query) or query.dtype
+        if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32, run_dtype):
+            under = "" if run_dtype == query.dtype else " under torch.autocast"
             raise ValueError(f"attn_mask.dtype={attn_mask.dtype}: a float mask must be "
-                             f"float32 or query's dtype {query.dtype} (as "
+                             f"float32 or query's dtype {run_dtype}{under} (as "
                              "torch.nn.functional.scaled_dot_product_attention)")
         check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
     if attn_mask.dtype == torch.bool or attn_mask.is_floating_point():

@@ -24,11 +24,12 @@ no double backward).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 
-from . import ops, policy
+from . import ops, planning, policy
 from ._call import (
     autocast,
     check_alibi,
@@ -104,6 +105,26 @@ def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
     host = torch.cat(parts).cpu()
     pieces = host.split([t.numel() for t in parts])
     return pieces[0], pieces[1], pieces[2] if seqused_k is not None else None
+
+
+def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
+                strict, note: Optional[str] = None) -> None:
+    """Records the plan of a packed call (``flash_attn_ext.last_plan()``): the kernels the
+    varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks them.  A call that no
+    kernel serves is not recorded: the op refuses it (NotImplementedError, ValueError), there
+    is no fallback.  ``note``: why the call came here (the KV-cache route), added to the
+    plan's notes."""
+    if torch.compiler.is_compiling() or \
+            not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+        return  # (recorded by eager calls only, as the other calls; the op names a bad shape)
+    p = planning.plan(q, k, v, softmax_scale, mods, unequal_tiles=unequal_tiles,
+                      deterministic=deterministic, packed=True)
+    if not p.fused:
+        return
+    if note is not None:
+        p = dataclasses.replace(p, notes=p.notes + (note,))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    policy.record(p, strict, needs_grad)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -197,6 +218,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
     window_left, window_right = (int(w) for w in window_size)
+    record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
+                planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
+                strict)
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
     # (max_seqlen_q / _k as check_seqlen returns them: an int, or under torch.compile possibly

@@ -86,3 +86,24 @@ def test_autocast_cuda_runs_the_fused_kernel(dtype):
         assert g.dtype == torch.float32, n
         assert_error_rule(g, lo, t.double(), 3.0, n)
 
+
+def test_autocast_float_mask_in_a_half_dtype():
+    # Under autocast PyTorch casts a float mask with q, k and v: with float32 q, k, v a mask in
+    # the autocast dtype (or the other half dtype) is valid, as in PyTorch; a float32 mask is
+    # kept in float32 (the more precise bias); float64 is refused, as PyTorch refuses it.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)
+    base = torch.randn(5, 6)
+    for mask_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        mask = base.to(mask_dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert out.dtype == theirs.dtype == torch.bfloat16
+        cast = mask if mask_dtype == torch.float32 else mask.bfloat16()
+        assert torch.equal(out, scaled_dot_product_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=cast))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            ValueError, match=r"attn_mask.dtype=torch.float64: a float mask must be float32 or "
+            r"query's dtype torch.bfloat16 under torch.autocast"):
+        scaled_dot_product_attention(q, k, v, attn_mask=base.double())

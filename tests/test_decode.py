@@ -96,6 +96,23 @@ def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dty
         assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
 
 
+def test_the_plan_names_the_route():
+    # last_plan() after a KV-cache call: the decode kernel's instantiation, or the packed-
+    # sequence kernels with the reason the decode kernels did not take the call (it named an
+    # earlier call's kernels before).
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 1, 8, 72, generator=gen).to("cuda", torch.float16)
+    cache = torch.randn(2, 64, 2, 72, generator=gen).to("cuda", torch.float16)
+    lens = torch.tensor([10, 64], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens)
+    p = flash_attn_ext.last_plan()
+    assert (p.kernel, p.fused) == ("sm80_decode_hdim128_fp16", True), p
+    flash_attn_with_kvcache(q.requires_grad_(), cache, cache, cache_seqlens=lens)
+    p = flash_attn_ext.last_plan()
+    assert p.fused and (p.kernel.endswith("_varlen") or p.kernel.startswith("sm80_fwd")), p
+    assert "not on the decode kernels: a gradient is wanted" in str(p), p
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
 def test_append_and_rotary_equal_the_portable_route(paged, rotary):
@@ -234,17 +251,20 @@ def test_long_caches_split_over_the_sms():
     assert (lse - true_lse).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("num_splits", [17, 33, 65, 128])
+@pytest.mark.parametrize("num_splits", [17, 33, 65, 128, 256])
 @pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (256, torch.float16),
                                      (200, torch.bfloat16)])
 def test_many_splits_merge_as_one(num_splits, d, dtype):
-    # Few rows and many splits: the combine spreads each row's splits over 2, 4, 8 and 8 warps
-    # of a CTA (combine_row_warps: more than 16, 32, 64 splits) and adds their parts through
-    # shared memory.  135 rows (odd: the last CTA has rows past the end), head dim 200 (a
-    # partial second 128-channel chunk); batch row 0 fills every split (2048 keys, 16 per
-    # split at 128), row 1 is empty (zeros, LSE -inf), row 2 leaves the last splits empty.
+    # Few rows and many splits: the combine spreads each row's splits over 2, 4, 8, 8 and 8
+    # warps of a CTA (combine_row_warps: more than 16, 32, 64 splits; 256, the most it takes)
+    # and adds their parts through shared memory.  135 rows (odd: the last CTA has rows past
+    # the end), head dim 200 (a partial second 128-channel chunk); batch row 0 fills every
+    # split (the kernel splits the keys in 16-key blocks: 2048 keys, or 4096 at 256 splits,
+    # give every split at least one), row 1 is empty (zeros, LSE -inf), row 2 leaves the last
+    # splits empty.
     gen = torch.Generator().manual_seed(8000 + num_splits + d)
-    batch, seqlen_q, heads, heads_k, cache_len = 3, 3, 15, 1, 2048
+    batch, seqlen_q, heads, heads_k = 3, 3, 15, 1
+    cache_len = max(2048, 16 * num_splits)
     q = torch.randn(batch, seqlen_q, heads, d, generator=gen).to("cuda", dtype)
     k_cache, v_cache = (torch.randn(batch, cache_len, heads_k, d, generator=gen).to("cuda", dtype)
                         for _ in "kv")

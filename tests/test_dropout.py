@@ -318,6 +318,38 @@ def test_dropout_under_compile():
     assert torch.equal(out, flash_attn_func(q, q, q, dropout_p=0.1))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_two_dropout_calls_on_the_same_inputs_keep_two_masks_under_compile(packed):
+    # AOTAutograd's common-subexpression pass merged two calls of the fwd op with identical
+    # arguments in a training graph (it spares only aten's random ops): both outputs came from
+    # one mask, and the compiled step differed from eager under the same seed.
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+
+    def attn(q):
+        if packed:
+            return flash_attn_ext.flash_attn_varlen_func(q, q, q, cu, cu, 23, 23, dropout_p=0.5)
+        return flash_attn_func(q, q, q, dropout_p=0.5)
+
+    def two_calls(q):
+        return attn(q), attn(q)
+
+    def step(fn):
+        q = base.clone().requires_grad_()
+        torch.manual_seed(11)
+        a, b = fn(q)
+        (a * 2 + b).sum().backward()
+        return a, b, q.grad
+
+    base = torch.randn(40, 2, 16) if packed else torch.randn(1, 40, 2, 16)
+    a_ref, b_ref, dq_ref = step(two_calls)
+    assert not torch.equal(a_ref, b_ref)
+    a, b, dq = step(torch.compile(two_calls, fullgraph=True, backend="aot_eager"))
+    torch.testing.assert_close(a, a_ref)
+    torch.testing.assert_close(b, b_ref)
+    torch.testing.assert_close(dq, dq_ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
 def test_cuda_graph_capture_draws_fresh_masks_and_backward_regenerates_them():
     B, L, S, H, D, p_drop = 1, 64, 96, 2, 64, 0.25

@@ -2,6 +2,7 @@
 left padding and batch indices, against a float64 reference of each entry's attention; on CUDA
 the same call against the CPU's answer."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,19 @@ def test_errors_name_the_rule():
                                 rotary_sin=table, cache_seqlens=1)
     with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor, got list"):
         flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=[0.5, 0.25])
+    # Integer rotary tables were taken as they were (a table of 0s and 1s; new-user trial).
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be floating tensors, "
+                                         "got torch.int32 and torch.int32"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
+                                rotary_cos=torch.ones(8, 2, dtype=torch.int32),
+                                rotary_sin=torch.zeros(8, 2, dtype=torch.int32))
+    # num_splits as a NumPy int or a 0-d tensor, as the other numbers (was a ValueError).
+    ref = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3)
+    for num_splits in (np.int64(2), torch.tensor(2)):
+        assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3,
+                                                   num_splits=num_splits), ref)
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, num_splits=2.5)
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\) = "
                                          r"\(2,\) or \(batch, num_heads\) = \(1, 2\), got \[3\]"):
         flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=torch.ones(3))

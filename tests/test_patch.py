@@ -144,6 +144,10 @@ def test_patch_hands_broadcasting_calls_to_pytorch():
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, msg=name)
             assert all(w.filename == __file__ for w in caught
                        if "falling back" in str(w.message)), name
+            # (last_plan() named the previous call's fused kernels after such a call)
+            plan = flash_attn_ext.last_plan()
+            assert not plan.fused and "broadcast" in str(plan), (name, plan)
+            assert "original torch.nn.functional" in plan.kernel, (name, plan)
         counts = policy.fallback_counts()
         assert sum(counts.values()) == 3 and all("broadcast" in r for r in counts), counts
         policy.set_strict(True)
@@ -177,3 +181,49 @@ def test_patch_hands_grouped_heads_that_broadcast_to_pytorch(shape):
     counts = policy.fallback_counts()
     assert sum(counts.values()) == 1 and all("broadcast" in r for r in counts), counts
     policy.reset_fallback_counts()
+
+
+def test_patch_hands_torch_func_gradient_transforms_to_pytorch():
+    # Code that takes torch.func.grad (or vjp) of SDPA works unpatched; the drop-in refuses
+    # those transforms, so under patch() such calls go to PyTorch's function, reported (a
+    # new-user trial found them raising NotImplementedError).
+    q = torch.randn(2, 2, 5, 8, dtype=torch.float64)
+
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+    want = torch.func.grad(f)(q)
+    policy.reset_fallback_counts()
+    with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.func.grad(f)(q)
+        _, vjp = torch.func.vjp(f, q)
+        got_vjp, = vjp(torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_vjp, want)
+    assert any("gradient transforms" in str(w.message) for w in caught)
+    assert sum(policy.fallback_counts().values()) >= 2
+    with flash_attn_ext.patch():  # outside a transform: ours, fused
+        policy.set_strict(True)
+        try:
+            torch.testing.assert_close(f(q), F.scaled_dot_product_attention(
+                q, q, q, is_causal=True).sum())
+        finally:
+            policy.set_strict(None)
+
+
+def test_a_patch_handle_entered_again_patches_again():
+    # The handle is live from patch() on; `with` on a handle that was undone (by its own
+    # earlier `with`, .undo() or unpatch()) makes it live again, not a silent no-op.
+    original = F.scaled_dot_product_attention
+    handle = flash_attn_ext.patch()
+    with handle:
+        assert flash_attn_ext.is_patched()
+    assert F.scaled_dot_product_attention is original
+    with handle:
+        assert flash_attn_ext.is_patched()
+    assert F.scaled_dot_product_attention is original
+    handle = flash_attn_ext.patch()
+    flash_attn_ext.unpatch()
+    with handle:
+        assert flash_attn_ext.is_patched()
+    assert F.scaled_dot_product_attention is original

@@ -557,6 +557,52 @@ def test_cuda_plan_follows_options_flags_and_strides(monkeypatch, kernel_opts):
     assert not p.fused and "q.dtype=torch.float32" in str(p)
 
 
+def test_packed_and_kvcache_calls_record_their_plan():
+    # flash_attn_varlen_func and flash_attn_with_kvcache recorded no plan: last_plan() still
+    # named an earlier dense call's kernels after them.
+    def dense():
+        flash_attn_func(*(torch.randn(1, 3, 2, 8) for _ in range(3)))
+        assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp32"
+
+    dense()
+    q, k = torch.randn(30, 4, 40, dtype=torch.float64), torch.randn(30, 2, 40, dtype=torch.float64)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    flash_attn_ext.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20, causal=True)
+    p = flash_attn_ext.last_plan()
+    assert (p.kernel, p.backward_kernel, p.fused) == ("cpu_flash_fwd_fp64_varlen",
+                                                      "cpu_flash_bwd_fp64_varlen", True)
+    dense()
+    cache = torch.randn(2, 16, 2, 40)
+    flash_attn_ext.flash_attn_with_kvcache(torch.randn(2, 1, 4, 40), cache, cache,
+                                           cache_seqlens=torch.tensor([3, 5], dtype=torch.int32))
+    assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp32_varlen"
+    assert flash_attn_ext.kvcache._decode_refusal(
+        q[None], cache, cache, None, None, None, None, None) == \
+        "the decode kernels are CUDA kernels"
+
+
+def test_cuda_plan_of_packed_calls(monkeypatch):
+    # The rule's packed-sequence kernels (kernel_select.h, CallInfo::packed), with q, k, v
+    # described as the varlen ops describe them: (1, total, heads, head_dim), a last dimension
+    # that is not contiguous as the op's contiguous copy.
+    _pretend_hopper(monkeypatch)
+    q = _CudaLike((300, 4, 128))
+    p = planning.plan(q, q, q, packed=True)
+    assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim128_bf16_varlen",
+                                             "sm90_bwd_hdim128_bf16_varlen")
+    p = planning.plan(q, q, q, mods=planning.SOFTCAP, packed=True)
+    assert p.kernel == "sm80_fwd_hdim128_bf16" and "packed sequences" in str(p)
+    p = planning.plan(q, q, q, run_dtype=torch.float32, packed=True)
+    assert not p.fused  # (varlen records nothing for it: the op refuses the call)
+    t = torch.empty(300, 4, 128, 2, device="meta")[..., 0]  # last stride 2
+    layout = planning._layout(t, t, t, packed=True)
+    copy = torch.empty(300, 4, 128, device="meta").unsqueeze(0)
+    assert layout[:8] == (*copy.shape, *copy.stride())
+    t = torch.empty(300, 8, 128, device="meta")[:, ::2]
+    assert planning._layout(t, t, t, packed=True)[:8] == (*t.unsqueeze(0).shape,
+                                                         *t.unsqueeze(0).stride())
+
+
 def test_pack_gqa_rule(monkeypatch, kernel_opts):
     # The Hopper forward packs a GQA group's query heads where that needs at most half the
     # tiles (csrc/kernels/sm90/pack_gqa.h); the options force it on or off.

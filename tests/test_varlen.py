@@ -519,6 +519,12 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
             q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k), return_attn_probs=True,
             **gpu)
     names = launched_kernels(run)
+    # The recorded plan names the forward that ran (varlen calls recorded none before).
+    plan = flash_attn_ext.last_plan()
+    hopper = any("flash_fwd_sm90_kernel" in n for n in names)
+    assert plan.fused and plan.kernel.startswith("sm90_fwd" if hopper else "sm80_fwd"), (
+        plan, names)
+    assert plan.kernel.endswith("_varlen") == hopper, (plan, names)
     out, lse = result["out"], result["lse"]
     dout = torch.randn_like(out)
     wl, wr = case.pop("window_size", (-1, -1))
@@ -538,6 +544,9 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
         def backward():
             result["grads"] = torch.autograd.grad(out, (q, k, v), dout)
         bwd_names = launched_kernels(backward)
+        hopper_bwd = any("flash_bwd_sm90_kernel" in n for n in bwd_names)
+        assert plan.backward_kernel.startswith("sm90_bwd" if hopper_bwd else "sm80_bwd"), (
+            plan, bwd_names)
         ours = result["grads"]
         for name, g, lo, t in zip(("dq", "dk", "dv"), ours,
                                   _low_grads(low, leaves, dout, dtype), true_grads):

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/sm80/block_info.h"  // SeqInfo::dropout_rows
 #include "kernels/sm80/dropout.h"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/mma.h"  // to_float, from_float
@@ -110,16 +111,26 @@ struct RowView {
   }
 };
 
-// Dropout's keep decision for (b, h, i, j) (dropout.h's cell rule) and the factor it puts on P.
+// Dropout's keep decision for (b, h, i, j) (dropout.h's cell rule, the row numbering of the main
+// kernels: SeqInfo::dropout_rows) and the factor it puts on P.
 __device__ __forceinline__ float dropout_factor(const BwdParams& p, const sm80::DropoutFn& drop,
                                                 int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!drop.enabled) return 1.f;
   const uint64_t row_id =
-      static_cast<uint64_t>((b * p.heads_q + h) * p.seqlen_q + dropout_cell_row(i));
+      static_cast<uint64_t>(sm80::SeqInfo(p, b).dropout_rows(p, b, h) + dropout_cell_row(i));
   const uint4 w = drop.cell(row_id, dropout_cell_col(j));
   return drop.kept(sm80::DropoutFn::word(w, dropout_cell_index(i)), dropout_cell_index(j))
              ? drop.scale
              : 0.f;
+}
+
+// A score's probability from its row's max m and 1 / l.  Both kernels form the score x the same
+// way (dot_row, then ScoreFn), so x <= m wherever the dQ kernel found m; the cap keeps a score
+// that came out above m (it cannot, unless the two orders differ) from scaling P past 1 / l.
+// A compare, not fminf, so that a NaN stays NaN (as ScoreFn::prob keeps it).
+__device__ __forceinline__ float prob_of(float x, float m, float inv_l) {
+  const float e = x - m;
+  return exp2f(e > 0.f ? 0.f : e) * inv_l;
 }
 
 // One CTA per window of kThreads rows (grid-stride): each flagged row's max m and sum l of its
@@ -182,7 +193,7 @@ __global__ void __launch_bounds__(kThreads)
         if (j < ke && inv_l > 0.f) {
           float x = dot_row(q_s, row.key(p, j), p.head_dim);
           const float dscore = fn.apply(x, i, j);
-          const float prob = exp2f(x - m) * inv_l;
+          const float prob = prob_of(x, m, inv_l);
           const float dp =
               dot_row(do_s, row.value(p, j), p.head_dim_v) *
               dropout_factor(p, drop, row.b, row.h, i, j);
@@ -254,22 +265,21 @@ __global__ void __launch_bounds__(kThreads)
           __syncthreads();
           const int64_t j = j0 + jj;
           const bool in = j < p.seqlen_k;
-          float x = 0.f, dp = 0.f;
-          if (in) {
-            for (int c = part * 8; c < p.head_dim; c += 64) x = dot8(q_s, row.key(p, j), c, x);
+          // dO . v over 8 threads per key; q . k by one thread in dot_row's order, the dQ
+          // kernel's: a hidden row's score sits next to a bias of ~1e9, where one ulp of q . k
+          // can round the biased score to another float than the one m was taken from.
+          float dp = 0.f;
+          if (in)
             for (int c = part * 8; c < p.head_dim_v; c += 64)
               dp = dot8(do_s, row.value(p, j), c, dp);
-          }
 #pragma unroll
-          for (int s = 1; s < 8; s <<= 1) {
-            x += __shfl_xor_sync(0xffffffffu, x, s);
-            dp += __shfl_xor_sync(0xffffffffu, dp, s);
-          }
+          for (int s = 1; s < 8; s <<= 1) dp += __shfl_xor_sync(0xffffffffu, dp, s);
           if (part == 0) {
             float g = 0.f, pd = 0.f;
             if (in && j >= vis.begin(i) && j < vis.end(i) && inv_l > 0.f) {
+              float x = dot_row(q_s, row.key(p, j), p.head_dim);
               const float dscore = fn.apply(x, i, j);
-              const float prob = exp2f(x - m) * inv_l;
+              const float prob = prob_of(x, m, inv_l);
               const float keep = dropout_factor(p, drop, b, h, i, j);
               g = prob * (dp * keep - D) * dscore;
               pd = prob * keep;

@@ -103,15 +103,21 @@ int major_version() {
                : 0;
   });
 }
-// Split-KV (FlashAttention-2's num_splits_heuristic, on our numbers): the split count whose
-// CTAs fill the GPU's slots (decode CTAs per SM: two up to head dim 128, where ~200 registers
-// per thread or ~100 KB of shared memory allow no more; one at 256, 136 KB) in whole waves best, the smallest one within 85% of the best wave efficiency (each
-// split adds a partial output to merge), each split at least 256 keys of the cache's capacity
-// (the lengths are not read on the host).
+// Split-KV (FlashAttention-2's num_splits_heuristic, with thresholds from our sweep,
+// docs/perf/decode.md "The split count"). Decode CTAs per SM: two up to head dim 128, where ~200
+// registers per thread or ~100 KB of shared memory allow no more; one at 256 (136 KB). Each
+// split covers at least 256 keys of the cache's capacity (the lengths are not read on the host)
+// and at most kMaxSplits are taken (the combine's per-row warps).
+// - Where one wave of every allowed split cannot fill the slots (MQA at batch 1: one CTA per
+//   split), every allowed split: bandwidth grew in proportion to the CTAs there (each reads at a
+//   rate of its own), and FlashAttention-2's 85% rule left 14% on the table.
+// - Else the smallest count within 95% of the best wave efficiency: the 85% rule's 29 of 33
+//   splits left 24 of 264 slots empty and measured 8-9% below the full wave.
 int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int sms, int64_t head_dim) {
   const int64_t slots = (head_dim > 128 ? 1 : 2) * std::max(sms, 1);
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (seqlen_cache + 255) / 256));
-  if (ctas >= slots || most == 1) return 1;
+  if (ctas <= 0 || ctas >= slots || most == 1) return 1;
+  if (ctas * most <= slots) return most;
   auto efficiency = [&](int64_t s) {
     const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
     return waves / std::ceil(waves);
@@ -119,7 +125,7 @@ int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int sms, int64_t he
   double best = 0.0;
   for (int64_t s = 1; s <= most; ++s) best = std::max(best, efficiency(s));
   for (int64_t s = 1; s <= most; ++s)
-    if (efficiency(s) >= 0.85 * best) return s;
+    if (efficiency(s) >= 0.95 * best) return s;
   return 1;
 }
 

@@ -5,7 +5,7 @@ the Hopper backward at every head dim it has; softcap, a bias and ALiBi on the H
 general variant, boolean masks on their mask variant, rows a float bias of -1e9 hides (the
 backward's exact pass), the Hopper backward's deterministic dQ order; then
 flash_attn_with_kvcache on the decode kernels (contiguous, paged with odd page sizes, left
-padding, batch indices, appends with rotary, split-KV up to 128 splits, rows whose values break
+padding, batch indices, appends with rotary, split-KV up to 256 splits, rows whose values break
 a rule), and flash_attn_varlen_func on packed sequences (the Hopper forward's and
 backward's varlen instantiation: odd and empty sequences, causal, a window, GQA, seqused_k).
 `--decode`: only the decode calls; `--ordered`: only the deterministic Hopper backward's
@@ -55,13 +55,14 @@ def decode_cases() -> int:
             bad["block_table"] = kw["block_table"] + 10**6
         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, **bad)
         calls += 1
-    # Many splits over few rows: the combine spreads each row's splits over 8 warps (128
-    # splits, MQA at B = 1) and over 4 (33 splits, head dim 256, 15 rows: a CTA with a row past
+    # Many splits over few rows: the combine spreads each row's splits over 8 warps (256 and
+    # 128 splits, MQA at B = 1; 4090 keys give every one of 256 splits a 16-key block, the
+    # last one partial) and over 4 (33 splits, head dim 256, 15 rows: a CTA with a row past
     # the end, a batch row with no key, one whose last splits are empty).
-    for batch, heads, d, splits in [(1, 32, 128, 128), (3, 5, 256, 33)]:
-        k_cache, v_cache = (torch.randn(batch, 2100, 1, d, device=dev, dtype=dt) for _ in "kv")
+    for batch, heads, d, splits in [(1, 32, 128, 256), (1, 32, 128, 128), (3, 5, 256, 33)]:
+        k_cache, v_cache = (torch.randn(batch, 4090, 1, d, device=dev, dtype=dt) for _ in "kv")
         q = torch.randn(batch, 1, heads, d, device=dev, dtype=dt)
-        lens = torch.tensor([2100, 0, 1000][:batch], device=dev, dtype=torch.int32)
+        lens = torch.tensor([4090, 0, 1000][:batch], device=dev, dtype=torch.int32)
         flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                num_splits=splits)
         calls += 1

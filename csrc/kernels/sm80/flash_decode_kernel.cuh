@@ -466,7 +466,8 @@ __host__ __device__ constexpr int combine_row_warps(int num_splits, int64_t rows
 }
 static_assert(combine_row_warps(16, 1) == 1 && combine_row_warps(17, 1) == 2 &&
                   combine_row_warps(33, 1) == 4 && combine_row_warps(65, 1) == 8 &&
-                  combine_row_warps(128, 32) == 8 && combine_row_warps(128, 4096) == 1,
+                  combine_row_warps(128, 32) == 8 && combine_row_warps(256, 135) == 8 &&
+                  combine_row_warps(128, 4096) == 1,
               "combine_row_warps");
 
 // (2 CTAs per SM in the launch bounds: without a minimum, ptxas kept the kernel at 32-48

@@ -12,8 +12,12 @@
 namespace flash_attn_ext::sm80 {
 
 // The most splits of the keys the combine kernel merges per row (flash_decode_kernel.cuh: its
-// shared memory and LSE loads are sized by it); the glue clamps num_splits to it.
-constexpr int kMaxDecodeSplits = 128;
+// shared memory and LSE loads are sized by it); the glue clamps num_splits to it.  256, not
+// FlashAttention-2's 128: where one wave of every split cannot fill the GPU (MQA at batch 1: one
+// CTA per split), decode bandwidth grew in proportion to the splits up to 128
+// (docs/perf/decode.md, "The split count"), and 256 such CTAs still fit in one wave of an
+// H100 / H200 (two per SM).
+constexpr int kMaxDecodeSplits = 256;
 
 // Split-KV decode (and its combine kernel when p.num_splits > 1), on `stream`.
 template <typename Element, int kHeadDim>

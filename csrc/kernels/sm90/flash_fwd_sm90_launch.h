@@ -11,9 +11,11 @@ namespace flash_attn_ext::sm90 {
 
 // Keys per K/V tile and pipeline stages, chosen so that S (64 x kBlockN per consumer warpgroup)
 // and O (64 x head dim) stay in registers and the Q tile plus the K/V ring fit in shared memory.
-template <int kHeadDim>
+// The softcap variant at head dim 64 takes 96-key tiles: it runs three consumer warpgroups there
+// (below), and with 128-key tiles its tanh code spilled 232 bytes (ptxas), with 96 none.
+template <int kHeadDim, bool kSoftcap = false>
 constexpr int fwd_block_n() {
-  return kHeadDim <= 128 ? 128 : 64;
+  return kHeadDim <= 64 && kSoftcap ? 96 : kHeadDim <= 128 ? 128 : 64;
 }
 template <int kHeadDim>
 constexpr int fwd_stages() {
@@ -22,11 +24,12 @@ constexpr int fwd_stages() {
 
 // Consumer warpgroups of 64 query rows: three at head dim 64 (FlashAttention-3's 192-row tiles;
 // there the exp2s of a tile take about as long as its two GEMMs), two above (the O accumulator
-// needs the registers), and two for the variants with more work per score (kPerScoreWork: the
-// general, dropout, softcap and ALiBi variants) at 64 too: with three (160 registers per consumer
-// thread) the general variant's score code spilled 1,616 bytes, the softcap variant's 232
-// (28 with two; ptxas), and the dropout variant measured 3.6% faster with two (H200, bf16,
-// causal, L = 4k: 244.6 against 236.0 TFLOP/s).
+// needs the registers), and two for the general, dropout and ALiBi variants (kPerScoreWork) at
+// 64 too: with three (160 registers per consumer thread) the general variant's score code
+// spilled 1,616 bytes, and the dropout variant measured 3.6% faster with two (H200, bf16,
+// causal, L = 4k: 244.6 against 236.0 TFLOP/s).  The softcap variant takes three at 64 (with
+// 96-key tiles): with two it waited on its MUFU work (tanh and exp2 per score) at 58-65% of that
+// unit's floor, the issue slots half idle (ncu, docs/perf/sm90_score_mods.md).
 template <int kHeadDim, bool kPerScoreWork = false>
 constexpr int fwd_consumers() {
   return kHeadDim <= 64 && !kPerScoreWork ? 3 : 2;

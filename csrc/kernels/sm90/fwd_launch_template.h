@@ -175,8 +175,9 @@ template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = fal
           bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
           bool kAlibi = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(), fwd_stages<kHeadDim>(),
-                          fwd_consumers<kHeadDim, kGeneral || kDropout || kSoftcap || kAlibi>(),
+  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim, kSoftcap>(),
+                          fwd_stages<kHeadDim>(),
+                          fwd_consumers<kHeadDim, kGeneral || kDropout || kAlibi>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
   return launch_flash_fwd_sm90<T>(p, stream);
