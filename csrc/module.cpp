@@ -6,7 +6,6 @@
 #include <tuple>
 
 #include "checks.h"
-#include "cpu/bf16_amx.h"
 #include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
@@ -42,9 +41,6 @@ pybind11::dict build_info() {
   // bf16 CPU tiles multiplied as bf16 (AVX512-BF16 found at run time, not switched off by
   // FLASH_ATTN_EXT_CPU_BF16_DOT=0; csrc/cpu/bf16_dot.h), else converted to fp32 for sgemm.
   d["cpu_bf16_dot"] = flash_attn_ext::cpu::bf16dot::enabled();
-  // Those tiles on AMX where the CPU has it (PyTorch's brgemm; FLASH_ATTN_EXT_CPU_BF16_AMX=0
-  // keeps them on the AVX512-BF16 micro-kernel; cpu/bf16_amx.h).
-  d["cpu_bf16_amx"] = d["cpu_bf16_dot"].cast<bool>() && flash_attn_ext::cpu::bf16amx::enabled();
   return d;
 }
 

@@ -199,7 +199,5 @@ def build_info() -> dict:
     """How the compiled library was built: version, CUDA on/off and CUDA archs; and
     ``cpu_bf16_dot``: whether bf16 CPU calls multiply their tiles as bf16 (AVX512-BF16 found on
     this CPU at import and FLASH_ATTN_EXT_CPU_BF16_DOT not "0"; P and dS then rounded to bf16
-    as on CUDA), else as fp32 tiles through sgemm; ``cpu_bf16_amx``: whether those bf16 tiles
-    run on AMX (PyTorch's brgemm, where it can pack bf16 for AMX, and
-    FLASH_ATTN_EXT_CPU_BF16_AMX not "0")."""
+    as on CUDA), else as fp32 tiles through sgemm."""
     return dict(_BUILD_INFO)
