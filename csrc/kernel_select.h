@@ -60,6 +60,12 @@ struct KernelOptions {
   // The Hopper backward: kAuto where it measures faster than the portable one, kOn wherever it
   // applies (today both: padded head dims 64 and 128; docs/perf/sm90_backward.md), kOff never.
   Sm90Bwd sm90_bwd = Sm90Bwd::kAuto;
+  // The CUDA exact passes over rows whose scores are too large for the main kernels' one-float
+  // reference (cuda/exact_rows.h) on every call: the backward's (such rows come from a floating
+  // bias of huge finite values, and without one from huge scores, |q.k| * scale * log2 e >=
+  // 2^13: issue 29) and the forward's (plain scores).  false: the backward's only with a
+  // floating bias, the forward's never (to measure what the passes cost the other calls).
+  bool exact_rows_always = true;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

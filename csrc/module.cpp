@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "cpu/bf16_amx.h"
 #include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
@@ -41,6 +42,9 @@ pybind11::dict build_info() {
   // bf16 CPU tiles multiplied as bf16 (AVX512-BF16 found at run time, not switched off by
   // FLASH_ATTN_EXT_CPU_BF16_DOT=0; csrc/cpu/bf16_dot.h), else converted to fp32 for sgemm.
   d["cpu_bf16_dot"] = flash_attn_ext::cpu::bf16dot::enabled();
+  // Those tiles on AMX where the CPU has it (PyTorch's brgemm; FLASH_ATTN_EXT_CPU_BF16_AMX=0
+  // keeps them on the AVX512-BF16 micro-kernel; cpu/bf16_amx.h).
+  d["cpu_bf16_amx"] = d["cpu_bf16_dot"].cast<bool>() && flash_attn_ext::cpu::bf16amx::enabled();
   return d;
 }
 
@@ -139,6 +143,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["bwd_atomic_dq"] = o.bwd_atomic_dq;
   d["sm90_bias_blocks"] = o.sm90_bias_blocks;
   d["sm90_bwd"] = pack[static_cast<int>(o.sm90_bwd)];
+  d["exact_rows_always"] = o.exact_rows_always;
   return d;
 }
 
@@ -191,6 +196,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_bias_blocks);
     } else if (key == "sm90_bwd") {
       o.sm90_bwd = static_cast<Sm90Bwd>(word({"auto", "on", "off"}));
+    } else if (key == "exact_rows_always") {
+      flag(o.exact_rows_always);
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

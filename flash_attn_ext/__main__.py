@@ -23,8 +23,10 @@ def info() -> int:
         print("  Hopper kernels  " + ("yes (sm90 forward and backward)" if b.get("sm90") else
                                       "not built (need 9.0a in TORCH_CUDA_ARCH_LIST and the "
                                       "CUTLASS headers; see setup.py)"))
-    print("  CPU kernels     yes" + (", bf16 tiles on AVX512-BF16" if b.get("cpu_bf16_dot") else
-                                     ", bf16 as fp32 tiles (no AVX512-BF16, or switched off)"))
+    bf16 = (", bf16 tiles on AMX and AVX512-BF16" if b.get("cpu_bf16_amx") else
+            ", bf16 tiles on AVX512-BF16" if b.get("cpu_bf16_dot") else
+            ", bf16 as fp32 tiles (no AVX512-BF16, or switched off)")
+    print("  CPU kernels     yes" + bf16)
     print(f"  strict mode     {policy.strict_enabled()}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):

@@ -87,7 +87,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         if isinstance(query, torch.Tensor) and query.dim() > 4:  # one call on the flattened batch
             query, key, value, attn_mask, _ = flatten_batch_dims(query, key, value, attn_mask)
         scale = check_scale(call_kwargs.get("scale"), "scale")
-        dropout_p = check_sdpa_flags(attn_mask, dropout_p, causal)
+        dropout_p = check_sdpa_flags(dropout_p, causal)
         q, k, v = to_bshd(query, key, value, enable_gqa)
         # (head dims outside the kernels': the unfused math, without the kernels' checks; the
         # call records that fallback, strict or not, before it reads the mask)

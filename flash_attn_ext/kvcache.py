@@ -577,12 +577,11 @@ def flash_attn_with_kvcache(
     q_packed = q.reshape(batch * seqlen_q, heads, q.shape[-1])
     kc = kc.reshape(batch * seqlen_cache, *kc.shape[2:])
     vc = vc.reshape(batch * seqlen_cache, *vc.shape[2:])
-    if not torch.compiler.is_compiling():
-        record_plan(q_packed, kc, vc, softmax_scale, local,
-                    score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
-                    note=None if q.device.type == "cpu" else
-                    f"not on the decode kernels: {refusal}; the packed-sequence kernels "
-                    f"serve it (the values are checked on the host, which waits for the GPU)")
+    record_plan(q_packed, kc, vc, softmax_scale, local,
+                score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
+                note=None if q.device.type == "cpu" else
+                f"not on the decode kernels: {refusal}; the packed-sequence kernels serve it "
+                f"(the values are checked on the host, which waits for the GPU)")
     out, lse, _ = fwd_varlen_op(
         q_packed, kc, vc, cu_q, cu_k, seqlen_q, longest_k,
         softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),

@@ -29,7 +29,6 @@ fwd_op = torch.ops.flash_attn_ext.fwd.default
 bwd_op = torch.ops.flash_attn_ext.bwd.default
 
 
-
 def _keep_random_calls_apart() -> None:
     """Stop AOTAutograd's common-subexpression pass from merging two fwd (or fwd_varlen) calls
     with identical arguments.  The pass spares only the aten random ops it lists (``rand_ops`` in
@@ -199,5 +198,7 @@ def build_info() -> dict:
     """How the compiled library was built: version, CUDA on/off and CUDA archs; and
     ``cpu_bf16_dot``: whether bf16 CPU calls multiply their tiles as bf16 (AVX512-BF16 found on
     this CPU at import and FLASH_ATTN_EXT_CPU_BF16_DOT not "0"; P and dS then rounded to bf16
-    as on CUDA), else as fp32 tiles through sgemm."""
+    as on CUDA), else as fp32 tiles through sgemm; ``cpu_bf16_amx``: whether those bf16 tiles
+    run on AMX (PyTorch's brgemm, where it can pack bf16 for AMX, and
+    FLASH_ATTN_EXT_CPU_BF16_AMX not "0")."""
     return dict(_BUILD_INFO)

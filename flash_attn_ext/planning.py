@@ -102,8 +102,9 @@ def set_kernel_options(**options) -> dict:
     ``FLASH_ATTN_EXT_KERNEL=sm80``).  Experimental variants, to compare kernels in one build:
     ``sm90_pack_gqa`` ("auto", "on", "off"), ``sm90_schedule`` ("auto", "dynamic", "static",
     "tile"), ``sm90_section_pairs`` (int >= 0, 0: the launcher's choice), ``sm90_row_shift``,
-    ``sm90_direct_epilogue``, ``bwd_atomic_dq``, ``sm90_bias_blocks`` (bools), ``sm90_bwd``
-    ("auto": the Hopper backward where it measures faster, "on": wherever it applies, "off").
+    ``sm90_direct_epilogue``, ``bwd_atomic_dq``, ``sm90_bias_blocks``, ``exact_rows_always``
+    (bools), ``sm90_bwd`` ("auto": the Hopper backward where it measures faster, "on":
+    wherever it applies, "off").
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

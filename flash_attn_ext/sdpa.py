@@ -57,7 +57,10 @@ def scaled_dot_product_attention(
         dropout_p: dropout on the attention weights, as in PyTorch (applied whenever > 0;
             1.0 gives zeros; see :func:`flash_attn_ext.flash_attn_func` for the generator).
         is_causal: top-left aligned causal mask, exactly ``torch.tril(ones(L, S))`` as in PyTorch
-            (rows of query i see keys j <= i; with L > S the last rows see all keys).
+            (rows of query i see keys j <= i; with L > S the last rows see all keys).  With an
+            attn_mask too, both apply (the mask's scores where the causal mask lets them
+            through), as PyTorch's fused CPU kernel computes it (its documentation calls the
+            combination an error, and its math backend raises).
         scale: multiplies q k^T; default 1 / sqrt(E).
         enable_gqa: allow H_kv < H (grouped-query attention).
         strict: raise instead of falling back to an unfused path (see
@@ -88,7 +91,7 @@ def scaled_dot_product_attention(
                                            scale, enable_gqa, strict=strict)
         return out.reshape(*lead, *out.shape[1:])
     scale = check_scale(scale, "scale")
-    dropout_p = check_sdpa_flags(attn_mask, dropout_p, is_causal)
+    dropout_p = check_sdpa_flags(dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
     try:
         out = attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, 0.0, strict)
@@ -152,17 +155,13 @@ def flatten_batch_dims(query, key, value, attn_mask):
             value.reshape(-1, *value.shape[-3:]), attn_mask, lead)
 
 
-def check_sdpa_flags(attn_mask, dropout_p, is_causal) -> float:
-    """scaled_dot_product_attention's rules for its flags (ValueError): no attn_mask with
-    is_causal=True; dropout_p a number in [0, 1] (NumPy scalars and 0-d tensors taken, as PyTorch
-    takes them; 1, everything dropped, gives zeros: _call.kernel_dropout).  Returns dropout_p
-    as a float."""
-    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(is_causal) is bool \
-            and (attn_mask is None or not is_causal):
+def check_sdpa_flags(dropout_p, is_causal) -> float:
+    """scaled_dot_product_attention's rules for its flags (ValueError): is_causal a bool;
+    dropout_p a number in [0, 1] (NumPy scalars and 0-d tensors taken, as PyTorch takes them;
+    1, everything dropped, gives zeros: _call.kernel_dropout).  (An attn_mask goes with either
+    is_causal: with True both apply.)  Returns dropout_p as a float."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(is_causal) is bool:
         return dropout_p  # (the common case, without the general checks' cost)
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask and is_causal=True cannot be used together (as in "
-                         "torch.nn.functional.scaled_dot_product_attention)")
     _, dropout_p = check_flags(is_causal, (-1, -1), dropout_p, causal_name="is_causal")
     return dropout_p
 

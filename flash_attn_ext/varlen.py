@@ -39,6 +39,7 @@ from ._call import (
     check_scale,
     check_seqlen,
     check_softcap,
+    check_tensors,
     dropped,
     kernel_dropout,
 )
@@ -102,9 +103,132 @@ def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
         return cu_seqlens_q, cu_seqlens_k, seqused_k
     if not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         return cu_seqlens_q, cu_seqlens_k, seqused_k
-    host = torch.cat(parts).cpu()
-    pieces = host.split([t.numel() for t in parts])
+    pieces = _to_host(parts)
     return pieces[0], pieces[1], pieces[2] if seqused_k is not None else None
+
+
+def _to_host(tensors):
+    """The tensors (int32, any shapes) with those on a device copied to the host in one copy:
+    one wait for the GPU, however many there are."""
+    on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    if not on_device:
+        return list(tensors)
+    copied = torch.cat([tensors[i].flatten() for i in on_device]).cpu().split(
+        [tensors[i].numel() for i in on_device])
+    out = list(tensors)
+    for i, c in zip(on_device, copied):
+        out[i] = c.view(tensors[i].shape)
+    return out
+
+
+def _gather_pages(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k):
+    """Paged keys and values (FlashAttention's ``block_table``) as packed sequences: k, v of
+    shape (num_blocks, page_size, num_heads_k, head_dim), sequence b's key j at page
+    ``block_table[b, j // page_size]``, row ``j % page_size``, its length ``cu_seqlens_k[b + 1]
+    - cu_seqlens_k[b]`` (only the differences of cu_seqlens_k count).  Returns (k, v,
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) for the varlen op: each sequence's
+    pages (the first ceil(max_seqlen_k / page_size) slots of its row) gathered into a copy
+    (autograd carries the gradients back into the pages, summed where sequences share a page),
+    ``seqused_k`` the lengths (or the caller's seqused_k, at most them).  Only the slots of
+    pages a sequence uses must hold page indices (the others may hold anything, e.g. -1).
+    Eager calls check the values on the host: the offsets, seqused_k and the table are copied
+    there together (on CUDA one wait for the GPU, the one the offsets' copy costs anyway: the
+    op then gets host offsets); under torch.compile the checks run on the device
+    (``torch._assert_async``); while a CUDA graph is captured not at all (the op refuses the
+    call by name)."""
+    check_tensors(("block_table", block_table))
+    max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"with block_table, {name} must be pages of shape (num_blocks, "
+                             f"page_size, num_heads_k, head_dim), got {tuple(t.shape)}")
+    if k.shape[:3] != v.shape[:3] or k.shape[1] == 0:
+        raise ValueError(f"with block_table, k and v must be pages of one (num_blocks, "
+                         f"page_size >= 1, num_heads_k) shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 1:
+            raise ValueError(f"{name} must be a (batch + 1,) int32 tensor, got {t.dtype} of "
+                             f"shape {tuple(t.shape)}")
+    batch = cu_seqlens_k.numel() - 1
+    if cu_seqlens_q.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries, got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+            block_table.shape[0] != batch or block_table.device != k.device:
+        raise ValueError(f"block_table must be a (batch, max_num_blocks) = ({batch}, ...) int32 "
+                         f"tensor on k's device ({k.device}), got {block_table.dtype} of shape "
+                         f"{tuple(block_table.shape)} on {block_table.device}")
+    if seqused_k is not None and (seqused_k.dtype != torch.int32 or seqused_k.dim() != 1 or
+                                  seqused_k.numel() != batch):
+        raise ValueError(f"seqused_k must be a (batch,) = ({batch},) int32 tensor, got "
+                         f"{seqused_k.dtype} of shape {tuple(seqused_k.shape)}")
+    num_blocks, page = k.shape[0], k.shape[1]
+    # The slots a sequence of at most max_seqlen_k keys can use: the copy has no more rows
+    # (tables sized for the longest context would otherwise be copied whole).
+    slots = min(block_table.shape[1], max(0, -(-max_seqlen_k // page)))
+    table = block_table[:, :slots]
+    capacity = slots * page
+    if batch * capacity >= 2**31:
+        raise ValueError(f"block_table: the gathered copy of batch * ceil(max_seqlen_k / "
+                         f"page_size) * page_size = {batch * capacity} rows exceeds int32 "
+                         f"offsets")
+    compiling = torch.compiler.is_compiling()
+    # Eager calls check the values on the host (not while a CUDA graph is captured: the op
+    # refuses the call by name; nor on meta tensors, which have none).
+    check_on_host = not compiling and q.device.type != "meta" and \
+        cu_seqlens_k.device.type != "meta" and \
+        not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    table_checked = table
+    if check_on_host:  # (offsets, seqused_k and the table in one copy)
+        cu_seqlens_q, cu_seqlens_k, table_checked, *rest = _to_host(
+            [cu_seqlens_q, cu_seqlens_k, table] + ([seqused_k] if seqused_k is not None
+                                                   else []))
+        seqused_k = rest[0] if rest else None
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    used = lengths if seqused_k is None else seqused_k
+    if compiling or check_on_host:
+        # (on the host for eager calls, on the table's device under torch.compile)
+        where = table_checked.device
+        lengths_w, used_w = lengths.to(where), used.to(where)
+        in_use = torch.arange(slots, device=where) < \
+            ((lengths_w.long() + page - 1) // page)[:, None]
+        bad_page = in_use & ((table_checked < 0) | (table_checked >= num_blocks))
+    if compiling:
+        torch._assert_async(~bad_page.any() & (lengths_w >= 0).all() &
+                            (lengths_w <= capacity).all() & (used_w >= 0).all() &
+                            (used_w <= lengths_w).all(),
+                            "flash_attn_varlen_func: block_table, cu_seqlens_k, max_seqlen_k or "
+                            "seqused_k break the paging rules (run the call eagerly for the "
+                            "message)")
+    elif check_on_host:
+        if bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens_k must be non-decreasing, got {cu_seqlens_k.tolist()}")
+        longest = int(lengths.max()) if batch else 0
+        if longest > max_seqlen_k:
+            raise ValueError(f"max_seqlen_k={max_seqlen_k} is shorter than the longest sequence "
+                             f"({longest})")
+        if longest > block_table.shape[1] * page:
+            b = int(torch.argmax(lengths))
+            raise ValueError(f"block_table has {block_table.shape[1]} slots of {page} keys per "
+                             f"sequence, but sequence {b} has {longest} keys (cu_seqlens_k)")
+        if bool(bad_page.any()):
+            at = tuple(bad_page.nonzero()[0].tolist())
+            raise ValueError(f"block_table entries must be page indices in [0, {num_blocks}) "
+                             f"(k.shape[0]) where a sequence uses the page, got "
+                             f"block_table[{at[0]}, {at[1]}]={int(table_checked[at])}")
+        if seqused_k is not None and bool(((seqused_k < 0) | (seqused_k > lengths)).any()):
+            raise ValueError(f"seqused_k must be in [0, each sequence's length] (cu_seqlens_k: "
+                             f"{lengths.tolist()}), got {seqused_k.tolist()}")
+    if num_blocks:
+        pages = table.long().clamp(0, num_blocks - 1)
+        k = k[pages].reshape(batch * capacity, *k.shape[2:])
+        v = v[pages].reshape(batch * capacity, *v.shape[2:])
+    else:  # (no pages: every length is 0, checked above)
+        k = k.new_zeros((batch * capacity, *k.shape[2:]))
+        v = v.new_zeros((batch * capacity, *v.shape[2:]))
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=cu_seqlens_k.device) * capacity
+    return k, v, cu_seqlens_q, cu, used.to(torch.int32), capacity
 
 
 def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
@@ -168,7 +292,18 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_attn_probs: also return softmax_lse (num_heads, total_q), differentiable
             (its gradient enters the backward folded into delta = rowsum(dO * O)), and, as
             FlashAttention-2 does for testing only, None for the probabilities.
-        block_table: paged KV (not supported yet: NotImplementedError).
+        block_table: (batch, max_num_blocks) int32 on k's device, or None: paged KV, as
+            FlashAttention's: k (num_blocks, page_size, num_heads_k, head_dim) and v
+            (num_blocks, page_size, num_heads_k, head_dim_v) are pages (any page_size >= 1),
+            sequence b's key j at page block_table[b, j // page_size], row j % page_size, and
+            only the differences of cu_seqlens_k count (the lengths).  Only the slots of pages
+            a sequence uses must hold page indices (the others may hold anything, e.g. -1).
+            The pages a call uses are gathered into a copy (batch * ceil(max_seqlen_k /
+            page_size) * page_size rows) before the kernels run; gradients reach the pages
+            (summed where sequences share one).  The table, the offsets and seqused_k are
+            checked on the host, copied there together: on CUDA one wait for the GPU per call,
+            also with offsets on the CPU (the table is read); under torch.compile on the device
+            (``torch._assert_async``).
         seqused_k: (batch,) int32, optional, on the offsets' device: sequence b uses only
             its first seqused_k[b] keys (causal alignment over those), as FlashAttention's;
             the others get zero gradients.
@@ -185,17 +320,15 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises:
         TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k or alibi_slopes not a
             tensor (e.g. a list of offsets).
-        NotImplementedError: block_table; on CUDA, a GPU or build without the kernels (naming
-            the reason).
+        NotImplementedError: on CUDA, a GPU or build without the kernels (naming the
+            reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
-            the argument and the rule); k, v or alibi_slopes not on q's device; flags as
+            the argument and the rule), a block_table that does not fit its pages or the
+            lengths (naming the entry); k, v or alibi_slopes not on q's device; flags as
             flash_attn_func checks them (causal a bool, window_size a pair of ints, dropout_p
             in [0, 1], strict True, False or None, ...); alibi_slopes requiring grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not "
-                                  "supported yet")
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                     ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
         if not isinstance(t, torch.Tensor) and (t is not None or name != "seqused_k"):
@@ -213,6 +346,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
     check_devices(q, ("k", k), ("v", v))
+    if block_table is not None:  # (before autocast: only the pages used are cast)
+        _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k = _gather_pages(
+            q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k)
     q, k, v = autocast(q, k, v)  # (as flash_attn_func: SDPA's autocast rule)
     policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")

@@ -66,19 +66,28 @@ for b in (0, 39, 40, 42):
     rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
     dense = flash_attn_ext.flash_attn_func(q[rq][None], k[rk][None], v[rk][None], causal=True)
     assert torch.equal(out[rq], dense[0]), b
+print(flash_attn_ext.ops.build_info()["cpu_bf16_amx"])
 print(flash_attn_ext.ops.build_info()["cpu_bf16_dot"])
 """
 
-@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "fp32_tiles"])
+@pytest.mark.parametrize("switch", [None, "no_amx", "0"],
+                         ids=["default", "avx512_bf16", "fp32_tiles"])
 def test_bf16_cpu_paths_meet_the_error_rule(switch):
+    # Three paths where the CPU has them: AMX tiles (bf16_amx.h), the AVX512-BF16 micro-kernel
+    # (FLASH_ATTN_EXT_CPU_BF16_AMX=0 where AMX is there), fp32 tiles (..._DOT=0).
     env = dict(os.environ)
     env.pop("FLASH_ATTN_EXT_CPU_BF16_DOT", None)
-    if switch is not None:
+    env.pop("FLASH_ATTN_EXT_CPU_BF16_AMX", None)
+    if switch == "no_amx":
+        env["FLASH_ATTN_EXT_CPU_BF16_AMX"] = "0"
+    elif switch is not None:
         env["FLASH_ATTN_EXT_CPU_BF16_DOT"] = switch
     run = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    taken = run.stdout.strip().splitlines()[-1]
+    amx, taken = run.stdout.strip().splitlines()[-2:]
+    if switch in ("0", "no_amx"):
+        assert amx == "False"
     if switch == "0":
         assert taken == "False"
     elif os.path.exists("/proc/cpuinfo"):  # (Linux: the flag the run-time check reads)

@@ -10,7 +10,7 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_with_kvcache
-from reference import assert_error_rule, attention_ref
+from reference import assert_error_rule, attention_ref, max_err, slack
 
 HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
@@ -41,8 +41,12 @@ def _cache(batch, cache_len, heads_k, d, dtype, layout, gen):
                                         device="cuda") for _ in "kv")
         k_pages[perm.cuda()] = dense_k[:batch].reshape(batch * blocks, page, heads_k, d)
         v_pages[perm.cuda()] = dense_v[:batch].reshape(batch * blocks, page, heads_k, d)
-        kw["block_table"] = perm.view(batch, blocks).to(torch.int32).cuda()
-        return k_pages, v_pages, kw, lambda b: (dense_k[b], dense_v[b])
+        table = perm.view(batch, blocks).cuda()
+        kw["block_table"] = table.to(torch.int32)
+        # (read back through the table, so that a test that rewrites the pages in place sees
+        # its own values)
+        return k_pages, v_pages, kw, lambda b: (k_pages[table[b]].reshape(-1, heads_k, d),
+                                                v_pages[table[b]].reshape(-1, heads_k, d))
     return dense_k, dense_v, kw, lambda b: (dense_k[entries[b]], dense_v[entries[b]])
 
 
@@ -94,6 +98,55 @@ def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dty
         if seen.any():
             assert (lse[b:b + 1][seen] - true_lse[seen]).abs().max().item() < 1e-2
         assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
+
+
+@pytest.mark.parametrize("layout", ["plain", "paged16", "leftpad"])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("softmax_scale", [1.0, 100.0])
+def test_huge_scores_take_the_exact_pass(layout, num_splits, softmax_scale, kernel_opts):
+    # issue 29 on the decode route: fp16 q and keys of magnitude up to 900 (M ~ 2^24 at scale
+    # 1, 2^31 at 100), where the decode kernel's one-FMA exponent against the rounded m * c
+    # skews P or overflows it; the exact pass after it (cuda/exact_rows.h) recomputes the rows
+    # whose LSE says so.  Out against a float64 reference within fp16's rounding, the LSE to
+    # fp32's; with the option off the defect shows.
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(29)
+    batch, heads, heads_k, d, cache_len = 2, 8, 2, 64, 336
+    k_cache, v_cache, kw, rows = _cache(batch, cache_len, heads_k, d, dtype, layout, gen)
+    k_cache.copy_(k_cache.float().abs().mul(-300).clamp(min=-900).to(dtype))
+    v_cache.copy_(v_cache.float().abs().clamp(max=1).to(dtype))
+    q = (torch.rand(batch, 1, heads, d, generator=gen) * -900).to("cuda", dtype)
+    lens = torch.tensor([cache_len, 200])
+    leftpad = None
+    if layout == "leftpad":
+        leftpad = torch.tensor([0, 37])
+        kw["cache_leftpad"] = leftpad.to(torch.int32).cuda()
+
+    def call():
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens.to(torch.int32).cuda(),
+            softmax_scale=softmax_scale, num_splits=num_splits, return_softmax_lse=True, **kw)
+        assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
+        return out, lse
+
+    def errors(out, lse):
+        worst = (0.0, 0.0)
+        for b in range(batch):
+            lo = 0 if leftpad is None else int(leftpad[b])
+            kc, vc = rows(b)
+            true, true_lse = attention_ref(q[b:b + 1].double(), kc[None, lo:int(lens[b])].double(),
+                                           vc[None, lo:int(lens[b])].double(),
+                                           softmax_scale=softmax_scale)
+            bound = 2 * torch.finfo(dtype).eps + slack(true, dtype)
+            rel = ((lse[b:b + 1].double() - true_lse).abs().max().item()
+                   / true_lse.abs().max().item())
+            worst = max(worst[0], max_err(out[b:b + 1], true) - bound), max(worst[1], rel - 1e-6)
+        return worst
+
+    assert max(errors(*call())) <= 0
+    if softmax_scale == 100.0:
+        kernel_opts(exact_rows_always=False)
+        assert max(errors(*call())) > 0  # (the test would not see the defect otherwise)
 
 
 def test_the_plan_names_the_route():

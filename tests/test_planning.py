@@ -417,6 +417,12 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
         assert now["sm90_schedule"] == "tile" and now["bwd_atomic_dq"]
     assert ops._C.kernel_options()["sm90_schedule"] == "auto"
     assert not ops._C.kernel_options()["bwd_atomic_dq"]
+    # The CUDA backward's exact pass on every call by default (huge scores, issue 29).
+    assert ops._C.kernel_options()["exact_rows_always"]
+    with flash_attn_ext.kernel_options(exact_rows_always=False) as now:
+        assert not now["exact_rows_always"]
+    with pytest.raises(ValueError, match="exact_rows_always must be a bool"):
+        kernel_opts(exact_rows_always=1)
     with pytest.raises(ValueError, match="unknown kernel options"):
         kernel_opts(sm90_epilogue="direct")
     with pytest.raises(ValueError, match="sm90_pack_gqa must be one of 'auto', 'on', 'off'"):

@@ -65,6 +65,40 @@ def test_top_left_causal_alignment_with_l_not_s():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("L,S", [(4, 4), (5, 9), (9, 5)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_with_is_causal_applies_both(L, S, kind):
+    # PyTorch's fused CPU kernel takes attn_mask with is_causal=True and applies both (its
+    # documentation calls it an error, its math backend raises); the drop-in raised ValueError,
+    # so a model that ran on PyTorch broke under patch() (new-user trial).  Against PyTorch
+    # with the two combined into one mask by hand, float64, out and gradients (the float
+    # mask's too); rows the two empty give zeros.
+    torch.manual_seed(L * 10 + S)
+    q = torch.randn(2, 3, L, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, S, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    causal = torch.ones(L, S, dtype=torch.bool).tril()
+    if kind == "bool":
+        mask = torch.rand(2, 1, L, S) > 0.3
+        combined = mask & causal
+    else:
+        mask = torch.randn(2, 1, L, S, dtype=torch.float64, requires_grad=True)
+        combined = mask.masked_fill(~causal, float("-inf"))
+    leaves = [q, k, v] + ([mask] if kind == "float" else [])
+    ours = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=combined).nan_to_num()
+    torch.testing.assert_close(ours, want, atol=1e-12, rtol=1e-12)
+    dout = torch.randn_like(ours)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"),
+                          torch.autograd.grad(ours, leaves, dout),
+                          torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(a, b.nan_to_num(), atol=1e-12, rtol=1e-12, msg=name)
+    with flash_attn_ext.patch():  # (no fallback: ours)
+        flash_attn_ext.reset_fallback_counts()
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        assert flash_attn_ext.fallback_counts() == {}
+
+
 def test_sdpa_reads_views_without_copy():
     # A (B, L, 3, H, E) projection viewed as (B, H, L, E), the usual transformer layout.
     qkv = torch.randn(2, 21, 3, 4, 16)

@@ -139,46 +139,155 @@ def _huge_scores(dtype, softmax_scale):
     return q, k, v, true_out, true_lse
 
 
+@pytest.mark.parametrize("forward", ["hopper", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("softmax_scale", [
-    0.25, 1.0,
-    pytest.param(100.0, marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 29: M ~ 2^31, ulp(M) / 2 > P's range: needs the exact (s - m) * c form")))])
-def test_hopper_forward_huge_scores_keep_one_reference_max(dtype, softmax_scale):
-    # The online softmax's O, l and LSE use the reference max exactly as P used it (m * c
-    # rounded to fp32); with the exact m * c for O's rescale and the LSE, O and l disagreed by
-    # 2^(ulp(M) / 2) at each raise of the max (dev/huge_scores_emulation.py: 7e-3 at 2^24 in
-    # an fp16 row, where the bound below is ~5e-3).  Out is a weighted average of v in [0, 1]:
-    # within the dtype's rounding of the float64 truth.
+@pytest.mark.parametrize("softmax_scale", [0.25, 1.0, 100.0])
+def test_forward_huge_scores_are_exact(kernel_opts, forward, dtype, softmax_scale):
+    # issue 29: the forwards form each exponent with one FMA against the reference max rounded
+    # to fp32, m * c, so a row's P carries a common factor of up to 2^(ulp(M) / 2).  The Hopper
+    # forward's O, l and LSE share that rounded value, so the factor cancels (before: 7e-3 at
+    # 2^24 in dev/huge_scores_emulation.py) until P overflows (M ~ 2^31 at scale 100: inf /
+    # NaN, or -inf where every P underflowed); rows whose |lse * log2 e| >= 2^13, +inf, NaN,
+    # or -inf although they see keys now take the forward's exact pass (cuda/exact_rows.h).
+    # Out is a weighted average of v in [0, 1]: within the dtype's rounding of the float64
+    # truth.
+    kernel_opts(force_portable=forward == "portable")
     q, k, v, true_out, true_lse = _huge_scores(dtype, softmax_scale)
-    out, lse, _ = ops.fwd(q, k, v, softmax_scale)
-    assert explain(q, k, v, layout="blhd").kernel.startswith("sm90_fwd")
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert explain(q, k, v, layout="blhd").kernel.startswith(
+        "sm90_fwd" if forward == "hopper" else "sm80_fwd")
     eps = torch.finfo(dtype).eps
-    assert max_err(out, true_out) <= 2 * eps + slack(true_out, dtype)
-    # The LSE is ~M ln 2: fp32 holds it to 2^-24 relative.
-    rel = (lse.double() - true_lse).abs().max().item() / true_lse.abs().max().item()
-    assert rel <= 1e-6
+
+    def error():
+        out, lse, _ = ops.fwd(q, k, v, softmax_scale)
+        if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+            return float("inf"), float("inf")
+        # The LSE is ~M ln 2: fp32 holds it to 2^-24 relative.
+        rel = (lse.double() - true_lse).abs().max().item() / true_lse.abs().max().item()
+        return max_err(out, true_out) - 2 * eps - slack(true_out, dtype), rel - 1e-6
+
+    assert max(error()) <= 0
+    if forward == "hopper" and softmax_scale == 100.0:
+        kernel_opts(exact_rows_always=False)
+        assert max(error()) > 0  # (the test would not see the defect otherwise)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 29: the backward's P = exp2(s * c - lse * log2(e)) takes the LSE as one fp32 of "
-    "magnitude ~M, so P is off by up to 2^(ulp(M) / 2): 3% at M = 2^20, 40% at 2^22"))
+def test_issue_29_large_softmax_scale_stays_finite():
+    # The issue's reproduction, through the SDPA drop-in: fp16 q, k uniform in [-900, 0], v in
+    # [0, 1]; scale 100 and 1000 gave 57,600 and 121,920 non-finite elements.
+    from flash_attn_ext import scaled_dot_product_attention
+    torch.manual_seed(0)
+    q, k = ((torch.rand(2, 8, 128, 64, device="cuda") * -900).half() for _ in "qk")
+    v = torch.rand(2, 8, 128, 64, device="cuda").half()
+    for scale in (1.0, 10.0, 100.0, 1000.0):
+        out = scaled_dot_product_attention(q, k, v, scale=scale)
+        true = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1) @ v.double()
+        assert torch.isfinite(out).all(), scale
+        bound = 2 * torch.finfo(torch.float16).eps + slack(true, torch.float16)
+        assert max_err(out, true) <= bound, scale
+
+
+@pytest.mark.parametrize("backward", ["hopper", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("softmax_scale", [0.25, 1.0])
-def test_hopper_backward_huge_scores(hopper_bwd, dtype, softmax_scale):
+def test_backward_huge_scores_take_the_exact_pass(kernel_opts, backward, dtype, softmax_scale):
+    # issue 29: the backwards' P = exp2(s * c - lse * log2(e)) takes the LSE as one fp32 of
+    # magnitude ~M, so P was off by up to 2^(ulp(M) / 2) (3% at M = 2^20, 40% at 2^22).  Rows
+    # whose |lse * log2 e| >= 2^13 now take the exact pass on every call (cuda/exact_rows.h);
+    # with the option off (only with a floating bias, as before) the error comes back.
+    kernel_opts(sm90_bwd="on" if backward == "hopper" else "off")
     q, k, v, _, _ = _huge_scores(dtype, softmax_scale)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     true_out, _ = attention_ref(*leaves, softmax_scale=softmax_scale)
     dout = torch.randn_like(true_out)
     true_grads = torch.autograd.grad(true_out, leaves, dout)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    grads = torch.autograd.grad(flash_attn_func(q, k, v, softmax_scale=softmax_scale),
-                                (q, k, v), dout.to(dtype))
     eps = torch.finfo(dtype).eps
-    for name, ours, true in zip(("dq", "dk", "dv"), grads, true_grads):
-        assert torch.isfinite(ours).all(), name
-        assert max_err(ours, true) <= 8 * eps * true.abs().max().item() + slack(true, dtype), name
+    # The rows are nearly one-hot: dS = P (dP - D) cancels, and D = rowsum(dO * O) reads out
+    # rounded to the dtype, so dq and dk carry eps times the cancelling terms' size
+    # (reference.cancellation_scale, as every FlashAttention backward and PyTorch's own).
+    cancel = cancellation_scale(q, k, v, dout, softmax_scale=softmax_scale)[:3]
+
+    def errors():
+        grads = torch.autograd.grad(flash_attn_func(q, k, v, softmax_scale=softmax_scale),
+                                    (q, k, v), dout.to(dtype))
+        assert all(torch.isfinite(g).all() for g in grads)
+        return [max_err(ours, true) - 8 * eps * (true.abs().max().item() + c)
+                - slack(true, dtype) for ours, true, c in zip(grads, true_grads, cancel)]
+
+    over = errors()
+    assert max(over) <= 0, dict(zip(("dq", "dk", "dv"), over))
+    if softmax_scale == 1.0:  # (M ~ 2^24: P off by up to 2x; at 2^22 by up to 19%)
+        kernel_opts(exact_rows_always=False)
+        assert max(errors()) > 0  # (the test would not see the defect otherwise)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_huge_scores_with_a_boolean_mask_take_the_exact_passes(dtype):
+    # A boolean mask alone runs the Hopper kernels' mask variant, whose scores are plain (the
+    # one-FMA exponent) and which read the mask as bytes: the exact passes must read it as
+    # bytes too (cuda/exact_rows.cu: RowScore).  M ~ 2^24 (scale 1): flagged rows throughout.
+    q, k, v, _, _ = _huge_scores(dtype, 1.0)
+    mask = torch.ones(2, 1, 1, 512, dtype=torch.bool, device="cuda")
+    mask[1, ..., 412:] = False
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    true_out, true_lse = attention_ref(*leaves, softmax_scale=1.0, attn_bias=mask)
+    dout = torch.randn_like(true_out)
+    true_grads = torch.autograd.grad(true_out, leaves, dout)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse, _ = ops.fwd(q, k, v, 1.0, attn_bias=mask)
+    eps = torch.finfo(dtype).eps
+    assert max_err(out, true_out) <= 2 * eps + slack(true_out, dtype)
+    assert (lse.double() - true_lse).abs().max().item() <= 1e-6 * true_lse.abs().max().item()
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    cancel = cancellation_scale(q, k, v, dout, softmax_scale=1.0, attn_bias=mask)[:3]
+    for name, ours, true, c in zip(("dq", "dk", "dv"), grads, true_grads, cancel):
+        bound = 8 * eps * (true.abs().max().item() + c) + slack(true, dtype)
+        assert max_err(ours, true) <= bound, name
+
+
+@pytest.mark.parametrize("kernels", ["hopper", "portable"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_with_huge_scores_take_the_exact_passes(kernel_opts, kernels, causal):
+    # The exact passes over packed sequences (cuda/exact_rows.cu: each flagged row located by
+    # cu_seqlens_q, its keys by cu_seqlens_k, causal bottom-right per sequence): out and the
+    # gradients of every sequence against its own float64 reference.  M ~ 2^24 (scale 1, fp16).
+    hopper = kernels == "hopper"
+    kernel_opts(force_portable=not hopper, sm90_bwd="on" if hopper else "off")
+    lens_q, lens_k = [100, 0, 237, 175], [130, 5, 237, 150]
+    torch.manual_seed(290)
+
+    def packed(lens, heads):
+        return (torch.rand(sum(lens), heads, 64, device="cuda") * -900).half()
+
+    q, k = packed(lens_q, 4), packed(lens_k, 2)
+    v = torch.rand(sum(lens_k), 2, 64, device="cuda").half()
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for x in (lens_q, lens_k))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 softmax_scale=1.0, causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    eps = torch.finfo(torch.float16).eps
+    for b in range(len(lens_q)):
+        sq = slice(cu_q[b].item(), cu_q[b + 1].item())
+        sk = slice(cu_k[b].item(), cu_k[b + 1].item())
+        ref = [t[s].detach().double().unsqueeze(0).requires_grad_()
+               for t, s in ((q, sq), (k, sk), (v, sk))]
+        true_out, _ = attention_ref(*ref, softmax_scale=1.0, causal=causal)
+        if true_out.numel() == 0:
+            continue
+        seq_dout = dout[sq].double().unsqueeze(0)
+        true_grads = torch.autograd.grad(true_out, ref, seq_dout)
+        assert max_err(out[sq].unsqueeze(0), true_out) <= 2 * eps + slack(true_out, torch.float16)
+        # (nearly one-hot rows: the cancellation allowance of the test above)
+        cancel = cancellation_scale(*(t.detach().half() for t in ref), seq_dout,
+                                    softmax_scale=1.0, causal=causal)[:3]
+        for name, ours, true, c in zip(("dq", "dk", "dv"),
+                                       (grads[0][sq], grads[1][sk], grads[2][sk]), true_grads,
+                                       cancel):
+            bound = 8 * eps * (true.abs().max().item() + c) + slack(true, torch.float16)
+            assert max_err(ours.unsqueeze(0), true) <= bound, (b, name)
 
 
 @pytest.fixture

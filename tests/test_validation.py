@@ -99,9 +99,6 @@ def test_op_level_checks():
 
 def test_sdpa_argument_errors():
     q, k, v = (t.transpose(1, 2) for t in qkv())
-    with pytest.raises(ValueError, match="attn_mask and is_causal"):
-        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool),
-                                     is_causal=True)
     with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\], got 1.5"):
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match=r"query must have at least 3 dim.* got query.dim\(\)=2"):
@@ -191,8 +188,8 @@ def test_explain_checks_like_a_call():
     with pytest.raises(ValueError, match="softcap"):
         explain(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), layout="blhd",
                 softcap=-1.0)
-    with pytest.raises(ValueError, match="cannot be used together"):
-        explain(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
+    # (a mask with is_causal=True is taken: both apply, as PyTorch's fused CPU kernel)
+    assert explain(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True).fused
     # Only the keywords of the layout's own function (SDPA has no window or softcap).
     with pytest.raises(TypeError, match="window_size"):
         explain(q, q, q, window_size=(4, 0))

@@ -284,10 +284,179 @@ def test_bad_packing_is_a_clear_error(case, match):
         flash_attn_varlen_func(q, k, v, alibi_slopes=slopes, **args)
 
 
-def test_what_is_not_served_yet_says_so():
+def _paged(lens_k, page, heads_kv, d, dtype, gen, shared=False):
+    """Pages holding each sequence's keys and values in a shuffled order, unused slots -1:
+    (k_pages, v_pages, block_table, rows) with rows(b) the (len_k, heads_kv, d) index of
+    sequence b's keys in the pages (for the contiguous reference).  ``shared``: sequence 1
+    reads sequence 0's first page as its own first page (a prefix shared by reference)."""
+    slots = max(1, max((n + page - 1) // page for n in lens_k))
+    count = sum((n + page - 1) // page for n in lens_k) + 2  # (two pages nobody reads)
+    order = torch.randperm(count, generator=gen)
+    k_pages = torch.randn(count, page, heads_kv, d, generator=gen, dtype=dtype)
+    v_pages = torch.randn(count, page, heads_kv, d, generator=gen, dtype=dtype)
+    table = torch.full((len(lens_k), slots), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens_k):
+        for j in range((n + page - 1) // page):
+            table[b, j] = order[used]
+            used += 1
+    if shared and len(lens_k) > 1 and lens_k[0] and lens_k[1]:
+        table[1, 0] = table[0, 0]
+
+    def rows(b):
+        j = torch.arange(lens_k[b])
+        return table[b].long()[j // page], j % page
+    return k_pages, v_pages, table, rows
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA device and a CUDA build"))])
+@pytest.mark.parametrize("page", [1, 3, 16])
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(5, 2)),
+                                  dict(seqused=True), dict(shared=True, causal=True)], ids=str)
+def test_block_table_reads_paged_keys_as_the_packed_sequences(page, case, device):
+    # FlashAttention's paged KV in flash_attn_varlen_func: k and v as pages, block_table the
+    # pages of each sequence (it raised NotImplementedError).  Against the same call on the
+    # keys gathered into packed sequences by hand: out, softmax_lse and the gradients of q and
+    # of the pages (summed where two sequences share a page); lengths 0 and 1, GQA.  float64
+    # on the CPU (equal to rounding), bf16 on CUDA (the same kernels on the same keys: a wrong
+    # page or row would be off by O(1)).
+    case = dict(case)
+    gen = torch.Generator().manual_seed(page)
+    lens_q, lens_k = [3, 5, 0, 1, 7], [9, 17, 4, 0, 6]
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    k_pages, v_pages, table, rows = _paged(lens_k, page, 2, 16, torch.float64, gen,
+                                           shared=case.pop("shared", False))
+    seqused = torch.tensor([9, 11, 0, 0, 6], dtype=torch.int32) if case.pop("seqused", False) \
+        else None
+    cq, ck = _offsets(lens_q), _offsets(lens_k)
+    q = torch.randn(int(cq[-1]), 4, 16, generator=gen, dtype=torch.float64)
+    dout = torch.randn(int(cq[-1]), 4, 16, generator=gen, dtype=torch.float64)
+    q, dout, k_pages, v_pages = (t.to(device, dtype) for t in (q, dout, k_pages, v_pages))
+    table = table.to(device)
+    if seqused is not None:
+        seqused = seqused.to(device)
+    cq, ck = cq.to(device), ck.to(device)
+
+    def run(paged):
+        leaves = [t.clone().requires_grad_() for t in (q, k_pages, v_pages)]
+        if paged:
+            k, v, table_arg = leaves[1], leaves[2], table
+        else:  # the same keys, gathered by hand into packed sequences
+            k = torch.cat([leaves[1][rows(b)] for b in range(len(lens_k))])
+            v = torch.cat([leaves[2][rows(b)] for b in range(len(lens_k))])
+            table_arg = None
+        out, lse, _ = flash_attn_varlen_func(leaves[0], k, v, cq, ck, max(lens_q),
+                                             max(lens_k), return_attn_probs=True,
+                                             block_table=table_arg, seqused_k=seqused, **case)
+        return (out, lse) + torch.autograd.grad(out, leaves, dout, allow_unused=True)
+
+    ours, ref = run(True), run(False)
+    tol = 1e-12 if device == "cpu" else 2e-2
+    for name, a, b in zip(("out", "lse", "dq", "dk_pages", "dv_pages"), ours, ref):
+        b = torch.zeros_like(a) if b is None else b
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+
+
+def test_block_table_errors_name_the_rule():
+    gen = torch.Generator().manual_seed(0)
+    k_pages, v_pages, table, _ = _paged([5, 7], 4, 2, 8, torch.float32, gen)
+    q = torch.randn(4, 2, 8)
+    cq, ck = _offsets([2, 2]), _offsets([5, 7])
+
+    def call(**kw):
+        args = dict(q=q, k=k_pages, v=v_pages, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                    max_seqlen_q=2, max_seqlen_k=7, block_table=table)
+        args.update(kw)
+        return flash_attn_varlen_func(**args)
+
+    call()
+    with pytest.raises(ValueError, match="block_table must be a \\(batch, max_num_blocks\\) "
+                                         "= \\(2, ...\\) int32"):
+        call(block_table=table.long())
+    bad = table.clone()
+    bad[1, 1] = 99
+    with pytest.raises(ValueError, match=r"page indices in \[0, 6\).*block_table\[1, 1\]=99"):
+        call(block_table=bad)
+    bad = table.clone()
+    bad[0, 1] = -1  # (slot 1 of sequence 0 holds keys 4..: used)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]=-1"):
+        call(block_table=bad)
+    with pytest.raises(ValueError, match="2 slots of 4 keys per sequence, but sequence 1 has "
+                                         "9 keys"):
+        call(cu_seqlens_k=_offsets([5, 9]), max_seqlen_k=9)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        call(cu_seqlens_k=torch.tensor([0, 5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_k=6 is shorter"):
+        call(max_seqlen_k=6)
+    with pytest.raises(ValueError, match=r"seqused_k must be in \[0, each sequence's length\] "
+                                         r"\(cu_seqlens_k: \[5, 7\]\), got \[5, 8\]"):
+        call(seqused_k=torch.tensor([5, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seqused_k must be in \[0"):
+        call(seqused_k=torch.tensor([-1, 2], dtype=torch.int32))
+    # (a review: these were converted or failed with PyTorch's messages)
+    for bad in (torch.tensor([2.7, 3.0]), torch.tensor([2, 3]), torch.tensor([2, 3, 1],
+                                                                              dtype=torch.int32)):
+        with pytest.raises(ValueError, match="seqused_k must be a \\(batch,\\) = \\(2,\\) "
+                                             "int32 tensor"):
+            call(seqused_k=bad)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be on q's device"):
+        call(cu_seqlens_k=ck.to("meta"))
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k must both have batch "
+                                         "\\+ 1 entries"):
+        call(cu_seqlens_q=_offsets([2, 1, 1]))
+    with pytest.raises(ValueError, match="k must be pages of shape"):
+        call(k=k_pages[0])
+    with pytest.raises(TypeError, match="block_table must be a torch.Tensor"):
+        call(block_table=[[0, 1], [2, 3]])
+
+
+def test_block_table_copies_only_the_slots_max_seqlen_k_needs_and_takes_empty_pools(
+        monkeypatch):
+    # A table sized for the longest context (vLLM's) is cut to ceil(max_seqlen_k / page_size)
+    # slots before the copy; a pool of no pages serves sequences of no keys (it raised
+    # IndexError: a review).
+    gen = torch.Generator().manual_seed(2)
+    k_pages, v_pages, table, _ = _paged([5, 7], 4, 2, 8, torch.float64, gen)
+    wide = torch.cat([table, torch.full((2, 1000), -1, dtype=torch.int32)], 1)
+    q = torch.randn(4, 2, 8, dtype=torch.float64)
+    cq, ck = _offsets([2, 2]), _offsets([5, 7])
+    seen = {}
+    real = flash_attn_ext.varlen.fwd_varlen_op
+
+    def spy(q, k, *args):
+        seen["rows"] = k.shape[0]
+        return real(q, k, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(flash_attn_ext.varlen, "fwd_varlen_op", spy)
+        out = flash_attn_varlen_func(q, k_pages, v_pages, cq, ck, 2, 7, block_table=wide)
+    assert seen["rows"] == 2 * 8  # (2 slots of 4 keys per sequence, not 1002)
+    torch.testing.assert_close(out, flash_attn_varlen_func(q, k_pages, v_pages, cq, ck, 2, 7,
+                                                           block_table=table))
+    empty = k_pages[:0]
+    out = flash_attn_varlen_func(q, empty, empty, cq, _offsets([0, 0]), 2, 0,
+                                 block_table=torch.full((2, 1), -1, dtype=torch.int32))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_block_table_under_compile():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(1)
+    k_pages, v_pages, table, _ = _paged([5, 7], 4, 2, 8, torch.float32, gen)
+    q = torch.randn(4, 2, 8)
+    cq, ck = _offsets([2, 2]), _offsets([5, 7])
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cq, ck, 2, 7, causal=True, block_table=table)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(
+        q, k_pages, v_pages), f(q, k_pages, v_pages))
+
+
+def test_meta_tensors_get_the_fake_kernels_shapes():
     q, k, v, cq, ck = _packed([4], [4], 2, 2, 8, 8, torch.float32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(q, k, v, cq, ck, 4, 4, block_table=torch.zeros(1, 1))
     # Meta tensors (torch.compile's tracing): the fake kernel's shapes.
     meta = [t.detach().to("meta") for t in (q, k, v)]
     assert flash_attn_varlen_func(*meta, cq, ck, 4, 4).shape == (4, 2, 8)
@@ -764,6 +933,42 @@ def test_cuda_offsets_synchronise_once_per_call_and_on_the_host_never(with_sequs
         for name, got, want in zip(("dq", "dk", "dv"), result[1:], reference[1:]):
             # (dQ: the Hopper backward adds it in any order)
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2, msg=name)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
+@pytest.mark.parametrize("offsets_on_host", [False, True])
+def test_cuda_paged_call_synchronises_once(offsets_on_host):
+    # block_table on the GPU: its checks read it on the host, in the one copy that also takes
+    # the offsets (and seqused_k), so a paged call waits for the GPU once, forward and
+    # backward together, wherever the offsets are.
+    gen = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [6, 30, 3], [10, 45, 12]
+    k_pages, v_pages, table, _ = _paged(lens_k, 16, 2, 64, torch.float32, gen)
+    k_pages, v_pages = (t.to("cuda", torch.bfloat16).requires_grad_() for t in (k_pages, v_pages))
+    table = table.cuda()
+    cq, ck = _offsets(lens_q), _offsets(lens_k)
+    if not offsets_on_host:
+        cq, ck = cq.cuda(), ck.cuda()
+    q = torch.randn(int(cq[-1]), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+
+    def run():
+        out = flash_attn_varlen_func(q, k_pages, v_pages, cq, ck, 30, 45, causal=True,
+                                     block_table=table)
+        return (out, *torch.autograd.grad(out, (q, k_pages, v_pages), dout))
+    reference = run()  # (first calls allocate pinned memory)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught
+             if "called a synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert torch.equal(result[0], reference[0])
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")

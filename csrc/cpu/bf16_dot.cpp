@@ -4,6 +4,8 @@
 // function can be picked by the linker for code that runs on other CPUs.
 #include "cpu/bf16_dot.h"
 
+#include "cpu/bf16_amx.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -23,6 +25,10 @@
 #endif
 
 namespace flash_attn_ext::cpu::bf16dot {
+
+ChunkGuard::~ChunkGuard() {
+  if (on && bf16amx::enabled()) bf16amx::release();
+}
 
 bool enabled() {
 #if FAE_HAVE_BF16_DOT
@@ -205,6 +211,15 @@ Micro pick(int mr, int nv) {
 void gemm(float* c, int64_t ldc, const uint32_t* a, int64_t a_m, int64_t a_p, const uint32_t* b,
           int64_t ldb, int64_t m, int64_t n, int64_t pairs, float alpha, bool accumulate) {
   if (m <= 0 || n <= 0) return;
+  // AMX where the CPU has it (bf16_amx.h): A in rows, or transposed (a_m = 1: the backward's
+  // P^T and dS^T).
+  if (bf16amx::enabled() && (a_p == 1 || a_m == 1)) {
+    if (a_p == 1)
+      bf16amx::gemm(c, ldc, a, a_m, b, ldb, m, n, pairs, alpha, accumulate);
+    else
+      bf16amx::gemm_transposed(c, ldc, a, a_p, b, ldb, m, n, pairs, alpha, accumulate);
+    return;
+  }
   for (int64_t j0 = 0; j0 < n; j0 += 16 * kNV) {
     const int64_t w = n - j0 < 16 * kNV ? n - j0 : 16 * kNV;
     const int nv = static_cast<int>((w + 15) / 16);

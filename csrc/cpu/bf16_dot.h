@@ -49,4 +49,11 @@ void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, 
 void gemm(float* c, int64_t ldc, const uint32_t* a, int64_t a_m, int64_t a_p, const uint32_t* b,
           int64_t ldb, int64_t m, int64_t n, int64_t pairs, float alpha, bool accumulate);
 
+// Held by each parallel chunk that may call gemm (`on`: it does): its end releases the
+// thread's AMX state where gemm took the AMX path (bf16_amx.h).
+struct ChunkGuard {
+  bool on;
+  ~ChunkGuard();
+};
+
 }  // namespace flash_attn_ext::cpu::bf16dot

@@ -101,6 +101,7 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
   std::vector<acc_t> dq_partial(chunks > 1 ? chunks * pairs * group * L * D : 0);
 
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+    const bf16dot::ChunkGuard amx_state{dot};
     std::vector<acc_t> delta(group * L), dq_own(chunks > 1 ? 0 : group * L * D);
     std::vector<acc_t> k_buf(conv ? BK * D : 0), v_buf(conv ? BK * Dv : 0);
     std::vector<acc_t> q_buf(conv ? BQ * D : 0), do_buf(conv ? BQ * Dv : 0);

@@ -106,6 +106,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   const int64_t D2 = (D + 1) / 2;
 
   at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
+    const bf16dot::ChunkGuard amx_state{dot};
     const bool conv = !kInPlace && !dot;
     std::vector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
         v_buf(conv ? BK * Dv : 0);

@@ -10,8 +10,10 @@
 // and the mask's gradient (the CPU backward had the same defect, fixed by the same rule:
 // docs/reference.md).
 //
-// With a floating attn_bias (the only way a finite huge LSE arises outside absurd
-// softmax_scales; a boolean mask is -inf where it hides), the glue runs:
+// A finite huge LSE arises from a floating attn_bias of huge values (a boolean mask is -inf
+// where it hides) and, without one, from huge scores (|q.k| * scale * log2 e >= 2^13: large
+// softmax_scales or unnormalised activations, issue 29).  On every backward (KernelOptions::
+// exact_rows_always; off: only with a floating bias) the glue runs:
 //   1. exact_rows_flag: rows whose LSE is finite with |lse * log2 e| >= kExactRowsLse2 are
 //      flagged and get LSE -inf in a copy the main backward reads, so that their P there is 0:
 //      the main kernels give them no dq and add nothing to dk, dv or the bias's gradient;
@@ -26,6 +28,22 @@
 // Without a flagged row both kernels read one flag and return.  The pass is scalar fp32 code,
 // far slower per row than the main kernels: a call with many such rows (a left-padded causal
 // batch masked by -1e9) pays for correctness.
+//
+// The forward has the same limit where its scores are plain (no softcap, float bias or ALiBi:
+// those go to log2 units before the softmax, score.h, and their reference max is exact): each
+// exponent is one FMA, s * c - m_c, with m_c = m * c rounded to float32, so a row's P carries
+// the common factor 2^(m * c - m_c), up to 2^(ulp(M) / 2) at scores of magnitude M in the exp2
+// domain.  The Hopper forward's O, l and LSE share m_c, so the factor cancels until P
+// overflows (16-bit P: M >~ 2^27 with fp16, 2^31 with bf16; issue 29's fp16 inputs of
+// magnitude 900 with scale 100 are at ~2^31); the portable forward's rescale and LSE use the
+// exact product, so its O and l disagree by that factor from M ~ 2^13.  After every forward
+// of plain scores, dense, packed or decoding against a KV cache (exact_rows_always),
+// exact_rows_forward (exact_rows_decode) reads the LSE the main forward wrote and, for rows
+// whose |lse * log2 e| >= kExactRowsLse2, whose LSE is +inf or NaN, or -inf although they see
+// keys (every P underflowed), recomputes out and the LSE with exponents (s - m) * c (exact where
+// s is close to m).  Without such a row it reads
+// the LSE and returns: one launch.  The backward's pass runs in the packed sequences'
+// backward too.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,17 +58,28 @@ namespace flash_attn_ext::cuda {
 // 2^-11 in the exponent) scales P by at most 1 +- 3.4e-4, under a 16-bit output's rounding.
 constexpr float kExactRowsLse2 = 8192.f;
 
-// Step 1 for the (batch, heads_q, seqlen_q) rows of p.softmax_lse: lse_hidden (same layout)
+// Step 1 for the rows of p.softmax_lse ((batch, heads_q, seqlen_q); packed sequences
+// (heads_q, total_q)): lse_hidden (same layout)
 // gets -inf at flagged rows and lse elsewhere, flags 1 / 0 per row, and *any 1 if some row is
 // flagged (the caller zeroes it first).
 cudaError_t exact_rows_flag(const BwdParams& p, float* lse_hidden, uint8_t* flags, int32_t* any,
                             cudaStream_t stream);
 
-// Step 3, after the main backward wrote dq, dk, dv (and p.dbias_full): p.softmax_lse the
-// forward's LSE again; row_stats: 3 floats per row of scratch.  Element: __half or
+// Step 3, after the main backward wrote dq, dk, dv (and p.dbias_full); row_stats: 3 floats
+// per row of scratch.  Element: __half or
 // __nv_bfloat16, the dtype of q, k, v and the gradients.
 template <typename Element>
 cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const int32_t* any,
                                 float* row_stats, cudaStream_t stream);
+
+// The forward's pass, after the main forward wrote p.out and p.softmax_lse (plain scores; a
+// boolean mask kept as bytes, bias_is_mask, is plain too).  Element: __half or __nv_bfloat16.
+template <typename Element>
+cudaError_t exact_rows_forward(const FwdParams& p, cudaStream_t stream);
+
+// The same after the KV-cache decode kernels (and their combine) wrote p.out and p.softmax_lse
+// (plain scores).
+template <typename Element>
+cudaError_t exact_rows_decode(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::cuda

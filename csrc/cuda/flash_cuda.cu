@@ -382,7 +382,7 @@ at::Tensor sm90_bwd_varlen_tables(BwdParams& p, const Packed& pk, const at::Tens
 
 // The forward as the rule chose it (choice.fwd): the Hopper kernel with its scheduler's scratch,
 // the process's kernel options and, for packed sequences (`packed`), the tile table (else the
-// bias's block summary), or the portable kernel; on the current stream.
+// bias's block summary), or the portable kernel; then the exact pass; on the current stream.
 void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdParams& p,
                  const at::Tensor& q, const Packed* packed) {
   const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
@@ -413,6 +413,14 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
                : run_fwd<__half>(kernel_dim, p, stream);
   }
   C10_CUDA_CHECK(err);
+  // Rows whose plain scores are too large for the main forward's one-FMA exponent
+  // (cuda/exact_rows.h): recomputed exactly, after it, on every call unless the option
+  // exact_rows_always is off.
+  if (options.exact_rows_always && p.softcap <= 0.0 && p.alibi_slopes == nullptr &&
+      (p.attn_bias == nullptr || p.bias_is_mask)) {
+    C10_CUDA_CHECK(bf16 ? exact_rows_forward<__nv_bfloat16>(p, stream)
+                        : exact_rows_forward<__half>(p, stream));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
@@ -459,6 +467,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
                                              : out_padded.narrow(3, 0, a.head_dim_v).contiguous();
   return {out, lse, rng_state};
 }
+
+// The backward's exact pass around the main backward (cuda/exact_rows.h): hide() flags the
+// rows of `lse` whose LSE cannot give their P and points p at a copy of it that hides them;
+// finish(), after the main backward, does their part.  Nothing where hide() was not called.
+struct ExactRowsPass {
+  at::Tensor lse_hidden, flags, any, row_stats;
+  void hide(BwdParams& p, const at::Tensor& lse, cudaStream_t stream) {
+    lse_hidden = at::empty_like(lse);
+    flags = at::empty({lse.numel()}, lse.options().dtype(at::kByte));
+    any = at::empty({1}, lse.options().dtype(at::kInt));
+    row_stats = at::empty({3 * lse.numel()}, lse.options());
+    C10_CUDA_CHECK(cudaMemsetAsync(any.data_ptr(), 0, sizeof(int32_t), stream));
+    C10_CUDA_CHECK(exact_rows_flag(p, lse_hidden.data_ptr<float>(), flags.data_ptr<uint8_t>(),
+                                   any.data_ptr<int32_t>(), stream));
+    p.softmax_lse = lse_hidden.data_ptr();
+  }
+  void finish(const BwdParams& p, bool bf16, cudaStream_t stream) const {
+    if (!lse_hidden.defined()) return;
+    const uint8_t* f = flags.data_ptr<uint8_t>();
+    const int32_t* a = any.data_ptr<int32_t>();
+    float* stats = row_stats.data_ptr<float>();
+    C10_CUDA_CHECK(bf16 ? exact_rows_backward<__nv_bfloat16>(p, f, a, stats, stream)
+                        : exact_rows_backward<__half>(p, f, a, stats, stream));
+  }
+};
 
 // Backward by recomputation (flash_bwd_kernel.cuh): D = rowsum(dO * O), then the dK/dV and dQ
 // kernels, as kernel_select.h picks them.  Plain attention runs the 8-warp kernels of
@@ -533,21 +566,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       const bool bf16 = q.scalar_type() == at::kBFloat16;
       // Rows whose LSE cannot give their P (a floating bias of huge finite values hiding all of
-      // a row's keys; cuda/exact_rows.h): the main backward reads a copy of the LSE that hides
-      // them, the exact pass below does their part.
-      const bool exact_rows = attn_bias.has_value() && attn_bias->is_floating_point();
-      at::Tensor lse_hidden, exact_flags, exact_any, row_stats;
-      if (exact_rows) {
-        lse_hidden = at::empty_like(lse);
-        exact_flags = at::empty({lse.numel()}, lse.options().dtype(at::kByte));
-        exact_any = at::empty({1}, lse.options().dtype(at::kInt));
-        row_stats = at::empty({3 * lse.numel()}, lse.options());
-        C10_CUDA_CHECK(cudaMemsetAsync(exact_any.data_ptr(), 0, sizeof(int32_t), stream));
-        C10_CUDA_CHECK(exact_rows_flag(p, lse_hidden.data_ptr<float>(),
-                                       exact_flags.data_ptr<uint8_t>(),
-                                       exact_any.data_ptr<int32_t>(), stream));
-        p.softmax_lse = lse_hidden.data_ptr();
-      }
+      // a row's keys, or huge scores): cuda/exact_rows.h.  On every call unless the option
+      // exact_rows_always is off: without a floating bias only the scores can make such rows,
+      // and the flag kernel reads the LSE to know.
+      ExactRowsPass exact_rows;
+      if (options.exact_rows_always || (attn_bias.has_value() && attn_bias->is_floating_point()))
+        exact_rows.hide(p, lse, stream);
       cudaError_t err;
 #ifdef FLASH_ATTN_EXT_SM90
       if (choice.bwd == BwdKernel::kSm90) {
@@ -593,14 +617,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                    : run_bwd<__half>(kernel_dim, p, delta_ptr, stream);
       }
       C10_CUDA_CHECK(err);
-      if (exact_rows) {
-        const uint8_t* flags = exact_flags.data_ptr<uint8_t>();
-        const int32_t* any = exact_any.data_ptr<int32_t>();
-        C10_CUDA_CHECK(bf16 ? exact_rows_backward<__nv_bfloat16>(p, flags, any,
-                                                                 row_stats.data_ptr<float>(), stream)
-                            : exact_rows_backward<__half>(p, flags, any,
-                                                          row_stats.data_ptr<float>(), stream));
-      }
+      exact_rows.finish(p, bf16, stream);
     }
   }
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v),
@@ -738,6 +755,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     const int64_t kernel_dim = std::max(p.head_dim, p.head_dim_v);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool bf16 = q.scalar_type() == at::kBFloat16;
+    // Rows whose LSE cannot give their P (huge scores: cuda/exact_rows.h), as in bwd_cuda.
+    ExactRowsPass exact_rows;
+    if (options.exact_rows_always) exact_rows.hide(p, lse, stream);
 #ifdef FLASH_ATTN_EXT_SM90
     if (choice.bwd == BwdKernel::kSm90) {
       // The key-block table and the padded rows, then fp32 scratch in those rows: the
@@ -771,6 +791,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       C10_CUDA_CHECK(bf16 ? run_bwd<__nv_bfloat16>(kernel_dim, p, delta.data_ptr<float>(), stream)
                           : run_bwd<__half>(kernel_dim, p, delta.data_ptr<float>(), stream));
     }
+    exact_rows.finish(p, bf16, stream);
   }
   return {unpad(dq, a.head_dim), unpad(dk, a.head_dim), unpad(dv, a.head_dim_v)};
 }

@@ -14,6 +14,8 @@
 #include <cstdint>
 
 #include "checks.h"
+#include "cuda/exact_rows.h"
+#include "kernel_select.h"  // kernel_options
 #include "kernels/sm80/flash_decode_launch.h"
 #include "kernels/sm80/launch.h"  // per_device_cached, multiprocessor_count
 
@@ -233,6 +235,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
            : kernel_dim == 128 ? sm80::run_flash_decode<E, 128>(p, stream)
                                : sm80::run_flash_decode<E, 256>(p, stream);
   }));
+  // Rows whose plain scores are too large for the decode kernel's one-FMA exponent
+  // (cuda/exact_rows.h): recomputed exactly, after it, unless the option exact_rows_always is
+  // off.
+  if (kernel_options().exact_rows_always && p.softcap <= 0.0 && p.alibi_slopes == nullptr) {
+    C10_CUDA_CHECK(by_dtype(q, [&](auto element) {
+      return exact_rows_decode<decltype(element)>(p, stream);
+    }));
+  }
   return {out, lse};
 }
 

@@ -36,7 +36,8 @@ stage() {  # name, pytest arguments...
 }
 STAGES=${STAGES:-compile core others}
 case " $STAGES " in *" compile "*)
-  stage compile -k compile tests/test_cuda.py tests/test_ops.py tests/test_sm90.py;; esac
+  stage compile -k compile tests/test_cuda.py tests/test_ops.py tests/test_sm90.py \
+    tests/test_varlen.py tests/test_kvcache.py tests/test_sdpa.py tests/test_dropout.py;; esac
 case " $STAGES " in *" core "*)
   stage core -k "not compile" tests/test_sm90.py tests/test_cuda.py;; esac
 # shellcheck disable=SC2086

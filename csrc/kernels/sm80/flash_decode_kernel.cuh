@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/sm80/decode_entry.h"
 #include "kernels/sm80/flash_decode_launch.h"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/mma.h"
@@ -58,35 +59,6 @@ struct DecodeTraits {
   static constexpr int kSmem = kSmemQ + kSmemMain + kSmemStats;
   static_assert(kBlockN == 16, "the loads: passes of 4 or 16 rows");
 };
-
-// Where batch row b's keys are, and whether its values obey the rules (DecodeParams).
-struct DecodeEntry {
-  int64_t entry;  // cache entry (contiguous caches)
-  int64_t start;  // first used cache row (leftpad)
-  int64_t len_k;  // used rows
-  bool ok;
-  __device__ __forceinline__ DecodeEntry(const DecodeParams& p, int64_t b) {
-    const int64_t seqlen = p.cache_seqlens[b];
-    const int64_t total = seqlen + p.seqlen_new;
-    start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
-    entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
-    len_k = total - start;
-    ok = seqlen >= 0 && total <= p.seqlen_cache && start >= 0 && start <= total &&
-         (p.block_table != nullptr || (entry >= 0 && entry < p.num_entries)) &&
-         (p.seqlen_ro < 0 || seqlen + p.rotary_rows <= p.seqlen_ro);
-  }
-};
-
-// Element offset of cache row `row` of batch row b (paged: through its block table row `bt`).
-__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const int32_t* bt,
-                                                     int64_t entry, int64_t row,
-                                                     int64_t batch_stride, int64_t row_stride) {
-  if (bt == nullptr) return entry * batch_stride + row * row_stride;
-  const uint32_t r = static_cast<uint32_t>(row), ps = static_cast<uint32_t>(p.page_size);
-  const uint32_t page = r / ps;
-  return static_cast<int64_t>(bt[page]) * batch_stride + static_cast<int64_t>(r - page * ps) *
-                                                             row_stride;
-}
 
 template <typename Element, int kHeadDim, int kMTiles>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
