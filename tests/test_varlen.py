@@ -105,6 +105,37 @@ def test_each_sequence_is_its_own_attention_float64(case):
     assert torch.equal(grads[1][-3:], torch.zeros_like(grads[1][-3:]))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_offsets_may_start_past_row_0_float64(causal):
+    # cu_seqlens_q[0] / cu_seqlens_k[0] > 0 (a new-user question: FlashAttention-2's docs start
+    # them at 0): the sequences are read at their offsets, the rows before the first offset are
+    # left as those past the last are (out 0, softmax_lse -inf, zero gradients), and keys before
+    # the first key offset get zero gradients.
+    torch.manual_seed(11)
+    q = torch.randn(20, 4, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(15, 2, 16, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    cq = torch.tensor([3, 8, 17], dtype=torch.int32)
+    ck = torch.tensor([2, 9, 13], dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cq, ck, 9, 7, causal=causal,
+                                         return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, causal=causal)
+    assert (out - ref).abs().max().item() < 1e-12
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-11
+    for rows in (slice(0, 3), slice(17, 20)):
+        assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+        assert bool((lse[:, rows] == float("-inf")).all())
+        assert torch.equal(grads[0][rows], torch.zeros_like(grads[0][rows]))
+    for rows in (slice(0, 2), slice(13, 15)):
+        assert torch.equal(grads[1][rows], torch.zeros_like(grads[1][rows]))
+        assert torch.equal(grads[2][rows], torch.zeros_like(grads[2][rows]))
+
+
 def _lse_gradient_case(device, dtype):
     """Packed q/k/v (lengths with an empty sequence, L > S causal rows that see no key, GQA, a
     tail) on `device`, and the gradients of out . dout + lse . dlse from our kernels, from the
