@@ -13,6 +13,8 @@ Cases (bf16, B * L = 16384 tokens, H = 2048 / d heads, SDPA's (B, H, L, d) layou
   dropout         dropout_p = 0.1 causal: ours and SDPA's FLASH backend
 Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kernels: a boolean
 mask alone runs the Hopper kernels' mask variant), ours_sm80 (the portable kernels),
+ours_fma_exp2_0 / _4 (softcap: the kernel option sm90_fma_exp2, none or 4 of every 8 columns'
+exp2s on the FMA pipe at d = 64, where the default takes 2; builds that have the option),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
 everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
 variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
@@ -117,7 +119,17 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
         bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
         return ours(q, k, v, dict(spec, attn_mask=bias))
 
+    def ours_fma_exp2(n):  # the softcap variant's exp2 split (d = 64), another of its A/B forms
+        def run(q, k, v, spec):
+            with flash_attn_ext.kernel_options(**run.options):
+                return ours(q, k, v, spec)
+        run.options = dict(sm90_fma_exp2=n)
+        return run
+
     impls: Dict[str, Callable] = {"ours": ours, "ours_sm80": ours_sm80}
+    if case == "softcap" and "sm90_fma_exp2" in flash_attn_ext.ops._C.kernel_options():
+        impls["ours_fma_exp2_0"] = ours_fma_exp2(0)
+        impls["ours_fma_exp2_4"] = ours_fma_exp2(4)
     if case in ("padding", "causal_padding"):
         impls["ours_no_blocks"] = ours_no_blocks
         impls["ours_as_bias"] = ours_as_bias

@@ -66,6 +66,10 @@ struct KernelOptions {
   // 2^13: issue 29) and the forward's (plain scores).  false: the backward's only with a
   // floating bias, the forward's never (to measure what the passes cost the other calls).
   bool exact_rows_always = true;
+  // The Hopper forward's softcap variant at head dim 64: of every 8 columns of S a thread
+  // holds, how many take their exp2 on the FMA pipe (a polynomial) instead of the MUFU unit;
+  // -1: the kernel's default (OnlineSoftmax::kFmaExp2Of8).  Experimental: for same-build A/Bs.
+  int32_t sm90_fma_exp2 = -1;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

@@ -144,6 +144,10 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_bias_blocks"] = o.sm90_bias_blocks;
   d["sm90_bwd"] = pack[static_cast<int>(o.sm90_bwd)];
   d["exact_rows_always"] = o.exact_rows_always;
+  if (o.sm90_fma_exp2 < 0)
+    d["sm90_fma_exp2"] = "auto";
+  else
+    d["sm90_fma_exp2"] = o.sm90_fma_exp2;
   return d;
 }
 
@@ -198,6 +202,16 @@ void set_kernel_options(const pybind11::dict& values) {
       o.sm90_bwd = static_cast<Sm90Bwd>(word({"auto", "on", "off"}));
     } else if (key == "exact_rows_always") {
       flag(o.exact_rows_always);
+    } else if (key == "sm90_fma_exp2") {
+      const bool is_int =
+          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
+      const bool is_auto =
+          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
+      const int64_t n = is_int ? v.cast<int64_t>() : -1;
+      TORCH_CHECK_VALUE(is_auto || n == 0 || n == 2 || n == 4,
+                        "sm90_fma_exp2 must be 'auto', 0, 2 or 4 (exp2s on the FMA pipe per 8 "
+                        "columns), got ", pybind11::repr(v).cast<std::string>());
+      o.sm90_fma_exp2 = static_cast<int32_t>(n);
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

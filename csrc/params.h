@@ -123,6 +123,9 @@ struct FwdParams {
   // windowed with dQ in any order: (batch, KV head) pairs per section of its launch order (0: the
   // launcher's choice; KernelOptions::sm90_section_pairs, experimental)
   int32_t heads_per_section = 0;
+  // Hopper forward, softcap variant at head dim 64: exp2s on the FMA pipe per 8 columns (-1:
+  // the kernel's default; KernelOptions::sm90_fma_exp2, experimental)
+  int32_t sm90_fma_exp2 = -1;
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
   // KernelOptions::sm90_row_shift = false, experimental, clears it)
   bool sm90_row_shift = true;

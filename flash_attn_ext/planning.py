@@ -104,7 +104,9 @@ def set_kernel_options(**options) -> dict:
     "tile"), ``sm90_section_pairs`` (int >= 0, 0: the launcher's choice), ``sm90_row_shift``,
     ``sm90_direct_epilogue``, ``bwd_atomic_dq``, ``sm90_bias_blocks``, ``exact_rows_always``
     (bools), ``sm90_bwd`` ("auto": the Hopper backward where it measures faster, "on":
-    wherever it applies, "off").
+    wherever it applies, "off"), ``sm90_fma_exp2`` ("auto", 0, 2 or 4: of every 8 columns of
+    scores, how many the Hopper forward's softcap variant at head dim 64 exponentiates on the
+    FMA pipe instead of the MUFU unit).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

@@ -423,6 +423,13 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
         assert not now["exact_rows_always"]
     with pytest.raises(ValueError, match="exact_rows_always must be a bool"):
         kernel_opts(exact_rows_always=1)
+    assert ops._C.kernel_options()["sm90_fma_exp2"] == "auto"
+    with flash_attn_ext.kernel_options(sm90_fma_exp2=4) as now:
+        assert now["sm90_fma_exp2"] == 4
+    assert ops._C.kernel_options()["sm90_fma_exp2"] == "auto"
+    for bad in (3, 8, -1, True, "2", 2.0):
+        with pytest.raises(ValueError, match="sm90_fma_exp2 must be 'auto', 0, 2 or 4"):
+            kernel_opts(sm90_fma_exp2=bad)
     with pytest.raises(ValueError, match="unknown kernel options"):
         kernel_opts(sm90_epilogue="direct")
     with pytest.raises(ValueError, match="sm90_pack_gqa must be one of 'auto', 'on', 'off'"):

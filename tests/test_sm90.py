@@ -540,6 +540,44 @@ def test_hopper_general_forward_meets_the_error_rule(dtype, seqlen_q, seqlen_k, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fma_exp2", ["auto", 0, 2, 4])
+@pytest.mark.parametrize("softcap", [30.0, 100.0])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_softcap_forward_with_exp2_on_the_fma_pipe(kernel_opts, dtype, fma_exp2, softcap, mask):
+    # The softcap variant at head dim 64 computes some exp2s as a polynomial on the FMA pipe
+    # (fwd_softmax.h's exp2_fma; the option sm90_fma_exp2 picks how many of every 8 columns).
+    # Softcap 30 takes bf16's fixed reference max (exponents up to 43), 100 the running max;
+    # L > S with a bottom-right causal mask leaves rows that see no key (exp2_fma must give
+    # exactly 0 for a masked score: l = 0, out 0, LSE -inf); a NaN in q makes its row NaN.
+    kernel_opts(sm90_fma_exp2=fma_exp2)
+    seqlen_q, seqlen_k = 300, 257
+    q = rand(2, seqlen_q, 4, 64, dtype=dtype) * 3
+    k, v = rand(2, seqlen_k, 2, 64, dtype=dtype) * 3, rand(2, seqlen_k, 2, 64, dtype=dtype)
+    q[1, 100, 2, 7] = float("nan")  # (a row that sees keys under every mask here)
+    causal = mask == "causal"
+    window = (40, 0) if mask == "window" else (-1, -1)
+    assert planning.plan(q, k, v, mods=planning.SOFTCAP).kernel.endswith("_softcap")
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1], softcap=softcap)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    out, lse, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, softcap, None, None)
+    nan_row = torch.zeros_like(out, dtype=torch.bool)
+    nan_row[1, 100, 2] = True
+    assert bool(out[nan_row].isnan().all()) and bool(lse[1, 2, 100].isnan())
+    keep = ~nan_row
+    check_forward(out.masked_fill(~keep, 0), lse.masked_fill(lse.isnan(), 0),
+                  low_out.masked_fill(~keep, 0), true_out.masked_fill(~keep, 0),
+                  true_lse.masked_fill(true_lse.isnan(), 0), f"out ({mask}, {fma_exp2})")
+    if causal:  # rows 0 .. L - S - 1 see no key
+        empty = seqlen_q - seqlen_k
+        assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+        assert bool((lse[:, :, :empty] == float("-inf")).all())
+    with pytest.raises(ValueError, match="sm90_fma_exp2 must be 'auto', 0, 2 or 4"):
+        kernel_opts(sm90_fma_exp2=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 300), (300, 17), (200, 777), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])

@@ -180,6 +180,18 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
                           fwd_consumers<kHeadDim, kGeneral || kDropout || kAlibi>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
+  if constexpr (kSoftcap && kHeadDim <= 64) {
+    // The A/B instantiations of the softcap variant's exp2 split (KernelOptions::sm90_fma_exp2,
+    // experimental; -1 is T's default).
+    auto with = [&](auto of8) {
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                              kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi,
+                              decltype(of8)::value>;
+      return launch_flash_fwd_sm90<U>(p, stream);
+    };
+    if (p.sm90_fma_exp2 == 0) return with(std::integral_constant<int, 0>{});
+    if (p.sm90_fma_exp2 == 4) return with(std::integral_constant<int, 4>{});
+  }
   return launch_flash_fwd_sm90<T>(p, stream);
 }
 

@@ -24,6 +24,34 @@ __device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
   return x[0];
 }
 
+// 2^z without the MUFU unit (FMA and ALU pipes only), for the softmax's exponents where the
+// MUFU work per score, not the GEMMs or the issue slots, bounds the kernel (the softcap variant
+// at head dim 64: tanh and exp2 per score, docs/perf/sm90_score_mods.md).  z = n + f with n the
+// nearest integer (z + 1.5 * 2^23 leaves n in the low mantissa bits) and f in [-0.5, 0.5];
+// 2^f by a polynomial with constant term 1 (minimax in relative error, fitted in float32:
+// degree 3 at most 1.0e-4, degree 4 at most 2.9e-6), times 2^n built in the exponent bits.
+// Valid for z <= 127 (the callers' exponents are at most kRescaleLog2, or kFixedMaxLimit with
+// the fixed reference max).  z below -127 (-inf for a masked score) is clamped there, where
+// 2^n's bits are all 0: exactly 0, as exp2 gives (a row that sees no key keeps l = 0).  NaN
+// stays NaN (max.NaN keeps it, p is NaN); +inf gives NaN (f = inf - inf) where exp2 gives inf,
+// and either makes the row's l and out NaN or inf / inf.
+template <int kDegree>
+__device__ __forceinline__ float exp2_fma(float z) {
+  static_assert(kDegree == 3 || kDegree == 4, "");
+  float zc;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(zc) : "f"(z), "f"(-127.f));
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+  const float zr = __fadd_rn(zc, kRound);  // (the _rn forms: never contracted or reassociated)
+  const float f = __fadd_rn(zc, -__fadd_rn(zr, -kRound));
+  float p = kDegree == 4 ? fmaf(fmaf(fmaf(0.009582818f, f, 0.05590637f), f, 0.24024099f), f,
+                                0.69312418f)
+                         : fmaf(fmaf(0.05500858f, f, 0.24221037f), f, 0.6932829f);
+  p = fmaf(p, f, 1.f);
+  // n's low 9 bits (n + 127 in [0, 254]) into the exponent field: 2^n, 0 for n = -127.
+  const float two_n = __int_as_float((__float_as_int(zr) << 23) + 0x3F800000);
+  return p * two_n;
+}
+
 template <typename T>
 struct OnlineSoftmax {
   static constexpr int kSVals = T::kBlockN / 2;  // values of S per thread (FwdMainloop checks)
@@ -43,6 +71,11 @@ struct OnlineSoftmax {
   static constexpr bool kMayFixMax =
       T::kSoftcap && std::is_same_v<typename T::Element, cute::bfloat16_t>;
   static constexpr float kFixedMaxLimit = 72.5f;
+  // exp2_fma's columns (Sm90FwdTraits::kFmaExp2Of8) and its polynomial: degree 3 where P is
+  // rounded to bf16 for P V (relative 2^-9 against its 1.0e-4), 4 for fp16 (2^-11; 2.9e-6).
+  static constexpr int kFmaExp2Of8 = T::kFmaExp2Of8;
+  static constexpr int kFmaExp2Degree =
+      std::is_same_v<typename T::Element, cute::bfloat16_t> ? 3 : 4;
 
   const float scale_log2;  // the exp2 domain's factor (softmax_scale * log2(e): fwd_kernel.h)
   float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
@@ -131,7 +164,8 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
         const int i = s_index(r, c);
-        tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -m_scaled[r]));
+        const float z = fmaf(tSrS(i), scale_log2, -m_scaled[r]);
+        tSrS(i) = c % 8 < kFmaExp2Of8 ? exp2_fma<kFmaExp2Degree>(z) : exp2f(z);
         const float first = kChains > 1 ? tSrS(i) : 0.f + tSrS(i);
         part[r][c % kChains] = c < kChains ? first : part[r][c % kChains] + tSrS(i);
       }

@@ -56,7 +56,7 @@ __host__ __device__ __forceinline__ GmemShape rows_shape(const FwdParams& p, boo
 template <typename CudaElement, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
           bool kPackGQA_ = false, bool kGeneral_ = false, bool kDropout_ = false,
           bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false,
-          bool kAlibi_ = false>
+          bool kAlibi_ = false, int kFmaExp2Of8_ = -1>
 struct Sm90FwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (score_mod.h), its own
@@ -96,6 +96,16 @@ struct Sm90FwdTraits {
   // reference max's rounding never matters.  Its own instantiation; unpacked, as the general
   // variant, whose per-score flag tests and spills it avoids.
   static constexpr bool kSoftcap = kSoftcap_;
+  // Of every 8 columns of S a consumer thread holds, how many take their exp2 on the FMA pipe
+  // (fwd_softmax.h's exp2_fma) instead of the MUFU unit: the softcap variant at head dim 64,
+  // whose two MUFU operations per score (tanh, exp2) bound it (ncu: XU pipe 73% busy, FMA
+  // 14%, issue slots 33%; docs/perf/sm90_score_mods.md); 2 of 8 takes the MUFU work per score
+  // from 2 to 1.75 for ~2.3 more FMA / ALU instructions (ptxas, bf16: 0 bytes spilled with 2,
+  // 20 with 3, 16 with 4 or 8, against 0 before).  kFmaExp2Of8_ >= 0 overrides it
+  // (KernelOptions::sm90_fma_exp2, the launcher's A/B instantiations).
+  static constexpr int kFmaExp2Of8 =
+      kFmaExp2Of8_ >= 0 ? kFmaExp2Of8_ : kSoftcap_ && kHeadDim_ <= 64 ? 2 : 0;
+  static_assert(kFmaExp2Of8 >= 0 && kFmaExp2Of8 <= 8, "");
   static_assert(!(kSoftcap_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_)),
                 "softcap alone, unpacked");
   // ALiBi alone (alibi_slopes; FlashAttention-2's definition, score.h): the plain kernel with
