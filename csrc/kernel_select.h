@@ -68,7 +68,7 @@ struct KernelOptions {
   bool exact_rows_always = true;
   // The Hopper forward's softcap variant at head dim 64: of every 8 columns of S a thread
   // holds, how many take their exp2 on the FMA pipe (a polynomial) instead of the MUFU unit;
-  // -1: the kernel's default (OnlineSoftmax::kFmaExp2Of8).  Experimental: for same-build A/Bs.
+  // -1: the kernel's default (Sm90FwdTraits::kFmaExp2Of8).  Experimental: for same-build A/Bs.
   int32_t sm90_fma_exp2 = -1;
 };
 

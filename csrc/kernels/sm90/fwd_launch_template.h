@@ -189,7 +189,10 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
                               decltype(of8)::value>;
       return launch_flash_fwd_sm90<U>(p, stream);
     };
-    if (p.sm90_fma_exp2 == 0) return with(std::integral_constant<int, 0>{});
+    // exp2_fma takes exponents below 127.5: with the running max they stay below ~8.5 while
+    // softcap * log2 e <= 2^24 (fwd_softmax.h); a larger softcap takes the MUFU's exp2 only.
+    if (p.sm90_fma_exp2 == 0 || p.softcap * sm80::ScoreFn::kLog2e > 16777216.0)
+      return with(std::integral_constant<int, 0>{});
     if (p.sm90_fma_exp2 == 4) return with(std::integral_constant<int, 4>{});
   }
   return launch_flash_fwd_sm90<T>(p, stream);

@@ -29,9 +29,11 @@ __device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
 // at head dim 64: tanh and exp2 per score, docs/perf/sm90_score_mods.md).  z = n + f with n the
 // nearest integer (z + 1.5 * 2^23 leaves n in the low mantissa bits) and f in [-0.5, 0.5];
 // 2^f by a polynomial with constant term 1 (minimax in relative error, fitted in float32:
-// degree 3 at most 1.0e-4, degree 4 at most 2.9e-6), times 2^n built in the exponent bits.
-// Valid for z <= 127 (the callers' exponents are at most kRescaleLog2, or kFixedMaxLimit with
-// the fixed reference max).  z below -127 (-inf for a masked score) is clamped there, where
+// degree 3 at most 1.02e-4, degree 4 at most 2.9e-6), times 2^n built in the exponent bits.
+// Valid for z < 127.5 (above, 2^n's bits overflow into the sign: garbage).  The callers'
+// exponents are at most kFixedMaxLimit with the fixed reference max, and with the running max
+// kRescaleLog2 plus half an ulp of the reference max m * scale_log2, at most ~8.5 for
+// scale_log2 <= 2^24, which the launcher checks (launch_flash_fwd_sm90_hdim).  z below -127 (-inf for a masked score) is clamped there, where
 // 2^n's bits are all 0: exactly 0, as exp2 gives (a row that sees no key keeps l = 0).  NaN
 // stays NaN (max.NaN keeps it, p is NaN); +inf gives NaN (f = inf - inf) where exp2 gives inf,
 // and either makes the row's l and out NaN or inf / inf.
@@ -48,7 +50,7 @@ __device__ __forceinline__ float exp2_fma(float z) {
                          : fmaf(fmaf(0.05500858f, f, 0.24221037f), f, 0.6932829f);
   p = fmaf(p, f, 1.f);
   // n's low 9 bits (n + 127 in [0, 254]) into the exponent field: 2^n, 0 for n = -127.
-  const float two_n = __int_as_float((__float_as_int(zr) << 23) + 0x3F800000);
+  const float two_n = __uint_as_float((__float_as_uint(zr) << 23) + 0x3F800000u);
   return p * two_n;
 }
 
