@@ -63,15 +63,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
 
 
 def _int32(value, batch: int, device, name: str, *, read_values: bool = True) -> torch.Tensor:
-    """value (an int or a (batch,) integer tensor) as a contiguous (batch,) int32 tensor on
-    device.  int64 values outside int32 raise ValueError where read_values (which reads a
-    device tensor's values on the host); without it they are clamped, for the decode kernels to
-    refuse (NaN rows), so that nothing waits for the GPU."""
+    """value (an int, or an int32 / int64 tensor of shape (batch,) or ()) as a contiguous
+    (batch,) int32 tensor on device; anything else raises ValueError naming it, on every route
+    (a list or a NumPy array was taken on the CPU and refused by the CUDA decode route).  int64
+    values outside int32 raise ValueError where read_values (which reads a device tensor's
+    values on the host); without it they are clamped, for the decode kernels to refuse (NaN
+    rows), so that nothing waits for the GPU."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        if not read_values or isinstance(value, (str, bytes, float)):
-            raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, "
-                             f"got {type(value).__name__}")
-        value = torch.as_tensor(value)
+        kind = type(value).__name__ if type(value).__module__ == "builtins" else \
+            f"{type(value).__module__}.{type(value).__name__}"
+        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) int32 or int64 "
+                         f"tensor, got {kind}")
     if isinstance(value, int):
         if not -2**31 <= value < 2**31:
             raise ValueError(f"{name} must fit in int32, got {value}")
@@ -81,8 +83,8 @@ def _int32(value, batch: int, device, name: str, *, read_values: bool = True) ->
                          f"{value.device}")
     if value.dtype not in (torch.int32, torch.int64) or value.dim() > 1 or \
             (value.dim() == 1 and value.numel() != batch):
-        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) integer tensor, got "
-                         f"{value.dtype} of shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must be an int or a (batch,) = ({batch},) int32 or int64 "
+                         f"tensor, got {value.dtype} of shape {tuple(value.shape)}")
     if value.dtype == torch.int64 and value.numel():
         if not read_values:
             value = value.clamp(-2**31, 2**31 - 1)
@@ -301,11 +303,12 @@ def flash_attn_with_kvcache(
             FlashAttention-2; floating tables (integer ones raise ValueError). Without k and v
             q alone is rotated (FlashAttention-2 refuses such a call). rotary_interleaved:
             pairs (2i, 2i + 1) (GPT-J) or halves (GPT-NeoX).
-        cache_seqlens: int or (batch,) int32: each entry's cached length before the append
-            (default: seqlen_cache, a full cache).
+        cache_seqlens: int, or (batch,) int32 or int64 tensor (values within int32): each
+            entry's cached length before the append (default: seqlen_cache, a full cache).
         cache_batch_idx: (batch,) integer or None: the cache entry of each batch element
             (gathered: a copy of those entries; new k/v are written to them in place).
-        cache_leftpad: (batch,) int32 or None: entry b's keys start at that row.
+        cache_leftpad: int, (batch,) int32 or int64 tensor, or None: entry b's keys start at
+            that row.
         softmax_scale, causal (bottom-right over the used keys), window_size, softcap,
             alibi_slopes: as :func:`flash_attn_ext.flash_attn_func`.
         block_table: (batch, max_num_blocks) int32 or None: paged KV, entry b's cache is pages

@@ -230,6 +230,34 @@ def test_flags_are_checked_as_flash_attn_func_checks_them(flags, match):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **flags)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_cache_lengths_take_one_set_of_types_on_every_route(device):
+    # cache_seqlens and cache_leftpad: an int, or an int32 / int64 tensor of shape (batch,) or
+    # () (new-user trial: a list or a NumPy array was taken on the CPU and refused by the CUDA
+    # decode route, and int16 was refused as "not an integer tensor").  bf16 on CUDA takes the
+    # decode route, the CPU the packed-sequence one.
+    np = pytest.importorskip("numpy")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(2, 1, 2, 16, device=device, dtype=dtype)
+    k_cache, v_cache = (torch.randn(2, 8, 2, 16, device=device, dtype=dtype) for _ in "kv")
+    want = flash_attn_with_kvcache(q, k_cache, v_cache,
+                                   cache_seqlens=torch.tensor([5, 5], dtype=torch.int32))
+    for good in (5, torch.tensor(5), torch.tensor([5, 5]), torch.tensor([5, 5], device=device),
+                 torch.tensor([5, 5], dtype=torch.int32, device=device)):
+        got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=good)
+        assert torch.equal(got, want), good
+    for name in ("cache_seqlens", "cache_leftpad"):
+        kw = dict(cache_seqlens=5) if name == "cache_leftpad" else {}
+        for bad, what in (([5, 5], "list"), ((5, 5), "tuple"), (np.array([5, 5]), "numpy.ndarray"),
+                          (np.int64(5), "numpy.int64"), (True, "bool"), (5.0, "float"),
+                          (torch.tensor([5, 5], dtype=torch.int16), "torch.int16 of shape"),
+                          (torch.tensor([5.0, 5.0]), "torch.float32 of shape")):
+            with pytest.raises(ValueError, match=f"{name} must be an int or a \\(batch,\\) = "
+                                                 f"\\(2,\\) int32 or int64 tensor, got {what}"):
+                flash_attn_with_kvcache(q, k_cache, v_cache, **{name: bad}, **kw)
+
+
 def test_bad_caches_and_shared_pages_raise_naming_them():
     # Raw reshape/index errors before; a shared page appended to by two rows lost one's k/v.
     q = torch.randn(2, 1, 2, 16)
