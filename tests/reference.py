@@ -235,3 +235,24 @@ def launched_kernels(fn) -> list:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if "_kernel" in e.name]
+
+
+# The Hopper kernels' variant flags, in the order of their traits' bool template parameters
+# (kernels/sm90/fwd_traits.h, bwd_traits.h).
+SM90_FWD_FLAGS = ("packgqa", "general", "dropout", "mask", "varlen", "softcap", "alibi")
+SM90_BWD_FLAGS = ("general", "dropout", "mask", "varlen", "softcap", "alibi")
+
+
+def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits") -> set:
+    """The flags set in a launched Hopper kernel's name (a demangled ``traits<...>``
+    instantiation): its bool template arguments by position, so that integer parameters
+    before or after them (tile sizes, the forward's exp2 split) do not matter.  Empty when
+    ``name`` is not such a kernel."""
+    import re
+    m = re.search(traits + r"<([^<>]*)>", name)
+    if m is None:
+        return set()
+    bools = [t.strip() == "true" for t in m.group(1).split(",") if t.strip() in ("true", "false")]
+    names = SM90_FWD_FLAGS if traits == "Sm90FwdTraits" else SM90_BWD_FLAGS
+    assert len(bools) == len(names), (name, names)
+    return {n for n, b in zip(names, bools) if b}

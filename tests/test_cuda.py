@@ -9,11 +9,14 @@ import torch
 import flash_attn_ext
 from flash_attn_ext import flash_attn_func, ops, planning, policy, scaled_dot_product_attention
 from reference import (
+    SM90_BWD_FLAGS,
+    SM90_FWD_FLAGS,
     assert_bwd_fake_strides_match,
     assert_error_rule,
     attention_ref,
     cancellation_scale,
     launched_kernels,
+    sm90_variant_flags,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -435,29 +438,20 @@ def test_fp16_gradients_with_large_score_gradients():
 
 
 def check_sm90_variants(plan, names):
-    """The Hopper kernels among the launched ``names`` are the variants the plan names: their
-    template flags (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen,
-    kSoftcap, kAlibi>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen, kSoftcap,
-    kAlibi>) against the names' suffixes."""
+    """The Hopper kernels among the launched ``names`` are the variants the plan names: the
+    bool flags of their traits (Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen,
+    kSoftcap, kAlibi, ...>, Sm90BwdTraits<..., kGeneral, kDropout, kMask, kVarlen, kSoftcap,
+    kAlibi>) against the names' suffixes: one flag or none."""
     fwd = [n for n in names if "flash_fwd_sm90_kernel" in n]
     assert bool(fwd) == plan.kernel.startswith("sm90_fwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false, false, false, false>", "_packgqa"),
-                          (", false, true, false, false, false, false, false>", "_general"),
-                          (", false, false, true, false, false, false, false>", "_dropout"),
-                          (", false, false, false, true, false, false, false>", "_mask"),
-                          (", false, false, false, false, true, false, false>", "_varlen"),
-                          (", false, false, false, false, false, true, false>", "_softcap"),
-                          (", false, false, false, false, false, false, true>", "_alibi")):
-        assert any(flags in n for n in fwd) == plan.kernel.endswith(suffix), (plan, fwd)
+    for flag in SM90_FWD_FLAGS:
+        assert any(sm90_variant_flags(n) == {flag} for n in fwd) == \
+            plan.kernel.endswith("_" + flag), (plan, fwd)
     bwd = [n for n in names if "flash_bwd_sm90_kernel" in n]
     assert bool(bwd) == plan.backward_kernel.startswith("sm90_bwd"), (plan, names)
-    for flags, suffix in ((", true, false, false, false, false, false>", "_general"),
-                          (", false, true, false, false, false, false>", "_dropout"),
-                          (", false, false, true, false, false, false>", "_mask"),
-                          (", false, false, false, true, false, false>", "_varlen"),
-                          (", false, false, false, false, true, false>", "_softcap"),
-                          (", false, false, false, false, false, true>", "_alibi")):
-        assert any(flags in n for n in bwd) == plan.backward_kernel.endswith(suffix), (plan, bwd)
+    for flag in SM90_BWD_FLAGS:
+        assert any(sm90_variant_flags(n, "Sm90BwdTraits") == {flag} for n in bwd) == \
+            plan.backward_kernel.endswith("_" + flag), (plan, bwd)
 
 
 @pytest.mark.parametrize("case", [

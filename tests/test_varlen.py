@@ -12,7 +12,7 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
-from reference import assert_error_rule, attention_ref, launched_kernels
+from reference import assert_error_rule, attention_ref, launched_kernels, sm90_variant_flags
 
 HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
@@ -764,17 +764,17 @@ def _on_sm90():
             and torch.cuda.get_device_capability() == (9, 0))
 
 
-# The Hopper forward's varlen instantiation (plain attention: causal and windows per sequence;
-# Sm90FwdTraits<..., kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>).
-VARLEN_SM90 = ", false, false, false, false, true, false, false>"
+def _varlen_sm90(name):
+    """Whether ``name`` is the Hopper forward's varlen instantiation (plain attention: causal
+    and windows per sequence; kVarlen alone among its traits' flags)."""
+    return sm90_variant_flags(name) == {"varlen"}
 
 
 def _hopper_bwd_varlen(names):
     """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
     kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone) ran."""
     return any("flash_bwd_sm90_kernel" in n
-               and re.search(r"Sm90BwdTraits<[^>]*, true, false, false>", n)
-               for n in names)
+               and sm90_variant_flags(n, "Sm90BwdTraits") == {"varlen"} for n in names)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
@@ -791,9 +791,9 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype, portable, kernel_o
                                                        4, 2, 40, dtype, case, tail=(2, 3))
     plain = "softcap" not in case and "alibi" not in case
     hopper = plain and not portable and _on_sm90()
-    assert any(VARLEN_SM90 in n for n in names) == hopper, names
+    assert any(_varlen_sm90(n) for n in names) == hopper, names
     assert any("flash_fwd_sm90_kernel" in n for n in names) == \
-        any(VARLEN_SM90 in n for n in names), names
+        any(_varlen_sm90(n) for n in names), names
     # (the backward likewise: the Hopper varlen backward for plain attention)
     assert _hopper_bwd_varlen(bwd_names) == hopper, bwd_names
     assert any("flash_bwd_sm90_kernel" in n for n in bwd_names) == hopper, bwd_names
@@ -815,7 +815,7 @@ def test_sm90_forward_takes_packed_sequences(case, head_dim):
                                                        [1, 40, 5, 113, 1000, 129], 6, 2,
                                                        head_dim, dtype, case, tail=(3, 2))
     hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
-    assert hopper and all(VARLEN_SM90 in n for n in hopper), names
+    assert hopper and all(_varlen_sm90(n) for n in hopper), names
     assert _hopper_bwd_varlen(bwd_names), bwd_names
 
 
@@ -845,7 +845,7 @@ def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
             result[key] = (out, lse, torch.autograd.grad(out, (q, k, v), dout))
         return call
     names = launched_kernels(run("hopper"))
-    assert any(VARLEN_SM90 in n for n in names) and _hopper_bwd_varlen(names), names
+    assert any(_varlen_sm90(n) for n in names) and _hopper_bwd_varlen(names), names
     out, lse, grads = result["hopper"]
     kernel_opts(force_portable=True)
     names = launched_kernels(run("portable"))
@@ -1081,7 +1081,7 @@ def test_sm90_varlen_sequences_stay_apart(head_dim):
         t[100:150, 0] = float("nan")
         t[100:150, 1] = float("inf")
     names = launched_kernels(lambda: flash_attn_varlen_func(q, k, v, *args))
-    assert any(VARLEN_SM90 in n for n in names), names
+    assert any(_varlen_sm90(n) for n in names), names
     out, lse, _ = flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True)
     assert torch.equal(out[:100], clean[0][:100]) and torch.equal(out[150:], clean[0][150:])
     assert torch.equal(lse[:, :100], clean[1][:, :100])
