@@ -134,6 +134,21 @@ def slack(true: torch.Tensor, dtype: torch.dtype) -> float:
     return SLACK[dtype] + torch.finfo(dtype).eps * scale
 
 
+def grad_bound(true: torch.Tensor, dtype: torch.dtype, cancellation: float) -> float:
+    """Largest error allowed to a gradient in ``dtype`` against its float64 truth ``true`` where
+    the error rule (assert_error_rule) bounds nothing: huge scores, at which PyTorch's own
+    low-precision computation overflows.  8 of the dtype's eps times the largest true value plus
+    ``cancellation`` (cancellation_scale's entry for that gradient), plus slack(true, dtype).
+
+    The cancellation term is there because such rows are nearly one-hot: dS = P (dP - D)
+    cancels, and D = rowsum(dO * O) reads out rounded to the dtype, so dq and dk carry the
+    dtype's eps times the cancelling terms' size, as in every FlashAttention backward and in
+    PyTorch's own.  The factor 8 is an allowance of a few ulps for the roundings of the inputs,
+    P, dS and the result, not a proven constant."""
+    return 8 * torch.finfo(dtype).eps * (true.abs().max().item() + cancellation) \
+        + slack(true, dtype)
+
+
 def cancellation_scale(q, k, v, dout, **kw):
     """Magnitudes (for dq, dk) of the terms that cancel in FlashAttention's backward.
 

@@ -151,10 +151,7 @@ struct CacheRowView {
   __device__ CacheRowView(const DecodeParams& p, int64_t b_, int64_t h_, int64_t i_)
       : b(b_), h(h_), i(i_), q_row(i_), len_q(p.seqlen_q) {
     const sm80::DecodeEntry e(p, b);
-    ok = e.ok;
-    if (ok && p.cache_batch_idx != nullptr && p.seqlen_new > 0)
-      for (int64_t o = 0; o < p.batch; ++o)
-        if (o != b && p.cache_batch_idx[o] == e.entry) ok = false;
+    ok = e.ok && !sm80::entry_shared(p, b, e.entry, 0, 1);
     len_k = ok ? e.len_k : 0;
     entry = e.entry;
     start = e.start;
@@ -168,9 +165,7 @@ struct CacheRowView {
     table = p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
     const VisibleKeys vis = visible(p);
     if (ok && table != nullptr && vis.end(i) > vis.begin(i))
-      for (int64_t pg = (start + vis.begin(i)) / p.page_size;
-           pg <= (start + vis.end(i) - 1) / p.page_size; ++pg)
-        if (table[pg] < 0 || table[pg] >= p.num_entries) ok = false;
+      ok = sm80::pages_exist(p, table, start + vis.begin(i), start + vis.end(i), 0, 1);
   }
   __device__ const Element* key(const DecodeParams& p, int64_t j) const {
     return k + sm80::cache_row_offset(p, table, entry, start + j, p.k_batch_stride,
@@ -560,6 +555,13 @@ __global__ void __launch_bounds__(kThreads) exact_rows_fwd_kernel(const Params p
   });
 }
 
+// Whether the kernels take the call's head dims: one thread per column (at most kMaxDim) and
+// dot8's 8-column loads (multiples of 8, the glue's padding).
+bool dims_fit(const FwdParams& p) {
+  return p.head_dim <= kMaxDim && p.head_dim_v <= kMaxDim && p.head_dim % 8 == 0 &&
+         p.head_dim_v % 8 == 0;
+}
+
 int64_t grid_of(int64_t work) {
   const int64_t cap = 4 * std::max(sm80::multiprocessor_count(), 1);
   return std::max<int64_t>(1, std::min(work, cap));
@@ -578,9 +580,7 @@ cudaError_t exact_rows_flag(const BwdParams& p, float* lse_hidden, uint8_t* flag
 template <typename Element>
 cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const int32_t* any,
                                 float* row_stats, cudaStream_t stream) {
-  if (p.head_dim > kMaxDim || p.head_dim_v > kMaxDim || p.head_dim % 8 != 0 ||
-      p.head_dim_v % 8 != 0)
-    return cudaErrorInvalidValue;
+  if (!dims_fit(p)) return cudaErrorInvalidValue;
   const int64_t rows = stats_rows(p);
   cudaError_t err = sm80::launch(exact_rows_dq_kernel<Element>,
                                  grid_of((rows + kThreads - 1) / kThreads), kThreads, 0, stream,
@@ -595,9 +595,7 @@ namespace {
 
 template <typename Element, template <typename> class View, typename Params>
 cudaError_t launch_forward_pass(const Params& p, cudaStream_t stream) {
-  if (p.head_dim > kMaxDim || p.head_dim_v > kMaxDim || p.head_dim % 8 != 0 ||
-      p.head_dim_v % 8 != 0)
-    return cudaErrorInvalidValue;
+  if (!dims_fit(p)) return cudaErrorInvalidValue;
   const int64_t rows = stats_rows(p);
   return sm80::launch(exact_rows_fwd_kernel<Element, View, Params>,
                       grid_of((rows + kThreads - 1) / kThreads), kThreads, 0, stream, p);

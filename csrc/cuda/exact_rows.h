@@ -72,13 +72,26 @@ template <typename Element>
 cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const int32_t* any,
                                 float* row_stats, cudaStream_t stream);
 
-// The forward's pass, after the main forward wrote p.out and p.softmax_lse (plain scores; a
-// boolean mask kept as bytes, bias_is_mask, is plain too).  Element: __half or __nv_bfloat16.
+// Whether a forward's scores are plain (no softcap, floating bias or ALiBi; a boolean mask kept
+// as bytes, bias_is_mask, is plain too; dropout does not change the scores): the calls whose
+// main forward forms each exponent with the one FMA above, so the glue runs exact_rows_forward
+// or exact_rows_decode after them.  sm80::ScoreFn::modified() (kernels/sm80/score.h) is its
+// kernel-side twin, the same question per (batch, head) on the device, which picks the
+// exponent's units there.  Both exist because the glue decides whether to launch the pass on
+// the host, where no ScoreFn can be built (it reads ALiBi's slope from device memory), and
+// because ScoreFn sees a byte mask as a bias (RowScore takes it off; here it is plain).
+inline bool plain_scores(const FwdParams& p) {
+  return p.softcap <= 0.0 && p.alibi_slopes == nullptr &&
+         (p.attn_bias == nullptr || p.bias_is_mask);
+}
+
+// The forward's pass, after the main forward wrote p.out and p.softmax_lse, for plain scores
+// (plain_scores).  Element: __half or __nv_bfloat16.
 template <typename Element>
 cudaError_t exact_rows_forward(const FwdParams& p, cudaStream_t stream);
 
 // The same after the KV-cache decode kernels (and their combine) wrote p.out and p.softmax_lse
-// (plain scores).
+// (plain_scores).
 template <typename Element>
 cudaError_t exact_rows_decode(const DecodeParams& p, cudaStream_t stream);
 

@@ -417,8 +417,7 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
   // Rows whose plain scores are too large for the main forward's one-FMA exponent
   // (cuda/exact_rows.h): recomputed exactly, after it, on every call unless the option
   // exact_rows_always is off.
-  if (options.exact_rows_always && p.softcap <= 0.0 && p.alibi_slopes == nullptr &&
-      (p.attn_bias == nullptr || p.bias_is_mask)) {
+  if (options.exact_rows_always && plain_scores(p)) {
     C10_CUDA_CHECK(bf16 ? exact_rows_forward<__nv_bfloat16>(p, stream)
                         : exact_rows_forward<__half>(p, stream));
   }
@@ -473,24 +472,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 // rows of `lse` whose LSE cannot give their P and points p at a copy of it that hides them;
 // finish(), after the main backward, does their part.  Nothing where hide() was not called.
 struct ExactRowsPass {
-  at::Tensor lse_hidden, flags, any, row_stats;
+  // One allocation a backward, carved into the pass's pieces, each at a multiple of 16 bytes
+  // (a vector access of up to 16 bytes to any piece stays aligned, and no two pieces share a
+  // 16-byte word); the hidden LSE first, at the allocator's own alignment as softmax_lse had,
+  // because the main backward reads it in softmax_lse's place.
+  at::Tensor scratch;
+  float* lse_hidden = nullptr;  // a row each, lse's layout
+  float* row_stats = nullptr;   // 3 a row
+  int32_t* any = nullptr;
+  uint8_t* flags = nullptr;  // a row each
   void hide(BwdParams& p, const at::Tensor& lse, cudaStream_t stream) {
-    lse_hidden = at::empty_like(lse);
-    flags = at::empty({lse.numel()}, lse.options().dtype(at::kByte));
-    any = at::empty({1}, lse.options().dtype(at::kInt));
-    row_stats = at::empty({3 * lse.numel()}, lse.options());
-    C10_CUDA_CHECK(cudaMemsetAsync(any.data_ptr(), 0, sizeof(int32_t), stream));
-    C10_CUDA_CHECK(exact_rows_flag(p, lse_hidden.data_ptr<float>(), flags.data_ptr<uint8_t>(),
-                                   any.data_ptr<int32_t>(), stream));
-    p.softmax_lse = lse_hidden.data_ptr();
+    const int64_t rows = lse.numel();
+    const auto aligned = [](int64_t bytes) { return (bytes + 15) / 16 * 16; };
+    const int64_t stats_at = aligned(rows * int64_t{sizeof(float)});
+    const int64_t any_at = stats_at + aligned(3 * rows * int64_t{sizeof(float)});
+    const int64_t flags_at = any_at + aligned(int64_t{sizeof(int32_t)});
+    scratch = at::empty({flags_at + rows}, lse.options().dtype(at::kByte));
+    uint8_t* base = scratch.data_ptr<uint8_t>();
+    lse_hidden = reinterpret_cast<float*>(base);
+    row_stats = reinterpret_cast<float*>(base + stats_at);
+    any = reinterpret_cast<int32_t*>(base + any_at);
+    flags = base + flags_at;
+    C10_CUDA_CHECK(cudaMemsetAsync(any, 0, sizeof(int32_t), stream));
+    C10_CUDA_CHECK(exact_rows_flag(p, lse_hidden, flags, any, stream));
+    p.softmax_lse = lse_hidden;
   }
   void finish(const BwdParams& p, bool bf16, cudaStream_t stream) const {
-    if (!lse_hidden.defined()) return;
-    const uint8_t* f = flags.data_ptr<uint8_t>();
-    const int32_t* a = any.data_ptr<int32_t>();
-    float* stats = row_stats.data_ptr<float>();
-    C10_CUDA_CHECK(bf16 ? exact_rows_backward<__nv_bfloat16>(p, f, a, stats, stream)
-                        : exact_rows_backward<__half>(p, f, a, stats, stream));
+    if (!scratch.defined()) return;
+    C10_CUDA_CHECK(bf16 ? exact_rows_backward<__nv_bfloat16>(p, flags, any, row_stats, stream)
+                        : exact_rows_backward<__half>(p, flags, any, row_stats, stream));
   }
 };
 

@@ -238,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   // Rows whose plain scores are too large for the decode kernel's one-FMA exponent
   // (cuda/exact_rows.h): recomputed exactly, after it, unless the option exact_rows_always is
   // off.
-  if (kernel_options().exact_rows_always && p.softcap <= 0.0 && p.alibi_slopes == nullptr) {
+  if (kernel_options().exact_rows_always && plain_scores(p)) {
     C10_CUDA_CHECK(by_dtype(q, [&](auto element) {
       return exact_rows_decode<decltype(element)>(p, stream);
     }));

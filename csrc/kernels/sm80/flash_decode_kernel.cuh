@@ -104,12 +104,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   }
 
   const DecodeEntry e(p, b);
-  bool ok = e.ok;
-  // Two batch rows appending into one entry would race: both are refused.
-  if (ok && p.cache_batch_idx != nullptr && p.seqlen_new > 0) {
-    for (int64_t o = tid; o < p.batch; o += T::kThreads)
-      if (o != b && p.cache_batch_idx[o] == e.entry) ok = false;
-  }
+  bool ok = e.ok && !entry_shared(p, b, e.entry, tid, T::kThreads);
   const int64_t len_k = ok ? e.len_k : 0;
   const VisibleKeys vis(p.seqlen_q, len_k, p.window_left, p.window_right, true);
   // The keys any row of this CTA sees, in 16-key blocks, and this split's share of them.
@@ -126,11 +121,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int32_t* bt =
       p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
   if (ok && bt != nullptr && my_end > my_begin) {  // the pages this CTA reads must exist
-    const int64_t first = (e.start + my_begin * T::kBlockN) / p.page_size;
-    int64_t last_row = e.start + my_end * T::kBlockN - 1;
-    if (last_row > e.start + len_k - 1) last_row = e.start + len_k - 1;
-    for (int64_t pg = first + tid; pg <= last_row / p.page_size; pg += T::kThreads)
-      if (bt[pg] < 0 || bt[pg] >= p.num_entries) ok = false;
+    int64_t row_end = e.start + my_end * T::kBlockN;
+    if (row_end > e.start + len_k) row_end = e.start + len_k;
+    ok = pages_exist(p, bt, e.start + my_begin * T::kBlockN, row_end, tid, T::kThreads);
   }
   ok = __syncthreads_and(ok);
 
@@ -575,19 +568,12 @@ template <typename Element>
 __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_constant__ DecodeParams p) {
   const int64_t b = blockIdx.x / p.seqlen_new, i = blockIdx.x % p.seqlen_new;
   const DecodeEntry e(p, b);
-  bool ok = e.ok;
-  if (ok && p.cache_batch_idx != nullptr) {  // two rows appending into one entry: neither
-    for (int64_t o = threadIdx.x; o < p.batch; o += blockDim.x)
-      if (o != b && p.cache_batch_idx[o] == e.entry) ok = false;
-  }
+  const bool ok = e.ok && !entry_shared(p, b, e.entry, threadIdx.x, blockDim.x);
   if (!__syncthreads_and(ok)) return;
   const int64_t row = p.cache_seqlens[b] + i;
   const int32_t* bt =
       p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
-  if (bt != nullptr) {
-    const int32_t page = bt[row / p.page_size];
-    if (page < 0 || page >= p.num_entries) return;
-  }
+  if (bt != nullptr && !page_exists(p, bt[row / p.page_size])) return;
   const int64_t k_off = cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
   const int64_t v_off = cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
   const Element* kn = static_cast<const Element*>(p.k_new) + b * p.knew_batch_stride +
