@@ -269,8 +269,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             a multiple of num_heads_k (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets, non-decreasing from >= 0;
             sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (keys:
-            cu_seqlens_k). Zero-length sequences are allowed; rows past the last offset are
-            left alone (out 0, zero gradients). On q's device (FlashAttention-2's way) or,
+            cu_seqlens_k). Zero-length sequences are allowed; rows before the first offset
+            (cu_seqlens_q[0] > 0) and past the last are left alone (out 0, softmax_lse -inf,
+            zero gradients). On q's device (FlashAttention-2's way) or,
             with seqused_k, all on the CPU. The offsets are checked and the kernels' tables
             built on the host: offsets on a CUDA device are copied to the host once per call
             (one synchronisation, forward and backward together); offsets on the CPU cost
@@ -315,11 +316,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             nothing here; the value is checked as there (True, False or None).
 
     Returns:
-        out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None).
+        out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None). A row that sees no
+        key (a zero-length key sequence, a window that leaves none, rows outside every
+        sequence) gives out 0 and softmax_lse -inf (FlashAttention-2 writes +inf there).
 
     Raises:
-        TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k or alibi_slopes not a
-            tensor (e.g. a list of offsets).
+        TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table or
+            alibi_slopes not a tensor (e.g. a list of offsets).
         NotImplementedError: on CUDA, a GPU or build without the kernels (naming the
             reason).
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
