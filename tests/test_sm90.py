@@ -222,6 +222,27 @@ def test_backward_huge_scores_take_the_exact_pass(kernel_opts, backward, dtype, 
         assert max(errors()) > 0  # (the test would not see the defect otherwise)
 
 
+@pytest.mark.parametrize("backward", ["hopper", "portable"])
+def test_backward_exact_pass_keeps_a_nan_row_nan(kernel_opts, backward):
+    # A row the backward's exact pass takes (a huge finite LSE) whose scores are NaN (a NaN in
+    # its q) gives NaN gradients: its dq row and dk / dv of every key it sees, as the main
+    # backward's P would; the other rows' dq stay finite.  (Through autograd such a row has a
+    # NaN LSE and is not flagged; the op takes any LSE.)
+    kernel_opts(sm90_bwd="on" if backward == "hopper" else "off")
+    q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    out, lse, rng_state = ops.fwd(q, k, v)
+    q[0, 3, 1, 5] = float("nan")
+    lse[0, 1, 3] = 1e5  # |lse * log2 e| >= 2^13: flagged
+    dout = torch.randn_like(out)
+    dq, dk, dv, _ = ops.bwd_op(dout, q, k, v, out, lse, rng_state)
+    assert torch.isnan(dq[0, 3, 1]).all()
+    assert torch.isnan(dk[0, :, 1]).all() and torch.isnan(dv[0, :, 1]).all()
+    others = torch.ones(64, 2, dtype=torch.bool, device="cuda")
+    others[3, 1] = False
+    assert torch.isfinite(dq[0][others]).all()
+    assert torch.isfinite(dk[0, :, 0]).all() and torch.isfinite(dv[0, :, 0]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_huge_scores_with_a_boolean_mask_take_the_exact_passes(dtype):
     # A boolean mask alone runs the Hopper kernels' mask variant, whose scores are plain (the

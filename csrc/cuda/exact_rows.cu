@@ -351,14 +351,17 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t kb = vis.begin(i), ke = vis.end(i);
     float m, l, nan;
     row_max_sum(p, row, fn, q_s, i, kb, ke, red, m, l, nan);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    // A NaN score (a NaN in q or a key) poisons the row's gradients, as the main backward's
+    // P would: inv_l NaN, here and for the dK/dV kernel.
+    const bool poisoned = nan != 0.f || isnan(l);
+    const float inv_l = poisoned ? NAN : l > 0.f ? 1.f / l : 0.f;
     float* dbias = p.dbias_full != nullptr ? static_cast<float*>(p.dbias_full) + r * p.seqlen_k
                                            : nullptr;
     float acc = 0.f;  // dq[i, tid]
     for (int64_t j0 = kb; j0 < ke; j0 += kThreads) {
       const int64_t j = j0 + tid;
       float g = 0.f;
-      if (j < ke && inv_l > 0.f) {
+      if (j < ke && (inv_l > 0.f || poisoned)) {
         float x = dot_row(q_s, row.key(p, j), p.head_dim);
         const float dscore = fn.apply(x, i, j);
         const float prob = fn.unnormalised(x, m) * inv_l;
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int s = 1; s < 8; s <<= 1) dp += __shfl_xor_sync(0xffffffffu, dp, s);
           if (part == 0) {
             float g = 0.f, pd = 0.f;
-            if (in && j >= vis.begin(i) && j < vis.end(i) && inv_l > 0.f) {
+            if (in && j >= vis.begin(i) && j < vis.end(i) && (inv_l > 0.f || isnan(inv_l))) {
               float x = dot_row(q_s, row.key(p, j), p.head_dim);
               const float dscore = fn.apply(x, i, j);
               const float prob = fn.unnormalised(x, m) * inv_l;
