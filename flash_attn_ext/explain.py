@@ -18,7 +18,14 @@ from ._call import (
 )
 from .planning import Plan, plan, score_mods
 from .policy import check_strict
-from .sdpa import beyond_kernels, check_sdpa_flags, flatten_batch_dims, mask_to_bias, to_bshd
+from .sdpa import (
+    _checked_to_bshd,
+    beyond_kernels,
+    check_sdpa_flags,
+    flatten_batch_dims,
+    mask_to_bias,
+    to_bshd,
+)
 
 __all__ = ["explain"]
 
@@ -75,6 +82,20 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
         raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
                         f"does not take: {sorted(unknown)}")
+    # The SDPA drop-in checks its own tensor rules (dtype, devices, ...) once more where the
+    # kernels' checks raise, and raises the broken rule's error first (sdpa.py): so does this.
+    reached = []
+    try:
+        return _explain_call(query, key, value, layout, enable_gqa, call_kwargs, reached)
+    except ValueError:
+        if reached:
+            _checked_to_bshd(*reached[0])
+        raise
+
+
+def _explain_call(query, key, value, layout, enable_gqa, call_kwargs, reached) -> Plan:
+    """explain's checks and plan in the call's order; appends the SDPA layout's tensors to
+    ``reached`` once its fast tensor checks passed (as the call's try block begins there)."""
     attn_mask = call_kwargs.get("attn_mask")
     causal = call_kwargs.get("causal", call_kwargs.get("is_causal", False))
     window = call_kwargs.get("window_size", (-1, -1))
@@ -89,6 +110,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         scale = check_scale(call_kwargs.get("scale"), "scale")
         dropout_p = check_sdpa_flags(dropout_p, causal)
         q, k, v = to_bshd(query, key, value, enable_gqa)
+        reached.append((query, key, value, enable_gqa))
         # (head dims outside the kernels': the unfused math, without the kernels' checks; the
         # call records that fallback, strict or not, before it reads the mask)
         kernel_checks = not beyond_kernels(q, v)

@@ -119,6 +119,33 @@ def test_explain_raises_the_calls_first_error(layout):
                 assert want is not None, combo  # (each of these is refused)
 
 
+@pytest.mark.parametrize("tensors", ["int64", "mixed_dtypes"])
+def test_explain_raises_the_calls_error_for_bad_sdpa_tensors(tensors):
+    # Tensors the SDPA drop-in refuses (not floating; dtypes differ) with one more bad argument
+    # or a bad mask: explain() raises the call's error, which checks its own tensor rules
+    # before the mask's, strict's and the kernels' (new-user trial: explain() named the mask
+    # or the kernels' q instead).
+    t = torch.randn(2, 4, 16, 32)
+    q, k, v = ((t.long(), t.long(), t.long()) if tensors == "int64"
+               else (t.double(), t, t))
+    masks = [None, torch.zeros(3, 3), torch.zeros(1, 1, 16, 16, dtype=torch.int32)]
+
+    def outcome(f, **kw):
+        try:
+            f(q, k, v, **kw)
+            return None
+        except (ValueError, TypeError) as error:
+            return type(error), str(error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mask in masks:
+            for name, value in [(None, None), *_BAD_ARGUMENTS["bhld"].items()]:
+                kw = {} if name is None else {name: value}
+                want = outcome(flash_attn_ext.scaled_dot_product_attention, attn_mask=mask, **kw)
+                assert want is not None, (tensors, name)
+                assert outcome(explain, attn_mask=mask, **kw) == want, (tensors, name, mask)
+
+
 @pytest.mark.parametrize("case", list(_AS_THE_CALL))
 def test_explain_answers_as_the_call(case):
     # explain() gives the plan the call records, or raises the call's own error (type and

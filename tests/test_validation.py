@@ -175,9 +175,11 @@ def test_explain_checks_like_a_call():
         explain(q, q, q, is_casual=True)
     with pytest.raises(ValueError):
         explain(q, torch.randn(1, 2, 3, 9), q)
-    # (the call's own message; explain() had one of its own)
-    with pytest.raises(ValueError, match=r"q.dtype=torch.int64 is not supported on cpu"):
+    # (the call's own message, naming query: the SDPA drop-in's tensor rules come first)
+    with pytest.raises(ValueError, match=r"query.dtype=torch.int64 is not supported: query"):
         explain(q.long(), q.long(), q.long())
+    with pytest.raises(ValueError, match=r"q.dtype=torch.int64 is not supported on cpu"):
+        explain(*(t.transpose(1, 2) for t in (q.long(),) * 3), layout="blhd")
     # The call's own flags and mask are checked as the call checks them.
     with pytest.raises(ValueError, match="not broadcastable"):
         explain(q, q, q, attn_mask=torch.ones(5, 3, dtype=torch.bool))
