@@ -362,3 +362,54 @@ def test_scalars_that_require_grad_are_refused():
     assert torch.equal(flash_attn_func(q, q, q, softmax_scale=s.detach()), want)
     with torch.no_grad():
         assert torch.equal(flash_attn_func(q, q, q, softmax_scale=s), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mods", [{}, {"causal": True}, {"window_left": 2, "window_right": 1},
+                                  {"softcap": 5.0}, {"alibi": True}, {"bias": True},
+                                  {"dropout_p": 0.3}], ids=str)
+def test_decode_rows_of_a_gqa_group_packed_into_one_tile(dtype, mods):
+    # Decoding with GQA (seqlen_q * group <= 128 rows): the CPU forward packs a group's query
+    # heads into one tile (flash_fwd_cpu.cpp: pack_gqa) where one task per (batch, key/value
+    # head) keeps every thread busy.  With one thread it packs, with more threads than
+    # (batch, key/value head) pairs it does not: each gives the reference's answer (the error
+    # rule), every row with its own head's ALiBi slope, bias row, mask and dropout cells, and
+    # the two agree (with dropout: the same cells dropped).
+    torch.manual_seed(0)
+    batch, heads, heads_kv, seqlen_k, d = 2, 8, 2, 700, 40
+    results = []
+    for seqlen_q in (1, 3):
+        q = torch.randn(batch, seqlen_q, heads, d, dtype=dtype)
+        k, v = (torch.randn(batch, seqlen_k, heads_kv, d, dtype=dtype) for _ in "kv")
+        kw = dict(causal=mods.get("causal", False), window_left=mods.get("window_left", -1),
+                  window_right=mods.get("window_right", -1), softcap=mods.get("softcap", 0.0))
+        alibi = (torch.rand(batch, heads) * 0.3).float() if "alibi" in mods else None
+        bias = (torch.randn(batch, heads, seqlen_q, seqlen_k, dtype=dtype)
+                if "bias" in mods else None)
+        dropout_p = mods.get("dropout_p", 0.0)
+        runs = []
+        for threads in (1, 2 * batch * heads_kv):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                torch.manual_seed(1)
+                runs.append(ops.fwd(q, k, v, None, kw["causal"], kw["window_left"],
+                                    kw["window_right"], True, kw["softcap"], alibi, bias,
+                                    dropout_p))
+            finally:
+                torch.set_num_threads(before)
+        (out1, lse1, rng1), (out2, lse2, rng2) = runs
+        assert torch.equal(rng1, rng2)
+        assert torch.isfinite(out1).all() and torch.isfinite(out2).all()
+        eps = torch.finfo(dtype).eps
+        assert max_err(out1, out2) <= 8 * eps * max(1.0, out1.abs().max().item())
+        assert max_err(lse1, lse2) <= 8 * eps * max(1.0, lse1.abs().max().item())
+        if dropout_p == 0.0:
+            true, true_lse = attention_ref(q, k, v, attn_bias=bias, alibi_slopes=alibi, **kw)
+            low, _ = attention_ref(q, k, v, attn_bias=bias, alibi_slopes=alibi,
+                                   compute_dtype=dtype, **kw)
+            for out in (out1, out2):
+                assert_error_rule(out, low, true, 2.0, f"out {mods} L={seqlen_q}")
+            assert max_err(lse1, true_lse) <= 1e-3 * max(1.0, true_lse.abs().max().item())
+        results.append(out1)
+    assert len(results) == 2

@@ -92,6 +92,13 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const int64_t q_tiles = (p.seqlen_q + BQ - 1) / BQ;
   const int64_t group = p.heads_q / p.heads_kv;
+  // Decoding with GQA/MQA (a few query rows per head): the query heads of a group become the
+  // rows of one tile, row r = (query i = r / group, head hk * group + r % group), so that each
+  // key / value tile is read (and converted or packed) once per key/value head, not once per
+  // query head, and its GEMMs have group x more rows.  Only where the tasks, one per (batch,
+  // key/value head), still keep every thread busy.
+  const bool pack_gqa = group > 1 && p.seqlen_q * group <= BQ &&
+                        p.batch * p.heads_kv >= at::get_num_threads();
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -105,7 +112,8 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   }
   const int64_t D2 = (D + 1) / 2;
 
-  at::parallel_for(0, p.batch * p.heads_q * q_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = pack_gqa ? p.batch * p.heads_kv : p.batch * p.heads_q * q_tiles;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const bf16dot::ChunkGuard amx_state{dot};
     const bool conv = !kInPlace && !dot;
     std::vector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
@@ -114,34 +122,67 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
     std::vector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
         v_words(dot ? BK / 2 * Dv : 0);
     std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
+    std::vector<scalar_t> q_rows(pack_gqa ? BQ * D : 0);  // the group's query rows, gathered
     std::vector<uint8_t> keep(p.dropout ? BK : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task % q_tiles;
-      const int64_t h = (task / q_tiles) % p.heads_q;
-      const int64_t b = task / (q_tiles * p.heads_q);
-      const int64_t hk = h / group;  // GQA: query head h reads key/value head h / group
-      const int64_t len_q = seqs.len_q(p, b), i0 = tile * BQ;
-      if (i0 >= len_q) continue;  // (packed: a sequence shorter than the longest)
-      const int64_t mq = std::min(BQ, len_q - i0);
+      // This task's rows: (row_h(r), row_i(r)) for r < mq; i0 the first row's query.
+      int64_t b, hk, h, i0, mq;
+      if (pack_gqa) {
+        hk = task % p.heads_kv;
+        b = task / p.heads_kv;
+        h = hk * group;
+        i0 = 0;
+        mq = seqs.len_q(p, b) * group;
+        if (mq == 0) continue;
+      } else {
+        const int64_t tile = task % q_tiles;
+        h = (task / q_tiles) % p.heads_q;
+        b = task / (q_tiles * p.heads_q);
+        hk = h / group;  // GQA: query head h reads key/value head h / group
+        const int64_t len_q = seqs.len_q(p, b);
+        i0 = tile * BQ;
+        if (i0 >= len_q) continue;  // (packed: a sequence shorter than the longest)
+        mq = std::min(BQ, len_q - i0);
+      }
+      const auto row_h = [&](int64_t r) { return pack_gqa ? h + r % group : h; };
+      const auto row_i = [&](int64_t r) { return pack_gqa ? r / group : i0 + r; };
       const VisibleKeys vis = seqs.visible(p, b);
       const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride +
                                (seqs.first_q(b) + i0) * p.q_row_stride;
+      int64_t q_ld = p.q_row_stride;
+      if (pack_gqa) {
+        for (int64_t r = 0; r < mq; ++r)
+          std::copy_n(q + b * p.q_batch_stride + row_h(r) * p.q_head_stride +
+                          (seqs.first_q(b) + row_i(r)) * p.q_row_stride,
+                      D, q_rows.data() + r * D);
+        q_tile = q_rows.data();
+        q_ld = D;
+      }
       const scalar_t* k_head = k + b * p.k_batch_stride + hk * p.k_head_stride +
                                seqs.first_k(b) * p.k_row_stride;
       const scalar_t* v_head = v + b * p.v_batch_stride + hk * p.v_head_stride +
                                seqs.first_k(b) * p.v_row_stride;
+      // softcap, bias, ALiBi and the mask on S's rows, each at its own (head, query)
+      const auto finish = [&](acc_t* S, int64_t nk, int64_t j0) {
+        if (!pack_gqa) {
+          finish_scores(S, mq, nk, p, vis, b, h, i0, j0);
+          return;
+        }
+        for (int64_t r = 0; r < mq; ++r)
+          finish_scores(S + r * BK, 1, nk, p, vis, b, row_h(r), row_i(r), j0);
+      };
 
       std::fill(m.begin(), m.end(), -kInf);
       std::fill(l.begin(), l.end(), acc_t(0));
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
 
-      const int64_t key_begin = vis.begin(i0), key_end = vis.end(i0 + mq - 1);
+      const int64_t key_begin = vis.begin(row_i(0)), key_end = vis.end(row_i(mq - 1));
       Mat<acc_t> qm{nullptr, 0};
       if (dot) {
-        bf16dot::pack_rows(q_words.data(), D2, reinterpret_cast<const uint16_t*>(q_tile),
-                           p.q_row_stride, mq, D);
+        bf16dot::pack_rows(q_words.data(), D2, reinterpret_cast<const uint16_t*>(q_tile), q_ld,
+                           mq, D);
       } else {
-        qm = acc_view(q_tile, mq, D, p.q_row_stride, q_buf.data());
+        qm = acc_view(q_tile, mq, D, q_ld, q_buf.data());
       }
       for (int64_t j0 = key_begin; j0 < key_end; j0 += BK) {
         const int64_t nk = std::min(BK, key_end - j0);
@@ -151,7 +192,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
                         keys.at(p, seqs, b, hk) + j0, keys.rows, mq, nk, D2,
                         static_cast<float>(p.softmax_scale), false);
-          finish_scores(S, mq, nk, p, vis, b, h, i0, j0);
+          finish(S, nk, j0);
           // V's rows of this tile only (an odd tile pads with zero, never the next key).
           bf16dot::pack_interleaved(v_words.data(), Dv,
                                     reinterpret_cast<const uint16_t*>(v_head + j0 * p.v_row_stride),
@@ -160,13 +201,14 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           const Mat<acc_t> km = acc_view(k_head + j0 * p.k_row_stride, nk, D, p.k_row_stride,
                                          k_buf.data());
           vm = acc_view(v_head + j0 * p.v_row_stride, nk, Dv, p.v_row_stride, v_buf.data());
-          score_tile(S, qm, km, mq, nk, p, vis, b, h, i0, j0);
+          gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);  // (score_tile's)
+          finish(S, nk, j0);
         }
         online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
             dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
-                         seqs.dropout_row(p, b, h, i0 + r), i0 + r, j0, nk,
+                         seqs.dropout_row(p, b, row_h(r), row_i(r)), row_i(r), j0, nk,
                          keep.data());
             for (int64_t c = 0; c < nk; ++c)
               if (!keep[c]) S[r * BK + c] = acc_t(0);
@@ -188,16 +230,16 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
       }
 
       for (int64_t r = 0; r < mq; ++r) {
-        const int64_t i = i0 + r;
+        const int64_t i = row_i(r), hr = row_h(r);
         scalar_t* o = out + b * p.out_batch_stride + (seqs.first_q(b) + i) * p.out_row_stride +
-                      h * p.out_head_stride;
+                      hr * p.out_head_stride;
         const acc_t* acc = o_acc.data() + r * Dv;
         // No visible key: out = 0, lse = -inf.  (l = 0 too: a NaN score leaves m = -inf, as
         // the max skips it, but makes l NaN, and NaN must come out, not an empty row.)
         const bool empty = m[r] == -kInf && l[r] == acc_t(0);
         const acc_t inv_l = empty ? acc_t(0) : out_scale / l[r];
         for (int64_t c = 0; c < Dv; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_l);
-        lse[seqs.lse_index(p, b, h, i)] = empty ? -kInf : m[r] + std::log(l[r]);
+        lse[seqs.lse_index(p, b, hr, i)] = empty ? -kInf : m[r] + std::log(l[r]);
       }
     }
   });
