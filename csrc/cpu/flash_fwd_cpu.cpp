@@ -92,13 +92,18 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const int64_t q_tiles = (p.seqlen_q + BQ - 1) / BQ;
   const int64_t group = p.heads_q / p.heads_kv;
-  // Decoding with GQA/MQA (a few query rows per head): the query heads of a group become the
-  // rows of one tile, row r = (query i = r / group, head hk * group + r % group), so that each
-  // key / value tile is read (and converted or packed) once per key/value head, not once per
-  // query head, and its GEMMs have group x more rows.  Only where the tasks, one per (batch,
-  // key/value head), still keep every thread busy.
-  const bool pack_gqa = group > 1 && p.seqlen_q * group <= BQ &&
-                        p.batch * p.heads_kv >= at::get_num_threads();
+  // Decoding with GQA/MQA (a few query rows per head): `heads` query heads of a group become
+  // the rows of one tile, row r = (query i = r / heads, head hk * group + g0 + r % heads), so
+  // that each key / value tile is read (and converted or packed) once per `heads` query heads,
+  // not once per query head, and its GEMMs have that many times the rows.  As many heads as
+  // the tile's rows allow, but no more than leaves every thread a task (MQA at batch 1 on two
+  // threads: two tasks of half the group each).
+  const int64_t pairs = p.batch * p.heads_kv;
+  const int64_t per_thread = (at::get_num_threads() + pairs - 1) / std::max<int64_t>(pairs, 1);
+  const int64_t heads = std::min({group, BQ / std::max<int64_t>(p.seqlen_q, 1),
+                                  (group + per_thread - 1) / per_thread});
+  const bool pack_gqa = heads > 1;
+  const int64_t head_chunks = pack_gqa ? (group + heads - 1) / heads : 1;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -112,7 +117,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   }
   const int64_t D2 = (D + 1) / 2;
 
-  const int64_t tasks = pack_gqa ? p.batch * p.heads_kv : p.batch * p.heads_q * q_tiles;
+  const int64_t tasks = pack_gqa ? pairs * head_chunks : p.batch * p.heads_q * q_tiles;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const bf16dot::ChunkGuard amx_state{dot};
     const bool conv = !kInPlace && !dot;
@@ -127,12 +132,15 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
     for (int64_t task = begin; task < end; ++task) {
       // This task's rows: (row_h(r), row_i(r)) for r < mq; i0 the first row's query.
       int64_t b, hk, h, i0, mq;
+      int64_t gs = 1;  // packed: this task's query heads h .. h + gs - 1
       if (pack_gqa) {
-        hk = task % p.heads_kv;
-        b = task / p.heads_kv;
-        h = hk * group;
+        const int64_t chunk = task % head_chunks;
+        hk = (task / head_chunks) % p.heads_kv;
+        b = task / (head_chunks * p.heads_kv);
+        h = hk * group + chunk * heads;
+        gs = std::min(heads, group - chunk * heads);
         i0 = 0;
-        mq = seqs.len_q(p, b) * group;
+        mq = seqs.len_q(p, b) * gs;
         if (mq == 0) continue;
       } else {
         const int64_t tile = task % q_tiles;
@@ -144,8 +152,8 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
         if (i0 >= len_q) continue;  // (packed: a sequence shorter than the longest)
         mq = std::min(BQ, len_q - i0);
       }
-      const auto row_h = [&](int64_t r) { return pack_gqa ? h + r % group : h; };
-      const auto row_i = [&](int64_t r) { return pack_gqa ? r / group : i0 + r; };
+      const auto row_h = [&](int64_t r) { return pack_gqa ? h + r % gs : h; };
+      const auto row_i = [&](int64_t r) { return pack_gqa ? r / gs : i0 + r; };
       const VisibleKeys vis = seqs.visible(p, b);
       const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride +
                                (seqs.first_q(b) + i0) * p.q_row_stride;
