@@ -91,6 +91,16 @@ _BAD_ARGUMENTS = {
 }
 
 
+def _outcome(f, *args, **kw):
+    """None where f(*args, **kw) returns, else the (type, message) of its ValueError or
+    TypeError: what explain() must reproduce of a call."""
+    try:
+        f(*args, **kw)
+        return None
+    except (ValueError, TypeError) as error:
+        return type(error), str(error)
+
+
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 def test_explain_raises_the_calls_first_error(layout):
     # One or two bad arguments at a time: explain() raises the call's error, the same one when
@@ -102,11 +112,7 @@ def test_explain_raises_the_calls_first_error(layout):
     call = flash_attn_ext.scaled_dot_product_attention if layout == "bhld" else flash_attn_func
 
     def outcome(f, **kw):
-        try:
-            f(t, t, t, **kw)
-            return None
-        except (ValueError, TypeError) as error:
-            return type(error), str(error)
+        return _outcome(f, t, t, t, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for combo in itertools.chain(itertools.combinations(bad, 1),
@@ -131,11 +137,7 @@ def test_explain_raises_the_calls_error_for_bad_sdpa_tensors(tensors):
     masks = [None, torch.zeros(3, 3), torch.zeros(1, 1, 16, 16, dtype=torch.int32)]
 
     def outcome(f, **kw):
-        try:
-            f(q, k, v, **kw)
-            return None
-        except (ValueError, TypeError) as error:
-            return type(error), str(error)
+        return _outcome(f, q, k, v, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for mask in masks:
