@@ -95,13 +95,22 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // Decoding with GQA/MQA (a few query rows per head): `heads` query heads of a group become
   // the rows of one tile, row r = (query i = r / heads, head hk * group + g0 + r % heads), so
   // that each key / value tile is read (and converted or packed) once per `heads` query heads,
-  // not once per query head, and its GEMMs have that many times the rows.  As many heads as
-  // the tile's rows allow, but no more than leaves every thread a task (MQA at batch 1 on two
-  // threads: two tasks of half the group each).
+  // not once per query head, and its GEMMs have that many times the rows.  The most heads the
+  // tile's rows hold with which the busiest thread gets no more rows than without packing
+  // (tasks of `heads` times the rows, fewer of them: a count just above a multiple of the
+  // threads would leave the others idle; review: 1.1-1.2x slower at seqlen_q = 64 on two
+  // threads before this rule), e.g. MQA at batch 1 on two threads: two tasks of 16 heads.
+  const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t pairs = p.batch * p.heads_kv;
-  const int64_t per_thread = (at::get_num_threads() + pairs - 1) / std::max<int64_t>(pairs, 1);
-  const int64_t heads = std::min({group, BQ / std::max<int64_t>(p.seqlen_q, 1),
-                                  (group + per_thread - 1) / per_thread});
+  const int64_t rows_unpacked = (p.batch * p.heads_q + threads - 1) / threads;  // x seqlen_q
+  int64_t heads = 1;
+  for (int64_t n = std::min(group, BQ / std::max<int64_t>(p.seqlen_q, 1)); n > 1; --n) {
+    const int64_t tasks_n = pairs * ((group + n - 1) / n);
+    if ((tasks_n + threads - 1) / threads * n <= rows_unpacked) {
+      heads = n;
+      break;
+    }
+  }
   const bool pack_gqa = heads > 1;
   const int64_t head_chunks = pack_gqa ? (group + heads - 1) / heads : 1;
   const auto* q = static_cast<const scalar_t*>(p.q);
