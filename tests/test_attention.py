@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import flash_attn_ext
 from flash_attn_ext import flash_attn_func, ops
 from reference import (
     assert_error_rule,
@@ -413,3 +414,43 @@ def test_decode_rows_of_a_gqa_group_packed_into_one_tile(dtype, mods):
             assert max_err(lse1, true_lse) <= 1e-3 * max(1.0, true_lse.abs().max().item())
         results.append(out1)
     assert len(results) == 2
+
+
+@pytest.mark.parametrize("bottom_right", [True, False])
+def test_packed_gqa_rows_with_uneven_chunks_empty_rows_and_packed_sequences(bottom_right):
+    # The CPU forward's GQA packing beyond the plain decode call: a group of 8 query heads
+    # split 3 + 3 + 2 (three threads, one key/value head), rows that see no key (causal with
+    # seqlen_q > seqlen_k: out 0, lse -inf), head_dim_v != head_dim, both causal alignments;
+    # and packed sequences of unequal lengths, one of them empty (flash_attn_varlen_func).
+    torch.manual_seed(0)
+    q = torch.randn(1, 3, 8, 40, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 1, 40, dtype=torch.float64), torch.randn(1, 2, 1, 24,
+                                                                      dtype=torch.float64)
+    true, true_lse = attention_ref(q, k, v, causal=True, align_bottom_right=bottom_right)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3, 8):  # the whole group, chunks of 3 + 3 + 2, unpacked
+            torch.set_num_threads(threads)
+            out, lse, _ = ops.fwd(q, k, v, None, True, -1, -1, bottom_right)
+            assert max_err(out, true) <= 1e-12 and max_err(lse, true_lse) <= 1e-12, threads
+        if bottom_right:
+            assert (out[0, 0] == 0).all() and torch.isneginf(lse[0, :, 0]).all()
+        lens_q, lens_k = [1, 0, 3], [5, 0, 2]
+        cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))
+        qv = torch.randn(sum(lens_q), 8, 40, dtype=torch.float64)
+        kv, vv = (torch.randn(sum(lens_k), 2, d, dtype=torch.float64) for d in (40, 24))
+        outs = []
+        for threads in (1, 8):
+            torch.set_num_threads(threads)
+            outs.append(flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cq, ck, 3, 5,
+                                                              causal=True))
+    finally:
+        torch.set_num_threads(before)
+    for b in range(3):
+        if lens_q[b] == 0:
+            continue
+        rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ref, _ = attention_ref(qv[None, rows], kv[None, keys], vv[None, keys], causal=True)
+        for out in outs:
+            assert max_err(out[rows], ref[0]) <= 1e-12, b
