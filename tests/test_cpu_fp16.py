@@ -1,6 +1,7 @@
 """The CPU kernels' fp16 -> fp32 conversion of tiles (csrc/cpu/fp16_convert.h): F16C where
-the CPU has it, else a portable form, both exact for every fp16 value.  The portable form is
-reached with FLASH_ATTN_EXT_CPU_F16C=0 in a subprocess (the switch is read once per process)."""
+the CPU has it, else c10::Half's own conversion, both exact for every fp16 value.  The latter
+is reached with FLASH_ATTN_EXT_CPU_F16C=0 in a subprocess (the switch is read once per
+process)."""
 
 import os
 import subprocess

@@ -17,29 +17,6 @@ namespace flash_attn_ext::cpu::fp16 {
 
 namespace {
 
-// IEEE fp16 bits to float, exactly (subnormals, infinities and NaN included).
-float portable(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0x1fu) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113u;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 #if FAE_HAVE_F16C
 __attribute__((target("avx,f16c"))) void with_f16c(float* dst, const uint16_t* src, int64_t n) {
   int64_t c = 0;
@@ -55,7 +32,7 @@ __attribute__((target("avx,f16c"))) void with_f16c(float* dst, const uint16_t* s
 bool f16c() {
 #if FAE_HAVE_F16C
   static const bool on = [] {
-    // (FLASH_ATTN_EXT_CPU_F16C=0: the portable conversion, for tests and A/Bs)
+    // (FLASH_ATTN_EXT_CPU_F16C=0: c10::Half's own conversion, for tests and A/Bs)
     const char* env = std::getenv("FLASH_ATTN_EXT_CPU_F16C");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
     __builtin_cpu_init();
@@ -69,12 +46,10 @@ bool f16c() {
 
 void half_to_float(float* dst, const uint16_t* src, int64_t n) {
 #if FAE_HAVE_F16C
-  if (f16c()) {
-    with_f16c(dst, src, n);
-    return;
-  }
+  with_f16c(dst, src, n);
+#else
+  (void)dst, (void)src, (void)n;  // (f16c() is false: never called)
 #endif
-  for (int64_t c = 0; c < n; ++c) dst[c] = portable(src[c]);
 }
 
 }  // namespace flash_attn_ext::cpu::fp16

@@ -48,9 +48,12 @@ inline void gemm(T* c, int64_t ldc, const Mat<T>& a, const Mat<T>& b, int64_t m,
 template <typename T, typename S>
 inline void load_tile(T* dst, const S* src, int64_t rows, int64_t cols, int64_t ld) {
   if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
-    for (int64_t r = 0; r < rows; ++r)
-      fp16::half_to_float(dst + r * cols, reinterpret_cast<const uint16_t*>(src + r * ld), cols);
-    return;
+    if (fp16::f16c()) {
+      for (int64_t r = 0; r < rows; ++r)
+        fp16::half_to_float(dst + r * cols, reinterpret_cast<const uint16_t*>(src + r * ld),
+                            cols);
+      return;
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const S* s = src + r * ld;
