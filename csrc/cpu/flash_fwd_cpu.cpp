@@ -161,8 +161,9 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
         if (i0 >= len_q) continue;  // (packed: a sequence shorter than the longest)
         mq = std::min(BQ, len_q - i0);
       }
-      const auto row_h = [&](int64_t r) { return pack_gqa ? h + r % gs : h; };
-      const auto row_i = [&](int64_t r) { return pack_gqa ? r / gs : i0 + r; };
+      // (unpacked: gs = 1, every row at head h; packed: i0 = 0)
+      const auto row_h = [&](int64_t r) { return h + r % gs; };
+      const auto row_i = [&](int64_t r) { return i0 + r / gs; };
       const VisibleKeys vis = seqs.visible(p, b);
       const scalar_t* q_tile = q + b * p.q_batch_stride + h * p.q_head_stride +
                                (seqs.first_q(b) + i0) * p.q_row_stride;
