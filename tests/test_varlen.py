@@ -1218,3 +1218,23 @@ def test_deterministic_reaches_the_backward_op(deterministic):
                                      deterministic=deterministic)
         torch.autograd.grad(out.sum(), (q, k, v))
     assert seen == [deterministic]
+
+
+@pytest.mark.parametrize("maxima", [(2**63 - 1, 10), (10, 2**63 - 1), (10**10, 10**10),
+                                    (4096, 4096)])
+def test_max_seqlen_far_above_the_longest_sequence_changes_nothing(maxima):
+    # max_seqlen_q / max_seqlen_k only bound the longest sequence (FlashAttention-2 code often
+    # passes a model's maximum length).  Near 2**63 the CPU kernels' tile counts overflowed:
+    # the forward returned zeros, the backward wrong dq and dk; 10**10 ran for seconds
+    # (new-user trial).  Now the same bits as the exact maxima, forward and gradients, CPU.
+    torch.manual_seed(0)
+    q, k, v, cq, ck = _packed([8, 0, 3], [10, 4, 7], 4, 2, 16, 16, torch.float32)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cq, ck, *maxima, causal=True)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    want_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = flash_attn_varlen_func(*want_leaves, cq, ck, 8, 10, causal=True)
+    want_grads = torch.autograd.grad(want, want_leaves, torch.ones_like(want))
+    assert torch.equal(out, want) and want.abs().sum() > 0
+    for g, w in zip(grads, want_grads):
+        assert torch.equal(g, w)
