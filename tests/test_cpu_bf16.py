@@ -32,10 +32,24 @@ cases = [  # (B, H, H_kv, L, S, D, Dv, flash_attn_func flags)
     (1, 2, 2, 1023, 300, 64, 64, {"causal": True, "softcap": 5.0}),
     (1, 1, 1, 129, 257, 256, 256, {}),
     (2, 4, 2, 65, 80, 64, 24, {"alibi_slopes": torch.rand(4)}),
+    # decoding with GQA / MQA: a task's rows (a group's heads x L <= 16; the first case above,
+    # one row per key head, too) read K in place as S^T = K Q^T (flash_fwd_cpu.cpp,
+    # direct_keys), with a mask, softcap and a window; an odd head dim and an odd row stride
+    # of K take the packed keys instead
+    (2, 8, 2, 1, 300, 64, 64, {"causal": True}),
+    (1, 8, 1, 4, 1000, 128, 128, {"softcap": 5.0}),
+    (1, 4, 1, 2, 600, 72, 72, {"window_size": (100, 0)}),
+    (1, 4, 2, 3, 77, 59, 59, {}),
+    (1, 4, 1, 1, 530, 64, 64, {"odd_k_stride": True}),
+    (1, 2, 2, 1, 100, 64, 64, {"odd_k_stride": True}),  # one row per key head: fp32 tiles
 ]
 for B, H, Hk, L, S, D, Dv, flags in cases:
+    odd_stride = flags.pop("odd_k_stride", False)
     q = torch.randn(B, L, H, D, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, S, Hk, D, dtype=torch.bfloat16, requires_grad=True)
+    if odd_stride:  # head stride D + 1 (k a view of a wider tensor)
+        k = torch.randn(B, S, Hk, D + 1, dtype=torch.bfloat16)[..., :D].requires_grad_()
+        assert k.stride(2) % 2 == 1
     v = torch.randn(B, S, Hk, Dv, dtype=torch.bfloat16, requires_grad=True)
     wl, wr = flags.get("window_size", (-1, -1))
     kw = dict(causal=flags.get("causal", False), window_left=wl, window_right=wr,

@@ -143,6 +143,30 @@ FAE_BF16 void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, i
   }
 }
 
+// Sixteen elements of a destination row per gather (src's column j, rows i .. i + 15).
+FAE_BF16 void transpose(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t m,
+                        int64_t n) {
+  if (16 * lds > (int64_t{1} << 28)) {  // (the gather's 32-bit offsets)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < m; ++i) dst[j * ldd + i] = src[i * lds + j];
+    return;
+  }
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                           5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(lds)));
+  for (int64_t j = 0; j < n; ++j) {
+    float* d = dst + j * ldd;
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16)
+      _mm512_storeu_ps(d + i, _mm512_i32gather_ps(rows, src + i * lds + j, 4));
+    if (i < m) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (m - i)) - 1u);
+      _mm512_mask_storeu_ps(d + i, tail, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), tail, rows,
+                                                                  src + i * lds + j, 4));
+    }
+  }
+}
+
 namespace {
 
 // One MR x (16 NV) block of C over all `pairs`: MR * NV accumulators (at most 24 of the 32 zmm
@@ -264,6 +288,8 @@ void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, i
           int64_t, int64_t, float, bool) {
   std::abort();
 }
+
+void transpose(float*, int64_t, const float*, int64_t, int64_t, int64_t) { std::abort(); }
 
 #endif
 

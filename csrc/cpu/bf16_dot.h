@@ -44,6 +44,10 @@ void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t l
 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
                       int64_t n);
 
+// dst[j * ldd + i] = src[i * lds + j] for i < m, j < n (fp32; S from the S^T of the forward's
+// decode route).  Only call when enabled().
+void transpose(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t m, int64_t n);
+
 // C (m x n, leading dimension ldc) = alpha * A B, plus C's previous contents if `accumulate`;
 // A (m x pairs words), B (pairs x n words) as above.  Only call when enabled().
 void gemm(float* c, int64_t ldc, const uint32_t* a, int64_t a_m, int64_t a_p, const uint32_t* b,

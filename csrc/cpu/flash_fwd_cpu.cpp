@@ -48,6 +48,8 @@ struct PackedKeys {
 };
 
 constexpr int64_t kPackKeysChunk = 256;  // keys per packing task
+// The most rows of a task whose key tiles are read in place (direct_keys in flash_fwd_cpu).
+constexpr int64_t kDirectKeyRows = 16;
 
 template <typename scalar_t>
 PackedKeys pack_keys(const FwdParams& p, const Seqs& seqs) {
@@ -82,10 +84,17 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // fp32/fp64 inputs feed BLAS in place; fp16/bf16 tiles are converted to fp32 first, except
   // bf16 on a CPU with AVX512-BF16: its tiles are multiplied as bf16 (bf16_dot.h).
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  // Not when each key/value head serves a single query row (one token, no GQA group): packing
-  // K once per call is then as much traffic as the attention itself, and the fp32 tiles were
-  // 1.3-1.9x faster there (B = 4, H = H_kv = 8, S = 4096, d = 128, one query; docs/perf/cpu.md).
-  const bool dot = kBf16 && bf16dot::enabled() && p.seqlen_q * (p.heads_q / p.heads_kv) > 1;
+  // K's words are whole where they lie (an even head dim, even strides from a 4-byte aligned
+  // base): decoding can read its tiles in place (direct_keys below).
+  const bool k_words_whole = p.head_dim % 2 == 0 && p.k_row_stride % 2 == 0 &&
+                             p.k_head_stride % 2 == 0 && p.k_batch_stride % 2 == 0 &&
+                             reinterpret_cast<uintptr_t>(p.k) % 4 == 0;
+  // Where each key/value head serves a single query row (one token, no GQA group) only with K
+  // read in place: packing K once per call is then as much traffic as the attention itself,
+  // and the fp32 tiles were 1.3-1.9x faster than that (B = 4, H = H_kv = 8, S = 4096, d = 128,
+  // one query; docs/perf/cpu.md).
+  const bool dot = kBf16 && bf16dot::enabled() &&
+                   (p.seqlen_q * (p.heads_q / p.heads_kv) > 1 || k_words_whole);
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const int64_t BQ = kBlockQ, BK = kBlockK;
@@ -120,9 +129,17 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   auto* lse = static_cast<acc_t*>(p.softmax_lse);
   const acc_t out_scale = p.dropout ? acc_t(dropout_scale(p.dropout_p)) : acc_t(1);
 
+  // Decoding (a task's rows at most kDirectKeyRows): S^T = K Q^T with the key tile's rows, as
+  // they lie in the tensor, as the A operand (words of two bf16 adjacent along the head dim:
+  // K's own layout) and Q^T packed as B, then S^T transposed (a few rows: cheap), instead of
+  // K packed once per call.  With few rows each packed key is read by one task once, so
+  // packing cost as much as the attention (perf, one thread, B = 1, 32:8, S = 4096, d = 128:
+  // the packing 44% of the kernel's time; docs/perf/cpu.md).
+  const int64_t max_rows = pack_gqa ? p.seqlen_q * heads : std::min(BQ, p.seqlen_q);
+  const bool direct_keys = dot && k_words_whole && max_rows <= kDirectKeyRows;
   PackedKeys keys;
   if constexpr (kBf16) {
-    if (dot) keys = pack_keys<scalar_t>(p, seqs);
+    if (dot && !direct_keys) keys = pack_keys<scalar_t>(p, seqs);
   }
   const int64_t D2 = (D + 1) / 2;
 
@@ -135,6 +152,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
     // The bf16 path's packed words: the query tile, P, the key tile's V (bf16_dot.h).
     std::vector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
         v_words(dot ? BK / 2 * Dv : 0);
+    std::vector<float> st_buf(direct_keys ? BK * kDirectKeyRows : 0);  // S^T of a key tile
     std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
     std::vector<scalar_t> q_rows(pack_gqa ? BQ * D : 0);  // the group's query rows, gathered
     std::vector<uint8_t> keep(p.dropout ? BK : 0);
@@ -196,7 +214,10 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
 
       const int64_t key_begin = vis.begin(row_i(0)), key_end = vis.end(row_i(mq - 1));
       Mat<acc_t> qm{nullptr, 0};
-      if (dot) {
+      if (direct_keys) {  // B = Q^T (D2 x mq words)
+        bf16dot::pack_transposed(q_words.data(), mq, reinterpret_cast<const uint16_t*>(q_tile),
+                                 q_ld, mq, D);
+      } else if (dot) {
         bf16dot::pack_rows(q_words.data(), D2, reinterpret_cast<const uint16_t*>(q_tile), q_ld,
                            mq, D);
       } else {
@@ -207,9 +228,16 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
         acc_t* S = s_buf.data();
         Mat<acc_t> vm{nullptr, 0};
         if (dot) {
-          bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
-                        keys.at(p, seqs, b, hk) + j0, keys.rows, mq, nk, D2,
-                        static_cast<float>(p.softmax_scale), false);
+          if (direct_keys) {
+            const auto* k_words = reinterpret_cast<const uint32_t*>(k_head + j0 * p.k_row_stride);
+            bf16dot::gemm(st_buf.data(), mq, k_words, p.k_row_stride / 2, 1, q_words.data(), mq,
+                          nk, mq, D2, static_cast<float>(p.softmax_scale), false);
+            bf16dot::transpose(reinterpret_cast<float*>(S), BK, st_buf.data(), mq, nk, mq);
+          } else {
+            bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
+                          keys.at(p, seqs, b, hk) + j0, keys.rows, mq, nk, D2,
+                          static_cast<float>(p.softmax_scale), false);
+          }
           finish(S, nk, j0);
           // V's rows of this tile only (an odd tile pads with zero, never the next key).
           bf16dot::pack_interleaved(v_words.data(), Dv,
