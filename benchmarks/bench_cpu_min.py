@@ -2,11 +2,13 @@
 
 On a small shared machine the median of bench_cpu.py moves by +-5-10% between runs; one thread
 and the minimum over 25 interleaved reps (ours, torch, ours, ...) moves by about 1%, enough to
-compare two builds of a kernel change (run it in each tree in turn, ABAB).  fp32, B = 1, H = 4,
-d = 64, inputs (B, H, L, d), under torch.no_grad(): each of --seqlens (default 1024 2048)
-non-causal, the first also causal.  Prints one line per point: both times and torch / ours.
+compare two builds of a kernel change (run it in each tree in turn, ABAB).  fp32 (or --dtype),
+B = 1, H = 4, d = 64, inputs (B, H, L, d), under torch.no_grad(): each of --seqlens (default
+1024 2048) non-causal, the first also causal.  Prints one line per point: both times and
+torch / ours.
 
 Usage: PYTHONPATH=<tree> python benchmarks/bench_cpu_min.py [--reps 25] [--seqlens 1024 2048]
+    [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     points = [(seqlen, False) for seqlen in args.seqlens] + [(args.seqlens[0], True)]
     for seqlen, causal in points:
-        inputs = [torch.randn(1, 4, seqlen, 64) for _ in range(3)]
+        inputs = [torch.randn(1, 4, seqlen, 64).to(getattr(torch, args.dtype))
+                  for _ in range(3)]
         fns = {"ours": functools.partial(flash_attn_ext.scaled_dot_product_attention, *inputs,
                                          is_causal=causal),
                "torch": functools.partial(F.scaled_dot_product_attention, *inputs,

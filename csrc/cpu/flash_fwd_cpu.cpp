@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/bf16_amx.h"
 #include "cpu/bf16_dot.h"
 #include "cpu/dropout_cpu.h"
 #include "cpu/flash_cpu.h"
@@ -137,6 +138,16 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // the packing 44% of the kernel's time; docs/perf/cpu.md).
   const int64_t max_rows = pack_gqa ? p.seqlen_q * heads : std::min(BQ, p.seqlen_q);
   const bool direct_keys = dot && k_words_whole && max_rows <= kDirectKeyRows;
+  // On AMX tiles (brgemm has no alpha: a scaled product is a pass of its own over S, 8% of a
+  // bf16 forward's time; docs/perf/cpu.md) plain scores are scaled in the softmax's max pass
+  // instead (the same rounding), where nothing between the GEMM and the softmax reads them
+  // scaled (no softcap, bias or ALiBi; the causal / window mask's -inf is the same either
+  // way).
+  const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 && p.attn_bias == nullptr &&
+                          p.alibi_slopes == nullptr && p.softmax_scale > 0.0 &&
+                          std::isfinite(p.softmax_scale);
+  const float gemm_scale = fold_scale ? 1.f : static_cast<float>(p.softmax_scale);
+  const acc_t softmax_scale = fold_scale ? acc_t(p.softmax_scale) : acc_t(1);
   PackedKeys keys;
   if constexpr (kBf16) {
     if (dot && !direct_keys) keys = pack_keys<scalar_t>(p, seqs);
@@ -231,12 +242,12 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           if (direct_keys) {
             const auto* k_words = reinterpret_cast<const uint32_t*>(k_head + j0 * p.k_row_stride);
             bf16dot::gemm(st_buf.data(), mq, k_words, p.k_row_stride / 2, 1, q_words.data(), mq,
-                          nk, mq, D2, static_cast<float>(p.softmax_scale), false);
+                          nk, mq, D2, gemm_scale, false);
             bf16dot::transpose(reinterpret_cast<float*>(S), BK, st_buf.data(), mq, nk, mq);
           } else {
             bf16dot::gemm(reinterpret_cast<float*>(S), BK, q_words.data(), D2, 1,
                           keys.at(p, seqs, b, hk) + j0, keys.rows, mq, nk, D2,
-                          static_cast<float>(p.softmax_scale), false);
+                          gemm_scale, false);
           }
           finish(S, nk, j0);
           // V's rows of this tile only (an odd tile pads with zero, never the next key).
@@ -250,7 +261,7 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);  // (score_tile's)
           finish(S, nk, j0);
         }
-        online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data());
+        online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data(), softmax_scale);
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
             dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,

@@ -75,13 +75,26 @@ FAE_INLINE double exp_nonpositive(double x) { return std::exp(x); }
 
 template <typename T>
 FAE_INLINE void online_softmax_rows_impl(T* S, int64_t rows, int64_t cols, int64_t ld, T* m,
-                                         T* l, T* alpha) {
+                                         T* l, T* alpha, T scale) {
   const T inf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* s = S + r * ld;
     T mx = -inf;
+    if (scale != T(1)) {
+      // Scaled in the max's pass and stored: each score rounded once, as a separate pass over
+      // S would round it (not x = fma(S, scale, -m): its product's rounding would differ from
+      // the max's, by up to 2^8 in the exponent at huge scores, test_attention.py's extreme
+      // scales), one read of S fewer.
 #pragma omp simd reduction(max : mx)
-    for (int64_t c = 0; c < cols; ++c) mx = s[c] > mx ? s[c] : mx;
+      for (int64_t c = 0; c < cols; ++c) {
+        const T x = s[c] * scale;
+        s[c] = x;
+        mx = x > mx ? x : mx;
+      }
+    } else {
+#pragma omp simd reduction(max : mx)
+      for (int64_t c = 0; c < cols; ++c) mx = s[c] > mx ? s[c] : mx;
+    }
     const T m_old = m[r];
     const T m_new = m_old > mx ? m_old : mx;
     // With nothing visible yet (m_new = -inf) subtract 0 so that exp(-inf - 0) = 0, not NaN.
@@ -130,12 +143,12 @@ FAE_INLINE void softmax_grad_rows_impl(const T* P, T* dP, int64_t rows, int64_t 
 }  // namespace
 
 FAE_MULTIVERSION void online_softmax_rows(float* S, int64_t rows, int64_t cols, int64_t ld,
-                                          float* m, float* l, float* alpha) {
-  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha);
+                                          float* m, float* l, float* alpha, float scale) {
+  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha, scale);
 }
 void online_softmax_rows(double* S, int64_t rows, int64_t cols, int64_t ld, double* m, double* l,
-                         double* alpha) {
-  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha);
+                         double* alpha, double scale) {
+  online_softmax_rows_impl(S, rows, cols, ld, m, l, alpha, scale);
 }
 
 FAE_MULTIVERSION void probs_from_lse_rows(float* S, int64_t rows, int64_t cols, int64_t ld,

@@ -10,14 +10,17 @@
 namespace flash_attn_ext::cpu {
 
 // One step of the online softmax over a (rows x cols) tile S with leading dimension ld.
-// In:  S = scaled, capped, masked scores (-inf where masked); m/l = running max and sum per row.
-// Out: S = exp(S - m_new); m = m_new; l = l * alpha + rowsum(S); alpha = exp(m_old - m_new), the
-// factor the caller rescales its output accumulator by.  A row with no visible key so far keeps
-// m = -inf, l = 0 and gets alpha = 0 (its accumulator is zero anyway): never NaN.
+// In:  scale * S = scaled, capped, masked scores (-inf where masked; scale > 0: 1, or the
+//      softmax scale of plain scores that no GEMM has scaled: S is scaled in the max's pass,
+//      each score rounded as a pass of its own would round it, without that pass's read of S);
+//      m/l = running max and sum per row, in scaled units.
+// Out: S = exp(scale * S - m_new); m = m_new; l = l * alpha + rowsum(S); alpha = exp(m_old -
+// m_new), the factor the caller rescales its output accumulator by.  A row with no visible key
+// so far keeps m = -inf, l = 0 and gets alpha = 0 (its accumulator is zero anyway): never NaN.
 void online_softmax_rows(float* S, int64_t rows, int64_t cols, int64_t ld, float* m, float* l,
-                         float* alpha);
+                         float* alpha, float scale = 1.f);
 void online_softmax_rows(double* S, int64_t rows, int64_t cols, int64_t ld, double* m, double* l,
-                         double* alpha);
+                         double* alpha, double scale = 1.0);
 
 // Recomputes probabilities from scores and the saved log-sum-exp, given as two terms per row:
 // S = exp((S - lse[row]) - lse_lo[row]) (lse_lo 0, or lse = the row's max and lse_lo its log
