@@ -169,6 +169,99 @@ FAE_BF16 void transpose(float* dst, int64_t ldd, const float* src, int64_t lds, 
 
 namespace {
 
+// softmax_rows.cpp's exp_nonpositive, the same operations in the same order as its AVX-512
+// clone compiles them (Cody-Waite reduction, degree-4 q(r) by FMA Horner steps, 2^n from
+// x log2e + 1.5 * 2^23), on 16 lanes.
+FAE_BF16 inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 under = _mm512_set1_ps(-87.3f);
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __mmask16 low = _mm512_cmp_ps_mask(x, under, _CMP_LT_OQ);
+  const __m512 xc = _mm512_mask_blend_ps(low, x, under);
+  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+  const __m512 n = _mm512_sub_ps(t, magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 q = _mm512_set1_ps(0.0082903066650033f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.041897933930158615f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.1666763573884964f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.4999915063381195f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.9999997019767761f));
+  const __m512 p = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)),
+                       _mm512_set1_epi32(127)),
+      23);
+  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~low), y);  // below -87.3: 0 (NaN: NaN)
+}
+
+// P of 16 scores: x * scale rounded, then minus the row's max, as the two passes of
+// scale_rows and online_softmax_rows round them.  The product by the rounding-mode form: the
+// plain one is a vector multiply that GCC fuses with the subtraction (C++'s default
+// fp-contract), whose exact product then differs from the max's rounded one by up to
+// ulp(max) / 2 in the exponent (NaN rows at scores ~5e10: test_attention.py's extreme scales).
+FAE_BF16 inline __m512 probs16(__m512 x, __m512 scale, __m512 m) {
+  const __m512 scaled =
+      _mm512_mul_round_ps(x, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return exp16_nonpositive(_mm512_sub_ps(scaled, m));
+}
+
+}  // namespace
+
+FAE_BF16 void softmax_to_words(const float* S, int64_t rows, int64_t cols, int64_t ld,
+                               float scale, float* m, float* l, float* alpha, uint32_t* dst,
+                               int64_t ldd) {
+  const float inf = __builtin_inff();
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = S + r * ld;
+    uint32_t* d = dst + r * ldd;
+    // The raw max, scaled once: rounding is monotonic, so it is the scaled scores' max.
+    __m512 vmax = _mm512_set1_ps(-inf);
+    int64_t c = 0;
+    // (vmaxps returns its second operand unless the first is greater: a NaN score, first, is
+    // skipped, as online_softmax_rows' comparison skips it; the row sum below takes it)
+    for (; c + 16 <= cols; c += 16) vmax = _mm512_max_ps(_mm512_loadu_ps(s + c), vmax);
+    if (c < cols) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (cols - c)) - 1u);
+      vmax = _mm512_mask_max_ps(vmax, tail, _mm512_maskz_loadu_ps(tail, s + c), vmax);
+    }
+    const float mx = _mm512_reduce_max_ps(vmax) * scale;
+    const float m_old = m[r];
+    const float m_new = m_old > mx ? m_old : mx;
+    const float m_use = m_new == -inf ? 0.f : m_new;
+    alpha[r] = m_old == -inf ? 0.f : _mm512_cvtss_f32(
+        exp16_nonpositive(_mm512_set1_ps(m_old - m_use)));
+    const __m512 vm = _mm512_set1_ps(m_use);
+    __m512 vsum = _mm512_setzero_ps();
+    c = 0;
+    for (; c + 32 <= cols; c += 32) {
+      const __m512 p0 = probs16(_mm512_loadu_ps(s + c), vscale, vm);
+      const __m512 p1 = probs16(_mm512_loadu_ps(s + c + 16), vscale, vm);
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(d + c / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    if (c < cols) {  // the last 1-31 scores: masked loads, zeros past cols (the pad included)
+      const int64_t left = cols - c;
+      const __mmask16 t0 = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+      const __mmask16 t1 =
+          static_cast<__mmask16>(left <= 16 ? 0u : left >= 32 ? 0xffffu : (1u << (left - 16)) - 1u);
+      const __m512 p0 =
+          _mm512_maskz_mov_ps(t0, probs16(_mm512_maskz_loadu_ps(t0, s + c), vscale, vm));
+      const __m512 p1 =
+          _mm512_maskz_mov_ps(t1, probs16(_mm512_maskz_loadu_ps(t1, s + c + 16), vscale, vm));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+      const int64_t words = (left + 1) / 2;
+      _mm512_mask_storeu_epi32(d + c / 2, static_cast<__mmask16>((1u << words) - 1u),
+                               (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
+    m[r] = m_new;
+  }
+}
+
+namespace {
+
 // One MR x (16 NV) block of C over all `pairs`: MR * NV accumulators (at most 24 of the 32 zmm
 // registers), NV words of B per step shared by MR broadcast words of A.  `tail`: the lanes of
 // the last vector that lie inside C (B is read under the same mask).
@@ -290,6 +383,10 @@ void gemm(float*, int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, i
 }
 
 void transpose(float*, int64_t, const float*, int64_t, int64_t, int64_t) { std::abort(); }
+void softmax_to_words(const float*, int64_t, int64_t, int64_t, float, float*, float*, float*,
+                      uint32_t*, int64_t) {
+  std::abort();
+}
 
 #endif
 

@@ -44,6 +44,15 @@ void pack_interleaved(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t l
 void pack_interleaved(uint32_t* dst, int64_t ldd, const float* src, int64_t ld, int64_t k,
                       int64_t n);
 
+// online_softmax_rows (softmax_rows.h) with P written as the words of the P V product instead
+// of over S: for each row r < rows, x = S[r, c] * scale (scale > 0), m_new = max(m[r], max_c
+// x), P = exp(x - m_new) (the same exponential, rounded to bf16 as pack_rows rounds it; the
+// row sum l takes P in fp32), dst[r * ldd + c / 2] = (P[r, c], P[r, c + 1]) for c < cols (an
+// odd cols pads with zero), alpha[r] = exp(m_old - m_new), m and l updated.  S is read, not
+// written.  Only call when enabled().
+void softmax_to_words(const float* S, int64_t rows, int64_t cols, int64_t ld, float scale,
+                      float* m, float* l, float* alpha, uint32_t* dst, int64_t ldd);
+
 // dst[j * ldd + i] = src[i * lds + j] for i < m, j < n (fp32; S from the S^T of the forward's
 // decode route).  Only call when enabled().
 void transpose(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t m, int64_t n);

@@ -261,7 +261,18 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           gemm(S, BK, qm, km.t(), mq, nk, D, p.softmax_scale, 0.0);  // (score_tile's)
           finish(S, nk, j0);
         }
-        online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data(), softmax_scale);
+        // bf16 tiles without dropout: P straight to the P V product's words (one pass over S
+        // fewer, and no fp32 P written and read back; docs/perf/cpu.md)
+        const bool to_words = dot && !p.dropout;
+        if (to_words) {
+          bf16dot::softmax_to_words(reinterpret_cast<const float*>(S), mq, nk, BK,
+                                    static_cast<float>(softmax_scale),
+                                    reinterpret_cast<float*>(m.data()),
+                                    reinterpret_cast<float*>(l.data()),
+                                    reinterpret_cast<float*>(alpha.data()), p_words.data(), BK / 2);
+        } else {
+          online_softmax_rows(S, mq, nk, BK, m.data(), l.data(), alpha.data(), softmax_scale);
+        }
         if (p.dropout) {
           for (int64_t r = 0; r < mq; ++r) {
             dropout_keep(p.philox_seed, p.philox_offset, p.dropout_threshold,
@@ -277,8 +288,9 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
           for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha[r];
         }
         if (dot) {  // P rounded to bf16 (bf16_dot.h), as the CUDA kernels do
-          bf16dot::pack_rows(p_words.data(), BK / 2, reinterpret_cast<const float*>(S), BK, mq,
-                             nk);
+          if (!to_words)
+            bf16dot::pack_rows(p_words.data(), BK / 2, reinterpret_cast<const float*>(S), BK, mq,
+                               nk);
           bf16dot::gemm(reinterpret_cast<float*>(o_acc.data()), Dv, p_words.data(), BK / 2, 1,
                         v_words.data(), Dv, mq, Dv, (nk + 1) / 2, 1.f, true);
         } else {
