@@ -72,7 +72,7 @@ struct KernelOptions {
   int32_t sm90_fma_exp2 = -1;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
-  // default (2).  Other head dims take 8 always.  Experimental: for same-build A/Bs
+  // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs
   // (docs/perf/decode.md, "The loads").
   int32_t decode_row_lanes = 0;
 };

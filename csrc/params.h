@@ -199,7 +199,7 @@ struct DecodeParams : FwdParams {
   // batch, heads_q, seqlen_q), fp32, which the combine kernel merges into out / softmax_lse.
   int num_splits = 1;
   // Lanes per cache row of the decode kernel's copies at head dim 64 (2, 4 or 8; 0: its
-  // default); KernelOptions::decode_row_lanes, experimental.
+  // default, 4); KernelOptions::decode_row_lanes, experimental.
   int32_t row_lanes = 0;
   float* out_accum = nullptr;
   float* lse_accum = nullptr;

@@ -61,8 +61,8 @@ struct DecodeTraits {
 };
 
 // kRowLanes: lanes per cache row of a copy instruction (the loads below): 8 at head dims 128
-// and 256; at 64 2 by default, 4 and 8 for the A/B (DecodeParams::row_lanes).
-template <typename Element, int kHeadDim, int kMTiles, int kRowLanes = (kHeadDim >= 128 ? 8 : 2)>
+// and 256; at 64 4 by default, 2 and 8 for A/Bs (DecodeParams::row_lanes).
+template <typename Element, int kHeadDim, int kMTiles, int kRowLanes = (kHeadDim >= 128 ? 8 : 4)>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     flash_decode_kernel(const __grid_constant__ DecodeParams p) {
   using T = DecodeTraits<kHeadDim, kMTiles>;
@@ -213,11 +213,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   // apart, 2 KB in a (B, S, 8, 128) cache).  The loads are L2-request-bound otherwise: with one
   // row per lane pair an instruction touched one 32-byte sector in each of 16 lines, 4x the
   // L2 requests per byte (ncu: L2 throughput 87%, DRAM 66%; docs/perf/decode.md).
-  // At head dim 64 (128-byte rows) 2 lanes per row, 16 rows per instruction, by default: 8
-  // lanes per row with the passes not unrolled measured up to 20% slower there where few warps
-  // share an SM (split calls; B = 64 gained 13%), most likely the longer address chain per
-  // tile of the 4 passes; unrolled there (the registers allow it at head dim 64), 4 and 8 are
-  // the A/B's forms.
+  // At head dim 64 (128-byte rows) 4 lanes per row, half a line each, 8 rows per instruction
+  // in 2 passes (unrolled: the registers allow it at 64): 3-18% faster than 2 lanes (16 rows
+  // per instruction, one sector of each line) at all eight points measured, and than 8 lanes
+  // (4 passes) at six of them (H100; docs/perf/decode.md, "The loads").
   constexpr int kRowsPerPass = 32 / kRowLanes;
   constexpr int kPasses = T::kBlockN / kRowsPerPass, kGroups = kChunks / kRowLanes;
   static_assert(kChunks % kRowLanes == 0 && T::kBlockN % kRowsPerPass == 0, "");
@@ -634,8 +633,8 @@ cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream
   const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
   const int64_t ctas = m_blocks * p.num_splits * p.heads_kv * p.batch;
   if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
-    if (p.row_lanes == 4)
-      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 4>, ctas, T::kThreads, T::kSmem,
+    if (p.row_lanes == 2)
+      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 2>, ctas, T::kThreads, T::kSmem,
                     stream, p);
     if (p.row_lanes == 8)
       return launch(flash_decode_kernel<Element, kHeadDim, kMT, 8>, ctas, T::kThreads, T::kSmem,
