@@ -100,6 +100,30 @@ def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dty
         assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
 
 
+@pytest.mark.parametrize("layout", ["plain", "paged48", "leftpad", "batch_idx"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
+    # The decode kernel's load forms at head dim 64 (the option decode_row_lanes: 2, 4 or 8
+    # lanes per cache row) change only which lane copies which 16 bytes: the same bits,
+    # GQA and MQA, 1 and 3 query rows, a cache length that ends mid-tile, head dim 40 padded.
+    gen = torch.Generator().manual_seed(3)
+    for heads, heads_k, seqlen_q, splits in ((8, 2, 1, 1), (32, 1, 3, 4)):
+        k_cache, v_cache, kw, _ = _cache(2, 192, heads_k, head_dim, torch.bfloat16, layout, gen)
+        if layout == "leftpad":
+            kw["cache_leftpad"] = torch.tensor([3, 17], dtype=torch.int32, device="cuda")
+        q = torch.randn(2, seqlen_q, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        lens = torch.tensor([187, 61], dtype=torch.int32, device="cuda")
+        outs = []
+        for lanes in (2, 4, 8):
+            kernel_opts(decode_row_lanes=lanes)
+            outs.append(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                num_splits=splits, causal=True,
+                                                return_softmax_lse=True, **kw))
+        for out, lse in outs[1:]:
+            assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+        assert torch.isfinite(outs[0][0]).all()
+
+
 @pytest.mark.parametrize("layout", ["plain", "paged16", "leftpad"])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("softmax_scale", [1.0, 100.0])
