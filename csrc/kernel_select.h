@@ -75,6 +75,10 @@ struct KernelOptions {
   // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs
   // (docs/perf/decode.md, "The loads").
   int32_t decode_row_lanes = 0;
+  // The decode call's combine kernel launched as a programmatic dependent of its attention
+  // kernel on sm_90 (its launch and start overlap the attention kernel's tail); false: an
+  // ordinary launch after it.  Experimental: for same-build A/Bs (docs/perf/decode.md).
+  bool decode_pdl = true;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

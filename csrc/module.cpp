@@ -152,6 +152,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
     d["decode_row_lanes"] = "auto";
   else
     d["decode_row_lanes"] = o.decode_row_lanes;
+  d["decode_pdl"] = o.decode_pdl;
   return d;
 }
 
@@ -216,6 +217,8 @@ void set_kernel_options(const pybind11::dict& values) {
                         "sm90_fma_exp2 must be 'auto', 0, 2 or 4 (exp2s on the FMA pipe per 8 "
                         "columns), got ", pybind11::repr(v).cast<std::string>());
       o.sm90_fma_exp2 = static_cast<int32_t>(n);
+    } else if (key == "decode_pdl") {
+      flag(o.decode_pdl);
     } else if (key == "decode_row_lanes") {
       const bool is_int =
           pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);

@@ -310,6 +310,48 @@ def test_a_call_never_synchronises_and_replays_in_a_cuda_graph():
         assert torch.equal(out, want) and torch.equal(k_pages, k_eager)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("batch,heads_k,seqlen,splits",
+                         [(1, 8, 8192, 0), (1, 1, 32768, 0), (2, 1, 4096, 256), (3, 2, 1000, 7)])
+def test_the_combine_as_a_dependent_launch_gives_the_same_bits(batch, heads_k, seqlen, splits,
+                                                               head_dim, kernel_opts):
+    # The option decode_pdl launches the combine as a programmatic dependent of the attention
+    # kernel (sm_90): its CTAs start before the attention kernel ends and wait for its partial
+    # outputs.  Without that wait it would read out_accum before (or while) it is written.
+    # Eager and replayed from a CUDA graph, GQA and MQA, many splits (num_splits up to 256):
+    # the same bits as the ordinary launch.
+    torch.manual_seed(9)
+    q = torch.randn(batch, 1, 32, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+
+    def call():
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits,
+                                       return_softmax_lse=True)
+    kernel_opts(decode_pdl=False)
+    want_out, want_lse = call()
+    kernel_opts(decode_pdl=True)
+    for _ in range(3):
+        out, lse = call()
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            out, lse = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.isfinite(want_out).all()
+
+
 def test_long_caches_split_over_the_sms():
     # B = 1 and 64k keys: the heuristic splits the keys (many CTAs), the combine merges them;
     # num_splits = 1 (one CTA per head) gives the same answer up to rounding.

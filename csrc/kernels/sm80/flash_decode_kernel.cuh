@@ -87,6 +87,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int64_t hk = bid % p.heads_kv;
   const int64_t b = bid / p.heads_kv;
   const int row0 = m_block * kRows;
+  // The combine (a programmatic dependent where DecodeParams::pdl) may be launched now: its CTAs
+  // take the SM space this grid leaves free, then wait for the grid to complete (pdl_wait), so
+  // that its launch and start overlap this kernel instead of following it (docs/perf/decode.md,
+  // "Where a small call's time goes").  Every CTA of this grid is resident when the last one
+  // triggers, so the combine never takes a slot one of them needs.
+  pdl_trigger();
 
   // Q rows of this block (zero beyond the rows and the head dim), issued first: its copies run
   // while the lengths and pages below are read (each a dependent global load).
@@ -457,6 +463,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps, 2)
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int part = warp % row_warps;
+  pdl_wait();  // the attention kernel's partial outputs are complete and visible
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * (kCombineWarps / row_warps) + warp / row_warps;
   // A warp past the last row reads nothing but still meets the barrier below.
@@ -665,9 +672,9 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int rows_per_combine_cta = kCombineWarps / row_warps;
-  return launch(flash_decode_combine_kernel<Element>,
-                (combine_rows + rows_per_combine_cta - 1) / rows_per_combine_cta,
-                32 * kCombineWarps, 0, stream, p, row_warps);
+  return launch_dependent(p.pdl, flash_decode_combine_kernel<Element>,
+                          (combine_rows + rows_per_combine_cta - 1) / rows_per_combine_cta,
+                          32 * kCombineWarps, 0, stream, p, row_warps);
 }
 
 template <typename Element>
