@@ -70,6 +70,15 @@ struct KernelOptions {
   // holds, how many take their exp2 on the FMA pipe (a polynomial) instead of the MUFU unit;
   // -1: the kernel's default (Sm90FwdTraits::kFmaExp2Of8).  Experimental: for same-build A/Bs.
   int32_t sm90_fma_exp2 = -1;
+  // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
+  // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
+  // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs
+  // (docs/perf/decode.md, "The loads").
+  int32_t decode_row_lanes = 0;
+  // The decode call's combine kernel launched as a programmatic dependent of its attention
+  // kernel on sm_90 (its launch and start overlap the attention kernel's tail); false: an
+  // ordinary launch after it.  Experimental: for same-build A/Bs (docs/perf/decode.md).
+  bool decode_pdl = true;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

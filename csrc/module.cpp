@@ -148,6 +148,11 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
     d["sm90_fma_exp2"] = "auto";
   else
     d["sm90_fma_exp2"] = o.sm90_fma_exp2;
+  if (o.decode_row_lanes == 0)
+    d["decode_row_lanes"] = "auto";
+  else
+    d["decode_row_lanes"] = o.decode_row_lanes;
+  d["decode_pdl"] = o.decode_pdl;
   return d;
 }
 
@@ -212,6 +217,19 @@ void set_kernel_options(const pybind11::dict& values) {
                         "sm90_fma_exp2 must be 'auto', 0, 2 or 4 (exp2s on the FMA pipe per 8 "
                         "columns), got ", pybind11::repr(v).cast<std::string>());
       o.sm90_fma_exp2 = static_cast<int32_t>(n);
+    } else if (key == "decode_pdl") {
+      flag(o.decode_pdl);
+    } else if (key == "decode_row_lanes") {
+      const bool is_int =
+          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
+      const bool is_auto =
+          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
+      const int64_t n = is_int ? v.cast<int64_t>() : 0;
+      TORCH_CHECK_VALUE(is_auto || n == 2 || n == 4 || n == 8,
+                        "decode_row_lanes must be 'auto', 2, 4 or 8 (lanes per cache row of the "
+                        "decode kernel's loads at head dim 64), got ",
+                        pybind11::repr(v).cast<std::string>());
+      o.decode_row_lanes = static_cast<int32_t>(n);
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

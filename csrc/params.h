@@ -198,6 +198,12 @@ struct DecodeParams : FwdParams {
   // (num_splits, batch, heads_q, seqlen_q, head_dim_v) and their LSE lse_accum (num_splits,
   // batch, heads_q, seqlen_q), fp32, which the combine kernel merges into out / softmax_lse.
   int num_splits = 1;
+  // Lanes per cache row of the decode kernel's copies at head dim 64 (2, 4 or 8; 0: its
+  // default, 4); KernelOptions::decode_row_lanes, experimental.
+  int32_t row_lanes = 0;
+  // The combine launched as a programmatic dependent of the attention kernel (sm_90+;
+  // KernelOptions::decode_pdl).
+  bool pdl = false;
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
   // The append (kvcache_append): new keys / values (batch, seqlen_new, heads_kv, head_dim)

@@ -100,6 +100,30 @@ def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dty
         assert not out[b:b + 1][~seen.transpose(1, 2)].any(), "rows that see no key: zeros"
 
 
+@pytest.mark.parametrize("layout", ["plain", "paged48", "leftpad", "batch_idx"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
+    # The decode kernel's load forms at head dim 64 (the option decode_row_lanes: 2, 4 or 8
+    # lanes per cache row) change only which lane copies which 16 bytes: the same bits,
+    # GQA and MQA, 1 and 3 query rows, a cache length that ends mid-tile, head dim 40 padded.
+    gen = torch.Generator().manual_seed(3)
+    for heads, heads_k, seqlen_q, splits in ((8, 2, 1, 1), (32, 1, 3, 4)):
+        k_cache, v_cache, kw, _ = _cache(2, 192, heads_k, head_dim, torch.bfloat16, layout, gen)
+        if layout == "leftpad":
+            kw["cache_leftpad"] = torch.tensor([3, 17], dtype=torch.int32, device="cuda")
+        q = torch.randn(2, seqlen_q, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        lens = torch.tensor([187, 61], dtype=torch.int32, device="cuda")
+        outs = []
+        for lanes in (2, 4, 8):
+            kernel_opts(decode_row_lanes=lanes)
+            outs.append(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                num_splits=splits, causal=True,
+                                                return_softmax_lse=True, **kw))
+        for out, lse in outs[1:]:
+            assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+        assert torch.isfinite(outs[0][0]).all()
+
+
 @pytest.mark.parametrize("layout", ["plain", "paged16", "leftpad"])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("softmax_scale", [1.0, 100.0])
@@ -284,6 +308,48 @@ def test_a_call_never_synchronises_and_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(k_pages, k_eager)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("batch,heads_k,seqlen,splits",
+                         [(1, 8, 8192, 0), (1, 1, 32768, 0), (2, 1, 4096, 256), (3, 2, 1000, 7)])
+def test_the_combine_as_a_dependent_launch_gives_the_same_bits(batch, heads_k, seqlen, splits,
+                                                               head_dim, kernel_opts):
+    # The option decode_pdl launches the combine as a programmatic dependent of the attention
+    # kernel (sm_90): its CTAs start before the attention kernel ends and wait for its partial
+    # outputs.  Without that wait it would read out_accum before (or while) it is written.
+    # Eager and replayed from a CUDA graph, GQA and MQA, many splits (num_splits up to 256):
+    # the same bits as the ordinary launch.
+    torch.manual_seed(9)
+    q = torch.randn(batch, 1, 32, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+
+    def call():
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits,
+                                       return_softmax_lse=True)
+    kernel_opts(decode_pdl=False)
+    want_out, want_lse = call()
+    kernel_opts(decode_pdl=True)
+    for _ in range(3):
+        out, lse = call()
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            out, lse = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.isfinite(want_out).all()
 
 
 def test_long_caches_split_over_the_sms():

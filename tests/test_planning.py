@@ -459,6 +459,19 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
     for bad in (3, 8, -1, True, "2", 2.0):
         with pytest.raises(ValueError, match="sm90_fma_exp2 must be 'auto', 0, 2 or 4"):
             kernel_opts(sm90_fma_exp2=bad)
+    assert ops._C.kernel_options()["decode_row_lanes"] == "auto"
+    with flash_attn_ext.kernel_options(decode_row_lanes=8) as now:
+        assert now["decode_row_lanes"] == 8
+    assert ops._C.kernel_options()["decode_row_lanes"] == "auto"
+    for bad in (0, 1, 16, True, "4", 4.0):
+        with pytest.raises(ValueError, match="decode_row_lanes must be 'auto', 2, 4 or 8"):
+            kernel_opts(decode_row_lanes=bad)
+    assert ops._C.kernel_options()["decode_pdl"] is True
+    with flash_attn_ext.kernel_options(decode_pdl=False) as now:
+        assert now["decode_pdl"] is False
+    assert ops._C.kernel_options()["decode_pdl"] is True
+    with pytest.raises(ValueError, match="decode_pdl must be a bool"):
+        kernel_opts(decode_pdl=1)
     with pytest.raises(ValueError, match="unknown kernel options"):
         kernel_opts(sm90_epilogue="direct")
     with pytest.raises(ValueError, match="sm90_pack_gqa must be one of 'auto', 'on', 'off'"):

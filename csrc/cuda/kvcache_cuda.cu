@@ -219,6 +219,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                      : heuristic_splits(ctas, p.seqlen_cache, sm80::multiprocessor_count(),
                                         p.head_dim);
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+  p.row_lanes = kernel_options().decode_row_lanes;
+  p.pdl = kernel_options().decode_pdl;
   at::Tensor out_accum, lse_accum;
   if (p.num_splits > 1) {
     out_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q, p.head_dim_v},

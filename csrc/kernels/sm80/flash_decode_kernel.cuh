@@ -60,7 +60,9 @@ struct DecodeTraits {
   static_assert(kBlockN == 16, "the loads: passes of 4 or 16 rows");
 };
 
-template <typename Element, int kHeadDim, int kMTiles>
+// kRowLanes: lanes per cache row of a copy instruction (the loads below): 8 at head dims 128
+// and 256; at 64 4 by default, 2 and 8 for A/Bs (DecodeParams::row_lanes).
+template <typename Element, int kHeadDim, int kMTiles, int kRowLanes = (kHeadDim >= 128 ? 8 : 4)>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     flash_decode_kernel(const __grid_constant__ DecodeParams p) {
   using T = DecodeTraits<kHeadDim, kMTiles>;
@@ -85,6 +87,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int64_t hk = bid % p.heads_kv;
   const int64_t b = bid / p.heads_kv;
   const int row0 = m_block * kRows;
+  // The combine (a programmatic dependent where DecodeParams::pdl) may be launched now: its CTAs
+  // take the SM space this grid leaves free, then wait for the grid to complete (pdl_wait), so
+  // that its launch and start overlap this kernel instead of following it (docs/perf/decode.md,
+  // "Where a small call's time goes").  Every CTA of this grid is resident when the last one
+  // triggers, so the combine never takes a slot one of them needs.
+  pdl_trigger();
 
   // Q rows of this block (zero beyond the rows and the head dim), issued first: its copies run
   // while the lengths and pages below are read (each a dependent global load).
@@ -211,10 +219,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   // apart, 2 KB in a (B, S, 8, 128) cache).  The loads are L2-request-bound otherwise: with one
   // row per lane pair an instruction touched one 32-byte sector in each of 16 lines, 4x the
   // L2 requests per byte (ncu: L2 throughput 87%, DRAM 66%; docs/perf/decode.md).
-  // At head dim 64 (128-byte rows) 2 lanes per row, 16 rows per instruction: 8 lanes per row
-  // measured up to 20% slower there where few warps share an SM (split calls; B = 64 gained
-  // 13%), most likely the longer address chain per tile of the 4 passes.
-  constexpr int kRowLanes = kChunks >= 16 ? 8 : 2, kRowsPerPass = 32 / kRowLanes;
+  // At head dim 64 (128-byte rows) 4 lanes per row, half a line each, 8 rows per instruction
+  // in 2 passes (unrolled: the registers allow it at 64): 3-18% faster than 2 lanes (16 rows
+  // per instruction, one sector of each line) at all eight points measured, and than 8 lanes
+  // (4 passes) at six of them (H100; docs/perf/decode.md, "The loads").
+  constexpr int kRowsPerPass = 32 / kRowLanes;
   constexpr int kPasses = T::kBlockN / kRowsPerPass, kGroups = kChunks / kRowLanes;
   static_assert(kChunks % kRowLanes == 0 && T::kBlockN % kRowsPerPass == 0, "");
   const int my_row0 = lane / kRowLanes, my_chunk0 = lane % kRowLanes;
@@ -223,8 +232,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     const int64_t key0 = (first_blk + static_cast<int64_t>(it) * T::kWarps) * T::kBlockN;
     Element* sk = ring + stage * 2 * T::kTile;
     Element* sv = sk + T::kTile;
-#pragma unroll 1
-    for (int i = 0; i < kPasses; ++i) {
+    auto pass = [&](int i) {
       const int r = my_row0 + kRowsPerPass * i;
       const bool row_ok = key0 + r < len_k;
       // One base per operand and row; group g is base + 8 kRowLanes g elements (an immediate
@@ -244,6 +252,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
         cp_async_16(smem_addr(sk + swz<kChunks>(r, c)), ks + 8 * kRowLanes * g, valid);
         cp_async_16(smem_addr(sv + swz<kChunks>(r, c)), vs + 8 * kRowLanes * g, valid);
       }
+    };
+    if constexpr (kHeadDim <= 64) {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) pass(i);
+    } else {  // unrolled, ptxas hoisted every pass's addresses (spills at head dim 128)
+#pragma unroll 1
+      for (int i = 0; i < kPasses; ++i) pass(i);
     }
   };
 
@@ -448,6 +463,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps, 2)
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int part = warp % row_warps;
+  pdl_wait();  // the attention kernel's partial outputs are complete and visible
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * (kCombineWarps / row_warps) + warp / row_warps;
   // A warp past the last row reads nothing but still meets the barrier below.
@@ -622,8 +638,17 @@ cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream
   using T = DecodeTraits<kHeadDim, kMT>;
   const int64_t rows = p.seqlen_q * (p.heads_q / p.heads_kv);
   const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
-  return launch(flash_decode_kernel<Element, kHeadDim, kMT>,
-                m_blocks * p.num_splits * p.heads_kv * p.batch, T::kThreads, T::kSmem, stream, p);
+  const int64_t ctas = m_blocks * p.num_splits * p.heads_kv * p.batch;
+  if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
+    if (p.row_lanes == 2)
+      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 2>, ctas, T::kThreads, T::kSmem,
+                    stream, p);
+    if (p.row_lanes == 8)
+      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 8>, ctas, T::kThreads, T::kSmem,
+                    stream, p);
+  }
+  return launch(flash_decode_kernel<Element, kHeadDim, kMT>, ctas, T::kThreads, T::kSmem, stream,
+                p);
 }
 
 template <typename Element, int kHeadDim>
@@ -647,9 +672,9 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int rows_per_combine_cta = kCombineWarps / row_warps;
-  return launch(flash_decode_combine_kernel<Element>,
-                (combine_rows + rows_per_combine_cta - 1) / rows_per_combine_cta,
-                32 * kCombineWarps, 0, stream, p, row_warps);
+  return launch_dependent(p.pdl, flash_decode_combine_kernel<Element>,
+                          (combine_rows + rows_per_combine_cta - 1) / rows_per_combine_cta,
+                          32 * kCombineWarps, 0, stream, p, row_warps);
 }
 
 template <typename Element>

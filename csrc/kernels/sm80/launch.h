@@ -72,6 +72,34 @@ inline cudaError_t opt_in_smem(const void* kernel, int bytes) {
   return err;
 }
 
+// The current device's compute capability major (0 if the query fails), once per device.
+inline int compute_capability_major() {
+  return per_device_cached([](int device) {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                   cudaSuccess
+               ? major
+               : 0;
+  });
+}
+
+// cudaFuncSetAttribute(PreferredSharedMemoryCarveout, max shared) for `kernel` on the current
+// device, once: a kernel launched as a programmatic dependent (launch_dependent below) can only
+// share an SM with a primary that runs at the largest carveout if it asks for the same one.
+inline cudaError_t prefer_max_shared(const void* kernel) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({kernel, device}) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (err == cudaSuccess) done.insert({kernel, device});
+  return err;
+}
+
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), int64_t blocks, int threads, int smem_bytes,
                    cudaStream_t stream, Args&&... args) {
@@ -84,6 +112,49 @@ cudaError_t launch(void (*kernel)(Params...), int64_t blocks, int threads, int s
   kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(
       std::forward<Args>(args)...);
   return cudaGetLastError();
+}
+
+// launch() as a programmatic dependent of the kernel before it on the stream (sm_90+: Hopper's
+// programmatic dependent launch): its CTAs may be scheduled once every CTA of that kernel has
+// executed griddepcontrol.launch_dependents (pdl_trigger) or exited, and wait in
+// griddepcontrol.wait (pdl_wait) until that kernel has completed and its writes are visible.
+// Its launch and its CTAs' start overlap the previous kernel's tail instead of following it.
+// pdl false (or a device before sm_90): an ordinary launch, where pdl_wait returns at once.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(bool pdl, void (*kernel)(Params...), int64_t blocks, int threads,
+                             int smem_bytes, cudaStream_t stream, Args&&... args) {
+  if (!pdl || compute_capability_major() < 9)
+    return launch(kernel, blocks, threads, smem_bytes, stream, std::forward<Args>(args)...);
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  cudaError_t err = smem_bytes > 48 * 1024
+                        ? opt_in_smem(reinterpret_cast<const void*>(kernel), smem_bytes)
+                        : cudaSuccess;
+  if (err == cudaSuccess) err = prefer_max_shared(reinterpret_cast<const void*>(kernel));
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// The device side of launch_dependent (no-ops before sm_90 and without a dependent or primary).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 }  // namespace flash_attn_ext::sm80

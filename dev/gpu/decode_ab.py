@@ -1,0 +1,95 @@
+"""A kernel option of the decode call, A/B in one process: flash_attn_with_kvcache with each
+value of one option of flash_attn_ext.kernel_options (decode_row_lanes: lanes per cache row of
+the copies at head dim 64; decode_pdl: the combine as a programmatic dependent launch), one
+query token, 32 query heads, bf16, a full contiguous cache; graph-replayed time per call and
+K/V TB/s in interleaved rounds (A B C A B C ...), SDPA's FLASH and cuDNN backends on the same
+cache, and the device copy rate.  Checks that every value gives the first value's bits.
+
+Usage on the GPU machine:
+    python3 dev/gpu/decode_ab.py --option decode_row_lanes --values 2 4 8 --dims 64
+    python3 dev/gpu/decode_ab.py --option decode_pdl --values True False --points small
+"""
+import argparse
+import ast
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from timing import graph_ms
+
+import flash_attn_ext
+
+# (batch, seqlen, heads_kv): GQA 32:8 and MQA (docs/perf/decode.md).
+POINTS = {
+    "all": [(64, 8192, 8), (8, 131072, 8), (1, 131072, 8), (8, 32768, 8), (1, 8192, 8),
+            (64, 32768, 1), (8, 131072, 1), (1, 131072, 1)],
+    # the calls that split the keys (a combine kernel) and are short
+    "small": [(1, 8192, 8), (1, 32768, 8), (8, 1024, 8), (1, 32768, 1), (8, 32768, 1),
+              (1, 131072, 1), (1, 131072, 8), (8, 32768, 8)],
+}
+HEADS = 32
+
+
+def point(batch, seqlen, heads_kv, d, option, values, rounds):
+    torch.manual_seed(0)  # (drawn on the GPU: a 2 GB cache drawn on the CPU takes seconds)
+    q = torch.randn(batch, 1, HEADS, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    nbytes = 2 * k.numel() * k.element_size()
+
+    def ours():
+        return flash_attn_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    outs, best = [], [float("inf")] * len(values)
+    for value in values:
+        with flash_attn_ext.kernel_options(**{option: value}):
+            outs.append(ours())
+    same = all(torch.equal(out, outs[0]) for out in outs)
+    for _ in range(rounds):
+        for i, value in enumerate(values):
+            with flash_attn_ext.kernel_options(**{option: value}):
+                best[i] = min(best[i], graph_ms(ours, reps=10, groups=3))
+    row = [f"B={batch:3d} S={seqlen:6d} H_kv={heads_kv} d={d:3d}"]
+    row += [f"{value}: {ms * 1e3:6.1f} us {nbytes / ms / 1e9:5.2f} TB/s"
+            for value, ms in zip(values, best)]
+    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def peer(b=backend):
+            with sdpa_kernel(b):
+                return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+        try:
+            ms = graph_ms(peer, reps=10, groups=3)
+            row.append(f"{name} {ms * 1e3:6.1f} us {nbytes / ms / 1e9:5.2f}")
+        except RuntimeError as e:
+            row.append(f"{name} refused ({str(e).splitlines()[0][:30]})")
+    src = torch.cat([k.flatten(), v.flatten()])
+    dst = torch.empty_like(src)
+    copy_ms = graph_ms(lambda: dst.copy_(src), reps=10, groups=3)
+    row.append(f"copy {2 * nbytes / copy_ms / 1e9:5.2f}")  # (read + write)
+    row.append("bits equal" if same else "BITS DIFFER")
+    return "  ".join(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--option", required=True, help="a kernel option, e.g. decode_pdl")
+    parser.add_argument("--values", nargs="+", required=True,
+                        help="its values (Python literals: 2, True, 'auto')")
+    parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--points", choices=sorted(POINTS), default="all")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    values = [ast.literal_eval(v) for v in args.values]
+    print(torch.cuda.get_device_name(), torch.__version__, f"{args.option}: {values}", flush=True)
+    for d in args.dims:
+        for batch, seqlen, heads_kv in POINTS[args.points]:
+            print(point(batch, seqlen, heads_kv, d, args.option, values, args.rounds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
