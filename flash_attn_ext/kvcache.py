@@ -305,7 +305,8 @@ def flash_attn_with_kvcache(
             pairs (2i, 2i + 1) (GPT-J) or halves (GPT-NeoX).
         cache_seqlens: int, or (batch,) int32 or int64 tensor (values within int32): each
             entry's cached length before the append (default: seqlen_cache, a full cache).
-        cache_batch_idx: (batch,) integer or None: the cache entry of each batch element
+        cache_batch_idx: (batch,) int32 or int64 tensor, an int (the same entry for every
+            batch element), or None: the cache entry of each batch element
             (gathered: a copy of those entries; new k/v are written to them in place).
         cache_leftpad: int, (batch,) int32 or int64 tensor, or None: entry b's keys start at
             that row.
@@ -424,13 +425,17 @@ def flash_attn_with_kvcache(
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t is not None:
                 check_tensors((name, t))
-        if rotary_cos is None or rotary_sin is None or rotary_cos.dim() != 2 or \
-                rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
+        shapes = (f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
+                  f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError(f"rotary_cos and rotary_sin must be given together, got {shapes}")
+        # (one message for both rules named the first when only the second was broken: a
+        # new-user finding)
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or \
+                2 * rotary_cos.shape[1] > head_dim:
             raise ValueError(
-                "rotary_cos and rotary_sin must be given together, both (seqlen_ro, rotary_dim "
-                f"/ 2) with rotary_dim <= head_dim = {head_dim}, got "
-                f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
-                f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
+                "rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with "
+                f"rotary_dim <= head_dim = {head_dim}, got {shapes}")
         if not (rotary_cos.is_floating_point() and rotary_sin.is_floating_point()):
             # (an integer table would be a table of 0s and 1s, silently)
             raise ValueError(f"rotary_cos and rotary_sin must be floating tensors, got "

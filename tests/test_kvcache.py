@@ -112,6 +112,16 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
                                 rotary_cos=torch.ones(8, 2, dtype=torch.int32),
                                 rotary_sin=torch.zeros(8, 2, dtype=torch.int32))
+    # One table without the other, and two tables too wide, each named by its own rule (the
+    # second said "must be given together"; a new-user finding).
+    with pytest.raises(ValueError, match=r"must be given together, got \(8, 2\) and None"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
+                                rotary_cos=torch.ones(8, 2))
+    wide = torch.ones(8, q.shape[-1])
+    with pytest.raises(ValueError, match=r"must both be \(seqlen_ro, rotary_dim / 2\) with "
+                                         r"rotary_dim <= head_dim"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
+                                rotary_cos=wide, rotary_sin=wide)
     # num_splits as a NumPy int or a 0-d tensor, as the other numbers (was a ValueError).
     ref = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3)
     for num_splits in (np.int64(2), torch.tensor(2)):
