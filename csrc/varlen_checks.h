@@ -24,6 +24,7 @@ struct Packed {
   int64_t batch = 0;    // number of sequences
   int64_t total_q = 0;  // rows of q
   int64_t total_k = 0;  // rows of k and v
+  int64_t longest_q = 0, longest_k = 0;  // the longest sequence of each side (host offsets)
 };
 
 inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -129,6 +130,7 @@ inline Packed check_packed(const at::Tensor& q, const at::Tensor& k,
                       " exceeds the ", i == 0 ? "q" : "k", " rows (", totals[i], ")");
     TORCH_CHECK_VALUE(maxima[i] >= longest, max_names[i], "=", maxima[i],
                       " is shorter than the longest sequence (", longest, ")");
+    (i == 0 ? pk.longest_q : pk.longest_k) = longest;
   }
   if (pk.used_k.defined()) {
     const int32_t* n = pk.used_k_host.data_ptr<int32_t>();
@@ -219,11 +221,16 @@ inline void check_packed_bwd_tensors(const AttnArgs& a, const at::Tensor& dout_i
 // Turns params filled from (1, total, H, D) views into the packed call's: one entry per
 // sequence, the longest lengths, no batch strides (each kernel places a sequence by its
 // offsets: the CPU's Seqs, the CUDA kernels' SeqInfo, which read params.h's cu_seqlens).
+// The longest lengths are max_seqlen_q / max_seqlen_k cut to the longest sequence of the
+// offsets: they need only be at least that (FlashAttention-2 code often passes a model's
+// maximum length), and the kernels count tiles, tasks and grids from them, so that a
+// max_seqlen near 2^63 made those counts overflow (the CPU forward's zeros, its backward's
+// wrong dq / dk) and one of 1e10 ran seconds of empty tasks (a new-user finding).
 inline void make_packed(FwdParams& p, const Packed& pk, int64_t max_seqlen_q,
                         int64_t max_seqlen_k) {
   p.batch = pk.batch;
-  p.seqlen_q = max_seqlen_q;
-  p.seqlen_k = max_seqlen_k;
+  p.seqlen_q = std::min(max_seqlen_q, pk.longest_q);
+  p.seqlen_k = std::min(max_seqlen_k, pk.longest_k);
   p.align_bottom_right = true;  // causal and windows bottom-right per sequence (FlashAttention-2)
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
 }

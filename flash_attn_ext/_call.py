@@ -51,13 +51,19 @@ def check_transforms(*tensors: torch.Tensor, dropout_p: float = 0.0) -> None:
             raise NotImplementedError(
                 "flash_attn_ext: dropout under vmap(randomness='same') is not supported: each "
                 "sample draws its own mask (use randomness='different')")
+    forward_mode = NotImplementedError(
+        "flash_attn_ext does not support forward-mode AD (torch.func.jvp, "
+        "torch.autograd.forward_ad): its tangent would be silently zero; use reverse mode "
+        "(loss.backward(), torch.autograd.grad)")
     for t in tensors:
         if dual and fwad.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(
-                "flash_attn_ext does not support forward-mode AD (torch.func.jvp, "
-                "torch.autograd.forward_ad): its tangent would be silently zero; use reverse mode "
-                "(loss.backward(), torch.autograd.grad)")
+            raise forward_mode
         if torch._C._functorch.is_gradtrackingtensor(t):
+            from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+            # (torch.func.jvp wraps its primals like grad does: name what it is)
+            if retrieve_current_functorch_interpreter().key() == \
+                    torch._C._functorch.TransformType.Jvp:
+                raise forward_mode
             raise NotImplementedError(
                 "flash_attn_ext does not support torch.func's gradient transforms (grad, vjp, "
                 "jacrev, jacfwd, hessian); use torch.autograd.grad or loss.backward()")
@@ -248,7 +254,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     ``dropout_p``: in [0, 1] (1: zeros, see :func:`kernel_dropout`).
     """
     dropout_p, drop_all = kernel_dropout(dropout_p)
-    check_transforms(q, k, v, dropout_p=dropout_p)
+    # (the mask and the slopes too: a tangent on them alone reached autograd's own error,
+    # naming neither forward-mode AD nor flash_attn_ext; a new-user finding)
+    check_transforms(q, k, v, *(t for t in (attn_bias, alibi_slopes) if t is not None),
+                     dropout_p=dropout_p)
     q, k, v = autocast(q, k, v)
     p = planning.plan(q, k, v, softmax_scale,
                       planning.score_mods(softcap, dropout_p, attn_bias, alibi_slopes),

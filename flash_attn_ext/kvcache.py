@@ -305,7 +305,8 @@ def flash_attn_with_kvcache(
             pairs (2i, 2i + 1) (GPT-J) or halves (GPT-NeoX).
         cache_seqlens: int, or (batch,) int32 or int64 tensor (values within int32): each
             entry's cached length before the append (default: seqlen_cache, a full cache).
-        cache_batch_idx: (batch,) integer or None: the cache entry of each batch element
+        cache_batch_idx: (batch,) int32 or int64 tensor, an int (the same entry for every
+            batch element), or None: the cache entry of each batch element
             (gathered: a copy of those entries; new k/v are written to them in place).
         cache_leftpad: int, (batch,) int32 or int64 tensor, or None: entry b's keys start at
             that row.
@@ -424,13 +425,17 @@ def flash_attn_with_kvcache(
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t is not None:
                 check_tensors((name, t))
-        if rotary_cos is None or rotary_sin is None or rotary_cos.dim() != 2 or \
-                rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
+        shapes = (f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
+                  f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError(f"rotary_cos and rotary_sin must be given together, got {shapes}")
+        # (one message for both rules named the first when only the second was broken: a
+        # new-user finding)
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or \
+                2 * rotary_cos.shape[1] > head_dim:
             raise ValueError(
-                "rotary_cos and rotary_sin must be given together, both (seqlen_ro, rotary_dim "
-                f"/ 2) with rotary_dim <= head_dim = {head_dim}, got "
-                f"{None if rotary_cos is None else tuple(rotary_cos.shape)} and "
-                f"{None if rotary_sin is None else tuple(rotary_sin.shape)}")
+                "rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with "
+                f"rotary_dim <= head_dim = {head_dim}, got {shapes}")
         if not (rotary_cos.is_floating_point() and rotary_sin.is_floating_point()):
             # (an integer table would be a table of 0s and 1s, silently)
             raise ValueError(f"rotary_cos and rotary_sin must be floating tensors, got "
@@ -562,13 +567,23 @@ def flash_attn_with_kvcache(
         q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
     # The cache as packed sequences: entry b's keys are rows b * seqlen_cache + leftpad[b] ..
     # of the (batch * seqlen_cache) rows, of which seqlens[b] + new - leftpad[b] are used.
+    # Where entries or pages are gathered (a copy), seqlen_cache becomes the most rows any
+    # entry uses (whole pages), not the capacity: a table sized for the longest context made
+    # each call copy all of it, up to 250x a call's time at 100 used keys of 8192 (a new-user
+    # finding).
+    # (The contiguous cache without cache_batch_idx stays a view of all its rows: no copy.)
+    used = int((seqlens + new).max()) if batch > 0 else 0
     if block_table is not None:  # (the pages gathered into each entry's cache: a copy)
         # (unused slots may hold anything: clamped, their rows are past the used ones)
-        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
+        slots = min(block_table.shape[1], max(1, -(-used // page)))
+        pages = block_table[:, :slots].long().clamp(0, k_cache.shape[0] - 1)
+        seqlen_cache = slots * page
         kc, vc = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))
+    elif cache_batch_idx is not None:  # (a copy of each entry's used rows)
+        seqlen_cache = min(seqlen_cache, max(1, used))
+        kc, vc = (c[entries, :seqlen_cache] for c in (k_cache, v_cache))
     else:
-        kc = k_cache[:batch] if cache_batch_idx is None else k_cache[entries]
-        vc = v_cache[:batch] if cache_batch_idx is None else v_cache[entries]
+        kc, vc = k_cache[:batch], v_cache[:batch]
     if grad_new:  # (the same values as the append wrote, now with k's and v's gradient)
         at = (torch.arange(batch, device=device)[:, None].expand(batch, new), positions[:, :new])
         kc = kc.index_put(at, k.to(kc.dtype))

@@ -136,9 +136,21 @@ def note_fallback(reason: str, target: str, strict: Optional[bool] = None) -> No
         # filters ("ignore", "error", "once") still apply.
         frame = _caller_frame()
         warnings.warn_explicit(f"flash_attn_ext: falling back to {target} because {reason}. "
-                               "Set FLASH_ATTN_EXT_STRICT=1 to make this an error.",
+                               + _strict_hint(strict),
                                UserWarning, frame.f_code.co_filename, frame.f_lineno,
                                module=frame.f_globals.get("__name__"), registry={})
+
+
+def _strict_hint(strict: Optional[bool]) -> str:
+    """How to make a fallback an error, given what turned strict mode off (the variable alone
+    read wrong when it was set and a call's strict=False or set_strict(False) overrode it: a
+    new-user finding)."""
+    if strict is False:
+        return ("This call passed strict=False (strict=True makes this an error"
+                + (", as FLASH_ATTN_EXT_STRICT=1 would without it)." if _env_strict else ")."))
+    if _strict_override is False:
+        return "set_strict(False) is in effect (set_strict(True) makes this an error)."
+    return "Set FLASH_ATTN_EXT_STRICT=1 to make this an error."
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

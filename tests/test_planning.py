@@ -273,6 +273,34 @@ def test_fallback_warning_names_the_callers_line():
     policy.reset_fallback_counts()
 
 
+def test_fallback_warning_says_what_turned_strict_mode_off(monkeypatch):
+    # With FLASH_ATTN_EXT_STRICT=1 set and a call's strict=False, the warning said "Set
+    # FLASH_ATTN_EXT_STRICT=1 to make this an error" (a new-user finding): it names what
+    # turned strict mode off.
+    q = torch.empty(1, 4, 2, 8, device="meta")
+
+    def message(strict):
+        policy.reset_fallback_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            policy.record(planning.plan(q, q, q), strict=strict)
+        (w,) = [w for w in caught if "falling back" in str(w.message)]
+        return str(w.message)
+    monkeypatch.setattr(policy, "_env_strict", True)
+    assert message(False).endswith("This call passed strict=False (strict=True makes this an "
+                                   "error, as FLASH_ATTN_EXT_STRICT=1 would without it).")
+    policy.set_strict(False)
+    try:
+        assert message(None).endswith("set_strict(False) is in effect (set_strict(True) makes "
+                                      "this an error).")
+    finally:
+        policy.set_strict(None)
+    monkeypatch.setattr(policy, "_env_strict", False)
+    assert message(False).endswith("(strict=True makes this an error).")
+    assert message(None).endswith("Set FLASH_ATTN_EXT_STRICT=1 to make this an error.")
+    policy.reset_fallback_counts()
+
+
 def test_fallback_warns_again_after_reset_under_the_default_filter():
     # reset_fallback_counts() promises the warning anew, but Python's "default" action (once
     # per line) hid it at the same line (new-user trial); the user's filters still apply.

@@ -151,6 +151,23 @@ def test_forward_mode_and_functorch_grad_are_refused():
         torch.func.grad(lambda q: flash_attn_func(q, k, v).sum())(q)
     with pytest.raises(NotImplementedError, match=r"\(grad, vjp, jacrev"):  # (its name too)
         torch.func.vjp(lambda q: flash_attn_func(q, k, v), q)
+    # A tangent on the mask or the ALiBi slopes alone (forward AD and torch.func.jvp): the
+    # same error (it was autograd's "jvp is not implemented for the c++ API of custom
+    # Function", naming neither; a new-user finding).
+    import torch.autograd.forward_ad as fwad
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    mask = torch.randn(1, 1, 10, 10, dtype=torch.float64)
+    slopes = torch.rand(2, dtype=torch.float64)
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            scaled_dot_product_attention(qs, ks, vs,
+                                         attn_mask=fwad.make_dual(mask, torch.randn_like(mask)))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flash_attn_func(q, k, v, alibi_slopes=fwad.make_dual(slopes,
+                                                                 torch.randn_like(slopes)))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda m: scaled_dot_product_attention(qs, ks, vs, attn_mask=m), (mask,),
+                       (torch.randn_like(mask),))
     # vmap of the forward is fine.
     out = torch.vmap(lambda q: flash_attn_func(q, k, v))(q.unsqueeze(0).expand(3, -1, -1, -1,
                                                                                 -1))

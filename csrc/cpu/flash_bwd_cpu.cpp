@@ -428,7 +428,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, true);
   fill_grad_params(p, dout, dq, dk, dv);
   make_packed(p, pk, max_seqlen_q, max_seqlen_k);
-  clamp_to_longest(p, pk);
   p.dout_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
   fill_dropout_params(p, dropout_p);
   read_seed(p, rng_state);

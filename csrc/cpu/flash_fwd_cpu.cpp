@@ -382,7 +382,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_varlen_cpu(
   FwdParams p;
   fill_fwd_params(p, a, q, k, v, out, lse, softcap, true);
   make_packed(p, pk, max_seqlen_q, max_seqlen_k);
-  clamp_to_longest(p, pk);
   fill_dropout_params(p, dropout_p);
   draw_seed(p, rng_state);
   const at::Tensor slopes = prepare_alibi(alibi_slopes, lse_dtype(q.scalar_type()), p);
