@@ -143,9 +143,13 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // instead (the same rounding), where nothing between the GEMM and the softmax reads them
   // scaled (no softcap, bias or ALiBi; the causal / window mask's -inf is the same either
   // way).
-  const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 && p.attn_bias == nullptr &&
-                          p.alibi_slopes == nullptr && p.softmax_scale > 0.0 &&
-                          std::isfinite(p.softmax_scale);
+  // (Decided on the float the softmax multiplies by: a positive double below ~7e-46 is 0 in
+  // float, and 0 times the mask's -inf is NaN; before the fold, the GEMM's 0 came first and
+  // the mask after it.  A reviewer's finding.)
+  const float scale_f = static_cast<float>(p.softmax_scale);
+  const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 &&
+                          p.attn_bias == nullptr && p.alibi_slopes == nullptr && scale_f > 0.f &&
+                          std::isfinite(scale_f);
   const float gemm_scale = fold_scale ? 1.f : static_cast<float>(p.softmax_scale);
   const acc_t softmax_scale = fold_scale ? acc_t(p.softmax_scale) : acc_t(1);
   PackedKeys keys;
