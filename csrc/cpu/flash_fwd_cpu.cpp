@@ -39,7 +39,7 @@ namespace {
 // b's key j is row b * seqlen_k + j; packed: cu_seqlens_k[b] + j), so the buffer is K's size
 // whatever the sequence lengths.
 struct PackedKeys {
-  std::unique_ptr<uint32_t[]> words;
+  std::unique_ptr<uint32_t[], FreeDeleter> words;  // (64-byte aligned, not zeroed)
   int64_t pairs = 0, rows = 0;  // per key/value head: pairs x rows words
 
   uint32_t* at(const FwdParams& p, const Seqs& seqs, int64_t b, int64_t hk) const {
@@ -57,7 +57,8 @@ PackedKeys pack_keys(const FwdParams& p, const Seqs& seqs) {
   PackedKeys pk;
   pk.pairs = (p.head_dim + 1) / 2;
   pk.rows = seqs.cu_k == nullptr ? p.batch * p.seqlen_k : seqs.cu_k[p.batch];
-  pk.words.reset(new uint32_t[std::max<int64_t>(1, p.heads_kv * pk.pairs * pk.rows)]);
+  pk.words.reset(CacheLineAllocator<uint32_t>().allocate(
+      static_cast<size_t>(std::max<int64_t>(1, p.heads_kv * pk.pairs * pk.rows))));
   const auto* k = static_cast<const scalar_t*>(p.k);
   // Tasks are (batch, key/value head, chunk of keys): a decode call (batch 1, one key/value
   // head, a long cache) still packs on every thread.
@@ -162,13 +163,14 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const bf16dot::ChunkGuard amx_state{dot};
     const bool conv = !kInPlace && !dot;
-    std::vector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
+    LineVector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
         v_buf(conv ? BK * Dv : 0);
     // The bf16 path's packed words: the query tile, P, the key tile's V (bf16_dot.h).
-    std::vector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
+    LineVector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
         v_words(dot ? BK / 2 * Dv : 0);
-    std::vector<float> st_buf(direct_keys ? BK * kDirectKeyRows : 0);  // S^T of a key tile
-    std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
+    LineVector<float> st_buf(direct_keys ? BK * kDirectKeyRows : 0);  // S^T of a key tile
+    LineVector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv);
+    std::vector<acc_t> m(BQ), l(BQ), alpha(BQ);
     std::vector<scalar_t> q_rows(pack_gqa ? BQ * D : 0);  // the group's query rows, gathered
     std::vector<uint8_t> keep(p.dropout ? BK : 0);
     for (int64_t task = begin; task < end; ++task) {
