@@ -126,3 +126,60 @@ def test_bf16_cpu_masked_keys_past_an_odd_tile_never_leak():
         q.double(), k[:, :, :3].double(), v[:, :, :3].double(), is_causal=True)
     assert not torch.isnan(out).any()
     assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_bf16_cpu_a_scale_that_is_zero_in_float_gives_the_uniform_average():
+    # A positive softmax_scale below ~7e-46 is 0 as a float: folded into the softmax (on AMX)
+    # it met the mask's -inf first (0 * -inf = NaN rows; a reviewer's finding).  The answer
+    # is every visible key's weight equal: out = the mean of the visible v rows.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 37, 2, 64, dtype=torch.bfloat16) for _ in "qkv")
+    for scale in (1e-50, 1e-46):
+        out = flash_attn_ext.flash_attn_func(q, k, v, causal=True, softmax_scale=scale)
+        mean = v.double().cumsum(1) / torch.arange(1, 38, dtype=torch.float64)[None, :, None,
+                                                                                None]
+        assert not torch.isnan(out).any()
+        assert (out.double() - mean).abs().max().item() < 1e-2
+
+
+GUARD_SCRIPT = r"""
+import ctypes, mmap, sys
+import torch
+import flash_attn_ext
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+page = mmap.PAGESIZE
+keep = []
+def at_page_end(t):
+    # a copy of t whose last byte is followed by a page that may not be read
+    nbytes = t.numel() * t.element_size()
+    pages = (nbytes + page - 1) // page + 1
+    mm = mmap.mmap(-1, pages * page)
+    buf = (ctypes.c_char * (pages * page)).from_buffer(mm)
+    assert libc.mprotect(ctypes.addressof(buf) + (pages - 1) * page, page, 0) == 0
+    g = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
+                         offset=(pages - 1) * page - nbytes).view(t.shape)
+    g.copy_(t)
+    keep.append((mm, buf))
+    return g
+torch.manual_seed(0)
+for d in (3, 59):
+    for seqlen_k in (16, 33):
+        q = torch.randn(1, 2, 1, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, seqlen_k, 1, d, dtype=torch.bfloat16) for _ in "kv")
+        want = flash_attn_ext.flash_attn_func(q, k, v)
+        got = flash_attn_ext.flash_attn_func(q, at_page_end(k), at_page_end(v))
+        assert torch.equal(got, want), (d, seqlen_k)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
+def test_bf16_cpu_odd_head_dims_read_nothing_past_k():
+    # The packing of K for an odd head dim gathered 4 bytes at its last element, reading the
+    # element after each row's last: past the tensor for its last row (SIGSEGV with k's end
+    # at an unreadable page, head dims 3 and 59 with 16 keys; a reviewer's guard-page test).
+    run = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode,
+                                                                       run.stderr[-2000:])

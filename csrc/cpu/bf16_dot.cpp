@@ -126,15 +126,19 @@ FAE_BF16 void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, i
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
                                                            5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(static_cast<int>(ld)));
+  // An odd k's last pair is read element by element below: a 4-byte gather there would read
+  // the element after each row's last, past the tensor's end for its last row (a reviewer's
+  // guard-page test: SIGSEGV at head dim 59 with 16 keys).
+  const int64_t whole = k / 2;
   int64_t j = 0;
   for (; j + 16 <= n && 16 * ld <= (int64_t{1} << 30); j += 16) {
     const uint16_t* s = src + j * ld;
-    for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t p = 0; p < whole; ++p) {
       // (byte offsets: rows[i] elements of 2 bytes; element 2p of each row)
-      __m512i w = _mm512_i32gather_epi32(rows, s + 2 * p, 2);
-      if (2 * p + 1 == k) w = _mm512_and_si512(w, _mm512_set1_epi32(0xffff));
-      _mm512_storeu_si512(dst + p * ldd + j, w);
+      _mm512_storeu_si512(dst + p * ldd + j, _mm512_i32gather_epi32(rows, s + 2 * p, 2));
     }
+    if (whole < pairs)
+      for (int64_t i = 0; i < 16; ++i) dst[whole * ldd + j + i] = s[i * ld + 2 * whole];
   }
   for (; j < n; ++j) {
     const uint16_t* s = src + j * ld;

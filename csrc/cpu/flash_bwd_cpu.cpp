@@ -98,27 +98,29 @@ void flash_bwd_cpu(const BwdParams& p, const Seqs& seqs) {
   const int64_t chunks = std::max<int64_t>(
       1, std::min({key_tiles, (threads + pairs - 1) / pairs, kMaxChunks, kChunkBytes / dq_bytes}));
   const int64_t tiles_per_chunk = chunks > 1 ? (key_tiles + chunks - 1) / chunks : key_tiles;
-  std::vector<acc_t> dq_partial(chunks > 1 ? chunks * pairs * group * L * D : 0);
+  LineVector<acc_t> dq_partial(chunks > 1 ? chunks * pairs * group * L * D : 0);
 
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
     const bf16dot::ChunkGuard amx_state{dot};
-    std::vector<acc_t> delta(group * L), dq_own(chunks > 1 ? 0 : group * L * D);
-    std::vector<acc_t> k_buf(conv ? BK * D : 0), v_buf(conv ? BK * Dv : 0);
-    std::vector<acc_t> q_buf(conv ? BQ * D : 0), do_buf(conv ? BQ * Dv : 0);
+    // (64-byte aligned work buffers: flash_cpu.h, LineVector)
+    std::vector<acc_t> delta(group * L);
+    LineVector<acc_t> dq_own(chunks > 1 ? 0 : group * L * D);
+    LineVector<acc_t> k_buf(conv ? BK * D : 0), v_buf(conv ? BK * Dv : 0);
+    LineVector<acc_t> q_buf(conv ? BQ * D : 0), do_buf(conv ? BQ * Dv : 0);
     const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
-    auto words = [&](int64_t n) { return std::vector<uint32_t>(dot ? n : 0); };
+    auto words = [&](int64_t n) { return LineVector<uint32_t>(dot ? n : 0); };
     // K^T and V^T (B of S and dP), K interleaved (B of dQ); Q and dO as rows (A of S and dP)
     // and interleaved (B of dK and dV); P^T and dS^T (A of dV and dK), dS as rows (A of dQ).
-    std::vector<uint32_t> kt_w = words(D2 * BK), vt_w = words(Dv2 * BK), ki_w = words(BK / 2 * D);
-    std::vector<uint32_t> q_w = words(BQ * D2), do_w = words(BQ * Dv2), qi_w = words(BQ / 2 * D),
-                          doi_w = words(BQ / 2 * Dv);
-    std::vector<uint32_t> pt_w = words(BQ / 2 * BK), dsT_w = words(BQ / 2 * BK),
-                          ds_w = words(BQ * BK / 2);
+    LineVector<uint32_t> kt_w = words(D2 * BK), vt_w = words(Dv2 * BK), ki_w = words(BK / 2 * D);
+    LineVector<uint32_t> q_w = words(BQ * D2), do_w = words(BQ * Dv2), qi_w = words(BQ / 2 * D),
+                         doi_w = words(BQ / 2 * Dv);
+    LineVector<uint32_t> pt_w = words(BQ / 2 * BK), dsT_w = words(BQ / 2 * BK),
+                         ds_w = words(BQ * BK / 2);
     auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
     auto f32 = [](acc_t* x) { return reinterpret_cast<float*>(x); };
-    std::vector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
-    std::vector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
-    std::vector<acc_t> pz_buf(p.dropout ? BQ * BK : 0);  // P with dropout applied
+    LineVector<acc_t> dk_acc(BK * D), dv_acc(BK * Dv), s_buf(BQ * BK), dp_buf(BQ * BK);
+    LineVector<acc_t> dtanh(p.softcap > 0.0 ? BQ * BK : 0);
+    LineVector<acc_t> pz_buf(p.dropout ? BQ * BK : 0);  // P with dropout applied
     std::vector<uint8_t> keep(p.dropout ? BQ * BK : 0);
     // P = exp((S - row_hi) - row_lo) per row: (lse, 0), or (m, log l) recomputed (header).
     std::vector<acc_t> row_hi(group * L), row_lo(group * L);

@@ -3,13 +3,43 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <new>
+#include <vector>
 
 #include "cpu/tile_gemm.h"
 #include "mask.h"
 #include "params.h"
 
 namespace flash_attn_ext::cpu {
+
+// Work buffers on 64-byte boundaries (a cache line; AMX tile rows and AVX-512 vectors): with
+// malloc's 16-byte alignment a tile row straddled two lines wherever the buffer happened to
+// start, so the same call's time depended on the process (docs/perf/cpu.md).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    void* ptr = std::aligned_alloc(64, bytes == 0 ? 64 : bytes);
+    if (ptr == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(ptr);
+  }
+  void deallocate(T* ptr, std::size_t) { std::free(ptr); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+struct FreeDeleter {  // for CacheLineAllocator's memory held by a unique_ptr (not zeroed)
+  void operator()(void* ptr) const { std::free(ptr); }
+};
 
 // Where sequence b's rows lie.  Dense (cu_q == nullptr): batch b of (B, L, H, D) tensors, every
 // sequence p.seqlen_q / p.seqlen_k long, placed by the batch strides.  Packed (varlen,

@@ -39,7 +39,7 @@ namespace {
 // b's key j is row b * seqlen_k + j; packed: cu_seqlens_k[b] + j), so the buffer is K's size
 // whatever the sequence lengths.
 struct PackedKeys {
-  std::unique_ptr<uint32_t[]> words;
+  std::unique_ptr<uint32_t[], FreeDeleter> words;  // (64-byte aligned, not zeroed)
   int64_t pairs = 0, rows = 0;  // per key/value head: pairs x rows words
 
   uint32_t* at(const FwdParams& p, const Seqs& seqs, int64_t b, int64_t hk) const {
@@ -57,7 +57,8 @@ PackedKeys pack_keys(const FwdParams& p, const Seqs& seqs) {
   PackedKeys pk;
   pk.pairs = (p.head_dim + 1) / 2;
   pk.rows = seqs.cu_k == nullptr ? p.batch * p.seqlen_k : seqs.cu_k[p.batch];
-  pk.words.reset(new uint32_t[std::max<int64_t>(1, p.heads_kv * pk.pairs * pk.rows)]);
+  pk.words.reset(CacheLineAllocator<uint32_t>().allocate(
+      static_cast<size_t>(std::max<int64_t>(1, p.heads_kv * pk.pairs * pk.rows))));
   const auto* k = static_cast<const scalar_t*>(p.k);
   // Tasks are (batch, key/value head, chunk of keys): a decode call (batch 1, one key/value
   // head, a long cache) still packs on every thread.
@@ -143,9 +144,13 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   // instead (the same rounding), where nothing between the GEMM and the softmax reads them
   // scaled (no softcap, bias or ALiBi; the causal / window mask's -inf is the same either
   // way).
-  const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 && p.attn_bias == nullptr &&
-                          p.alibi_slopes == nullptr && p.softmax_scale > 0.0 &&
-                          std::isfinite(p.softmax_scale);
+  // (Decided on the float the softmax multiplies by: a positive double below ~7e-46 is 0 in
+  // float, and 0 times the mask's -inf is NaN; before the fold, the GEMM's 0 came first and
+  // the mask after it.  A reviewer's finding.)
+  const float scale_f = static_cast<float>(p.softmax_scale);
+  const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 &&
+                          p.attn_bias == nullptr && p.alibi_slopes == nullptr && scale_f > 0.f &&
+                          std::isfinite(scale_f);
   const float gemm_scale = fold_scale ? 1.f : static_cast<float>(p.softmax_scale);
   const acc_t softmax_scale = fold_scale ? acc_t(p.softmax_scale) : acc_t(1);
   PackedKeys keys;
@@ -158,13 +163,14 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const bf16dot::ChunkGuard amx_state{dot};
     const bool conv = !kInPlace && !dot;
-    std::vector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
+    LineVector<acc_t> q_buf(conv ? BQ * D : 0), k_buf(conv ? BK * D : 0),
         v_buf(conv ? BK * Dv : 0);
     // The bf16 path's packed words: the query tile, P, the key tile's V (bf16_dot.h).
-    std::vector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
+    LineVector<uint32_t> q_words(dot ? BQ * D2 : 0), p_words(dot ? BQ * BK / 2 : 0),
         v_words(dot ? BK / 2 * Dv : 0);
-    std::vector<float> st_buf(direct_keys ? BK * kDirectKeyRows : 0);  // S^T of a key tile
-    std::vector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv), m(BQ), l(BQ), alpha(BQ);
+    LineVector<float> st_buf(direct_keys ? BK * kDirectKeyRows : 0);  // S^T of a key tile
+    LineVector<acc_t> s_buf(BQ * BK), o_acc(BQ * Dv);
+    std::vector<acc_t> m(BQ), l(BQ), alpha(BQ);
     std::vector<scalar_t> q_rows(pack_gqa ? BQ * D : 0);  // the group's query rows, gathered
     std::vector<uint8_t> keep(p.dropout ? BK : 0);
     for (int64_t task = begin; task < end; ++task) {
