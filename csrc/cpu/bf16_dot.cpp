@@ -78,6 +78,14 @@ FAE_BF16 inline __m512i words_of_32(const float* s) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
 }
 
+// i * stride for lanes i = 0 .. 15: the element offsets of 16 rows, for the gathers of
+// pack_transposed and transpose (callers keep 16 * stride within 32 bits).
+FAE_BF16 inline __m512i lane_offsets(int64_t stride) {
+  return _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(stride)));
+}
+
 // 16 consecutive values as bf16 bits in the low halves of 16 words.
 FAE_BF16 inline __m512i low_halves_of_16(const uint16_t* s) {
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
@@ -123,9 +131,7 @@ FAE_BF16 void pack_interleaved_t(uint32_t* dst, int64_t ldd, const S* src, int64
 FAE_BF16 void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld,
                               int64_t n, int64_t k) {
   const int64_t pairs = (k + 1) / 2;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                           5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(ld)));
+  const __m512i rows = lane_offsets(ld);
   // An odd k's last pair is read element by element below: a 4-byte gather there would read
   // the element after each row's last, past the tensor's end for its last row (a reviewer's
   // guard-page test: SIGSEGV at head dim 59 with 16 keys).
@@ -155,9 +161,7 @@ FAE_BF16 void transpose(float* dst, int64_t ldd, const float* src, int64_t lds, 
       for (int64_t i = 0; i < m; ++i) dst[j * ldd + i] = src[i * lds + j];
     return;
   }
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                           5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(lds)));
+  const __m512i rows = lane_offsets(lds);
   for (int64_t j = 0; j < n; ++j) {
     float* d = dst + j * ldd;
     int64_t i = 0;

@@ -151,8 +151,8 @@ void flash_fwd_cpu(const FwdParams& p, const Seqs& seqs) {
   const bool fold_scale = dot && bf16amx::enabled() && p.softcap == 0.0 &&
                           p.attn_bias == nullptr && p.alibi_slopes == nullptr && scale_f > 0.f &&
                           std::isfinite(scale_f);
-  const float gemm_scale = fold_scale ? 1.f : static_cast<float>(p.softmax_scale);
-  const acc_t softmax_scale = fold_scale ? acc_t(p.softmax_scale) : acc_t(1);
+  const float gemm_scale = fold_scale ? 1.f : scale_f;
+  const acc_t softmax_scale = fold_scale ? acc_t(scale_f) : acc_t(1);
   PackedKeys keys;
   if constexpr (kBf16) {
     if (dot && !direct_keys) keys = pack_keys<scalar_t>(p, seqs);
