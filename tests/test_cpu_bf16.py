@@ -42,6 +42,10 @@ cases = [  # (B, H, H_kv, L, S, D, Dv, flash_attn_func flags)
     (1, 4, 2, 3, 77, 59, 59, {}),
     (1, 4, 1, 1, 530, 64, 64, {"odd_k_stride": True}),
     (1, 2, 2, 1, 100, 64, 64, {"odd_k_stride": True}),  # one row per key head: fp32 tiles
+    # and with an odd key count, a head dim of V past the micro-kernel's 64-column block with
+    # a tail, three rows
+    (1, 3, 1, 1, 301, 72, 72, {}),
+    (2, 4, 4, 1, 257, 64, 200, {"causal": True}),
 ]
 for B, H, Hk, L, S, D, Dv, flags in cases:
     odd_stride = flags.pop("odd_k_stride", False)
