@@ -138,10 +138,9 @@ def test_bf16_cpu_a_scale_that_is_zero_in_float_gives_the_uniform_average():
     # is every visible key's weight equal: out = the mean of the visible v rows.
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 37, 2, 64, dtype=torch.bfloat16) for _ in "qkv")
+    mean = v.double().cumsum(1) / torch.arange(1, 38, dtype=torch.float64)[None, :, None, None]
     for scale in (1e-50, 1e-46):
         out = flash_attn_ext.flash_attn_func(q, k, v, causal=True, softmax_scale=scale)
-        mean = v.double().cumsum(1) / torch.arange(1, 38, dtype=torch.float64)[None, :, None,
-                                                                                None]
         assert not torch.isnan(out).any()
         assert (out.double() - mean).abs().max().item() < 1e-2
 
