@@ -15,6 +15,8 @@ Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kern
 mask alone runs the Hopper kernels' mask variant), ours_sm80 (the portable kernels),
 ours_fma_exp2_0 / _4 (softcap: the kernel option sm90_fma_exp2, none or 4 of every 8 columns'
 exp2s on the FMA pipe at d = 64, where the default takes 2; builds that have the option),
+ours_3_consumers (alibi and dropout at d <= 64: the kernel option sm90_per_score_consumers=3,
+three consumer warpgroups with 96-key tiles, where the default runs two with 128),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
 everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
 variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
@@ -26,7 +28,7 @@ keys are counted: every implementation gets the same count, so ratios are ratios
 Forward timed alone (median of rounds, order rotated), backward as (fwd+bwd) - fwd.
 
 Usage: python benchmarks/bench_score_mods.py [--dims 128] [--seqlens 2048 4096]
-       [--cases padding causal_padding softcap dropout] [--no-flex]
+       [--cases padding causal_padding softcap dropout] [--no-flex] [--skip ours_sm80 ...]
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def make_case(case: str, batch: int, seqlen: int, d: int) -> dict:
     return dict(causal=case == "causal")
 
 
-def implementations(case: str, flex: bool) -> Dict[str, Callable]:
+def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
     """name -> f(q, k, v, spec) for the implementations that take `case`."""
 
     def ours(q, k, v, spec):
@@ -119,14 +121,20 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
         bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
         return ours(q, k, v, dict(spec, attn_mask=bias))
 
-    def ours_fma_exp2(n):  # the softcap variant's exp2 split (d = 64), another of its A/B forms
+    def with_options(fn, **options):  # fn under kernel options (its backward too: fwd_bwd)
         def run(q, k, v, spec):
             with flash_attn_ext.kernel_options(**run.options):
-                return ours(q, k, v, spec)
-        run.options = dict(sm90_fma_exp2=n)
+                return fn(q, k, v, spec)
+        run.options = options
         return run
 
+    def ours_fma_exp2(n):  # the softcap variant's exp2 split (d = 64), another of its A/B forms
+        return with_options(ours, sm90_fma_exp2=n)
+
     impls: Dict[str, Callable] = {"ours": ours, "ours_sm80": ours_sm80}
+    if case in ("alibi", "dropout") and d <= 64 and \
+            "sm90_per_score_consumers" in flash_attn_ext.ops._C.kernel_options():
+        impls["ours_3_consumers"] = with_options(ours, sm90_per_score_consumers=3)
     if case == "softcap" and "sm90_fma_exp2" in flash_attn_ext.ops._C.kernel_options():
         impls["ours_fma_exp2_0"] = ours_fma_exp2(0)
         impls["ours_fma_exp2_4"] = ours_fma_exp2(4)
@@ -168,14 +176,16 @@ def implementations(case: str, flex: bool) -> Dict[str, Callable]:
     return impls
 
 
-def bench_case(case: str, d: int, seqlen: int, flex: bool, rounds: int) -> List[dict]:
+def bench_case(case: str, d: int, seqlen: int, flex: bool, rounds: int,
+               skip: tuple = ()) -> List[dict]:
     batch, heads = max(1, TOKENS // seqlen), HIDDEN // d
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
     spec = make_case(case, batch, seqlen, d)
     flops_fwd = 4 * batch * heads * seqlen * seqlen * d / (2 if spec["causal"] else 1)
-    impls = implementations(case, flex)
+    impls = {n: f for n, f in implementations(case, flex, d).items()
+             if n == "ours" or n not in skip}
     if "softcap" in spec or "alibi_slopes" in spec:
         sample = flash_attn_ext.explain(*(t.transpose(1, 2) for t in (q, k, v)), layout="blhd",
                                         softcap=spec.get("softcap", 0.0), causal=spec["causal"],
@@ -223,6 +233,8 @@ def main() -> int:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out-dir", default="build")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="implementations to leave out (ours always runs)")
     args = parser.parse_args()
     commit = os.environ.get("FLASH_ATTN_EXT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -236,7 +248,8 @@ def main() -> int:
     for d in args.dims:
         for seqlen in args.seqlens:
             for case in args.cases:
-                point = bench_case(case, d, seqlen, not args.no_flex, args.rounds)
+                point = bench_case(case, d, seqlen, not args.no_flex, args.rounds,
+                                   tuple(args.skip))
                 rows += point
                 with open(path, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)

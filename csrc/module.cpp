@@ -148,6 +148,10 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
     d["sm90_fma_exp2"] = "auto";
   else
     d["sm90_fma_exp2"] = o.sm90_fma_exp2;
+  if (o.sm90_per_score_consumers == 0)
+    d["sm90_per_score_consumers"] = "auto";
+  else
+    d["sm90_per_score_consumers"] = o.sm90_per_score_consumers;
   if (o.decode_row_lanes == 0)
     d["decode_row_lanes"] = "auto";
   else
@@ -217,6 +221,17 @@ void set_kernel_options(const pybind11::dict& values) {
                         "sm90_fma_exp2 must be 'auto', 0, 2 or 4 (exp2s on the FMA pipe per 8 "
                         "columns), got ", pybind11::repr(v).cast<std::string>());
       o.sm90_fma_exp2 = static_cast<int32_t>(n);
+    } else if (key == "sm90_per_score_consumers") {
+      const bool is_int =
+          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
+      const bool is_auto =
+          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
+      const int64_t n = is_int ? v.cast<int64_t>() : 0;
+      TORCH_CHECK_VALUE(is_auto || n == 2 || n == 3,
+                        "sm90_per_score_consumers must be 'auto', 2 or 3 (consumer warpgroups of "
+                        "the Hopper forward's ALiBi and dropout variants at head dim 64), got ",
+                        pybind11::repr(v).cast<std::string>());
+      o.sm90_per_score_consumers = static_cast<int32_t>(n);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
     } else if (key == "decode_row_lanes") {

@@ -126,6 +126,9 @@ struct FwdParams {
   // Hopper forward, softcap variant at head dim 64: exp2s on the FMA pipe per 8 columns (-1:
   // the kernel's default; KernelOptions::sm90_fma_exp2, experimental)
   int32_t sm90_fma_exp2 = -1;
+  // Hopper forward, ALiBi and dropout variants at head dim 64: consumer warpgroups, 2 or 3 (0:
+  // the kernel's default; KernelOptions::sm90_per_score_consumers, experimental)
+  int32_t sm90_per_score_consumers = 0;
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
   // KernelOptions::sm90_row_shift = false, experimental, clears it)
   bool sm90_row_shift = true;

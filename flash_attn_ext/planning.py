@@ -106,7 +106,9 @@ def set_kernel_options(**options) -> dict:
     (bools), ``sm90_bwd`` ("auto": the Hopper backward where it measures faster, "on":
     wherever it applies, "off"), ``sm90_fma_exp2`` ("auto", 0, 2 or 4: of every 8 columns of
     scores, how many the Hopper forward's softcap variant at head dim 64 exponentiates on the
-    FMA pipe instead of the MUFU unit), ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
+    FMA pipe instead of the MUFU unit), ``sm90_per_score_consumers`` ("auto", 2 or 3: consumer
+    warpgroups of the Hopper forward's ALiBi and dropout variants at head dim 64, 3 with 96-key
+    tiles), ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
     call's combine kernel launched as a programmatic dependent of its attention kernel).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a

@@ -487,6 +487,13 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
     for bad in (3, 8, -1, True, "2", 2.0):
         with pytest.raises(ValueError, match="sm90_fma_exp2 must be 'auto', 0, 2 or 4"):
             kernel_opts(sm90_fma_exp2=bad)
+    assert ops._C.kernel_options()["sm90_per_score_consumers"] == "auto"
+    with flash_attn_ext.kernel_options(sm90_per_score_consumers=3) as now:
+        assert now["sm90_per_score_consumers"] == 3
+    assert ops._C.kernel_options()["sm90_per_score_consumers"] == "auto"
+    for bad in (0, 1, 4, True, "3", 3.0):
+        with pytest.raises(ValueError, match="sm90_per_score_consumers must be 'auto', 2 or 3"):
+            kernel_opts(sm90_per_score_consumers=bad)
     assert ops._C.kernel_options()["decode_row_lanes"] == "auto"
     with flash_attn_ext.kernel_options(decode_row_lanes=8) as now:
         assert now["decode_row_lanes"] == 8

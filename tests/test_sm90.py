@@ -649,6 +649,50 @@ def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (200, 777),
+                                               (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("what", ["alibi", "alibi_steep", "dropout"])
+@pytest.mark.parametrize("consumers", ["auto", 2, 3])
+def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtype, seqlen_q,
+                                                               seqlen_k, head_dim, mask, what,
+                                                               consumers):
+    # The ALiBi and dropout variants at head dim 64 with two consumer warpgroups and 128-key
+    # tiles (the default) or three with 96-key tiles (the option sm90_per_score_consumers, an
+    # instantiation of its own: 192-row tiles, idle warpgroups in the partial causal block,
+    # keep bits of 6 dropout cells per tile): the kernel that ran, and out and LSE against the
+    # fp32 reference with the same slopes or the same keep mask, both causal alignments'
+    # bottom-right case, windows crossing the diagonal, L != S, seq 1.
+    kernel_opts(sm90_per_score_consumers=consumers)
+    heads_q, p_drop = 4, 0.17 * (what == "dropout")
+    q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)
+    k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
+    slopes = None if what == "dropout" else \
+        torch.tensor([1.0, 0.25, 2.0 ** -4, 2.0 ** -8] if what == "alibi" else
+                     [10.0, 100.0, -0.05, 0.0], device="cuda")
+    causal = mask == "causal"
+    window = (50, 20) if mask == "window" else (-1, -1)
+    args = (None, causal, window[0], window[1], True, 0.0, slopes, None, p_drop)
+    names = [n for n in launched_kernels(lambda: ops.fwd(q, k, v, *args))
+             if "flash_fwd_sm90" in n]
+    traits = [t.strip() for t in re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
+              .split(",")]
+    assert (traits[2], traits[4]) == (("96", "3") if consumers == 3 else ("128", "2")), names
+    out, lse, rng = ops.fwd(q, k, v, *args)
+    keep = None
+    if p_drop:
+        seed, offset = (int(x) for x in rng.cpu())
+        keep = ops._C.dropout_mask(seed, offset, 2, heads_q, seqlen_q, seqlen_k, p_drop)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              alibi_slopes=slopes, dropout_keep=keep, dropout_p=p_drop)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    check_forward(out, lse, low_out, true_out, true_lse, f"out ({what}, {mask}, {consumers})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

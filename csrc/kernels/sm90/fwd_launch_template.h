@@ -195,6 +195,16 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
       return with(std::integral_constant<int, 0>{});
     if (p.sm90_fma_exp2 == 4) return with(std::integral_constant<int, 4>{});
   }
+  if constexpr ((kAlibi || kDropout) && kHeadDim <= 64) {
+    // The A/B instantiation of the ALiBi and dropout variants with three consumer warpgroups
+    // and the softcap variant's 96-key tiles (KernelOptions::sm90_per_score_consumers,
+    // experimental; 0 or 2: T's two).
+    if (p.sm90_per_score_consumers == 3) {
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, 96, T::kStages, 3, kPackGQA, kGeneral,
+                              kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
+      return launch_flash_fwd_sm90<U>(p, stream);
+    }
+  }
   return launch_flash_fwd_sm90<T>(p, stream);
 }
 
