@@ -15,8 +15,9 @@ Implementations: ours (flash_attn_ext.scaled_dot_product_attention, default kern
 mask alone runs the Hopper kernels' mask variant), ours_sm80 (the portable kernels),
 ours_fma_exp2_0 / _4 (softcap: the kernel option sm90_fma_exp2, none or 4 of every 8 columns'
 exp2s on the FMA pipe at d = 64, where the default takes 2; builds that have the option),
-ours_3_consumers (alibi and dropout at d <= 64: the kernel option sm90_per_score_consumers=3,
-three consumer warpgroups with 96-key tiles, where the default runs two with 128),
+ours_2_consumers / ours_3_consumers (alibi / dropout at d <= 64: the kernel option
+sm90_per_score_consumers, two consumer warpgroups with 128-key tiles or three with 96, the
+other of the variant's default: ALiBi three, dropout two),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
 everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
 variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
@@ -134,7 +135,8 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
     impls: Dict[str, Callable] = {"ours": ours, "ours_sm80": ours_sm80}
     if case in ("alibi", "dropout") and d <= 64 and \
             "sm90_per_score_consumers" in flash_attn_ext.ops._C.kernel_options():
-        impls["ours_3_consumers"] = with_options(ours, sm90_per_score_consumers=3)
+        other = 2 if case == "alibi" else 3
+        impls[f"ours_{other}_consumers"] = with_options(ours, sm90_per_score_consumers=other)
     if case == "softcap" and "sm90_fma_exp2" in flash_attn_ext.ops._C.kernel_options():
         impls["ours_fma_exp2_0"] = ours_fma_exp2(0)
         impls["ours_fma_exp2_4"] = ours_fma_exp2(4)

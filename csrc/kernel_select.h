@@ -72,7 +72,8 @@ struct KernelOptions {
   int32_t sm90_fma_exp2 = -1;
   // The Hopper forward's ALiBi and dropout variants at head dim 64: consumer warpgroups, 2
   // (128-key tiles) or 3 (96-key tiles, the softcap variant's shape there); 0: the kernel's
-  // default (2).  Experimental: for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  // default (ALiBi 3, dropout 2).  Experimental: for same-build A/Bs
+  // (docs/perf/sm90_score_mods.md).
   int32_t sm90_per_score_consumers = 0;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's

@@ -11,11 +11,12 @@ namespace flash_attn_ext::sm90 {
 
 // Keys per K/V tile and pipeline stages, chosen so that S (64 x kBlockN per consumer warpgroup)
 // and O (64 x head dim) stay in registers and the Q tile plus the K/V ring fit in shared memory.
-// The softcap variant at head dim 64 takes 96-key tiles: it runs three consumer warpgroups there
-// (below), and with 128-key tiles its tanh code spilled 232 bytes (ptxas), with 96 none.
-template <int kHeadDim, bool kSoftcap = false>
+// The softcap and ALiBi variants at head dim 64 take 96-key tiles (kNarrow): they run three
+// consumer warpgroups there (below), and with 128-key tiles softcap's tanh code spilled 232
+// bytes (ptxas), with 96 none (ALiBi: 0 bytes with three warpgroups and 96 keys).
+template <int kHeadDim, bool kNarrow = false>
 constexpr int fwd_block_n() {
-  return kHeadDim <= 64 && kSoftcap ? 96 : kHeadDim <= 128 ? 128 : 64;
+  return kHeadDim <= 64 && kNarrow ? 96 : kHeadDim <= 128 ? 128 : 64;
 }
 template <int kHeadDim>
 constexpr int fwd_stages() {
@@ -24,12 +25,14 @@ constexpr int fwd_stages() {
 
 // Consumer warpgroups of 64 query rows: three at head dim 64 (FlashAttention-3's 192-row tiles;
 // there the exp2s of a tile take about as long as its two GEMMs), two above (the O accumulator
-// needs the registers), and two for the general, dropout and ALiBi variants (kPerScoreWork) at
-// 64 too: with three (160 registers per consumer thread) the general variant's score code
-// spilled 1,616 bytes, and the dropout variant measured 3.6% faster with two (H200, bf16,
-// causal, L = 4k: 244.6 against 236.0 TFLOP/s).  The softcap variant takes three at 64 (with
-// 96-key tiles): with two it waited on its MUFU work (tanh and exp2 per score) at 58-65% of that
-// unit's floor, the issue slots half idle (ncu, docs/perf/sm90_score_mods.md).
+// needs the registers), and two for the general and dropout variants (kPerScoreWork) at 64 too:
+// with three (160 registers per consumer thread) the general variant's score code spilled 1,616
+// bytes, and the dropout variant measured 3.6% faster with two (H200, bf16, causal, L = 4k:
+// 244.6 against 236.0 TFLOP/s; H100, with 96-key tiles: 6-8% faster with two).  The softcap
+// and ALiBi variants take three at 64 (with 96-key tiles): with two softcap waited on its MUFU
+// work (tanh and exp2 per score) at 58-65% of that unit's floor, the issue slots half idle, and
+// ALiBi, whose extra work is FP32 issue, measured 10-21% slower forward (H100, causal, L = 4k
+// and 8k; docs/perf/sm90_score_mods.md).
 template <int kHeadDim, bool kPerScoreWork = false>
 constexpr int fwd_consumers() {
   return kHeadDim <= 64 && !kPerScoreWork ? 3 : 2;

@@ -175,9 +175,8 @@ template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = fal
           bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
           bool kAlibi = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim, kSoftcap>(),
-                          fwd_stages<kHeadDim>(),
-                          fwd_consumers<kHeadDim, kGeneral || kDropout || kAlibi>(),
+  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim, kSoftcap || kAlibi>(),
+                          fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim, kGeneral || kDropout>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
   if constexpr (kSoftcap && kHeadDim <= 64) {
@@ -196,12 +195,14 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
     if (p.sm90_fma_exp2 == 4) return with(std::integral_constant<int, 4>{});
   }
   if constexpr ((kAlibi || kDropout) && kHeadDim <= 64) {
-    // The A/B instantiation of the ALiBi and dropout variants with three consumer warpgroups
-    // and the softcap variant's 96-key tiles (KernelOptions::sm90_per_score_consumers,
-    // experimental; 0 or 2: T's two).
-    if (p.sm90_per_score_consumers == 3) {
-      using U = Sm90FwdTraits<CudaElement, kHeadDim, 96, T::kStages, 3, kPackGQA, kGeneral,
-                              kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
+    // The A/B instantiation of the ALiBi and dropout variants at head dim 64 with the other
+    // shape (KernelOptions::sm90_per_score_consumers, experimental; 0: T's): two consumer
+    // warpgroups with 128-key tiles (dropout's default) or three with 96 (ALiBi's).
+    constexpr int other = T::kConsumers == 3 ? 2 : 3;
+    if (p.sm90_per_score_consumers == other) {
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, other == 3 ? 96 : 128, T::kStages,
+                              other, kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap,
+                              kAlibi>;
       return launch_flash_fwd_sm90<U>(p, stream);
     }
   }
