@@ -480,27 +480,18 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
         assert not now["exact_rows_always"]
     with pytest.raises(ValueError, match="exact_rows_always must be a bool"):
         kernel_opts(exact_rows_always=1)
-    assert ops._C.kernel_options()["sm90_fma_exp2"] == "auto"
-    with flash_attn_ext.kernel_options(sm90_fma_exp2=4) as now:
-        assert now["sm90_fma_exp2"] == 4
-    assert ops._C.kernel_options()["sm90_fma_exp2"] == "auto"
-    for bad in (3, 8, -1, True, "2", 2.0):
-        with pytest.raises(ValueError, match="sm90_fma_exp2 must be 'auto', 0, 2 or 4"):
-            kernel_opts(sm90_fma_exp2=bad)
-    assert ops._C.kernel_options()["sm90_per_score_consumers"] == "auto"
-    with flash_attn_ext.kernel_options(sm90_per_score_consumers=3) as now:
-        assert now["sm90_per_score_consumers"] == 3
-    assert ops._C.kernel_options()["sm90_per_score_consumers"] == "auto"
-    for bad in (0, 1, 4, True, "3", 3.0):
-        with pytest.raises(ValueError, match="sm90_per_score_consumers must be 'auto', 2 or 3"):
-            kernel_opts(sm90_per_score_consumers=bad)
-    assert ops._C.kernel_options()["decode_row_lanes"] == "auto"
-    with flash_attn_ext.kernel_options(decode_row_lanes=8) as now:
-        assert now["decode_row_lanes"] == 8
-    assert ops._C.kernel_options()["decode_row_lanes"] == "auto"
-    for bad in (0, 1, 16, True, "4", 4.0):
-        with pytest.raises(ValueError, match="decode_row_lanes must be 'auto', 2, 4 or 8"):
-            kernel_opts(decode_row_lanes=bad)
+    # Counts from a short list or "auto": a value set and restored, and values refused.
+    for name, good, bads, allowed in (
+            ("sm90_fma_exp2", 4, (3, 8, -1, True, "2", 2.0), "0, 2 or 4"),
+            ("sm90_per_score_consumers", 3, (0, 1, 4, True, "3", 3.0), "2 or 3"),
+            ("decode_row_lanes", 8, (0, 1, 16, True, "4", 4.0), "2, 4 or 8")):
+        assert ops._C.kernel_options()[name] == "auto"
+        with flash_attn_ext.kernel_options(**{name: good}) as now:
+            assert now[name] == good
+        assert ops._C.kernel_options()[name] == "auto"
+        for bad in bads:
+            with pytest.raises(ValueError, match=f"{name} must be 'auto', {allowed} "):
+                kernel_opts(**{name: bad})
     assert ops._C.kernel_options()["decode_pdl"] is True
     with flash_attn_ext.kernel_options(decode_pdl=False) as now:
         assert now["decode_pdl"] is False
