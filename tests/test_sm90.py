@@ -662,9 +662,9 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
     # tiles (dropout's default) or three with 96-key tiles (ALiBi's; the option
     # sm90_per_score_consumers picks the other, an instantiation of its own: 192-row tiles,
     # idle warpgroups in the partial causal block, keep bits of 6 dropout cells per tile):
-    # the kernel that ran, and out and LSE against the
-    # fp32 reference with the same slopes or the same keep mask, both causal alignments'
-    # bottom-right case, windows crossing the diagonal, L != S, seq 1.
+    # the kernel that ran, and out and LSE against the fp32 reference with the same slopes or
+    # the same keep mask, both causal alignments' bottom-right case, windows crossing the
+    # diagonal, L != S, seq 1.
     kernel_opts(sm90_per_score_consumers=consumers)
     heads_q, p_drop = 4, 0.17 * (what == "dropout")
     q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)

@@ -21,6 +21,15 @@ from mask_kernel_times import kernel_times
 import flash_attn_ext
 
 
+def parse_value(text: str):
+    """An option value from the command line: JSON where it parses (3, true, "auto"), else the
+    word itself (auto, tile)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=CASES, default="alibi")
@@ -39,7 +48,7 @@ def main() -> None:
     dout = torch.randn_like(q)
     spec = make_case(args.case, batch, seqlen, d)
     ours = implementations(args.case, False, d)["ours"]
-    values = [json.loads(v) if v[:1] in "0123456789-tf\"" else v for v in args.values]
+    values = [parse_value(v) for v in args.values]
     for r in range(args.rounds):
         for value in values:
             with flash_attn_ext.kernel_options(**{args.option: value}):
