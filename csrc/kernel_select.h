@@ -75,6 +75,10 @@ struct KernelOptions {
   // default (ALiBi 3, dropout 2).  Experimental: for same-build A/Bs
   // (docs/perf/sm90_score_mods.md).
   int32_t sm90_per_score_consumers = 0;
+  // The Hopper forward's ALiBi variant at head dim 64 with its term in the Q K^T GEMM (one more
+  // 16-column K step; fwd_kernel.h's fold_alibi says where), else per score.  Experimental:
+  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  bool sm90_alibi_fold = true;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
   // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs

@@ -156,6 +156,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
     d["decode_row_lanes"] = "auto";
   else
     d["decode_row_lanes"] = o.decode_row_lanes;
+  d["sm90_alibi_fold"] = o.sm90_alibi_fold;
   d["decode_pdl"] = o.decode_pdl;
   return d;
 }
@@ -186,6 +187,25 @@ void set_kernel_options(const pybind11::dict& values) {
                         pybind11::repr(v).cast<std::string>());
       return 0;
     };
+    // "auto" (stored as auto_value) or one of the counts in `allowed`; `what` says what the
+    // count counts, for the message.
+    auto count = [&](std::initializer_list<int> allowed, int32_t auto_value, const char* what) {
+      if (pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto")
+        return auto_value;
+      if (pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v)) {
+        const int64_t n = v.cast<int64_t>();
+        for (int allowed_n : allowed)
+          if (n == allowed_n) return static_cast<int32_t>(n);
+      }
+      std::string list = "'auto'";
+      int i = 0;
+      for (int allowed_n : allowed) {
+        list += (++i == static_cast<int>(allowed.size()) ? " or " : ", ") + std::to_string(allowed_n);
+      }
+      TORCH_CHECK_VALUE(false, key, " must be ", list, " (", what, "), got ",
+                        pybind11::repr(v).cast<std::string>());
+      return auto_value;
+    };
     if (key == "force_portable") {
       flag(o.force_portable);
     } else if (key == "sm90_pack_gqa") {
@@ -212,39 +232,20 @@ void set_kernel_options(const pybind11::dict& values) {
     } else if (key == "exact_rows_always") {
       flag(o.exact_rows_always);
     } else if (key == "sm90_fma_exp2") {
-      const bool is_int =
-          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
-      const bool is_auto =
-          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
-      const int64_t n = is_int ? v.cast<int64_t>() : -1;
-      TORCH_CHECK_VALUE(is_auto || n == 0 || n == 2 || n == 4,
-                        "sm90_fma_exp2 must be 'auto', 0, 2 or 4 (exp2s on the FMA pipe per 8 "
-                        "columns), got ", pybind11::repr(v).cast<std::string>());
-      o.sm90_fma_exp2 = static_cast<int32_t>(n);
+      o.sm90_fma_exp2 = count({0, 2, 4}, -1,
+                              "exp2s on the FMA pipe per 8 columns");
     } else if (key == "sm90_per_score_consumers") {
-      const bool is_int =
-          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
-      const bool is_auto =
-          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
-      const int64_t n = is_int ? v.cast<int64_t>() : 0;
-      TORCH_CHECK_VALUE(is_auto || n == 2 || n == 3,
-                        "sm90_per_score_consumers must be 'auto', 2 or 3 (consumer warpgroups of "
-                        "the Hopper forward's ALiBi and dropout variants at head dim 64), got ",
-                        pybind11::repr(v).cast<std::string>());
-      o.sm90_per_score_consumers = static_cast<int32_t>(n);
+      o.sm90_per_score_consumers =
+          count({2, 3}, 0,
+                "consumer warpgroups of the Hopper forward's ALiBi and dropout variants at head "
+                "dim 64");
+    } else if (key == "sm90_alibi_fold") {
+      flag(o.sm90_alibi_fold);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
     } else if (key == "decode_row_lanes") {
-      const bool is_int =
-          pybind11::isinstance<pybind11::int_>(v) && !pybind11::isinstance<pybind11::bool_>(v);
-      const bool is_auto =
-          pybind11::isinstance<pybind11::str>(v) && v.cast<std::string>() == "auto";
-      const int64_t n = is_int ? v.cast<int64_t>() : 0;
-      TORCH_CHECK_VALUE(is_auto || n == 2 || n == 4 || n == 8,
-                        "decode_row_lanes must be 'auto', 2, 4 or 8 (lanes per cache row of the "
-                        "decode kernel's loads at head dim 64), got ",
-                        pybind11::repr(v).cast<std::string>());
-      o.decode_row_lanes = static_cast<int32_t>(n);
+      o.decode_row_lanes =
+          count({2, 4, 8}, 0, "lanes per cache row of the decode kernel's loads at head dim 64");
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

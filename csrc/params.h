@@ -132,6 +132,10 @@ struct FwdParams {
   // Hopper forward: under a causal mask, put the partial query block first (see its launcher;
   // KernelOptions::sm90_row_shift = false, experimental, clears it)
   bool sm90_row_shift = true;
+  // Hopper forward, ALiBi variant at head dim 64: its term in the Q K^T GEMM where the call
+  // allows (fwd_kernel.h's fold_alibi; KernelOptions::sm90_alibi_fold = false, experimental,
+  // clears it)
+  bool sm90_alibi_fold = true;
   // Hopper forward: pack the query heads of a GQA group into one tile (see its launcher; the
   // glue sets it as kernel_select.h decides)
   bool sm90_pack_gqa = false;

@@ -652,6 +652,55 @@ def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (200, 777),
                                                (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("window", [(-1, 0), (50, 0)], ids=["causal", "left_window"])
+@pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
+@pytest.mark.parametrize("slopes", ["standard", "mixed", "scaled"])
+@pytest.mark.parametrize("consumers", ["auto", 2])
+def test_hopper_alibi_term_in_the_gemm_against_the_term_per_score(kernel_opts, dtype, seqlen_q,
+                                                                  seqlen_k, head_dim, window,
+                                                                  bottom_right, slopes,
+                                                                  consumers):
+    # The ALiBi variant at head dim 64 under a causal mask (window_right = 0, with or without a
+    # left window) adds the term's column part through one more K step of Q K^T (QFold: slope /
+    # scale in three 16-bit parts; KFold: the key offset in the tile) and its part per tile in
+    # the softmax (fwd_kernel.h's fold_alibi; the option sm90_alibi_fold = False takes the term
+    # per score).  Both against the fp32 reference (the error rule), both alignments, L != S,
+    # seq 1; slopes up to 1 (FA-2's range), "mixed" ones (10 and 100 are steeper than the
+    # fold's |slope log2 e| <= 2 and take the term per score in the same call; -0.05 and 0
+    # fold), and "scaled" (softmax_scale 0.01: slope / scale up to 100, the parts' split at a
+    # larger v).  The fold is taken where it applies: its rounding differs from the term per
+    # score's on the large causal case.  Both shapes of the variant (three warpgroups with
+    # 96-key tiles, and two with 128: sm90_per_score_consumers).
+    kernel_opts(sm90_per_score_consumers=consumers)
+    heads_q = 4
+    q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)
+    k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
+    slopes_t = torch.tensor([10.0, 100.0, -0.05, 0.0] if slopes == "mixed" else
+                            [1.0, 0.25, 2.0 ** -4, 2.0 ** -8], device="cuda")
+    scale = 0.01 if slopes == "scaled" else None
+    if slopes == "scaled":
+        q = q * 8
+    assert planning.plan(q, k, v, mods=planning.ALIBI).kernel.endswith("_alibi")
+    kw = dict(softmax_scale=scale, causal=False, window_left=window[0], window_right=window[1],
+              align_bottom_right=bottom_right, alibi_slopes=slopes_t)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    args = (scale, False, window[0], window[1], bottom_right, 0.0, slopes_t, None)
+    outs = {}
+    for fold in (True, False):
+        kernel_opts(sm90_alibi_fold=fold)
+        out, lse, _ = ops.fwd(q, k, v, *args)
+        check_forward(out, lse, low_out, true_out, true_lse, f"out (fold {fold}, {window})")
+        outs[fold] = out
+    if (seqlen_q, seqlen_k) == (1023, 1023) and slopes == "standard":
+        assert not torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (200, 777),
+                                               (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("what", ["alibi", "alibi_steep", "dropout"])
 @pytest.mark.parametrize("consumers", ["auto", 2, 3])

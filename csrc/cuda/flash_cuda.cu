@@ -401,6 +401,7 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.heads_per_section = options.sm90_section_pairs;
     p.sm90_fma_exp2 = options.sm90_fma_exp2;
     p.sm90_per_score_consumers = options.sm90_per_score_consumers;
+    p.sm90_alibi_fold = options.sm90_alibi_fold;
     p.sm90_row_shift = options.sm90_row_shift;
     p.sm90_direct_epilogue = options.sm90_direct_epilogue;
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;

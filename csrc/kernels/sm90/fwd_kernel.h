@@ -28,6 +28,35 @@
 
 namespace flash_attn_ext::sm90 {
 
+// Whether a tile of the ALiBi variant takes the term in the GEMM (Sm90FwdTraits::kAlibiFold),
+// and then its slope parts v: slope / scale rounded to fp32, split into three 16-bit values
+// (each the rest of the one before, rounded), whose sum the fold's K step multiplies by the key
+// offset jj.  Taken where every visible key is at or left of its row's diagonal (window_right
+// = 0: causal, with or without a left window), |slope log2 e| <= 2 (real ALiBi slopes are at
+// most 1; the one-sided column rule of compute_tile holds), and the parts miss v by at most
+// 2^-14 in the exponent at the tile's last key (fp16's range: a slope / scale past it or with
+// its third part below fp16's subnormals fails that); otherwise, and with the kernel option
+// sm90_alibi_fold off, the term per score; so does a v so large that S would near fp32's range
+// (a softmax_scale below ~1e-30).
+template <typename T>
+__device__ __forceinline__ bool fold_alibi(const FwdParams& p, const sm80::ScoreFn& fn,
+                                           float (&v)[3]) {
+  if (!p.sm90_alibi_fold || p.window_right != 0) return false;
+  if (!(fabsf(fn.alibi_slope * sm80::ScoreFn::kLog2e) <= 2.f)) return false;  // (NaN too)
+  float rest = __fdiv_rn(fn.alibi_slope, fn.scale);
+  // (S = x + v jj must stay far from fp32's range, which bf16 parts would not check: a tiny
+  // softmax_scale gives a huge v, which the term per score handles as x scale + term)
+  if (!(fabsf(rest) * static_cast<float>(T::kBlockN - 1) <= 0x1p100f)) return false;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    v[k] = static_cast<float>(typename T::Element(rest));
+    rest = __fsub_rn(rest, v[k]);
+  }
+  const float miss = fabsf(rest) * static_cast<float>(T::kBlockN - 1) * fn.scale *
+                     sm80::ScoreFn::kLog2e;
+  return isfinite(v[0]) && miss <= 0x1p-14f;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT const Sm90FwdArgs<T> args) {
@@ -70,6 +99,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
   }
+  // The ALiBi fold's key operand (the same for every key tile), visible to wgmma after the
+  // barrier.
+  using Element = typename T::Element;
+  Element* fold_q = nullptr;
+  Element* fold_k = nullptr;
+  if constexpr (T::kAlibiFold) {
+    fold_q = smem.fold.q.data();
+    fold_k = smem.fold.k.data();
+    FwdMainloop<T>::write_fold_keys(fold_k);
+    cutlass::arch::fence_view_async_shared();
+  }
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
@@ -87,7 +127,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Consumers.
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = threadIdx.x - 128;  // 0 .. 128 * kConsumers - 1 over the consumer warpgroups
-  FwdMainloop<T> mainloop(ctid, sQ, sK, sVt);
+  FwdMainloop<T> mainloop(
+      ctid, sQ, sK, sVt, make_tensor(make_smem_ptr(fold_q), typename T::SmemLayoutQFold{}),
+      make_tensor(make_smem_ptr(fold_k), typename T::SmemLayoutKFold{}));
   // The exp2 domain's factor: softmax_scale * log2(e) for plain scores (the mask variant's
   // too: a mask only hides scores), softcap * log2(e) for the softcap variant's tanh values,
   // log2(e) for the general variant's softcapped or biased scores, which modify_scores has
@@ -175,7 +217,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // (Two calls, not a generic lambda: ptxas left that lambda a function of its own, with
       // the loop's registers on a 1,168-byte stack.)
       constexpr bool kMayFixMax = OnlineSoftmax<T>::kMayFixMax;
-      if (kMayFixMax && softmax.fixed_max)
+      if constexpr (T::kAlibiFold) {
+        // The ALiBi variant at head dim 64: the term in the GEMM where fold_alibi allows
+        // (QFold written for this tile, the softmax's factor scale log2 e), else per score
+        // (factor 1: modify takes the scores to log2 units).
+        const sm80::ScoreFn fn(p, b, h);
+        float v[3];
+        if (fold_alibi<T>(p, fn, v)) {
+          FwdMainloop<T>::write_fold_slope(fold_q, v, me);
+          softmax.scale_log2 = fn.scale * sm80::ScoreFn::kLog2e;
+          state = mainloop.template compute_tile<false, true>(
+              args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
+              &smem.barrier_q_empty[qs], fn, score_rows, next, blocks, me, dropout, mask_bh,
+              seq.len_k, smem.v.data());
+        } else {
+          softmax.scale_log2 = 1.f;
+          state = mainloop.template compute_tile<false>(
+              args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
+              &smem.barrier_q_empty[qs], fn, score_rows, next, blocks, me, dropout, mask_bh,
+              seq.len_k, smem.v.data());
+        }
+      } else if (kMayFixMax && softmax.fixed_max)
         state = mainloop.template compute_tile<kMayFixMax>(
             args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
             &smem.barrier_q_empty[qs], sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,

@@ -200,9 +200,9 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
     // warpgroups with 128-key tiles (dropout's default) or three with 96 (ALiBi's).
     constexpr int other = T::kConsumers == 3 ? 2 : 3;
     if (p.sm90_per_score_consumers == other) {
-      using U = Sm90FwdTraits<CudaElement, kHeadDim, other == 3 ? 96 : 128, T::kStages,
-                              other, kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap,
-                              kAlibi>;
+      constexpr int kOtherBlockN = fwd_block_n<kHeadDim, other == 3>();
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, kOtherBlockN, T::kStages, other, kPackGQA,
+                              kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
       return launch_flash_fwd_sm90<U>(p, stream);
     }
   }

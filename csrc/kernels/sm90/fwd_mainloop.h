@@ -73,11 +73,20 @@ struct FwdMainloop {
                                       typename T::SmemLayoutKV{}));
   using SmemVt = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
                                       typename T::SmemLayoutVt{}));
+  // The ALiBi fold's operands (Sm90FwdTraits::kAlibiFold; every variant has the types).
+  using SmemQFold = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                         typename T::SmemLayoutQFold{}));
+  using SmemKFold = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                                         typename T::SmemLayoutKFold{}));
   using ThrQK = decltype(std::declval<TiledMmaQK&>().get_thread_slice(0));
   using ThrPV = decltype(std::declval<TiledMmaPV&>().get_thread_slice(0));
   using FragQ = decltype(std::declval<ThrQK&>().partition_fragment_A(std::declval<SmemQ&>()));
   using FragK = decltype(std::declval<ThrQK&>().partition_fragment_B(std::declval<SmemKV&>()));
   using FragV = decltype(std::declval<ThrPV&>().partition_fragment_B(std::declval<SmemVt&>()));
+  using FragQFold =
+      decltype(std::declval<ThrQK&>().partition_fragment_A(std::declval<SmemQFold&>()));
+  using FragKFold =
+      decltype(std::declval<ThrQK&>().partition_fragment_B(std::declval<SmemKFold&>()));
   using FragS = decltype(partition_fragment_C(std::declval<TiledMmaQK&>(),
                                               Shape<Int<kM>, Int<kN>>{}));
   using FragO = decltype(partition_fragment_C(std::declval<TiledMmaPV&>(),
@@ -94,6 +103,8 @@ struct FwdMainloop {
   FragQ tSrQ;  // shared-memory descriptors
   FragK tSrK;  // (MMA, MMA_N, MMA_K, stage)
   FragV tOrV;
+  FragQFold tSrQF;  // the ALiBi fold's K step (kAlibiFold; unused elsewhere)
+  FragKFold tSrKF;
   FragS tSrS;  // S, fp32, then P in fp32 (the softmax works in place)
   FragO tOrO;  // O, fp32
   FragP tOrP;  // P in 16 bits: P V's register A operand
@@ -107,11 +118,15 @@ struct FwdMainloop {
   static_assert(kSVals == kN / 2 && kOVals == kD / 2, "unexpected wgmma accumulator layout");
   static_assert(decltype(size(std::declval<FragP&>()))::value == kSVals, "");
 
-  // ctid: 0 .. 128 * kConsumers - 1 over the consumer warpgroups.
-  __device__ __forceinline__ FwdMainloop(int ctid, SmemQ& sQ, SmemKV& sK, SmemVt& sVt)
+  // ctid: 0 .. 128 * kConsumers - 1 over the consumer warpgroups.  sQF, sKF: the ALiBi fold's
+  // tiles (kAlibiFold; elsewhere any address: nothing reads them).
+  __device__ __forceinline__ FwdMainloop(int ctid, SmemQ& sQ, SmemKV& sK, SmemVt& sVt,
+                                         SmemQFold sQF, SmemKFold sKF)
       : tSrQ(mma_qk.get_thread_slice(ctid).partition_fragment_A(sQ)),
         tSrK(mma_qk.get_thread_slice(ctid).partition_fragment_B(sK)),
         tOrV(mma_pv.get_thread_slice(ctid).partition_fragment_B(sVt)),
+        tSrQF(mma_qk.get_thread_slice(ctid).partition_fragment_A(sQF)),
+        tSrKF(mma_qk.get_thread_slice(ctid).partition_fragment_B(sKF)),
         tSrS(partition_fragment_C(mma_qk, Shape<Int<kM>, Int<kN>>{})),
         tOrO(partition_fragment_C(mma_pv, Shape<Int<kM>, Int<kD>>{})),
         tScS(mma_qk.get_thread_slice(ctid).partition_C(
@@ -124,7 +139,8 @@ struct FwdMainloop {
     for (int i = 0; i < kSVals; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
   }
   // wgmma issue without waiting: S = Q K^T into tSrS, O += P V into tOrO (one commit group
-  // each).
+  // each).  kFold: plus the ALiBi fold's K step, slope / scale * (j - j0) (kAlibiFold).
+  template <bool kFold = false>
   __device__ __forceinline__ void issue_qk(int stage, int qs) {
     warpgroup_fence_operand(tSrS);
     warpgroup_arrive();
@@ -134,7 +150,35 @@ struct FwdMainloop {
       cute::gemm(mma_qk, tSrQ(_, _, kb, qs), tSrK(_, _, kb, stage), tSrS);
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
+    if constexpr (kFold) cute::gemm(mma_qk, tSrQF(_, _, 0), tSrKF(_, _, 0), tSrS);
     warpgroup_commit_batch();
+  }
+
+  // The ALiBi fold's key operand, once per CTA (kAlibiFold): row jj of KFold is [jj, jj, jj,
+  // 0, ...] (jj < kBlockN, exact in 16 bits), so that S gains sum_k QFold[i][k] * jj = v * jj.
+  // By all threads, before the CTA's first barrier; the caller fences it for wgmma.
+  __device__ __forceinline__ static void write_fold_keys(Element* k_fold) {
+    Tensor sKF = make_tensor(make_smem_ptr(k_fold), typename T::SmemLayoutKFold{});
+    constexpr int kCols = T::kFoldCols;
+    for (int i = threadIdx.x; i < kN * kCols; i += T::kThreads) {
+      const int jj = i / kCols, col = i % kCols;
+      sKF(jj, col) = Element(col < 3 ? static_cast<float>(jj) : 0.f);
+    }
+  }
+  // This warpgroup's 64 rows of QFold: [v1, v2, v3, 0, ...], v = v1 + v2 + v3 (fwd_kernel.h's
+  // fold_alibi); written before the tile's first Q K^T, then made visible to wgmma.  Only this
+  // warpgroup's GEMMs read its rows, and the previous tile's last one is done: every thread
+  // waited for it before that tile's last ring.turn_begin(), a barrier of all 128 threads.
+  __device__ __forceinline__ static void write_fold_slope(Element* q_fold, const float (&v)[3],
+                                                          int me) {
+    Tensor sQF = make_tensor(make_smem_ptr(q_fold), typename T::SmemLayoutQFold{});
+    constexpr int kCols = T::kFoldCols;  // 64 x 16 values over 128 threads: 8 each
+    const int t = threadIdx.x % 128, row = 64 * me + t / 2, c0 = (t % 2) * 8;
+#pragma unroll
+    for (int c = 0; c < kCols / 2; ++c)  // (constant indices into v: it stays in registers)
+      sQF(row, c0 + c) = Element(c0 == 0 && c < 3 ? v[c] : 0.f);
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before wgmma reads
+    warpgroup_sync<T>(me);
   }
   __device__ __forceinline__ void issue_pv(int stage) {
     warpgroup_fence_operand(tOrP);
@@ -314,7 +358,10 @@ struct FwdMainloop {
   // mask_bh: the mask variant's boolean mask (mask_scores), nullptr in the others.
   // key_limit, v_smem: packed sequences' keys and the V ring (zero_v_rows); unused elsewhere.
   // kFixedMax: the softmax's steps with its fixed reference max (OnlineSoftmax::fixed_max).
-  template <bool kFixedMax, typename Next, typename Blocks>
+  // kFold: the ALiBi variant with its term in the GEMM (Sm90FwdTraits::kAlibiFold; the caller
+  // wrote QFold and set the softmax's factor to scale log2 e): no per-score term, the softmax
+  // adds each tile's shift (fold_shift).
+  template <bool kFixedMax, bool kFold = false, typename Next, typename Blocks>
   __device__ __forceinline__ PipelineState compute_tile(const Sm90FwdArgs<T>& args,
                                                Pipeline& pipe_k, Pipeline& pipe_v,
                                                PipelineState state,
@@ -366,12 +413,21 @@ struct FwdMainloop {
         alibi_columns ? alibi_slope_log2 * static_cast<float>(score_rows[1] - score_rows[0])
                       : 0.f;
     if constexpr (T::kAlibi) softmax.lse_shift1 = alibi_shift1;
+    static_assert(!kFold || T::kAlibiFold, "");
+    // The fold's per-tile part of the term for row half 0, slope log2 e (j0 - i0 - off) at the
+    // tile's first key j0 (row half 1 shares it: alibi_shift1 as above; the fold is taken only
+    // where alibi_columns holds).
+    auto fold_shift = [&](int n_block) {
+      return kFold ? alibi_slope_log2 * static_cast<float>(static_cast<int64_t>(n_block) * kN -
+                                                           score_rows[0] - fn.alibi_offset)
+                   : 0.f;
+    };
     auto modify = [&](int n_block, int c) {
       if constexpr (T::kSoftcap) {  // (Sm90FwdTraits::kSoftcap: t = tanh(x * scale / softcap))
 #pragma unroll
         for (int i = 0; i < kSVals; ++i) tSrS(i) = sm80::tanh_approx(tSrS(i) * fn.cap_inv_scale);
       }
-      if constexpr (T::kAlibi) {
+      if constexpr (T::kAlibi && !kFold) {
         // Each score x becomes x * scale log2 e - slope log2 e |i + off - j| + shift[r], where
         // shift = {0, slope log2 e (i1 - i0)} (alibi_shift1) is a per-row constant that the
         // softmax cancels and the LSE takes back (OnlineSoftmax::lse_shift1): with it both row
@@ -465,7 +521,7 @@ struct FwdMainloop {
                                       : Blocks::row_class(blocks.load(args.p, n_begin), me);
     int after = ahead(n_begin + 1);
     pipe_k.consumer_wait(state);
-    issue_qk(state.index(), qs);  // outside the ring (see PingpongRing)
+    issue_qk<kFold>(state.index(), qs);  // outside the ring (see PingpongRing)
     ring.open_ring();
     uint64_t kept = keep(n_begin);
     warpgroup_wait<0>();
@@ -473,7 +529,8 @@ struct FwdMainloop {
     pipe_k.consumer_release(state);
     if (n_begin + 1 == n_end) release_q(q_empty);
     modify(n_begin, c);
-    softmax.template step<kFixedMax>(tSrS, mask, n_begin, alpha);
+    softmax.template step<kFixedMax, kFold>(tSrS, mask, n_begin, alpha,
+                                                 fold_shift(n_begin));
     drop(n_begin);
     drop_kept(kept);
     convert_p();
@@ -487,7 +544,7 @@ struct FwdMainloop {
       pipe_k.consumer_wait(state);
       pipe_v.consumer_wait(prev);
       ring.turn_begin();
-      issue_qk(state.index(), qs);
+      issue_qk<kFold>(state.index(), qs);
       issue_pv(prev.index());
       ring.turn_end(false);
       kept = keep(n_block);
@@ -496,7 +553,8 @@ struct FwdMainloop {
       pipe_k.consumer_release(state);
       if (n_block + 1 == n_end) release_q(q_empty);
       modify(n_block, c);
-      softmax.template step<kFixedMax>(tSrS, mask, n_block, alpha);
+      softmax.template step<kFixedMax, kFold>(tSrS, mask, n_block, alpha,
+                                                   fold_shift(n_block));
       drop(n_block);
       drop_kept(kept);
       if constexpr (T::kWaitPvAfterSoftmax) {

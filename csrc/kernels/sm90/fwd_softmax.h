@@ -79,8 +79,13 @@ struct OnlineSoftmax {
   static constexpr int kFmaExp2Degree =
       std::is_same_v<typename T::Element, cute::bfloat16_t> ? 3 : 4;
 
-  const float scale_log2;  // the exp2 domain's factor (softmax_scale * log2(e): fwd_kernel.h)
-  float m_row[2], l_row[2];  // reference max (unscaled) and sum of each row half
+  // The exp2 domain's factor (softmax_scale * log2(e): fwd_kernel.h); the ALiBi variant sets it
+  // per tile (1 for scores its term per score took to log2 units, softmax_scale * log2(e) with
+  // the term in the GEMM: rows' kFold).
+  float scale_log2;
+  // Reference max (unscaled; with kFold in the exp2 domain, shift included) and sum of each
+  // row half.
+  float m_row[2], l_row[2];
   // The reference max as P used it: m_row * scale_log2 rounded to fp32 (0 while m_row is
   // -inf).  O's rescale factor and the LSE use it too, not the exact product an FMA would
   // form from m_row: with scores of magnitude M (in the exp2 domain) the two differ by up to
@@ -113,21 +118,27 @@ struct OnlineSoftmax {
   // [r0, r1) go through each phase (mask, max, exp2 and sum) together, each row's max and sum
   // as kSoftmaxChains independent partial chains (see Sm90FwdTraits: the schedule ptxas makes
   // of it differs per head dim).  Max is exact in any order; a chained sum rounds differently
-  // from a left-to-right one, at the level of fp32 rounding.
-  template <bool kFixed, int r0, int r1, typename TensorS>
+  // from a left-to-right one, at the level of fp32 rounding.  kFold (the ALiBi fold,
+  // Sm90FwdTraits::kAlibiFold): every score of the tile is s * scale_log2 + fold_shift in the
+  // exp2 domain (the GEMM added the term's column part to s, fold_shift is its part per tile
+  // and row), so the tile's max is mx * scale_log2 + fold_shift and each exponent is still one
+  // FFMA, fma(s, scale_log2, fold_shift - m); m_row is kept in the exp2 domain.
+  template <bool kFixed, int r0, int r1, bool kFold, typename TensorS>
   __device__ __forceinline__ void rows(TensorS& tSrS, const RowMask<T>& mask, int n_block,
-                                       float (&alpha)[2]) {
+                                       float (&alpha)[2], float fold_shift) {
     static_assert(!kFixed || kMayFixMax, "a fixed reference max for the softcap variant, bf16");
     mask.template apply<r0, r1>(tSrS, n_block);
     // A chain starts at its first value; a single chain starts from -inf and 0 instead (one
     // FMNMX and one FADD more per row, the schedule measured for it).
     float part[2][kChains], mx[2], m_scaled[2];
+    float offset[2];  // the exponent's constant: -m_scaled, with kFold fold_shift - m_scaled
     if constexpr (kFixed) {
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
         m_scaled[r] = 0.f;
         m_scaled_row[r] = m_scaled[r];
         alpha[r] = 1.f;
+        offset[r] = 0.f;
       }
     } else {
 #pragma unroll
@@ -145,7 +156,21 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = r0; r < r1; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
 #pragma unroll
-      for (int r = r0; r < r1; ++r) {
+      for (int r = r0; r < r1 && kFold; ++r) {
+        // (the same rule as below, in the exp2 domain: mx = -inf, no visible key in the tile,
+        // stays -inf rather than -inf + shift)
+        const float m_tile = mx[r] == -INFINITY ? -INFINITY : fmaf(mx[r], scale_log2, fold_shift);
+        const float m_old = m_row[r];
+        const bool raise = m_tile - m_old > kRescaleLog2;
+        const float m_new = raise ? m_tile : m_old;
+        m_scaled[r] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = raise ? (m_old == -INFINITY ? 0.f : exp2f(m_scaled_row[r] - m_scaled[r])) : 1.f;
+        m_row[r] = m_new;
+        m_scaled_row[r] = m_scaled[r];
+        offset[r] = fold_shift - m_scaled[r];
+      }
+#pragma unroll
+      for (int r = r0; r < r1 && !kFold; ++r) {
         // Lazy rescaling (FlashAttention-4's): the reference max m moves only when this tile's
         // max exceeds it by more than kRescaleLog2 in the exp2 domain, so P <= 2^kRescaleLog2.
         // O and l always share one reference, so O / l and the LSE stay exact, and most key
@@ -159,6 +184,7 @@ struct OnlineSoftmax {
         alpha[r] = raise ? (m_old == -INFINITY ? 0.f : exp2f(m_scaled_row[r] - m_scaled[r])) : 1.f;
         m_row[r] = m_new;
         m_scaled_row[r] = m_scaled[r];
+        offset[r] = -m_scaled[r];
       }
     }
 #pragma unroll
@@ -166,7 +192,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = r0; r < r1; ++r) {
         const int i = s_index(r, c);
-        const float z = fmaf(tSrS(i), scale_log2, -m_scaled[r]);
+        const float z = fmaf(tSrS(i), scale_log2, offset[r]);
         tSrS(i) = c % 8 < kFmaExp2Of8 ? exp2_fma<kFmaExp2Degree>(z) : exp2f(z);
         const float first = kChains > 1 ? tSrS(i) : 0.f + tSrS(i);
         part[r][c % kChains] = c < kChains ? first : part[r][c % kChains] + tSrS(i);
@@ -178,14 +204,15 @@ struct OnlineSoftmax {
 
   // One key tile: both rows together or one after the other (Sm90FwdTraits); kFixed: with the
   // fixed reference max (fixed_max).
-  template <bool kFixed, typename TensorS>
+  template <bool kFixed, bool kFold = false, typename TensorS>
   __device__ __forceinline__ void step(TensorS& tSrS, const RowMask<T>& mask, int n_block,
-                                       float (&alpha)[2]) {
+                                       float (&alpha)[2], float fold_shift = 0.f) {
+    static_assert(!(kFixed && kFold), "");
     if constexpr (T::kSoftmaxRowsTogether) {
-      rows<kFixed, 0, 2>(tSrS, mask, n_block, alpha);
+      rows<kFixed, 0, 2, kFold>(tSrS, mask, n_block, alpha, fold_shift);
     } else {
-      rows<kFixed, 0, 1>(tSrS, mask, n_block, alpha);
-      rows<kFixed, 1, 2>(tSrS, mask, n_block, alpha);
+      rows<kFixed, 0, 1, kFold>(tSrS, mask, n_block, alpha, fold_shift);
+      rows<kFixed, 1, 2, kFold>(tSrS, mask, n_block, alpha, fold_shift);
     }
   }
 

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -116,6 +117,18 @@ struct Sm90FwdTraits {
   static_assert(!(kAlibi_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_ ||
                               kSoftcap_)),
                 "ALiBi alone, unpacked");
+  // ALiBi's term in the Q K^T GEMM (the ALiBi variant at head dim 64, where the softmax's FP32
+  // work is as long as a tile's GEMMs and the term's FFMA per score shows: 0.73-0.82x of
+  // causal; docs/perf/sm90_score_mods.md).  Under a causal mask (window_right = 0) every
+  // visible key j of a tile lies at or left of its rows' diagonal, so the term is slope (j -
+  // i - off) = slope (j - j0) + slope (j0 - i - off): a column's part, which one more K step
+  // of 16 columns adds to S (QFold's rows [v1, v2, v3, 0, ...], v = slope / scale split into
+  // three 16-bit parts, against KFold's rows [jj, jj, jj, 0, ...], jj = j - j0 exact in 16
+  // bits), and a part per tile and row, which the softmax adds to its max and exponent
+  // (OnlineSoftmax::rows' fold_shift), so that its per-score work is the plain kernel's.  Per
+  // tile the kernel takes it or the term per score (fold_alibi in fwd_kernel.h).
+  static constexpr bool kAlibiFold = kAlibi_ && kHeadDim_ == 64;
+  static constexpr int kFoldCols = 16;  // one wgmma K step
   // GQA packing (see Sm90FwdArgs::group): its own instantiation, so that the kernel without it
   // carries none of its code (in one kernel, its tile-boundary code cost 2-5% at L = 1k).
   static constexpr bool kPackGQA = kPackGQA_;
@@ -203,6 +216,18 @@ struct Sm90FwdTraits {
                                       take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kOCols>>{},
                                       _1{}));
 
+  // The ALiBi fold's operands (kAlibiFold): (query row, 16) and (key, 16), K-major in 32-byte
+  // swizzled rows, one copy (KFold is the same for every key tile; QFold per warpgroup's rows).
+  using SmemAtomFold = GMMA::Layout_K_SW32_Atom<Element>;
+  using SmemLayoutQFold =
+      decltype(tile_to_shape(SmemAtomFold{}, Shape<Int<kBlockM>, Int<kFoldCols>>{}));
+  using SmemLayoutKFold =
+      decltype(tile_to_shape(SmemAtomFold{}, Shape<Int<kBlockN>, Int<kFoldCols>>{}));
+  struct FoldStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQFold>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutKFold>, 1024> k;
+  };
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kTileBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTileBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -219,6 +244,7 @@ struct Sm90FwdTraits {
     alignas(8) uint64_t barrier_q[kQStages];
     alignas(8) uint64_t barrier_q_empty[kQStages];
     TileInfo<kConsumers, kVarlen> info[2];  // tile i's in info[i % 2] (fwd_tile_scheduler.h)
+    std::conditional_t<kAlibiFold, FoldStorage, char> fold;  // (kAlibiFold)
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
