@@ -17,7 +17,8 @@ ours_fma_exp2_0 / _4 (softcap: the kernel option sm90_fma_exp2, none or 4 of eve
 exp2s on the FMA pipe at d = 64, where the default takes 2; builds that have the option),
 ours_2_consumers / ours_3_consumers (alibi / dropout at d <= 64: the kernel option
 sm90_per_score_consumers, two consumer warpgroups with 128-key tiles or three with 96, the
-other of the variant's default: ALiBi three, dropout two),
+other of the variant's default: ALiBi three, dropout two), ours_no_fold (alibi at d <= 64: the
+kernel option sm90_alibi_fold off, the term per score instead of in the Q Kᵀ GEMM),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
 everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
 variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
@@ -137,6 +138,8 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
             "sm90_per_score_consumers" in flash_attn_ext.ops._C.kernel_options():
         other = 2 if case == "alibi" else 3
         impls[f"ours_{other}_consumers"] = with_options(ours, sm90_per_score_consumers=other)
+    if case == "alibi" and d <= 64 and "sm90_alibi_fold" in flash_attn_ext.ops._C.kernel_options():
+        impls["ours_no_fold"] = with_options(ours, sm90_alibi_fold=False)
     if case == "softcap" and "sm90_fma_exp2" in flash_attn_ext.ops._C.kernel_options():
         impls["ours_fma_exp2_0"] = ours_fma_exp2(0)
         impls["ours_fma_exp2_4"] = ours_fma_exp2(4)
