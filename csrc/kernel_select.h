@@ -79,6 +79,10 @@ struct KernelOptions {
   // 16-column K step; fwd_kernel.h's fold_alibi says where), else per score.  Experimental:
   // for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_alibi_fold = true;
+  // The Hopper forward's softcap and ALiBi variants at head dim 64 with 96-key tiles (their
+  // default, fwd_block_n's kNarrow), else 128 with the same consumer warpgroups.  Experimental:
+  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  bool sm90_narrow_tiles = true;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
   // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs

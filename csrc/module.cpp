@@ -157,6 +157,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   else
     d["decode_row_lanes"] = o.decode_row_lanes;
   d["sm90_alibi_fold"] = o.sm90_alibi_fold;
+  d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["decode_pdl"] = o.decode_pdl;
   return d;
 }
@@ -241,6 +242,8 @@ void set_kernel_options(const pybind11::dict& values) {
                 "dim 64");
     } else if (key == "sm90_alibi_fold") {
       flag(o.sm90_alibi_fold);
+    } else if (key == "sm90_narrow_tiles") {
+      flag(o.sm90_narrow_tiles);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
     } else if (key == "decode_row_lanes") {

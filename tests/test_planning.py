@@ -492,10 +492,13 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
         for bad in bads:
             with pytest.raises(ValueError, match=f"{name} must be 'auto', {allowed} "):
                 kernel_opts(**{name: bad})
-    assert ops._C.kernel_options()["sm90_alibi_fold"] is True
-    with flash_attn_ext.kernel_options(sm90_alibi_fold=False) as now:
-        assert now["sm90_alibi_fold"] is False
-    assert ops._C.kernel_options()["sm90_alibi_fold"] is True
+    for name in ("sm90_alibi_fold", "sm90_narrow_tiles"):
+        assert ops._C.kernel_options()[name] is True
+        with flash_attn_ext.kernel_options(**{name: False}) as now:
+            assert now[name] is False
+        assert ops._C.kernel_options()[name] is True
+        with pytest.raises(ValueError, match=f"{name} must be a bool"):
+            kernel_opts(**{name: 1})
     assert ops._C.kernel_options()["decode_pdl"] is True
     with flash_attn_ext.kernel_options(decode_pdl=False) as now:
         assert now["decode_pdl"] is False

@@ -744,6 +744,41 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("what", ["alibi", "softcap"])
+@pytest.mark.parametrize("narrow", [True, False], ids=["96_keys", "128_keys"])
+def test_softcap_and_alibi_forward_with_either_tile_width(kernel_opts, dtype, seqlen_q, seqlen_k,
+                                                          head_dim, mask, what, narrow):
+    # The softcap and ALiBi variants at head dim 64 with their 96-key tiles or, under the
+    # option sm90_narrow_tiles = False, the plain kernel's 128 (an instantiation of its own,
+    # three consumer warpgroups either way; ALiBi's term in the GEMM at 128 keys too): the
+    # kernel that ran, and out and LSE against the fp32 reference.
+    kernel_opts(sm90_narrow_tiles=narrow)
+    q = rand(2, seqlen_q, 4, head_dim, dtype=dtype) * 2
+    k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
+    slopes = torch.tensor([1.0, 0.25, 2.0 ** -4, 0.7], device="cuda") if what == "alibi" \
+        else None
+    softcap = 5.0 if what == "softcap" else 0.0
+    causal = mask == "causal"
+    window = (50, 20) if mask == "window" else (-1, -1)
+    args = (None, causal, window[0], window[1], True, softcap, slopes, None, 0.0)
+    names = [n for n in launched_kernels(lambda: ops.fwd(q, k, v, *args))
+             if "flash_fwd_sm90" in n]
+    traits = [t.strip() for t in re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
+              .split(",")]
+    assert (traits[2], traits[4]) == ("96" if narrow else "128", "3"), names
+    out, lse, _ = ops.fwd(q, k, v, *args)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1],
+              alibi_slopes=slopes, softcap=softcap)
+    true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
+                                       compute_dtype=torch.float32, **kw)
+    low_out, _ = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    check_forward(out, lse, low_out, true_out, true_lse, f"out ({what}, {mask}, {narrow})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 17), (1023, 1023)])
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -402,6 +402,7 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.sm90_fma_exp2 = options.sm90_fma_exp2;
     p.sm90_per_score_consumers = options.sm90_per_score_consumers;
     p.sm90_alibi_fold = options.sm90_alibi_fold;
+    p.sm90_narrow_tiles = options.sm90_narrow_tiles;
     p.sm90_row_shift = options.sm90_row_shift;
     p.sm90_direct_epilogue = options.sm90_direct_epilogue;
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;

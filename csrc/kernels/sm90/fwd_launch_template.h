@@ -179,6 +179,17 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
                           fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim, kGeneral || kDropout>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
+  if constexpr ((kSoftcap || kAlibi) && kHeadDim <= 64) {
+    // The A/B instantiation of the softcap and ALiBi variants at head dim 64 with 128-key
+    // tiles, the plain kernel's, and the same warpgroups (KernelOptions::sm90_narrow_tiles =
+    // false, experimental).  ptxas spilled with three warpgroups there: softcap 232 bytes,
+    // ALiBi (its term in the GEMM where it can) 84; whether it costs is what this measures.
+    if (!p.sm90_narrow_tiles) {
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, 128, T::kStages, T::kConsumers, kPackGQA,
+                              kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
+      return launch_flash_fwd_sm90<U>(p, stream);
+    }
+  }
   if constexpr (kSoftcap && kHeadDim <= 64) {
     // The A/B instantiations of the softcap variant's exp2 split (KernelOptions::sm90_fma_exp2,
     // experimental; -1 is T's default).
