@@ -71,7 +71,7 @@ struct KernelOptions {
   // -1: the kernel's default (Sm90FwdTraits::kFmaExp2Of8).  Experimental: for same-build A/Bs.
   int32_t sm90_fma_exp2 = -1;
   // The Hopper forward's ALiBi and dropout variants at head dim 64: consumer warpgroups, 2
-  // (128-key tiles) or 3 (96-key tiles, the softcap variant's shape there); 0: the kernel's
+  // (128-key tiles) or 3 (ALiBi: 128-key tiles, dropout: 96); 0: the kernel's
   // default (ALiBi 3, dropout 2).  Experimental: for same-build A/Bs
   // (docs/perf/sm90_score_mods.md).
   int32_t sm90_per_score_consumers = 0;
@@ -79,10 +79,10 @@ struct KernelOptions {
   // 16-column K step; fwd_kernel.h's fold_alibi says where), else per score.  Experimental:
   // for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_alibi_fold = true;
-  // The Hopper forward's softcap and ALiBi variants at head dim 64 with 96-key tiles (their
-  // default, fwd_block_n's kNarrow), else 128 with the same consumer warpgroups.  Experimental:
-  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
-  bool sm90_narrow_tiles = true;
+  // The Hopper forward's softcap and ALiBi variants at head dim 64 with 96-key tiles
+  // (fwd_block_n's kNarrow) instead of their default 128, with the same consumer warpgroups.
+  // Experimental: for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  bool sm90_narrow_tiles = false;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
   // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs

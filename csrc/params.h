@@ -136,9 +136,9 @@ struct FwdParams {
   // allows (fwd_kernel.h's fold_alibi; KernelOptions::sm90_alibi_fold = false, experimental,
   // clears it)
   bool sm90_alibi_fold = true;
-  // Hopper forward, softcap and ALiBi variants at head dim 64: 96-key tiles (false: 128;
-  // KernelOptions::sm90_narrow_tiles, experimental)
-  bool sm90_narrow_tiles = true;
+  // Hopper forward, softcap and ALiBi variants at head dim 64: 96-key tiles (false: 128, their
+  // default; KernelOptions::sm90_narrow_tiles, experimental)
+  bool sm90_narrow_tiles = false;
   // Hopper forward: pack the query heads of a GQA group into one tile (see its launcher; the
   // glue sets it as kernel_select.h decides)
   bool sm90_pack_gqa = false;

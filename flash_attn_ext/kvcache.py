@@ -305,9 +305,11 @@ def flash_attn_with_kvcache(
             pairs (2i, 2i + 1) (GPT-J) or halves (GPT-NeoX).
         cache_seqlens: int, or (batch,) int32 or int64 tensor (values within int32): each
             entry's cached length before the append (default: seqlen_cache, a full cache).
-        cache_batch_idx: (batch,) int32 or int64 tensor, an int (the same entry for every
-            batch element), or None: the cache entry of each batch element
-            (gathered: a copy of those entries; new k/v are written to them in place).
+        cache_batch_idx: (batch,) int32 or int64 tensor, or None: the cache entry of each
+            batch element (read in place by the decode kernel, else a copy of their used
+            rows); new k/v are written to those entries in place, so they must then be
+            distinct. An int is refused (TypeError): it would give every batch element one
+            entry.
         cache_leftpad: int, (batch,) int32 or int64 tensor, or None: entry b's keys start at
             that row.
         softmax_scale, causal (bottom-right over the used keys), window_size, softcap,

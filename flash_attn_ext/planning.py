@@ -107,11 +107,11 @@ def set_kernel_options(**options) -> dict:
     wherever it applies, "off"), ``sm90_fma_exp2`` ("auto", 0, 2 or 4: of every 8 columns of
     scores, how many the Hopper forward's softcap variant at head dim 64 exponentiates on the
     FMA pipe instead of the MUFU unit), ``sm90_per_score_consumers`` ("auto", 2 or 3: consumer
-    warpgroups of the Hopper forward's ALiBi and dropout variants at head dim 64, 3 with 96-key
-    tiles; "auto": ALiBi 3, dropout 2), ``sm90_alibi_fold`` (bool: the Hopper forward's ALiBi
+    warpgroups of the Hopper forward's ALiBi and dropout variants at head dim 64; "auto": ALiBi
+    3, dropout 2), ``sm90_alibi_fold`` (bool: the Hopper forward's ALiBi
     variant at head dim 64 with its term in the Q K^T GEMM under a causal mask),
     ``sm90_narrow_tiles`` (bool: the Hopper forward's softcap and ALiBi variants at head dim 64
-    with 96-key tiles, their default; False: 128),
+    with 96-key tiles instead of their default 128),
     ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
     call's combine kernel launched as a programmatic dependent of its attention kernel).

@@ -492,11 +492,11 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
         for bad in bads:
             with pytest.raises(ValueError, match=f"{name} must be 'auto', {allowed} "):
                 kernel_opts(**{name: bad})
-    for name in ("sm90_alibi_fold", "sm90_narrow_tiles"):
-        assert ops._C.kernel_options()[name] is True
-        with flash_attn_ext.kernel_options(**{name: False}) as now:
-            assert now[name] is False
-        assert ops._C.kernel_options()[name] is True
+    for name, default in (("sm90_alibi_fold", True), ("sm90_narrow_tiles", False)):
+        assert ops._C.kernel_options()[name] is default
+        with flash_attn_ext.kernel_options(**{name: not default}) as now:
+            assert now[name] is not default
+        assert ops._C.kernel_options()[name] is default
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             kernel_opts(**{name: 1})
     assert ops._C.kernel_options()["decode_pdl"] is True

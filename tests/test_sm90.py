@@ -655,7 +655,7 @@ def test_hopper_alibi_forward_in_both_alignments(dtype, seqlen_q, seqlen_k, head
 @pytest.mark.parametrize("window", [(-1, 0), (50, 0)], ids=["causal", "left_window"])
 @pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
 @pytest.mark.parametrize("slopes", ["standard", "mixed", "scaled"])
-@pytest.mark.parametrize("consumers", ["auto", 2])
+@pytest.mark.parametrize("consumers", ["auto", 2, "narrow"])
 def test_hopper_alibi_term_in_the_gemm_against_the_term_per_score(kernel_opts, dtype, seqlen_q,
                                                                   seqlen_k, head_dim, window,
                                                                   bottom_right, slopes,
@@ -669,9 +669,12 @@ def test_hopper_alibi_term_in_the_gemm_against_the_term_per_score(kernel_opts, d
     # fold's |slope log2 e| <= 2 and take the term per score in the same call; -0.05 and 0
     # fold), and "scaled" (softmax_scale 0.01: slope / scale up to 100, the parts' split at a
     # larger v).  The fold is taken where it applies: its rounding differs from the term per
-    # score's on the large causal case.  Both shapes of the variant (three warpgroups with
-    # 96-key tiles, and two with 128: sm90_per_score_consumers).
-    kernel_opts(sm90_per_score_consumers=consumers)
+    # score's on the large causal case.  The three shapes of the variant (three warpgroups with
+    # 128-key tiles; two with 128: sm90_per_score_consumers; three with 96: sm90_narrow_tiles).
+    if consumers == "narrow":
+        kernel_opts(sm90_narrow_tiles=True)
+    else:
+        kernel_opts(sm90_per_score_consumers=consumers)
     heads_q = 4
     q = rand(2, seqlen_q, heads_q, head_dim, dtype=dtype)
     k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))
@@ -708,9 +711,10 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
                                                                seqlen_k, head_dim, mask, what,
                                                                consumers):
     # The ALiBi and dropout variants at head dim 64 with two consumer warpgroups and 128-key
-    # tiles (dropout's default) or three with 96-key tiles (ALiBi's; the option
-    # sm90_per_score_consumers picks the other, an instantiation of its own: 192-row tiles,
-    # idle warpgroups in the partial causal block, keep bits of 6 dropout cells per tile):
+    # tiles (dropout's default) or three (ALiBi's default, with 128-key tiles; dropout's with
+    # 96; the option sm90_per_score_consumers picks the other, an instantiation of its own:
+    # 192-row tiles, idle warpgroups in the partial causal block, keep bits of 6 dropout cells
+    # per tile):
     # the kernel that ran, and out and LSE against the fp32 reference with the same slopes or
     # the same keep mask, both causal alignments' bottom-right case, windows crossing the
     # diagonal, L != S, seq 1.
@@ -729,7 +733,8 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
     traits = [t.strip() for t in re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
               .split(",")]
     three = consumers == 3 or (consumers == "auto" and what != "dropout")
-    assert (traits[2], traits[4]) == (("96", "3") if three else ("128", "2")), names
+    assert traits[4] == ("3" if three else "2"), names
+    assert traits[2] == ("96" if three and what == "dropout" else "128"), names
     out, lse, rng = ops.fwd(q, k, v, *args)
     keep = None
     if p_drop:
@@ -751,10 +756,10 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
 @pytest.mark.parametrize("narrow", [True, False], ids=["96_keys", "128_keys"])
 def test_softcap_and_alibi_forward_with_either_tile_width(kernel_opts, dtype, seqlen_q, seqlen_k,
                                                           head_dim, mask, what, narrow):
-    # The softcap and ALiBi variants at head dim 64 with their 96-key tiles or, under the
-    # option sm90_narrow_tiles = False, the plain kernel's 128 (an instantiation of its own,
-    # three consumer warpgroups either way; ALiBi's term in the GEMM at 128 keys too): the
-    # kernel that ran, and out and LSE against the fp32 reference.
+    # The softcap and ALiBi variants at head dim 64 with their 128-key tiles or, under the
+    # option sm90_narrow_tiles, 96 (an instantiation of its own, three consumer warpgroups
+    # either way; ALiBi's term in the GEMM at both widths): the kernel that ran, and out and
+    # LSE against the fp32 reference.
     kernel_opts(sm90_narrow_tiles=narrow)
     q = rand(2, seqlen_q, 4, head_dim, dtype=dtype) * 2
     k, v = (rand(2, seqlen_k, 2, head_dim, dtype=dtype) for _ in range(2))

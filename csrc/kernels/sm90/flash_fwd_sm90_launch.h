@@ -11,9 +11,12 @@ namespace flash_attn_ext::sm90 {
 
 // Keys per K/V tile and pipeline stages, chosen so that S (64 x kBlockN per consumer warpgroup)
 // and O (64 x head dim) stay in registers and the Q tile plus the K/V ring fit in shared memory.
-// The softcap and ALiBi variants at head dim 64 take 96-key tiles (kNarrow): they run three
-// consumer warpgroups there (below), and with 128-key tiles softcap's tanh code spilled 232
-// bytes (ptxas), with 96 none (ALiBi: 0 bytes with three warpgroups and 96 keys).
+// kNarrow: 96-key tiles at head dim 64, for the per-score variants' A/B shapes (three consumer
+// warpgroups: ptxas spills nothing with 96 keys; with 128 the softcap variant 444 bytes, ALiBi
+// 84).  The softcap and ALiBi variants take 128 all the same: on the H100 (causal ALiBi and
+// softcap 30, L = 8k) their forward kernels took 8% and 9-10% less time with 128 keys than with
+// 96 (1,156-1,162 against 1,259-1,261 us; 2,593-2,636 against 2,887-2,914; the per-tile work,
+// a third more tiles with 96, costs more than the spills; docs/perf/sm90_score_mods.md).
 template <int kHeadDim, bool kNarrow = false>
 constexpr int fwd_block_n() {
   return kHeadDim <= 64 && kNarrow ? 96 : kHeadDim <= 128 ? 128 : 64;
@@ -29,10 +32,10 @@ constexpr int fwd_stages() {
 // with three (160 registers per consumer thread) the general variant's score code spilled 1,616
 // bytes, and the dropout variant measured 3.6% faster with two (H200, bf16, causal, L = 4k:
 // 244.6 against 236.0 TFLOP/s; H100, with 96-key tiles: 6-8% faster with two).  The softcap
-// and ALiBi variants take three at 64 (with 96-key tiles): with two softcap waited on its MUFU
+// and ALiBi variants take three at 64: with two softcap waited on its MUFU
 // work (tanh and exp2 per score) at 58-65% of that unit's floor, the issue slots half idle, and
 // ALiBi, whose extra work is FP32 issue, measured 10-21% slower forward (H100, causal, L = 4k
-// and 8k; docs/perf/sm90_score_mods.md).
+// and 8k, both with 96-key tiles then; docs/perf/sm90_score_mods.md).
 template <int kHeadDim, bool kPerScoreWork = false>
 constexpr int fwd_consumers() {
   return kHeadDim <= 64 && !kPerScoreWork ? 3 : 2;

@@ -175,18 +175,18 @@ template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = fal
           bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
           bool kAlibi = false>
 cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim, kSoftcap || kAlibi>(),
+  using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                           fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim, kGeneral || kDropout>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
   static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
   if constexpr ((kSoftcap || kAlibi) && kHeadDim <= 64) {
-    // The A/B instantiation of the softcap and ALiBi variants at head dim 64 with 128-key
-    // tiles, the plain kernel's, and the same warpgroups (KernelOptions::sm90_narrow_tiles =
-    // false, experimental).  ptxas spilled with three warpgroups there: softcap 232 bytes,
-    // ALiBi (its term in the GEMM where it can) 84; whether it costs is what this measures.
-    if (!p.sm90_narrow_tiles) {
-      using U = Sm90FwdTraits<CudaElement, kHeadDim, 128, T::kStages, T::kConsumers, kPackGQA,
-                              kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
+    // The A/B instantiation of the softcap and ALiBi variants at head dim 64 with 96-key
+    // tiles and the same warpgroups (KernelOptions::sm90_narrow_tiles, experimental): their
+    // default before 128 measured faster despite its spills (flash_fwd_sm90_launch.h).
+    if (p.sm90_narrow_tiles) {
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim, true>(), T::kStages,
+                              T::kConsumers, kPackGQA, kGeneral, kDropout, kMask, kVarlen,
+                              kSoftcap, kAlibi>;
       return launch_flash_fwd_sm90<U>(p, stream);
     }
   }
@@ -208,7 +208,8 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
   if constexpr ((kAlibi || kDropout) && kHeadDim <= 64) {
     // The A/B instantiation of the ALiBi and dropout variants at head dim 64 with the other
     // shape (KernelOptions::sm90_per_score_consumers, experimental; 0: T's): two consumer
-    // warpgroups with 128-key tiles (dropout's default) or three with 96 (ALiBi's).
+    // warpgroups (ALiBi's other shape; dropout's default) with 128-key tiles, or three with 96
+    // (dropout's other shape; ALiBi's default is three with 128).
     constexpr int other = T::kConsumers == 3 ? 2 : 3;
     if (p.sm90_per_score_consumers == other) {
       constexpr int kOtherBlockN = fwd_block_n<kHeadDim, other == 3>();
