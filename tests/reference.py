@@ -109,6 +109,21 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
+def assert_lse_infinities(lse: torch.Tensor, true_lse: torch.Tensor, what: str = "softmax_lse"):
+    """softmax_lse finite exactly where the reference's is, and where it is not, equal to it
+    (-inf for a row that sees no key): a NaN or +inf there fails, which a comparison of
+    isfinite() alone lets through (NaN is not finite either)."""
+    assert lse.shape == true_lse.shape, \
+        f"{what}: shape {tuple(lse.shape)} / {tuple(true_lse.shape)}"
+    lse, true_lse = lse.detach().cpu().double(), true_lse.detach().cpu().double()
+    assert not torch.isnan(lse).any(), f"{what}: NaN"
+    finite = torch.isfinite(true_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: finite where the reference is not"
+    assert torch.equal(lse[~finite], true_lse[~finite]), \
+        f"{what}: {lse[~finite].unique().tolist()} where the reference has " \
+        f"{true_lse[~finite].unique().tolist()}"
+
+
 def finite_abs_max(t: torch.Tensor) -> float:
     """Largest |t| over its finite elements (0 where there are none): the size of a reference
     that may hold -inf (an LSE) or nothing at all."""
