@@ -16,6 +16,7 @@ from reference import (
     assert_lse_infinities,
     attention_ref,
     cancellation_scale,
+    max_err,
 )
 
 
@@ -159,11 +160,15 @@ def test_the_fake_kernel_checks_alibi_slopes(slopes, match):
 
 
 def test_alibi_slopes_that_need_no_gradient_under_no_grad():
-    q = torch.randn(1, 5, 2, 8)
-    slopes = torch.ones(2, requires_grad=True)
+    # Slopes that require grad are accepted under no_grad (no gradient is asked for) and
+    # detached ones anywhere; both give the reference's answer.
+    q = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    slopes = torch.tensor([1.0, 0.25], requires_grad=True)
+    want, _ = attention_ref(q, q, q, alibi_slopes=slopes.detach())
     with torch.no_grad():
-        flash_attn_func(q, q, q, alibi_slopes=slopes)
-    flash_attn_func(q, q, q, alibi_slopes=slopes.detach())
+        out = flash_attn_func(q, q, q, alibi_slopes=slopes)
+    assert max_err(out, want) < 1e-12
+    assert max_err(flash_attn_func(q, q, q, alibi_slopes=slopes.detach()), want) < 1e-12
 
 
 def test_explain_and_plan_take_alibi():

@@ -327,12 +327,17 @@ def test_rotary_q_gets_its_gradient(interleaved):
 def test_rotary_tables_need_rows_only_for_the_rotated_positions():
     # Without causal or a window every query is rotated at cache_seqlens: seqlen_ro =
     # cache_seqlens + 1 suffices for 4 queries; causal rotates query i at cache_seqlens + i.
-    q = torch.randn(1, 4, 2, 32)
-    k_cache, v_cache = torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32)
-    cos, sin = torch.rand(7, 8), torch.rand(7, 8)
+    q = torch.randn(1, 4, 2, 32, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(1, 8, 2, 32, dtype=torch.float64) for _ in "kv")
+    angles = torch.rand(7, 8, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
     out = flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
                                   cache_seqlens=6)
-    assert out.shape == (1, 4, 2, 32) and torch.isfinite(out).all()
+    # (every query rotated at position 6, interleaved pairs: FlashAttention-2's default; the
+    # cache's first 6 keys, which are not rotated without k and v)
+    want, _ = attention_ref(_rotary_ref(q, cos, sin, [[6] * 4], True), k_cache[:, :6],
+                            v_cache[:, :6])
+    assert (out - want).abs().max().item() < 1e-12
     with pytest.raises(ValueError, match="cache_seqlens \\+ 4 = 10, got seqlen_ro = 7"):
         flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
                                 cache_seqlens=6, causal=True)

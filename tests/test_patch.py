@@ -156,6 +156,9 @@ def test_patch_hands_broadcasting_calls_to_pytorch():
                 F.scaled_dot_product_attention(q, cases["one head"], cases["one head"])
             kv = torch.randn(4, 2, 16, 32)  # grouped heads: ours, fused
             out = F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+            kv4 = kv.repeat_interleave(4, 1)  # (each key/value head serves 4 query heads)
+            want = torch.nn.functional.softmax(q @ kv4.transpose(-1, -2) / 32 ** 0.5, -1) @ kv4
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         finally:
             policy.set_strict(None)
         with pytest.raises(ValueError, match="heads"):  # (no enable_gqa: ours, its error)
@@ -192,6 +195,7 @@ def test_patch_hands_torch_func_gradient_transforms_to_pytorch():
     def f(q):
         return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
     want = torch.func.grad(f)(q)
+    want_value = f(q)  # PyTorch's, before the patch
     policy.reset_fallback_counts()
     with flash_attn_ext.patch(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -202,11 +206,11 @@ def test_patch_hands_torch_func_gradient_transforms_to_pytorch():
     torch.testing.assert_close(got_vjp, want)
     assert any("gradient transforms" in str(w.message) for w in caught)
     assert sum(policy.fallback_counts().values()) >= 2
-    with flash_attn_ext.patch():  # outside a transform: ours, fused
+    with flash_attn_ext.patch():  # outside a transform: ours, fused, against PyTorch's
         policy.set_strict(True)
         try:
-            torch.testing.assert_close(f(q), F.scaled_dot_product_attention(
-                q, q, q, is_causal=True).sum())
+            torch.testing.assert_close(f(q), want_value)
+            assert flash_attn_ext.last_plan().kernel.startswith("cpu_flash_fwd")
         finally:
             policy.set_strict(None)
 
