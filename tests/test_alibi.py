@@ -51,7 +51,8 @@ def alibi_case(dtype, shape, causal=False, window=(-1, -1), bottom_right=True,
     if finite.any():  # softmax_lse includes ALiBi (the reference's logsumexp of the scores)
         tol = 1e-12 if dtype == torch.float64 else 2e-5 * max(1.0, true_lse[finite].abs().max())
         assert (lse[finite].double() - true_lse[finite]).abs().max().item() <= tol
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads,
                                         cancel):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)

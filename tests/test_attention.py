@@ -68,7 +68,8 @@ def run_case(dtype, shape, mask, softcap=0.0, softmax_scale=None):
     lse_tol = 1e-12 if dtype == torch.float64 else 2e-5
     assert (lse[finite].double() - true_lse[finite]).abs().max().item() <= lse_tol if finite.any() \
         else True
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), (dq, dk, dv), low_grads, true_grads,
                                         cancel):
         assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
@@ -139,8 +140,10 @@ def test_strided_inputs_need_no_copy_and_match():
     (g_ref,) = torch.autograd.grad(ref.sum(), (qkv,))
     low = attention_ref(q, k, v, causal=True, compute_dtype=torch.float32)[0]
     (g_low,) = torch.autograd.grad(low.sum(), (qkv,))
-    *cancel, score_scale = cancellation_scale(q, k, v, torch.ones_like(out), causal=True)
-    assert_error_rule(g, g_low, g_ref, 3.0, "packed qkv grads", max(cancel), score_scale)
+    *cancel, score_scale = cancellation_scale(q, k, v, torch.ones_like(out), per_element=True,
+                                          out=out, true_out=ref, causal=True)
+    assert_error_rule(g, g_low, g_ref, 3.0, "packed qkv grads", torch.stack(cancel, 2),
+                      score_scale)
     base = torch.randn(2, 4, 29, 64)[..., ::2]  # last dim stride 2
     qt = base.transpose(1, 2)
     out2 = flash_attn_func(qt, qt, qt)
@@ -260,13 +263,15 @@ def test_extreme_softmax_scales_stay_finite_and_exact(dtype, softmax_scale):
     assert max_err(out, true_out) <= 2 * eps + slack(true_out, dtype)
     rel = (lse.double() - true_lse).abs().max().item() / max(1.0, true_lse.abs().max().item())
     assert rel <= (1e-12 if dtype == torch.float64 else 1e-6)
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
-    for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads,
-                                        cancel):
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
+    cancel_max = cancellation_scale(q, k, v, dout, **kw)[:3]  # (grad_bound's form)
+    for name, ours, low, true, c, cm in zip(("dq", "dk", "dv"), grads, low_grads, true_grads,
+                                            cancel, cancel_max):
         assert torch.isfinite(ours).all(), name
         if math.isfinite(max_err(low, true)):
             assert_error_rule(ours, low, true, 3.0, name, c, score_scale)
-        bound = grad_bound(true, dtype, c)
+        bound = grad_bound(true, dtype, cm)
         assert max_err(ours, true) <= bound, (name, max_err(ours, true), bound)
 
 

@@ -68,7 +68,8 @@ for B, H, Hk, L, S, D, Dv, flags in cases:
     low_grads = torch.autograd.grad(low_out, (q, k, v), dout)
     what = f"{B, H, Hk, L, S, D, flags}"
     assert_error_rule(out, low_out, true_out, 2.0, "out " + what)
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
     for name, ours, low, true, c in zip(("dq", "dk", "dv"), grads, low_grads, true_grads, cancel):
         assert_error_rule(ours, low, true, 3.0, name + " " + what, c, score_scale)
 
