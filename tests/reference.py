@@ -178,17 +178,20 @@ def cancellation_scale(q, k, v, dout, *, per_element: bool = False, out=None, tr
     error is ~eps32 * |score|.
 
     ``per_element``: dq, dk and dv's terms as tensors of their shapes (on the CPU), each
-    element its own row's and key's sum at float32's eps, plus what delta's own error moves
-    the gradient by, computed rather than bounded: the kernels take delta from *their* out
-    (``out``, rounded to the input dtype), delta' - delta = rowsum(dO (out - true_out)), and
-    dS's error P (delta - delta') reaches dq as scale (delta - delta')_i sum_j P_ij K_j and dk
-    likewise (with softcap's derivative); twice that, in the unit the rule multiplies by (4
-    eps32).  ``true_out``: the float64 output (with dropout, the dropped one; default: the
-    reference without dropout).  The default form takes one maximum over all elements and
-    bounds delta's term by the input dtype's eps times sum |dO| |O|; with fp16 / bf16 inputs
-    that made the bound 10-80x PyTorch's error and let a dq or dk 5% off pass.  The CPU tests
-    use the per-element form; the CUDA tests keep the default until a device run checks the
-    per-element one there.
+    element its own row's and key's sums: (a) the cancelling terms above at the accumulator's
+    eps; (b) what delta's own error moves the gradient by, computed rather than bounded: the
+    kernels take delta from *their* out (``out``, rounded to the input dtype), delta' - delta
+    = rowsum(dO (out - true_out)), and dS's error P (delta - delta') reaches dq as scale
+    (delta - delta')_i sum_j P_ij K_j and dk likewise (with softcap's derivative), taken twice;
+    (c) with fp16 / bf16 inputs, the rounding of P and dS to that dtype for the GEMMs (below).
+    All in the unit the rule multiplies by (4 accumulator ulps).  ``true_out``: the float64
+    output (with dropout, the dropped one; default: the reference's, with ``dropout_keep`` /
+    ``dropout_p`` in ``kw`` if given).  The default form takes one maximum over all elements
+    and bounds delta's term by the input dtype's eps times sum |dO| |O|; with fp16 / bf16
+    inputs that made the bound 10-80x PyTorch's error and let a dq or dk 5% off pass, which
+    the per-element form fails at unit-scale scores (at sharper ones 3x PyTorch's own bf16
+    error is itself 20-25% of max |dq|).  The CPU tests use the per-element form; the CUDA
+    tests keep the default until a device run checks the per-element one there.
     """
     dbias_shape = kw.pop("_dbias_shape", None)  # (dbias_cancellation)
     ours_out = out
@@ -225,24 +228,31 @@ def cancellation_scale(q, k, v, dout, *, per_element: bool = False, out=None, tr
             assert ours_out is not None, "per_element needs the kernels' out"
             moved = ((dod * (ours_out.detach().double().to(dod.device) - (
                 true_out.detach().double().to(dod.device) if true_out is not None else
-                attention_ref(qd, kd, vd, **kw)[0]))).sum(-1)).transpose(1, 2)  # (B, H, L)
+                out))).sum(-1)).transpose(1, 2)  # (B, H, L)
             pm = probs * dtanh * moved.unsqueeze(-1)  # (softcap's derivative 1 - t^2)
             b, s_k, hk, _ = kd.shape
             move_dq = scale * torch.einsum("bhls,bshd->blhd", pm, kk).abs()
             move_dk = (scale * torch.einsum("bhls,blhd->bshd", pm, qd)).reshape(
                 b, s_k, hk, group, qd.shape[-1]).sum(3).abs()
-            unit = 4 * torch.finfo(torch.float32).eps
+            # (in the unit assert_error_rule multiplies by: 4 ulps of the accumulator)
+            unit = 4 * torch.finfo(torch.float64 if q.dtype == torch.float64 else
+                                   torch.float32).eps
             # With fp16 / bf16 inputs the kernels round P (for dV) and dS (for dQ, dK) to the
-            # input dtype for their GEMMs: independent roundings of at most half an ulp each,
-            # whose sum over a row's keys (a key's rows) has a standard deviation of eps / sqrt(12)
-            # times the root sum of squares of the terms; 2 eps times it (about 7 sigma) per
-            # element.  (A worst-case sum of |terms| grows with the row length where the result
-            # does with its square root: at L = 1k it allowed 25% of dq.)
+            # input dtype for their GEMMs: roundings of at most half an ulp each, whose sum over
+            # a row's keys (a key's rows) has, if they are independent and uniform, a standard
+            # deviation of eps / sqrt(12) times the root sum of squares of the terms; 2 eps
+            # times it (~7 of those) per element: a statistical allowance, not a worst case (a
+            # worst-case sum of |terms| grows with the row length where the result does with
+            # its square root: at L = 1k it allowed 25% of dq).  A review measured it at most
+            # 1.4% of max |grad| in bf16 against the rule's base of 2-25%.
             round_dq = round_dk = round_dv = 0.0
             if q.dtype in (torch.float16, torch.bfloat16):
                 eps16 = torch.finfo(q.dtype).eps
-                ds_sq = (probs * dtanh * (torch.einsum("blhd,bshd->bhls", dod, vv) - (
-                    dod * out).sum(-1).transpose(1, 2).unsqueeze(-1))).square()
+                dp = torch.einsum("blhd,bshd->bhls", dod, vv)
+                if kw.get("dropout_keep") is not None:  # dP of the kept weights, rescaled
+                    dp = dp * kw["dropout_keep"].to(dp.device) * dropout_scale(kw["dropout_p"])
+                ds_sq = (probs * dtanh * (dp - (dod * out).sum(-1).transpose(1, 2).unsqueeze(-1))
+                         ).square()
                 round_dq = 2 * eps16 * scale * torch.einsum("bhls,bshd->blhd", ds_sq,
                                                             kk.square()).sqrt()
                 d, d_v = qd.shape[-1], dod.shape[-1]

@@ -54,9 +54,10 @@ def check_bias_grads(q, k, v, bias, out, dout, kw, attn_kw, p, score_scale):
                            attn_bias=low_leaves[3] if len(low_leaves) > 3 else bias, **kw)
     low_grads = torch.autograd.grad(low, low_leaves, dout)
     drop = _C.dropout_scale(p)
+    drop_kw = {n: x for n, x in kw.items() if n.startswith("dropout")}  # (term (c)'s dP)
     cancel = [x * drop for x in cancellation_scale(q, k, v, dout, per_element=True, out=out,
                                                    true_out=true, attn_bias=bias,
-                                                   **attn_kw)[:3]]
+                                                   **attn_kw, **drop_kw)[:3]]
     if len(inputs) > 3:
         cancel.append(drop * dbias_cancellation(q, k, v, dout, bias.shape, attn_bias=bias,
                                                 **attn_kw))
@@ -142,12 +143,10 @@ def test_fuzz_against_reference(c):
     # Forward slack for scores' rounding: an fp32 score of size |s| is off by ~eps32 |s|, which
     # moves P (and out) relatively by that much; a different summation order than PyTorch's
     # can cost it where PyTorch got lucky (large scale, few visible keys).
-    # (delta's error term needs the true output, with dropout the dropped one)
-    true_for_delta, _ = attention_ref(*(t.detach().double() for t in (q, k, v)), attn_bias=bias,
-                                      **kw)
+    # (with dropout the terms take the kept weights: the dropped output for delta, dP masked)
     *cancel, score_scale = (x * _C.dropout_scale(p)
                             for x in cancellation_scale(q, k, v, dout, per_element=True, out=out,
-                                                        true_out=true_for_delta, **attn_kw))
+                                                        attn_bias=bias, **kw))
     if bias is not None:
         true_out, true_lse = attention_ref(*(t.detach().double() for t in (q, k, v)),
                                            attn_bias=bias, **kw)
