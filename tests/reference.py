@@ -95,13 +95,19 @@ def attention_ref(q, k, v, *, softmax_scale: Optional[float] = None, causal=Fals
     return (out, lse, probs) if return_probs else (out, lse)
 
 
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference of two tensors of one shape: NaN in either gives inf, an
-    infinity where the other has the same one (an LSE of -inf, say) counts as exact, an infinity
-    against anything else is an infinite error."""
+def abs_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| element by element in float64: an infinity where the other has the same one (an
+    LSE of -inf, say) counts as exact, an infinity against anything else is an infinite error,
+    NaN in either stays NaN."""
     assert a.shape == b.shape, f"compared tensors differ in shape: {a.shape} / {b.shape}"
     a, b = a.double(), b.double()
-    d = (a - b).abs().masked_fill(torch.isinf(a) & (a == b), 0.0)
+    return (a - b).abs().masked_fill(torch.isinf(a) & (a == b), 0.0)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of two tensors of one shape (abs_err): NaN in either gives
+    inf."""
+    d = abs_err(a, b)
     if d.numel() == 0:
         return 0.0
     if torch.isnan(d).any():
@@ -308,8 +314,7 @@ def assert_error_rule(ours, low, true, factor: float, what: str, cancellation=0.
         assert cancellation.shape == ours.shape, (what, cancellation.shape, ours.shape)
         base = factor * low_err + slack(true, ours.dtype) + 4 * acc_eps * score_scale * magnitude
         bound = base + 4 * acc_eps * cancellation.double()
-        err = (ours.detach().cpu().double() - true.detach().cpu().double()).abs()
-        err = err.masked_fill(torch.isinf(err) & (ours.detach().cpu() == true.detach().cpu()), 0.0)
+        err = abs_err(ours.detach().cpu(), true.detach().cpu())
         over = (err - bound).nan_to_num(float("inf"))
         worst = int(over.argmax()) if over.numel() else 0
         assert over.numel() == 0 or over.flatten()[worst] <= 0, (
@@ -350,6 +355,19 @@ def launched_kernels(fn) -> list:
 # (kernels/sm90/fwd_traits.h, bwd_traits.h).
 SM90_FWD_FLAGS = ("packgqa", "general", "dropout", "mask", "varlen", "softcap", "alibi")
 SM90_BWD_FLAGS = ("general", "dropout", "mask", "varlen", "softcap", "alibi")
+
+
+def launched_fwd_traits(fn) -> tuple:
+    """The template arguments of the first Hopper forward kernel that ``fn`` launches (its
+    ``Sm90FwdTraits<...>``, each as the demangled name writes it: element type, head dim, key
+    tile, stages, consumer warpgroups, the variant flags, the exp2 split), and that kernel's
+    name, for the tests that assert a shape."""
+    import re
+    names = [n for n in launched_kernels(fn) if "flash_fwd_sm90" in n]
+    assert names, "no Hopper forward kernel launched"
+    m = re.search(r"Sm90FwdTraits<([^<>]*)>", names[0])
+    assert m is not None, names[0]
+    return [t.strip() for t in m.group(1).split(",")], names[0]
 
 
 def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits") -> set:

@@ -8,8 +8,6 @@ H200 it exercises this kernel; FLASH_ATTN_EXT_KERNEL=sm80 runs the same grid on 
 Skipped without an sm_90 GPU and a build with the Hopper kernels.
 """
 
-import re
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from reference import (
     attention_ref,
     cancellation_scale,
     grad_bound,
-    launched_kernels,
+    launched_fwd_traits,
     max_err,
     slack,
     visible_mask,
@@ -585,10 +583,8 @@ def test_softcap_forward_with_exp2_on_the_fma_pipe(kernel_opts, dtype, fma_exp2,
     kernel_opts(sm90_fma_exp2=0)
     out0, lse0, _ = ops.fwd(q, k, v, *args)
     kernel_opts(sm90_fma_exp2=fma_exp2)
-    names = [n for n in launched_kernels(lambda: ops.fwd(q, k, v, *args))
-             if "flash_fwd_sm90" in n]
-    traits = re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
-    assert traits.split(",")[-1].strip() == {0: "0", 4: "4"}.get(fma_exp2, "-1"), names
+    traits, name = launched_fwd_traits(lambda: ops.fwd(q, k, v, *args))
+    assert traits[-1] == {0: "0", 4: "4"}.get(fma_exp2, "-1"), name
     out, lse, _ = ops.fwd(q, k, v, *args)
     true_out, true_lse = attention_ref(q.float(), k.float(), v.float(),
                                        compute_dtype=torch.float32, **kw)
@@ -729,13 +725,10 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
     causal = mask == "causal"
     window = (50, 20) if mask == "window" else (-1, -1)
     args = (None, causal, window[0], window[1], True, 0.0, slopes, None, p_drop)
-    names = [n for n in launched_kernels(lambda: ops.fwd(q, k, v, *args))
-             if "flash_fwd_sm90" in n]
-    traits = [t.strip() for t in re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
-              .split(",")]
+    traits, name = launched_fwd_traits(lambda: ops.fwd(q, k, v, *args))
     three = consumers == 3 or (consumers == "auto" and what != "dropout")
-    assert traits[4] == ("3" if three else "2"), names
-    assert traits[2] == ("96" if three and what == "dropout" else "128"), names
+    assert traits[4] == ("3" if three else "2"), name
+    assert traits[2] == ("96" if three and what == "dropout" else "128"), name
     out, lse, rng = ops.fwd(q, k, v, *args)
     keep = None
     if p_drop:
@@ -770,11 +763,8 @@ def test_softcap_and_alibi_forward_with_either_tile_width(kernel_opts, dtype, se
     causal = mask == "causal"
     window = (50, 20) if mask == "window" else (-1, -1)
     args = (None, causal, window[0], window[1], True, softcap, slopes, None, 0.0)
-    names = [n for n in launched_kernels(lambda: ops.fwd(q, k, v, *args))
-             if "flash_fwd_sm90" in n]
-    traits = [t.strip() for t in re.search(r"Sm90FwdTraits<([^>]*)>", names[0]).group(1)
-              .split(",")]
-    assert (traits[2], traits[4]) == ("96" if narrow else "128", "3"), names
+    traits, name = launched_fwd_traits(lambda: ops.fwd(q, k, v, *args))
+    assert (traits[2], traits[4]) == ("96" if narrow else "128", "3"), name
     out, lse, _ = ops.fwd(q, k, v, *args)
     kw = dict(causal=causal, window_left=window[0], window_right=window[1],
               alibi_slopes=slopes, softcap=softcap)
