@@ -196,8 +196,8 @@ def cancellation_scale(q, k, v, dout, *, per_element: bool = False, out=None, tr
     and bounds delta's term by the input dtype's eps times sum |dO| |O|; with fp16 / bf16
     inputs that made the bound 10-80x PyTorch's error and let a dq or dk 5% off pass, which
     the per-element form fails at unit-scale scores (at sharper ones 3x PyTorch's own bf16
-    error is itself 20-25% of max |dq|).  The CPU tests use the per-element form; the CUDA
-    tests keep the default until a device run checks the per-element one there.
+    error is itself 20-25% of max |dq|).  The CPU tests and test_cuda / test_sm90's gradient
+    grids use the per-element form; grad_bound's callers the default.
     """
     dbias_shape = kw.pop("_dbias_shape", None)  # (dbias_cancellation)
     ours_out = out

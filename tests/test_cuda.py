@@ -65,7 +65,8 @@ def check(dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_
     ours = torch.autograd.grad(out, (q, k, v), dout)
     true_g = torch.autograd.grad(true_out, leaves32, dout.float())
     low_g = torch.autograd.grad(low_out, (q, k, v), dout)
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
     for name, a, lo, t, c in zip(("dq", "dk", "dv"), ours, low_g, true_g, cancel):
         assert_error_rule(a, lo, t.double(), 3.0, name, c, score_scale)
 

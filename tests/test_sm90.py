@@ -363,7 +363,8 @@ def hopper_backward_case(dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, he
     low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     low_out, _ = attention_ref(*low_leaves, compute_dtype=dtype, **kw)
     low_g = torch.autograd.grad(low_out, low_leaves, dout)
-    *cancel, score_scale = cancellation_scale(q, k, v, dout, **kw)
+    *cancel, score_scale = cancellation_scale(q, k, v, dout, per_element=True, out=out,
+                                              true_out=true_out, **kw)
     for name, a, lo, t, c in zip(("dq", "dk", "dv"), ours, low_g, true_g, cancel):
         leaf = leaves[("dq", "dk", "dv").index(name)]
         assert a.shape == leaf.shape and a.stride() == leaf.stride()
