@@ -71,7 +71,7 @@ struct KernelOptions {
   // -1: the kernel's default (Sm90FwdTraits::kFmaExp2Of8).  Experimental: for same-build A/Bs.
   int32_t sm90_fma_exp2 = -1;
   // The Hopper forward's ALiBi and dropout variants at head dim 64: consumer warpgroups, 2
-  // (128-key tiles) or 3 (ALiBi: 128-key tiles, dropout: 96); 0: the kernel's
+  // or 3, 128-key tiles either way; 0: the kernel's
   // default (ALiBi 3, dropout 2).  Experimental: for same-build A/Bs
   // (docs/perf/sm90_score_mods.md).
   int32_t sm90_per_score_consumers = 0;

@@ -709,8 +709,8 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
                                                                seqlen_k, head_dim, mask, what,
                                                                consumers):
     # The ALiBi and dropout variants at head dim 64 with two consumer warpgroups and 128-key
-    # tiles (dropout's default) or three (ALiBi's default, with 128-key tiles; dropout's with
-    # 96; the option sm90_per_score_consumers picks the other, an instantiation of its own:
+    # tiles (dropout's default) or three (ALiBi's default; the option
+    # sm90_per_score_consumers picks the other, an instantiation of its own:
     # 192-row tiles, idle warpgroups in the partial causal block, keep bits of 6 dropout cells
     # per tile):
     # the kernel that ran, and out and LSE against the fp32 reference with the same slopes or
@@ -729,7 +729,7 @@ def test_alibi_and_dropout_forward_with_either_warpgroup_count(kernel_opts, dtyp
     traits, name = launched_fwd_traits(lambda: ops.fwd(q, k, v, *args))
     three = consumers == 3 or (consumers == "auto" and what != "dropout")
     assert traits[4] == ("3" if three else "2"), name
-    assert traits[2] == ("96" if three and what == "dropout" else "128"), name
+    assert traits[2] == "128", name
     out, lse, rng = ops.fwd(q, k, v, *args)
     keep = None
     if p_drop:

@@ -207,13 +207,13 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
   }
   if constexpr ((kAlibi || kDropout) && kHeadDim <= 64) {
     // The A/B instantiation of the ALiBi and dropout variants at head dim 64 with the other
-    // shape (KernelOptions::sm90_per_score_consumers, experimental; 0: T's): two consumer
-    // warpgroups (ALiBi's other shape; dropout's default) with 128-key tiles, or three with 96
-    // (dropout's other shape; ALiBi's default is three with 128).
+    // warpgroup count (KernelOptions::sm90_per_score_consumers, experimental; 0: T's), 128-key
+    // tiles either way: two consumer warpgroups (ALiBi's other shape; dropout's default) or
+    // three (dropout's other shape, ptxas: 164 bytes spilled, against 12 with 96-key tiles,
+    // which measured 6-8% slower than two on the H100; ALiBi's default).
     constexpr int other = T::kConsumers == 3 ? 2 : 3;
     if (p.sm90_per_score_consumers == other) {
-      constexpr int kOtherBlockN = fwd_block_n<kHeadDim, other == 3>();
-      using U = Sm90FwdTraits<CudaElement, kHeadDim, kOtherBlockN, T::kStages, other, kPackGQA,
+      using U = Sm90FwdTraits<CudaElement, kHeadDim, T::kBlockN, T::kStages, other, kPackGQA,
                               kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
       return launch_flash_fwd_sm90<U>(p, stream);
     }
