@@ -205,8 +205,9 @@ struct DecodeParams : FwdParams {
   int64_t seqlen_ro = -1;     // rows of rotary_cos (-1: no rotary embedding)
   // Split-KV: num_splits CTAs share one (batch row, query block, KV head), each a contiguous
   // part of its keys; with num_splits > 1 they write normalised partial outputs out_accum
-  // (num_splits, batch, heads_q, seqlen_q, head_dim_v) and their LSE lse_accum (num_splits,
-  // batch, heads_q, seqlen_q), fp32, which the combine kernel merges into out / softmax_lse.
+  // (num_splits, batch, heads_q, seqlen_q, head_dim_v) and their rows' maximum score max_accum
+  // and sum sum_accum (num_splits, batch, heads_q, seqlen_q; in the exponent's units: the
+  // decode kernel's top comment), fp32, which the combine kernel merges into out / softmax_lse.
   int num_splits = 1;
   // Lanes per cache row of the decode kernel's copies at head dim 64 (2, 4 or 8; 0: its
   // default, 4); KernelOptions::decode_row_lanes, experimental.
@@ -215,7 +216,8 @@ struct DecodeParams : FwdParams {
   // KernelOptions::decode_pdl).
   bool pdl = false;
   float* out_accum = nullptr;
-  float* lse_accum = nullptr;
+  float* max_accum = nullptr;
+  float* sum_accum = nullptr;
   // The append (kvcache_append): new keys / values (batch, seqlen_new, heads_kv, head_dim)
   // and the rotary table (seqlen_ro, rotary_dim / 2) in fp32, contiguous.
   const void* k_new = nullptr;

@@ -11,7 +11,6 @@
 #include <cmath>
 
 #include "kernels/sm80/block_info.h"  // SeqInfo::dropout_rows
-#include "kernels/sm80/decode_entry.h"
 #include "kernels/sm80/dropout.h"
 #include "kernels/sm80/launch.h"
 #include "kernels/sm80/mma.h"  // to_float, from_float
@@ -103,7 +102,6 @@ struct RowView {
   int64_t len_q, len_k;  // the sequence's lengths (seqlen_q, seqlen_k without packing)
   const Element *q, *out, *k, *v;
   const Element* dout = nullptr;
-  static constexpr bool ok = true;  // (CacheRowView's rule)
   __device__ RowView(const FwdParams& p, int64_t b_, int64_t h_, int64_t i_) : b(b_), h(h_), i(i_) {
     const sm80::SeqInfo seq(p, b);
     q_row = seq.q0 + i;
@@ -133,50 +131,6 @@ struct RowView {
   }
   __device__ VisibleKeys visible(const FwdParams& p) const {
     return VisibleKeys(len_q, len_k, p.window_left, p.window_right, p.align_bottom_right);
-  }
-};
-
-// The same for a decode call's query row (DecodeParams: the keys in the KV cache, contiguous
-// entries or pages, from cache_leftpad on; causal and windows bottom-right), and whether the
-// call's values obey the decode kernel's rules for it (sm80::DecodeEntry; two batch rows
-// appending into one entry; the pages of its visible keys in range): the decode kernel gives
-// NaN where they do not, and so does the pass.
-template <typename Element>
-struct CacheRowView {
-  int64_t b, h, i, q_row, len_q, len_k;
-  const Element *q, *out, *k, *v;
-  const int32_t* table;  // its block table row (paged), else nullptr
-  int64_t entry, start;
-  bool ok;
-  __device__ CacheRowView(const DecodeParams& p, int64_t b_, int64_t h_, int64_t i_)
-      : b(b_), h(h_), i(i_), q_row(i_), len_q(p.seqlen_q) {
-    const sm80::DecodeEntry e(p, b);
-    ok = e.ok && !sm80::entry_shared(p, b, e.entry, 0, 1);
-    len_k = ok ? e.len_k : 0;
-    entry = e.entry;
-    start = e.start;
-    const int64_t hk = h / (p.heads_q / p.heads_kv);
-    q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
-        h * p.q_head_stride;
-    out = static_cast<const Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
-          h * p.out_head_stride;
-    k = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
-    v = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
-    table = p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
-    const VisibleKeys vis = visible(p);
-    if (ok && table != nullptr && vis.end(i) > vis.begin(i))
-      ok = sm80::pages_exist(p, table, start + vis.begin(i), start + vis.end(i), 0, 1);
-  }
-  __device__ const Element* key(const DecodeParams& p, int64_t j) const {
-    return k + sm80::cache_row_offset(p, table, entry, start + j, p.k_batch_stride,
-                                      p.k_row_stride);
-  }
-  __device__ const Element* value(const DecodeParams& p, int64_t j) const {
-    return v + sm80::cache_row_offset(p, table, entry, start + j, p.v_batch_stride,
-                                      p.v_row_stride);
-  }
-  __device__ VisibleKeys visible(const FwdParams& p) const {
-    return VisibleKeys(len_q, len_k, p.window_left, p.window_right, true);
   }
 };
 
@@ -488,16 +442,16 @@ __global__ void __launch_bounds__(kThreads)
 // a huge finite one (exact_rows.h), or +inf / NaN, which huge scores give where P overflowed;
 // or -inf where the row sees keys: a rounded reference max far above the row's scores (a
 // factor 2^(m * c - m_c) below float32's range) made every P underflow to 0, l = 0, and the
-// main kernels wrote LSE -inf with out NaN (0 * inf: dense and packed) or zeros (decode).  A
+// main kernels wrote LSE -inf with out NaN (0 * inf).  A
 // row that sees no key (LSE -inf, out zeros) is right as it is; with a boolean mask, which
 // may hide all of a row's keys, out's NaN tells the two apart.
-template <typename Element, template <typename> class View, typename Params>
-__device__ bool forward_flagged(const Params& p, int64_t r, float lse) {
+template <typename Element>
+__device__ bool forward_flagged(const FwdParams& p, int64_t r, float lse) {
   if (lse != -INFINITY) return !(fabsf(lse * sm80::ScoreFn::kLog2e) < kExactRowsLse2);
   int64_t b, h, i;
   if (!locate(p, r, b, h, i)) return false;
-  const View<Element> row(p, b, h, i);
-  if (!row.ok || row.visible(p).empty_row(i)) return false;
+  const RowView<Element> row(p, b, h, i);
+  if (row.visible(p).empty_row(i)) return false;
   if (p.bias_is_mask && p.attn_bias != nullptr) return isnan(sm80::to_float(row.out[0]));
   return true;
 }
@@ -507,16 +461,16 @@ __device__ bool forward_flagged(const Params& p, int64_t r, float lse) {
 // v_j / l, and the LSE from m and l in float64, rounded once.
 // A row with a NaN score, or one that makes an exponent NaN, gets NaN (fmaxf would drop it from
 // m), as from the main kernels.
-template <typename Element, template <typename> class View, typename Params>
-__global__ void __launch_bounds__(kThreads) exact_rows_fwd_kernel(const Params p) {
+template <typename Element>
+__global__ void __launch_bounds__(kThreads) exact_rows_fwd_kernel(const FwdParams p) {
   __shared__ float q_s[kMaxDim], g_s[kThreads], red[kWarps];
   const int tid = static_cast<int>(threadIdx.x);
   const sm80::DropoutFn drop(p);
   auto* lse = static_cast<float*>(p.softmax_lse);
   // (each window's flags are all read before any row of it is written: for_each_flagged_row)
-  const auto flagged = [&](int64_t r) { return forward_flagged<Element, View>(p, r, lse[r]); };
+  const auto flagged = [&](int64_t r) { return forward_flagged<Element>(p, r, lse[r]); };
   for_each_flagged_row(p, flagged, [&](int64_t r, int64_t b, int64_t h, int64_t i) {
-    const View<Element> row(p, b, h, i);
+    const RowView<Element> row(p, b, h, i);
     const VisibleKeys vis = row.visible(p);
     __syncthreads();  // q_s of the previous row is done with
     if (tid < p.head_dim) q_s[tid] = sm80::to_float(row.q[tid]);
@@ -526,7 +480,7 @@ __global__ void __launch_bounds__(kThreads) exact_rows_fwd_kernel(const Params p
     float m, l, nan;
     row_max_sum(p, row, fn, q_s, i, kb, ke, red, m, l, nan);
     // (an infinite score, or an infinite scale_log2, makes x - m or its product NaN)
-    if (!row.ok || isnan(l) || m == INFINITY) nan = 1.f;  // (ok: uniform over the CTA)
+    if (isnan(l) || m == INFINITY) nan = 1.f;
     const float inv_l = l > 0.f && nan == 0.f ? 1.f / l : 0.f;
     float acc = 0.f;  // out[i, tid]
     for (int64_t j0 = kb; j0 < ke && inv_l > 0.f; j0 += kThreads) {
@@ -545,16 +499,7 @@ __global__ void __launch_bounds__(kThreads) exact_rows_fwd_kernel(const Params p
       static_cast<Element*>(p.out)[b * p.out_batch_stride + row.q_row * p.out_row_stride +
                                    h * p.out_head_stride + tid] =
           sm80::from_float<Element>(acc);
-    if (tid == 0) {
-      // m in the exponent's units: q.k times softmax_scale * log2 e for plain scores (in
-      // float64: the float scale_log2's own rounding would move a huge LSE), else log2 units.
-      constexpr double kLn2 = 0.6931471805599453, kLog2e = 1.4426950408889634;
-      const double c = fn.fn.modified() ? 1.0 : p.softmax_scale * kLog2e;
-      lse[r] = nan != 0.f ? NAN
-               : l > 0.f  ? static_cast<float>((static_cast<double>(m) * c +
-                                                log2(static_cast<double>(l))) * kLn2)
-                          : -INFINITY;
-    }
+    if (tid == 0) lse[r] = nan != 0.f ? NAN : sm80::lse_of(p, fn.fn.modified(), m, l);
   });
 }
 
@@ -594,32 +539,16 @@ cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const 
                       flags, any, static_cast<const float*>(row_stats));
 }
 
-namespace {
-
-template <typename Element, template <typename> class View, typename Params>
-cudaError_t launch_forward_pass(const Params& p, cudaStream_t stream) {
-  if (!dims_fit(p)) return cudaErrorInvalidValue;
-  const int64_t rows = stats_rows(p);
-  return sm80::launch(exact_rows_fwd_kernel<Element, View, Params>,
-                      grid_of((rows + kThreads - 1) / kThreads), kThreads, 0, stream, p);
-}
-
-}  // namespace
-
 template <typename Element>
 cudaError_t exact_rows_forward(const FwdParams& p, cudaStream_t stream) {
-  return launch_forward_pass<Element, RowView>(p, stream);
-}
-
-template <typename Element>
-cudaError_t exact_rows_decode(const DecodeParams& p, cudaStream_t stream) {
-  return launch_forward_pass<Element, CacheRowView>(p, stream);
+  if (!dims_fit(p)) return cudaErrorInvalidValue;
+  const int64_t rows = stats_rows(p);
+  return sm80::launch(exact_rows_fwd_kernel<Element>, grid_of((rows + kThreads - 1) / kThreads),
+                      kThreads, 0, stream, p);
 }
 
 template cudaError_t exact_rows_forward<__half>(const FwdParams&, cudaStream_t);
 template cudaError_t exact_rows_forward<__nv_bfloat16>(const FwdParams&, cudaStream_t);
-template cudaError_t exact_rows_decode<__half>(const DecodeParams&, cudaStream_t);
-template cudaError_t exact_rows_decode<__nv_bfloat16>(const DecodeParams&, cudaStream_t);
 template cudaError_t exact_rows_backward<__half>(const BwdParams&, const uint8_t*,
                                                  const int32_t*, float*, cudaStream_t);
 template cudaError_t exact_rows_backward<__nv_bfloat16>(const BwdParams&, const uint8_t*,

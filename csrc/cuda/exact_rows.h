@@ -37,13 +37,19 @@
 // overflows (16-bit P: M >~ 2^27 with fp16, 2^31 with bf16; issue 29's fp16 inputs of
 // magnitude 900 with scale 100 are at ~2^31); the portable forward's rescale and LSE use the
 // exact product, so its O and l disagree by that factor from M ~ 2^13.  After every forward
-// of plain scores, dense, packed or decoding against a KV cache (exact_rows_always),
-// exact_rows_forward (exact_rows_decode) reads the LSE the main forward wrote and, for rows
-// whose |lse * log2 e| >= kExactRowsLse2, whose LSE is +inf or NaN, or -inf although they see
-// keys (every P underflowed), recomputes out and the LSE with exponents (s - m) * c (exact where
-// s is close to m).  Without such a row it reads
-// the LSE and returns: one launch.  The backward's pass runs in the packed sequences'
-// backward too.
+// of plain scores, dense or packed (exact_rows_always), exact_rows_forward reads the LSE the
+// main forward wrote and, for rows whose |lse * log2 e| >= kExactRowsLse2, whose LSE is +inf or
+// NaN, or -inf although they see keys (every P underflowed), recomputes out and the LSE with
+// exponents (s - m) * c (exact where s is close to m).  Without such a row it reads the LSE and
+// returns: one launch.  The backward's pass runs in the packed sequences' backward too.
+//
+// Decoding against a KV cache takes no pass: the decode kernels are memory-bound, so they form
+// each exponent as (x - m) * c (an FADD more per score than the FMA, hidden behind the loads
+// there: docs/perf/decode.md), merge the
+// splits of a row from each split's (m, l) rather than its rounded LSE, and compute the LSE in
+// float64 (sm80::lse_of), as the pass does: no row needs it, and a decode call has one launch
+// fewer
+// (flash_decode_kernel.cuh; docs/perf/decode.md).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -75,7 +81,7 @@ cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const 
 // Whether a forward's scores are plain (no softcap, floating bias or ALiBi; a boolean mask kept
 // as bytes, bias_is_mask, is plain too; dropout does not change the scores): the calls whose
 // main forward forms each exponent with the one FMA above, so the glue runs exact_rows_forward
-// or exact_rows_decode after them.  sm80::ScoreFn::modified() (kernels/sm80/score.h) is its
+// after them.  sm80::ScoreFn::modified() (kernels/sm80/score.h) is its
 // kernel-side twin, the same question per (batch, head) on the device, which picks the
 // exponent's units there.  Both exist because the glue decides whether to launch the pass on
 // the host, where no ScoreFn can be built (it reads ALiBi's slope from device memory), and
@@ -89,10 +95,5 @@ inline bool plain_scores(const FwdParams& p) {
 // (plain_scores).  Element: __half or __nv_bfloat16.
 template <typename Element>
 cudaError_t exact_rows_forward(const FwdParams& p, cudaStream_t stream);
-
-// The same after the KV-cache decode kernels (and their combine) wrote p.out and p.softmax_lse
-// (plain_scores).
-template <typename Element>
-cudaError_t exact_rows_decode(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::cuda

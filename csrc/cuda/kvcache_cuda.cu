@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "checks.h"
-#include "cuda/exact_rows.h"
 #include "kernel_select.h"  // kernel_options
 #include "kernels/sm80/flash_decode_launch.h"
 #include "kernels/sm80/launch.h"  // per_device_cached, multiprocessor_count
@@ -221,13 +220,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   p.row_lanes = kernel_options().decode_row_lanes;
   p.pdl = kernel_options().decode_pdl;
-  at::Tensor out_accum, lse_accum;
+  at::Tensor out_accum, stats_accum;
   if (p.num_splits > 1) {
     out_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q, p.head_dim_v},
                           q.options().dtype(at::kFloat));
-    lse_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+    stats_accum =
+        at::empty({2, p.num_splits, batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
     p.out_accum = out_accum.data_ptr<float>();
-    p.lse_accum = lse_accum.data_ptr<float>();
+    p.max_accum = stats_accum[0].data_ptr<float>();
+    p.sum_accum = stats_accum[1].data_ptr<float>();
   }
   const int64_t kernel_dim = p.head_dim <= 64 ? 64 : p.head_dim <= 128 ? 128 : 256;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -237,14 +238,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
            : kernel_dim == 128 ? sm80::run_flash_decode<E, 128>(p, stream)
                                : sm80::run_flash_decode<E, 256>(p, stream);
   }));
-  // Rows whose plain scores are too large for the decode kernel's one-FMA exponent
-  // (cuda/exact_rows.h): recomputed exactly, after it, unless the option exact_rows_always is
-  // off.
-  if (kernel_options().exact_rows_always && plain_scores(p)) {
-    C10_CUDA_CHECK(by_dtype(q, [&](auto element) {
-      return exact_rows_decode<decltype(element)>(p, stream);
-    }));
-  }
+  // (No exact pass after it, cuda/exact_rows.h: the decode kernels form exponents and LSEs
+  // exactly themselves.)
   return {out, lse};
 }
 

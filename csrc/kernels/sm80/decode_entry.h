@@ -1,7 +1,7 @@
 // Where a decode call's keys lie in the KV cache (DecodeParams: contiguous entries,
 // cache_batch_idx, cache_leftpad, pages through block_table) and whether its values obey the
-// rules, shared by the decode and append kernels (flash_decode_kernel.cuh) and the exact pass
-// (cuda/exact_rows.cu), so that all three refuse the same rows.
+// rules, shared by the decode and append kernels (flash_decode_kernel.cuh), so that both refuse
+// the same rows.
 #pragma once
 
 #include <cstdint>

@@ -3,9 +3,16 @@
 // read in place (contiguous entries, cache_batch_idx, or pages through block_table: any page
 // size), its lengths read on the device.  The split-KV scheme of FlashDecoding
 // (Dao et al. 2023, "Flash-Decoding for long-context inference"; FlashAttention-2's
-// flash_fwd_splitkv_kernel): with num_splits > 1 each CTA writes a normalised partial output and
-// its LSE, and the combine kernel merges them: out = sum_s exp(lse_s - lse) out_s,
-// lse = log sum_s exp(lse_s).
+// flash_fwd_splitkv_kernel): with num_splits > 1 each CTA writes a normalised partial output
+// out_s and its row statistics (m_s, l_s), and the combine kernel merges them:
+// w_s = l_s exp2((m_s - m) c), out = sum_s w_s out_s / sum_s w_s, m = max_s m_s.
+//
+// Huge scores (cuda/exact_rows.h, issue 29): every exponent is (x - m) * c, the difference
+// first (exact where x is close to m), never x * c - m * c with m * c rounded to float32; the
+// splits are merged from (m_s, l_s), not from their LSEs rounded to float32; and the LSE is
+// formed once, in float64 (lse_of).  So the decode kernels need no exact pass after them: the
+// FADD more per score hides behind the loads of a memory-bound loop, where the pass cost ~2.5 us
+// (its kernel and launch gap) of a ~19 us small call (docs/perf/decode.md).
 //
 // Decoding is memory-bound (one query row per head against S keys), so the design aims at keys
 // in flight, not at tensor-core rate: the 4 warps of a CTA stream keys independently, each its
@@ -137,12 +144,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 
   const bool splitting = p.num_splits > 1;
   const float kNaN = __int_as_float(0x7fffffff);
-  // Writes row r's (normalised) output o[c], c < head_dim_v, and its LSE.
+  // Writes row r's (normalised) output o[c], c < head_dim_v, and its LSE (or, splitting, its
+  // m and l).
   auto out_ptr_f = [&](int r) {  // split partial: (split, b, h, i, :)
     const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
     return p.out_accum + (((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i) * p.head_dim_v;
   };
-  auto lse_index = [&](int r) {
+  auto stats_index = [&](int r) {  // softmax_lse's (b, h, i), or (split, b, h, i) splitting
     const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
     return ((splitting ? split * p.batch : 0) + b) * p.heads_q * p.seqlen_q + h * p.seqlen_q + i;
   };
@@ -151,7 +159,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     return static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
            h * p.out_head_stride;
   };
-  float* lse_out = splitting ? p.lse_accum : static_cast<float*>(p.softmax_lse);
+  float* lse = static_cast<float*>(p.softmax_lse);
 
   if (!ok) {  // NaN: the caller's values broke a rule (DecodeParams)
     cp_async_wait<0>();
@@ -160,10 +168,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       if (row0 + r >= rows_total || c >= p.head_dim_v) continue;
       if (splitting) {
         out_ptr_f(r)[c] = kNaN;
+        if (c == 0) p.max_accum[stats_index(r)] = p.sum_accum[stats_index(r)] = kNaN;
       } else {
         out_ptr_e(r)[c] = from_float<Element>(kNaN);
+        if (c == 0) lse[stats_index(r)] = kNaN;
       }
-      if (c == 0) lse_out[lse_index(r)] = kNaN;
     }
     return;
   }
@@ -316,7 +325,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float& x = s_acc[mt][j][2 * half + c];
-            x = exp2f(fmaf(x, scale_log2, -m_use * scale_log2));
+            x = exp2f((x - m_use) * scale_log2);  // (not x c - m c: the top of this file)
             sum += x;
           }
         row_l[mt][half] = row_l[mt][half] * corr + sum;
@@ -367,7 +376,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       }
     }
   __syncthreads();
-  constexpr float kLn2 = 0.6931471805599453f;
   if (tid < kRows) {
     float m = -INFINITY;
 #pragma unroll
@@ -382,10 +390,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       s_f[w * kRows + tid] = l > 0.f    ? exp2f((s_m[w * kRows + tid] - m_use) * scale_log2) / l
                              : isnan(l) ? l
                                         : 0.f;
-    if (row0 + tid < rows_total)  // (NaN in the inputs: l is NaN, and so is the LSE)
-      lse_out[lse_index(tid)] = l > 0.f     ? (m_use * scale_log2 + log2f(l)) * kLn2
-                                : isnan(l) ? __int_as_float(0x7fffffff)
-                                           : -INFINITY;
+    // (NaN in the inputs: l is NaN, and so is the LSE, or the combine's row)
+    if (row0 + tid < rows_total) {
+      if (splitting) {
+        p.max_accum[stats_index(tid)] = m;
+        p.sum_accum[stats_index(tid)] = l;
+      } else {
+        lse[stats_index(tid)] = lse_of(p, score.modified(), m_use, l);
+      }
+    }
   }
   __syncthreads();
   for (int idx = tid; idx < kRows * kHeadDim / 2; idx += T::kThreads) {
@@ -417,7 +430,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 // parts from shared memory and writes the row.  Measured on the H200 (docs/perf/decode.md):
 // MQA B = 1, S = 32k, d = 128 19.1 -> 3.8 us (predicted ~3).  The weights exp(lse_s - lse)
 // go through shared memory so that the loads of out_accum are independent (several in flight
-// per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).
+// per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).  The
+// weights come from each split's (m_s, l_s) and the LSE in float64 (lse_of): exact for huge
+// scores, where the splits' LSEs rounded to float32 would not be (the top of this file).
 constexpr int kCombineWarps = 8;  // (kMaxDecodeSplits: flash_decode_launch.h)
 // Channels of a row the combine's shared memory holds (head_dim_v up to kMaxHeadDim).
 constexpr int kCombineMaxDim = 256;
@@ -471,27 +486,34 @@ __global__ void __launch_bounds__(32 * kCombineWarps, 2)
   const int splits = p.num_splits;
   const int s_begin = part * splits / row_warps, s_end = (part + 1) * splits / row_warps;
   // The row's maximum and sum over all its splits, in every warp of the row: at most
-  // kMaxDecodeSplits / 32 independent loads per lane, cheaper than a barrier to share them.
+  // 2 kMaxDecodeSplits / 32 independent loads per lane, cheaper than a barrier to share them.
   constexpr int kPerLane = kMaxDecodeSplits / 32;
-  float x[kPerLane];
+  float xm[kPerLane], xl[kPerLane];
   float m = -INFINITY;
   bool nan = false;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int s = lane + 32 * k;
-    x[k] = active && s < splits ? p.lse_accum[s * rows + row] : -INFINITY;
-    nan |= isnan(x[k]);
-    m = fmaxf(m, x[k]);
+    const bool in = active && s < splits;
+    xm[k] = in ? p.max_accum[s * rows + row] : -INFINITY;
+    xl[k] = in ? p.sum_accum[s * rows + row] : 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    nan |= isnan(xm[k]) || isnan(xl[k]);
+    m = fmaxf(m, xm[k]);
   }
   nan = __any_sync(0xffffffff, nan);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
   const float m_use = m == -INFINITY ? 0.f : m;
+  const float scale_log2 = ScoreFn::scale_log2_of(p);
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int s = lane + 32 * k;
-    const float w = expf(x[k] - m_use);  // 0 for an empty split (and past the splits)
+    // 0 for a split without keys (m_s -inf, l_s 0) and past the splits
+    const float w = xl[k] * exp2f((xm[k] - m_use) * scale_log2);
     if (s >= s_begin && s < s_end) s_w[warp][s - s_begin] = w;
     sum += w;
   }
@@ -503,7 +525,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps, 2)
   const bool writer = active && part == 0;
   if (writer && lane == 0) {
     static_cast<float*>(p.softmax_lse)[row] =
-        nan ? kNaN : (m == -INFINITY ? -INFINITY : m_use + logf(sum));
+        nan ? kNaN : lse_of(p, ScoreFn::modified_of(p), m_use, sum);
   }
   const int64_t h = (row / p.seqlen_q) % p.heads_q, b = row / (p.seqlen_q * p.heads_q),
                 i = row % p.seqlen_q;

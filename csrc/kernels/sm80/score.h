@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 #include "params.h"
@@ -62,10 +63,19 @@ struct ScoreFn {
                                           b * p.bias_batch_stride + h * p.bias_head_stride),
         bias_row_stride(p.bias_row_stride),
         bias_col_stride(p.bias_col_stride) {
-    scale_log2 = modified() ? 1.f : scale * kLog2e;
+    scale_log2 = scale_log2_of(p);
     cap_inv_scale = capped ? scale / cap : 0.f;
   }
   static constexpr float kLog2e = 1.4426950408889634f;
+
+  // modified() and scale_log2 for a call's scores where no (b, h) is at hand (the decode
+  // combine): the same answers from the call's parameters.
+  __host__ __device__ static bool modified_of(const FwdParams& p) {
+    return p.softcap > 0.0 || p.alibi_slopes != nullptr || p.attn_bias != nullptr;
+  }
+  __host__ __device__ static float scale_log2_of(const FwdParams& p) {
+    return modified_of(p) ? 1.f : static_cast<float>(p.softmax_scale) * kLog2e;
+  }
 
   // Whether scores are more than x * scale (softcap, a bias or ALiBi): they then go through
   // transform and to_log2 (or apply) before the softmax.
@@ -114,6 +124,20 @@ struct ScoreFn {
     return exp2f(e > 0.f ? 0.f : e);
   }
 };
+
+// A row's LSE (natural log) from its maximum m in the exponent's units (x for plain scores,
+// log2 units for modified ones) and its sum l = sum_j exp2((x_j - m) * scale_log2), computed in
+// float64 and rounded once: m * scale_log2 rounded to float32 first would move a huge LSE by
+// half its ulp (2^-11 in the exponent at 2^13, 64 at 2^30; cuda/exact_rows.h), and the float
+// scale_log2's own rounding would too.  NaN where l is NaN, -inf where it is 0 (no key seen).
+__device__ __forceinline__ float lse_of(const FwdParams& p, bool modified, float m, float l) {
+  constexpr double kLn2 = 0.6931471805599453, kLog2e = 1.4426950408889634;
+  const double c = modified ? 1.0 : p.softmax_scale * kLog2e;
+  return l > 0.f    ? static_cast<float>((static_cast<double>(m) * c +
+                                          log2(static_cast<double>(l))) * kLn2)
+         : isnan(l) ? l
+                    : -INFINITY;
+}
 
 // The exp2 domain's factor of tanh values, softcap * log2(e) (the Hopper kernels' softcap
 // variants, forward and backward), kept a normal float: a softcap below ~1e-38 would make it
