@@ -71,9 +71,8 @@ struct KernelOptions {
   // -1: the kernel's default (Sm90FwdTraits::kFmaExp2Of8).  Experimental: for same-build A/Bs.
   int32_t sm90_fma_exp2 = -1;
   // The Hopper forward's ALiBi and dropout variants at head dim 64: consumer warpgroups, 2
-  // or 3, 128-key tiles either way; 0: the kernel's
-  // default (ALiBi 3, dropout 2).  Experimental: for same-build A/Bs
-  // (docs/perf/sm90_score_mods.md).
+  // or 3, 128-key tiles either way; 0: the kernel's default (ALiBi 3, dropout 2).
+  // Experimental: for same-build A/Bs (docs/perf/sm90_score_mods.md).
   int32_t sm90_per_score_consumers = 0;
   // The Hopper forward's ALiBi variant at head dim 64 with its term in the Q K^T GEMM (one more
   // 16-column K step; fwd_kernel.h's fold_alibi says where), else per score.  Experimental:

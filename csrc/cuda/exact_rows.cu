@@ -442,9 +442,9 @@ __global__ void __launch_bounds__(kThreads)
 // a huge finite one (exact_rows.h), or +inf / NaN, which huge scores give where P overflowed;
 // or -inf where the row sees keys: a rounded reference max far above the row's scores (a
 // factor 2^(m * c - m_c) below float32's range) made every P underflow to 0, l = 0, and the
-// main kernels wrote LSE -inf with out NaN (0 * inf).  A
-// row that sees no key (LSE -inf, out zeros) is right as it is; with a boolean mask, which
-// may hide all of a row's keys, out's NaN tells the two apart.
+// main kernels wrote LSE -inf with out NaN (0 * inf).  A row that sees no key (LSE -inf, out
+// zeros) is right as it is; with a boolean mask, which may hide all of a row's keys, out's NaN
+// tells the two apart.
 template <typename Element>
 __device__ bool forward_flagged(const FwdParams& p, int64_t r, float lse) {
   if (lse != -INFINITY) return !(fabsf(lse * sm80::ScoreFn::kLog2e) < kExactRowsLse2);

@@ -45,11 +45,9 @@
 //
 // Decoding against a KV cache takes no pass: the decode kernels are memory-bound, so they form
 // each exponent as (x - m) * c (an FADD more per score than the FMA, hidden behind the loads
-// there: docs/perf/decode.md), merge the
-// splits of a row from each split's (m, l) rather than its rounded LSE, and compute the LSE in
-// float64 (sm80::lse_of), as the pass does: no row needs it, and a decode call has one launch
-// fewer
-// (flash_decode_kernel.cuh; docs/perf/decode.md).
+// there), merge the splits of a row from each split's (m, l) rather than its rounded LSE, and
+// compute the LSE in float64 (sm80::lse_of), as the pass does: no row needs it, and a decode
+// call has one launch fewer (flash_decode_kernel.cuh; docs/perf/decode.md).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -81,11 +79,10 @@ cudaError_t exact_rows_backward(const BwdParams& p, const uint8_t* flags, const 
 // Whether a forward's scores are plain (no softcap, floating bias or ALiBi; a boolean mask kept
 // as bytes, bias_is_mask, is plain too; dropout does not change the scores): the calls whose
 // main forward forms each exponent with the one FMA above, so the glue runs exact_rows_forward
-// after them.  sm80::ScoreFn::modified() (kernels/sm80/score.h) is its
-// kernel-side twin, the same question per (batch, head) on the device, which picks the
-// exponent's units there.  Both exist because the glue decides whether to launch the pass on
-// the host, where no ScoreFn can be built (it reads ALiBi's slope from device memory), and
-// because ScoreFn sees a byte mask as a bias (RowScore takes it off; here it is plain).
+// after them.  sm80::ScoreFn::modified() (kernels/sm80/score.h) is its kernel-side twin, the
+// same question per (batch, head) on the device, which picks the exponent's units there, and
+// ScoreFn::modified_of(p) the same per call (the decode combine).  This one stays apart because
+// ScoreFn sees a byte mask as a bias (RowScore takes it off; here it is plain).
 inline bool plain_scores(const FwdParams& p) {
   return p.softcap <= 0.0 && p.alibi_slopes == nullptr &&
          (p.attn_bias == nullptr || p.bias_is_mask);
