@@ -91,6 +91,10 @@ struct KernelOptions {
   // kernel on sm_90 (its launch and start overlap the attention kernel's tail); false: an
   // ordinary launch after it.  Experimental: for same-build A/Bs (docs/perf/decode.md).
   bool decode_pdl = true;
+  // The decode kernel's loads from a contiguous cache (no block_table) by row offsets alone;
+  // false: through the per-row lookup the paged cache takes (the form before, for same-build
+  // A/Bs; docs/perf/decode.md, "The loads' instructions").  Experimental.
+  bool decode_contiguous_loads = true;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

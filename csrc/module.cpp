@@ -159,6 +159,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_alibi_fold"] = o.sm90_alibi_fold;
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["decode_pdl"] = o.decode_pdl;
+  d["decode_contiguous_loads"] = o.decode_contiguous_loads;
   return d;
 }
 
@@ -246,6 +247,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_narrow_tiles);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
+    } else if (key == "decode_contiguous_loads") {
+      flag(o.decode_contiguous_loads);
     } else if (key == "decode_row_lanes") {
       o.decode_row_lanes =
           count({2, 4, 8}, 0, "lanes per cache row of the decode kernel's loads at head dim 64");

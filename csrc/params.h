@@ -215,6 +215,9 @@ struct DecodeParams : FwdParams {
   // The combine launched as a programmatic dependent of the attention kernel (sm_90+;
   // KernelOptions::decode_pdl).
   bool pdl = false;
+  // A contiguous cache's rows reached by offsets alone (KernelOptions::decode_contiguous_loads);
+  // false: through cache_row_offset's per-row lookup, as a paged cache's.
+  bool contiguous_loads = true;
   float* out_accum = nullptr;
   float* max_accum = nullptr;
   float* sum_accum = nullptr;

@@ -114,7 +114,9 @@ def set_kernel_options(**options) -> dict:
     with 96-key tiles instead of their default 128),
     ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
-    call's combine kernel launched as a programmatic dependent of its attention kernel).
+    call's combine kernel launched as a programmatic dependent of its attention kernel),
+    ``decode_contiguous_loads`` (bool: the decode kernel's loads from a contiguous cache by
+    row offsets alone, else through the paged cache's per-row lookup).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

@@ -102,11 +102,13 @@ def test_decode_matches_the_reference(case, shape, layout, mods, num_splits, dty
 
 
 @pytest.mark.parametrize("layout", ["plain", "paged48", "leftpad", "batch_idx"])
-@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("head_dim", [64, 40, 128, 256])
 def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
-    # The decode kernel's load forms at head dim 64 (the option decode_row_lanes: 2, 4 or 8
-    # lanes per cache row) change only which lane copies which 16 bytes: the same bits,
-    # GQA and MQA, 1 and 3 query rows, a cache length that ends mid-tile, head dim 40 padded.
+    # The decode kernel's load forms (the option decode_row_lanes: 2, 4 or 8 lanes per cache
+    # row at head dim 64; decode_contiguous_loads: a contiguous cache's rows by offsets alone
+    # or through the paged cache's per-row lookup) change only which lane copies which 16
+    # bytes from which address computation: the same bits, GQA and MQA, 1 and 3 query rows, a
+    # cache length that ends mid-tile, head dim 40 padded.
     gen = torch.Generator().manual_seed(3)
     for heads, heads_k, seqlen_q, splits in ((8, 2, 1, 1), (32, 1, 3, 4)):
         k_cache, v_cache, kw, _ = _cache(2, 192, heads_k, head_dim, torch.bfloat16, layout, gen)
@@ -115,8 +117,8 @@ def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
         q = torch.randn(2, seqlen_q, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
         lens = torch.tensor([187, 61], dtype=torch.int32, device="cuda")
         outs = []
-        for lanes in (2, 4, 8):
-            kernel_opts(decode_row_lanes=lanes)
+        for lanes, contiguous in itertools.product((2, 4, 8), (True, False)):
+            kernel_opts(decode_row_lanes=lanes, decode_contiguous_loads=contiguous)
             outs.append(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                 num_splits=splits, causal=True,
                                                 return_softmax_lse=True, **kw))

@@ -220,6 +220,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   p.row_lanes = kernel_options().decode_row_lanes;
   p.pdl = kernel_options().decode_pdl;
+  p.contiguous_loads = kernel_options().decode_contiguous_loads;
   at::Tensor out_accum, stats_accum;
   if (p.num_splits > 1) {
     out_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q, p.head_dim_v},

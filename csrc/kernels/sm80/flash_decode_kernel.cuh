@@ -67,9 +67,13 @@ struct DecodeTraits {
   static_assert(kBlockN == 16, "the loads: passes of 4 or 16 rows");
 };
 
-// kRowLanes: lanes per cache row of a copy instruction (the loads below): 8 at head dims 128
-// and 256; at 64 4 by default, 2 and 8 for A/Bs (DecodeParams::row_lanes).
-template <typename Element, int kHeadDim, int kMTiles, int kRowLanes = (kHeadDim >= 128 ? 8 : 4)>
+// kRowLookup: each cache row's address through cache_row_offset (the page in block_table, or
+// the entry: paged caches, and contiguous ones under KernelOptions::decode_contiguous_loads =
+// false); else a contiguous cache's rows by row offsets alone (the loads below).  kRowLanes: lanes per cache row
+// of a copy instruction (the loads below): 8 at head dims 128 and 256; at 64 4 by default, 2
+// and 8 for A/Bs (DecodeParams::row_lanes).
+template <typename Element, int kHeadDim, int kMTiles, bool kRowLookup,
+          int kRowLanes = (kHeadDim >= 128 ? 8 : 4)>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
     flash_decode_kernel(const __grid_constant__ DecodeParams p) {
   using T = DecodeTraits<kHeadDim, kMTiles>;
@@ -221,8 +225,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
                            ? static_cast<int>((my_end - first_blk + T::kWarps - 1) / T::kWarps)
                            : 0;
   Element* ring = s_ring + warp * T::kStages * 2 * T::kTile;
-  const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
-  const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
+  // Row 0 of this KV head: in this entry without the row lookup, in entry or page 0 with it
+  // (cache_row_offset adds the entry or page); a valid address either way.
+  const int64_t entry_off_k = kRowLookup ? 0 : e.entry * p.k_batch_stride;
+  const int64_t entry_off_v = kRowLookup ? 0 : e.entry * p.v_batch_stride;
+  const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride + entry_off_k;
+  const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride + entry_off_v;
   // 8 lanes per tile row: lane l copies chunks l % 8 + 8 g of rows l / 8 + 4 i, so that each
   // copy instruction reads 4 whole 128-byte lines (rows of one head are a cache row stride
   // apart, 2 KB in a (B, S, 8, 128) cache).  The loads are L2-request-bound otherwise: with one
@@ -251,8 +259,17 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       const Element* vs = v_base + my_chunk0 * 8;
       if (row_ok) {
         const int64_t row = e.start + key0 + r;
-        ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
-        vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
+        // (Contiguous caches without the lookup, at compile time: its division by the page
+        // size, which ptxas if-converted into contiguous calls too, and its 64-bit products
+        // were most of a pass's ~112 instructions at head dim 128, ~48 without them; ncu and
+        // ptxas in docs/perf/decode.md, "The loads' instructions".)
+        if constexpr (kRowLookup) {
+          ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
+          vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
+        } else {
+          ks += row * p.k_row_stride;
+          vs += row * p.v_row_stride;
+        }
       }
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
@@ -655,22 +672,29 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
   }
 }
 
-template <typename Element, int kHeadDim, int kMT>
-cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream) {
+template <typename Element, int kHeadDim, int kMT, bool kRowLookup>
+cudaError_t launch_flash_decode_layout(const DecodeParams& p, cudaStream_t stream) {
   using T = DecodeTraits<kHeadDim, kMT>;
   const int64_t rows = p.seqlen_q * (p.heads_q / p.heads_kv);
   const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
   const int64_t ctas = m_blocks * p.num_splits * p.heads_kv * p.batch;
   if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
     if (p.row_lanes == 2)
-      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 2>, ctas, T::kThreads, T::kSmem,
-                    stream, p);
+      return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 2>, ctas, T::kThreads,
+                    T::kSmem, stream, p);
     if (p.row_lanes == 8)
-      return launch(flash_decode_kernel<Element, kHeadDim, kMT, 8>, ctas, T::kThreads, T::kSmem,
-                    stream, p);
+      return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 8>, ctas, T::kThreads,
+                    T::kSmem, stream, p);
   }
-  return launch(flash_decode_kernel<Element, kHeadDim, kMT>, ctas, T::kThreads, T::kSmem, stream,
-                p);
+  return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup>, ctas, T::kThreads, T::kSmem,
+                stream, p);
+}
+
+template <typename Element, int kHeadDim, int kMT>
+cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream) {
+  return p.block_table != nullptr || !p.contiguous_loads
+             ? launch_flash_decode_layout<Element, kHeadDim, kMT, true>(p, stream)
+             : launch_flash_decode_layout<Element, kHeadDim, kMT, false>(p, stream);
 }
 
 template <typename Element, int kHeadDim>
