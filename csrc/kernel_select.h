@@ -93,7 +93,7 @@ struct KernelOptions {
   bool decode_pdl = true;
   // The decode kernel's loads from a contiguous cache (no block_table) by row offsets alone;
   // false: through the per-row lookup the paged cache takes (the form before, for same-build
-  // A/Bs; docs/perf/decode.md, "The loads' instructions").  Experimental.
+  // A/Bs; docs/perf/decode.md, "The loads' and the prologue's instructions").  Experimental.
   bool decode_contiguous_loads = true;
 };
 

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "fast_div.h"
+
 namespace flash_attn_ext {
 
 constexpr int64_t kMaxHeadDim = 256;  // largest head_dim any kernel instantiates
@@ -209,6 +211,11 @@ struct DecodeParams : FwdParams {
   // and sum sum_accum (num_splits, batch, heads_q, seqlen_q; in the exponent's units: the
   // decode kernel's top comment), fp32, which the combine kernel merges into out / softmax_lse.
   int num_splits = 1;
+  // The decode kernel's launch constants as divisors (fast_div.h; set by the glue): the GQA
+  // group heads_q / heads_kv, and the grid's decomposition, blockIdx.x = ((b * heads_kv + hk)
+  // * num_splits + split) * m_blocks + m_block, m_blocks = ceil(seqlen_q * group /
+  // decode_block_rows).
+  FastDiv group_div, m_blocks_div, splits_div, heads_kv_div;
   // Lanes per cache row of the decode kernel's copies at head dim 64 (2, 4 or 8; 0: its
   // default, 4); KernelOptions::decode_row_lanes, experimental.
   int32_t row_lanes = 0;

@@ -218,6 +218,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                      : heuristic_splits(ctas, p.seqlen_cache, sm80::multiprocessor_count(),
                                         p.head_dim);
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+  // (The kernel's packed rows and its grid index are 32-bit: FastDiv's range.)
+  TORCH_CHECK_VALUE(rows < (int64_t{1} << 31) && ctas * p.num_splits < (int64_t{1} << 31),
+                    "the decode kernels take seqlen_q * num_heads / num_heads_k < 2^31 and "
+                    "batch * num_heads_k * num_splits * ceil(that / ", rows_per_cta,
+                    ") < 2^31, got seqlen_q = ", seqlen_q, ", num_heads = ", heads_q,
+                    ", num_heads_k = ", p.heads_kv, ", batch = ", batch, ", num_splits = ",
+                    p.num_splits);
+  p.group_div = FastDiv(heads_q / p.heads_kv);
+  p.m_blocks_div = FastDiv((rows + rows_per_cta - 1) / rows_per_cta);
+  p.splits_div = FastDiv(p.num_splits);
+  p.heads_kv_div = FastDiv(p.heads_kv);
   p.row_lanes = kernel_options().decode_row_lanes;
   p.pdl = kernel_options().decode_pdl;
   p.contiguous_loads = kernel_options().decode_contiguous_loads;

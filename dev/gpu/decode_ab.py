@@ -1,6 +1,7 @@
 """A kernel option of the decode call, A/B in one process: flash_attn_with_kvcache with each
 value of one option of flash_attn_ext.kernel_options (decode_row_lanes: lanes per cache row of
-the copies at head dim 64; decode_pdl: the combine as a programmatic dependent launch), one
+the copies at head dim 64; decode_pdl: the combine as a programmatic dependent launch;
+decode_contiguous_loads: a contiguous cache's rows by offsets alone or by the paged lookup), one
 query token, 32 query heads, bf16, a full contiguous cache; graph-replayed time per call and
 K/V TB/s in interleaved rounds (A B C A B C ...), SDPA's FLASH and cuDNN backends on the same
 cache, and the device copy rate.  Checks that every value gives the first value's bits.

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fast_div.h"
 #include "kernels/sm80/decode_entry.h"
 #include "kernels/sm80/flash_decode_launch.h"
 #include "kernels/sm80/launch.h"
@@ -87,17 +88,24 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   float* s_f = s_l + T::kWarps * kRows;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int group = static_cast<int>(p.heads_q / p.heads_kv);
+  // (The divisions by launch constants as multiplies, FastDiv: each was a ~17-instruction
+  // sequence, a dozen of them on the path to the first load; docs/perf/decode.md.)
+  const FastDiv& by_group = p.group_div;
+  const int group = static_cast<int>(by_group.d);
   const int rows_total = static_cast<int>(p.seqlen_q) * group;
-  const int m_blocks = (rows_total + kRows - 1) / kRows;
-  int64_t bid = blockIdx.x;
-  const int m_block = static_cast<int>(bid % m_blocks);
-  bid /= m_blocks;
-  const int split = static_cast<int>(bid % p.num_splits);
-  bid /= p.num_splits;
-  const int64_t hk = bid % p.heads_kv;
-  const int64_t b = bid / p.heads_kv;
-  const int row0 = m_block * kRows;
+  uint32_t bid = blockIdx.x, m_block, split, hk32;
+  p.m_blocks_div.divmod(bid, bid, m_block);
+  p.splits_div.divmod(bid, bid, split);
+  p.heads_kv_div.divmod(bid, bid, hk32);
+  const int64_t hk = hk32, b = bid;
+  const int row0 = static_cast<int>(m_block) * kRows;
+  // Packed row gr's query position and its head within the group.
+  auto row_of = [&](int gr, int& i, int& g) {
+    uint32_t q, r;
+    by_group.divmod(static_cast<uint32_t>(gr), q, r);
+    i = static_cast<int>(q);
+    g = static_cast<int>(r);
+  };
   // The combine (a programmatic dependent where DecodeParams::pdl) may be launched now: its CTAs
   // take the SM space this grid leaves free, then wait for the grid to complete (pdl_wait), so
   // that its launch and start overlap this kernel instead of following it (docs/perf/decode.md,
@@ -113,10 +121,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       const int r = idx / kChunks, c = idx % kChunks;
       const int gr = row0 + r;
       const bool valid = gr < rows_total && c * 8 < p.head_dim;
+      int i, g;
+      row_of(gr, i, g);
       const Element* src =
-          valid ? q + (gr / group) * p.q_row_stride + (hk * group + gr % group) * p.q_head_stride +
-                      c * 8
-                : q;
+          valid ? q + i * p.q_row_stride + (hk * group + g) * p.q_head_stride + c * 8 : q;
       cp_async_16(smem_addr(s_q + swz<kChunks>(r, c)), src, valid);
     }
     cp_async_commit();
@@ -127,13 +135,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int64_t len_k = ok ? e.len_k : 0;
   const VisibleKeys vis(p.seqlen_q, len_k, p.window_left, p.window_right, true);
   // The keys any row of this CTA sees, in 16-key blocks, and this split's share of them.
-  const int i_first = row0 / group;
-  const int i_last = ((row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1) / group;
+  const int i_first = static_cast<int>(by_group.div(row0));
+  const int i_last = static_cast<int>(
+      by_group.div((row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1));
   const int64_t key_begin = vis.begin(i_first), key_end = vis.end(i_last);
   const int64_t blk_begin = key_begin / T::kBlockN;
   const int64_t blocks =
       key_end > key_begin ? (key_end + T::kBlockN - 1) / T::kBlockN - blk_begin : 0;
-  const int64_t per_split = (blocks + p.num_splits - 1) / p.num_splits;
+  const int64_t per_split =  // (keys < 2^31, as lo / hi below assume)
+      p.splits_div.div(static_cast<uint32_t>(blocks + p.num_splits - 1));
   const int64_t my_begin = blk_begin + split * per_split;
   int64_t my_end = my_begin + per_split;
   if (my_end > blk_begin + blocks) my_end = blk_begin + blocks;
@@ -151,15 +161,21 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   // Writes row r's (normalised) output o[c], c < head_dim_v, and its LSE (or, splitting, its
   // m and l).
   auto out_ptr_f = [&](int r) {  // split partial: (split, b, h, i, :)
-    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    int i, g;
+    row_of(row0 + r, i, g);
+    const int64_t h = hk * group + g;
     return p.out_accum + (((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i) * p.head_dim_v;
   };
   auto stats_index = [&](int r) {  // softmax_lse's (b, h, i), or (split, b, h, i) splitting
-    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    int i, g;
+    row_of(row0 + r, i, g);
+    const int64_t h = hk * group + g;
     return ((splitting ? split * p.batch : 0) + b) * p.heads_q * p.seqlen_q + h * p.seqlen_q + i;
   };
   auto out_ptr_e = [&](int r) {
-    const int64_t i = (row0 + r) / group, h = hk * group + (row0 + r) % group;
+    int i, g;
+    row_of(row0 + r, i, g);
+    const int64_t h = hk * group + g;
     return static_cast<Element*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
            h * p.out_head_stride;
   };
@@ -195,14 +211,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int gr = row0 + mt * 16 + lane / 4 + 8 * half;
-      const int i = gr / group;
+      int i, g;
+      row_of(gr, i, g);
       const bool row_ok = gr < rows_total;
       lo[mt][half] = row_ok ? static_cast<int>(vis.begin(i)) : 0;
       hi[mt][half] = row_ok ? static_cast<int>(vis.end(i)) : 0;
       qpos[mt][half] = i;
       slope[mt][half] = row_ok && p.alibi_slopes != nullptr
                             ? static_cast<const float*>(
-                                  p.alibi_slopes)[b * p.alibi_batch_stride + hk * group + gr % group]
+                                  p.alibi_slopes)[b * p.alibi_batch_stride + hk * group + g]
                             : 0.f;
     }
   const ScoreFn score(p, b, hk * group, p.seqlen_q, len_k);
@@ -225,10 +242,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
                            ? static_cast<int>((my_end - first_blk + T::kWarps - 1) / T::kWarps)
                            : 0;
   Element* ring = s_ring + warp * T::kStages * 2 * T::kTile;
-  // Row 0 of this KV head: in this entry without the row lookup, in entry or page 0 with it
-  // (cache_row_offset adds the entry or page); a valid address either way.
-  const int64_t entry_off_k = kRowLookup ? 0 : e.entry * p.k_batch_stride;
-  const int64_t entry_off_v = kRowLookup ? 0 : e.entry * p.v_batch_stride;
+  // This KV head's row e.start of the entry without the row lookup (the keys' row 0; it exists
+  // whenever a load is issued), its row 0 of entry or page 0 with it (cache_row_offset adds the
+  // entry or page and the row): a valid address either way, which rows past the keys keep.
+  const int64_t entry_off_k =
+      kRowLookup ? 0 : e.entry * p.k_batch_stride + e.start * p.k_row_stride;
+  const int64_t entry_off_v =
+      kRowLookup ? 0 : e.entry * p.v_batch_stride + e.start * p.v_row_stride;
   const Element* k_base = static_cast<const Element*>(p.k) + hk * p.k_head_stride + entry_off_k;
   const Element* v_base = static_cast<const Element*>(p.v) + hk * p.v_head_stride + entry_off_v;
   // 8 lanes per tile row: lane l copies chunks l % 8 + 8 g of rows l / 8 + 4 i, so that each
@@ -257,19 +277,21 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
       // A chunk not read (src-size 0: zero-filled, no access) keeps that address too.
       const Element* ks = k_base + my_chunk0 * 8;
       const Element* vs = v_base + my_chunk0 * 8;
-      if (row_ok) {
-        const int64_t row = e.start + key0 + r;
-        // (Contiguous caches without the lookup, at compile time: its division by the page
-        // size, which ptxas if-converted into contiguous calls too, and its 64-bit products
-        // were most of a pass's ~112 instructions at head dim 128, ~48 without them; ncu and
-        // ptxas in docs/perf/decode.md, "The loads' instructions".)
-        if constexpr (kRowLookup) {
+      // (Contiguous caches without the lookup, at compile time: its division by the page
+      // size, which ptxas if-converted into contiguous calls too, and its 64-bit products were
+      // most of a pass's ~112 instructions at head dim 128, ~40 without them; the row selected
+      // before the products, not the address after them, for ptxas's registers; ncu and ptxas
+      // in docs/perf/decode.md, "The loads' and the prologue's instructions".)
+      if constexpr (kRowLookup) {
+        if (row_ok) {
+          const int64_t row = e.start + key0 + r;
           ks += cache_row_offset(p, bt, e.entry, row, p.k_batch_stride, p.k_row_stride);
           vs += cache_row_offset(p, bt, e.entry, row, p.v_batch_stride, p.v_row_stride);
-        } else {
-          ks += row * p.k_row_stride;
-          vs += row * p.v_row_stride;
         }
+      } else {
+        const int64_t rel = row_ok ? key0 + r : 0;
+        ks += rel * p.k_row_stride;
+        vs += rel * p.v_row_stride;
       }
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
