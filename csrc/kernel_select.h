@@ -95,6 +95,10 @@ struct KernelOptions {
   // false: through the per-row lookup the paged cache takes (the form before, for same-build
   // A/Bs; docs/perf/decode.md, "The loads' and the prologue's instructions").  Experimental.
   bool decode_contiguous_loads = true;
+  // Splits one warp of the decode combine reads before a row's splits are spread over more
+  // warps: 4, 8 or 16 (0: the default, kCombineSplitsPerWarp); fewer: more warps per row and
+  // fewer dependent load batches each.  Experimental: for same-build A/Bs (docs/perf/decode.md).
+  int32_t decode_combine_splits = 0;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

@@ -156,6 +156,10 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
     d["decode_row_lanes"] = "auto";
   else
     d["decode_row_lanes"] = o.decode_row_lanes;
+  if (o.decode_combine_splits == 0)
+    d["decode_combine_splits"] = "auto";
+  else
+    d["decode_combine_splits"] = o.decode_combine_splits;
   d["sm90_alibi_fold"] = o.sm90_alibi_fold;
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["decode_pdl"] = o.decode_pdl;
@@ -252,6 +256,9 @@ void set_kernel_options(const pybind11::dict& values) {
     } else if (key == "decode_row_lanes") {
       o.decode_row_lanes =
           count({2, 4, 8}, 0, "lanes per cache row of the decode kernel's loads at head dim 64");
+    } else if (key == "decode_combine_splits") {
+      o.decode_combine_splits =
+          count({4, 8, 16}, 0, "splits one warp of the decode combine reads");
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

@@ -225,6 +225,9 @@ struct DecodeParams : FwdParams {
   // A contiguous cache's rows reached by offsets alone (KernelOptions::decode_contiguous_loads);
   // false: through cache_row_offset's per-row lookup, as a paged cache's.
   bool contiguous_loads = true;
+  // Splits one warp of the combine reads before a row is spread over more warps (0: its
+  // default; KernelOptions::decode_combine_splits).
+  int32_t combine_splits_per_warp = 0;
   float* out_accum = nullptr;
   float* max_accum = nullptr;
   float* sum_accum = nullptr;

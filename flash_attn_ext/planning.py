@@ -116,7 +116,9 @@ def set_kernel_options(**options) -> dict:
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
     call's combine kernel launched as a programmatic dependent of its attention kernel),
     ``decode_contiguous_loads`` (bool: the decode kernel's loads from a contiguous cache by
-    row offsets alone, else through the paged cache's per-row lookup).
+    row offsets alone, else through the paged cache's per-row lookup),
+    ``decode_combine_splits`` ("auto", 4, 8 or 16: splits one warp of the decode combine reads
+    before a row's splits are spread over more warps).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

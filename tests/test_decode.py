@@ -127,6 +127,37 @@ def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
         assert torch.isfinite(outs[0][0]).all()
 
 
+@pytest.mark.parametrize("num_splits", [5, 40, 200])
+def test_combine_spreads_match_the_reference(num_splits, kernel_opts):
+    # The combine's warps per row (the option decode_combine_splits: 4, 8 or 16 splits one warp
+    # reads before a row spreads over more warps) change only the order of its partial sums:
+    # every value within the error rule of the reference, the LSE to fp32's; MQA with 32 query
+    # heads and GQA, 1 and 2 query rows, a length that ends mid-split.
+    gen = torch.Generator().manual_seed(26)
+    dtype = torch.bfloat16
+    for heads, heads_k, seqlen_q in ((32, 1, 1), (8, 2, 2)):
+        k_cache, v_cache, kw, rows = _cache(2, 3328, heads_k, 128, dtype, "plain", gen)
+        q = torch.randn(2, seqlen_q, heads, 128, generator=gen).to("cuda", dtype)
+        lens = torch.tensor([3328, 2999])
+        for per_warp in (4, 8, 16):
+            kernel_opts(decode_combine_splits=per_warp)
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache,
+                                               cache_seqlens=lens.to(torch.int32).cuda(),
+                                               num_splits=num_splits, causal=True,
+                                               return_softmax_lse=True)
+            assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
+            for b in range(2):
+                kc, vc = rows(b)
+                keys, values = kc[None, :int(lens[b])], vc[None, :int(lens[b])]
+                true, true_lse = attention_ref(q[b:b + 1], keys, values, causal=True,
+                                               compute_dtype=torch.float32)
+                low, _ = attention_ref(q[b:b + 1], keys, values, causal=True,
+                                       compute_dtype=dtype)
+                assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0,
+                                  f"out[{b}], {per_warp} splits per warp")
+                assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
+
+
 @pytest.mark.parametrize("keys", ["random", "one_key"])
 @pytest.mark.parametrize("layout", ["plain", "paged16", "leftpad"])
 @pytest.mark.parametrize("num_splits", [1, 5])

@@ -232,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.row_lanes = kernel_options().decode_row_lanes;
   p.pdl = kernel_options().decode_pdl;
   p.contiguous_loads = kernel_options().decode_contiguous_loads;
+  p.combine_splits_per_warp = kernel_options().decode_combine_splits;
   at::Tensor out_accum, stats_accum;
   if (p.num_splits > 1) {
     out_accum = at::empty({p.num_splits, batch, heads_q, seqlen_q, p.head_dim_v},

@@ -475,8 +475,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 constexpr int kCombineWarps = 8;  // (kMaxDecodeSplits: flash_decode_launch.h)
 // Channels of a row the combine's shared memory holds (head_dim_v up to kMaxHeadDim).
 constexpr int kCombineMaxDim = 256;
-// Splits one warp reads before its row is spread over more warps: up to 16, two batches of
-// kCombineBatch independent loads per lane, so a row costs two L2 round trips, not ~14.
+// Splits one warp reads before its row is spread over more warps (the default; DecodeParams::
+// combine_splits_per_warp, KernelOptions::decode_combine_splits for A/Bs): up to 16, two
+// batches of kCombineBatch independent loads per lane, so a row costs two L2 round trips, not
+// ~14.  8 (one batch) is the held alternative: a small call's combine one round trip shorter.
 constexpr int kCombineSplitsPerWarp = 16;
 // Loads of out_accum each lane has in flight (8 x 16 bytes: 32 registers).
 constexpr int kCombineBatch = 8;
@@ -489,11 +491,12 @@ static_assert(kCombineMaxDim % 128 == 0, "the channel loop: 128 channels per war
 static_assert(kCombineMaxDim >= kMaxHeadDim, "the combine takes every head dim");
 
 // Warps that share one row of the combine, 1, 2, 4 or 8 (a divisor of kCombineWarps): doubled
-// while the row's warps would each read more than kCombineSplitsPerWarp splits and all the
-// rows' warps stay within kCombineEnoughWarps.  Rows with few splits keep one warp each.
-__host__ __device__ constexpr int combine_row_warps(int num_splits, int64_t rows) {
+// while the row's warps would each read more than per_warp splits and all the rows' warps stay
+// within kCombineEnoughWarps.  Rows with few splits keep one warp each.
+__host__ __device__ constexpr int combine_row_warps(int num_splits, int64_t rows,
+                                                    int per_warp = kCombineSplitsPerWarp) {
   int w = 1;
-  while (2 * w <= kCombineWarps && num_splits > kCombineSplitsPerWarp * w &&
+  while (2 * w <= kCombineWarps && num_splits > per_warp * w &&
          rows * 2 * w <= kCombineEnoughWarps)
     w *= 2;
   return w;
@@ -724,7 +727,9 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   // The combine's limits, checked before either kernel runs: its static shared memory holds
   // kMaxDecodeSplits weights and kCombineMaxDim channels per warp, its loads take 4 channels.
   const int64_t combine_rows = p.batch * p.heads_q * p.seqlen_q;
-  const int row_warps = combine_row_warps(p.num_splits, combine_rows);
+  const int row_warps = combine_row_warps(
+      p.num_splits, combine_rows,
+      p.combine_splits_per_warp > 0 ? p.combine_splits_per_warp : kCombineSplitsPerWarp);
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits ||
       (p.num_splits > 1 && (p.head_dim_v > kCombineMaxDim || p.head_dim_v % 4 != 0 ||
                             row_warps < 1 || kCombineWarps % row_warps != 0)))
