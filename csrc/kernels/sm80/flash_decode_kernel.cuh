@@ -467,8 +467,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
 // 14 us call on the H200, docs/perf/decode.md), so the splits of a row are cut into row_warps
 // contiguous parts, each warp sums its part of out_accum, and the row's first warp adds the
 // parts from shared memory and writes the row.  Measured on the H200 (docs/perf/decode.md):
-// MQA B = 1, S = 32k, d = 128 19.1 -> 3.8 us (predicted ~3).  The weights exp(lse_s - lse)
-// go through shared memory so that the loads of out_accum are independent (several in flight
+// MQA B = 1, S = 32k, d = 128 19.1 -> 3.8 us (predicted ~3).  The weights w_s (the top of
+// this file) go through shared memory so that the loads of out_accum are independent (several in flight
 // per lane: a loop that computed each weight between loads ran ~20 us at 32 splits).  The
 // weights come from each split's (m_s, l_s) and the LSE in float64 (lse_of): exact for huge
 // scores, where the splits' LSEs rounded to float32 would not be (the top of this file).
