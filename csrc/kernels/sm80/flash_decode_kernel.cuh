@@ -135,9 +135,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   const int64_t len_k = ok ? e.len_k : 0;
   const VisibleKeys vis(p.seqlen_q, len_k, p.window_left, p.window_right, true);
   // The keys any row of this CTA sees, in 16-key blocks, and this split's share of them.
+  // This block's rows (row0 < rows_total; not row0 + kRows, which may pass 2^31 - 1).
+  const int rows_here = rows_total - row0 < kRows ? rows_total - row0 : kRows;
   const int i_first = static_cast<int>(by_group.div(row0));
-  const int i_last = static_cast<int>(
-      by_group.div((row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1));
+  const int i_last = static_cast<int>(by_group.div(row0 + rows_here - 1));
   const int64_t key_begin = vis.begin(i_first), key_end = vis.end(i_last);
   const int64_t blk_begin = key_begin / T::kBlockN;
   const int64_t blocks =
@@ -442,7 +443,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
   __syncthreads();
   // (Over this block's rows only: a GQA group of 4 heads fills 4 of a 16-row tile, and the
   // loop over all of them spent three quarters of its iterations on the test.)
-  const int rows_here = rows_total - row0 < kRows ? rows_total - row0 : kRows;
   for (int idx = tid; idx < rows_here * (kHeadDim / 2); idx += T::kThreads) {
     const int r = idx / (kHeadDim / 2), c = 2 * (idx % (kHeadDim / 2));
     if (c >= p.head_dim_v) continue;
