@@ -164,6 +164,10 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
+  if (o.decode_block_rows == 0)
+    d["decode_block_rows"] = "auto";
+  else
+    d["decode_block_rows"] = o.decode_block_rows;
   return d;
 }
 
@@ -259,6 +263,9 @@ void set_kernel_options(const pybind11::dict& values) {
     } else if (key == "decode_combine_splits") {
       o.decode_combine_splits =
           count({4, 8, 16}, 0, "splits one warp of the decode combine reads");
+    } else if (key == "decode_block_rows") {
+      o.decode_block_rows =
+          count({16, 32}, 0, "query rows one decode CTA takes at head dims up to 128");
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

@@ -214,7 +214,7 @@ struct DecodeParams : FwdParams {
   // The decode kernel's launch constants as divisors (fast_div.h; set by the glue): the GQA
   // group heads_q / heads_kv, and the grid's decomposition, blockIdx.x = ((b * heads_kv + hk)
   // * num_splits + split) * m_blocks + m_block, m_blocks = ceil(seqlen_q * group /
-  // decode_block_rows).
+  // block_rows).
   FastDiv group_div, m_blocks_div, splits_div, heads_kv_div;
   // Lanes per cache row of the decode kernel's copies at head dim 64 (2, 4 or 8; 0: its
   // default, 4); KernelOptions::decode_row_lanes, experimental.
@@ -228,6 +228,9 @@ struct DecodeParams : FwdParams {
   // Splits one warp of the combine reads before a row is spread over more warps (0: its
   // default; KernelOptions::decode_combine_splits).
   int32_t combine_splits_per_warp = 0;
+  // Query rows one decode CTA takes (16 or 32; decode_block_rows, set by the glue, which sized
+  // the grid and m_blocks_div by it).
+  int32_t block_rows = 16;
   float* out_accum = nullptr;
   float* max_accum = nullptr;
   float* sum_accum = nullptr;

@@ -118,7 +118,8 @@ def set_kernel_options(**options) -> dict:
     ``decode_contiguous_loads`` (bool: the decode kernel's loads from a contiguous cache by
     row offsets alone, else through the paged cache's per-row lookup),
     ``decode_combine_splits`` ("auto", 4, 8 or 16: splits one warp of the decode combine reads
-    before a row's splits are spread over more warps).
+    before a row's splits are spread over more warps), ``decode_block_rows`` ("auto", 16 or
+    32: query rows one decode CTA takes at head dims up to 128).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

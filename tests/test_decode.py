@@ -158,6 +158,39 @@ def test_combine_spreads_match_the_reference(num_splits, kernel_opts):
                 assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
 
 
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+def test_block_rows_match_the_reference(head_dim, kernel_opts):
+    # The option decode_block_rows (16 or 32 query rows per CTA where the head dim is at most
+    # 128; 256 takes 16 whatever it says) changes which CTA computes which packed rows and, with
+    # num_splits left to the heuristic, how many splits there are: each value within the error
+    # rule of the reference, the LSE to fp32's.  MQA with 32 query heads (32 or 96 packed rows:
+    # 2 or 6 CTAs of 16 per split, 1 or 3 of 32) and a GQA group of 8 with 3 query rows (24
+    # rows: a partly filled block either way), a length that ends mid-tile.
+    gen = torch.Generator().manual_seed(31)
+    dtype = torch.bfloat16
+    for heads, heads_k, seqlen_q in ((32, 1, 1), (32, 1, 3), (16, 2, 3)):
+        k_cache, v_cache, kw, rows = _cache(2, 1100, heads_k, head_dim, dtype, "plain", gen)
+        q = torch.randn(2, seqlen_q, heads, head_dim, generator=gen).to("cuda", dtype)
+        lens = torch.tensor([1100, 757])
+        for block_rows in (16, 32):
+            kernel_opts(decode_block_rows=block_rows)
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache,
+                                               cache_seqlens=lens.to(torch.int32).cuda(),
+                                               causal=True, return_softmax_lse=True)
+            assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
+            for b in range(2):
+                kc, vc = rows(b)
+                keys, values = kc[None, :int(lens[b])], vc[None, :int(lens[b])]
+                true, true_lse = attention_ref(q[b:b + 1], keys, values, causal=True,
+                                               compute_dtype=torch.float32)
+                low, _ = attention_ref(q[b:b + 1], keys, values, causal=True,
+                                       compute_dtype=dtype)
+                assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0,
+                                  f"out[{b}], {block_rows} rows per CTA, {heads}/{heads_k} "
+                                  f"heads, {seqlen_q} query rows")
+                assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
+
+
 @pytest.mark.parametrize("keys", ["random", "one_key"])
 @pytest.mark.parametrize("layout", ["plain", "paged16", "leftpad"])
 @pytest.mark.parametrize("num_splits", [1, 5])

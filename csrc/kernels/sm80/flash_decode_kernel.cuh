@@ -737,11 +737,9 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
       (p.num_splits > 1 && (p.head_dim_v > kCombineMaxDim || p.head_dim_v % 4 != 0 ||
                             row_warps < 1 || kCombineWarps % row_warps != 0)))
     return cudaErrorInvalidValue;
-  const int rows_per_cta = decode_block_rows(static_cast<int>(p.head_dim),
-                                             p.seqlen_q * (p.heads_q / p.heads_kv));
   cudaError_t err;
   if constexpr (kHeadDim <= 128) {
-    err = rows_per_cta == 32 ? launch_flash_decode_tiles<Element, kHeadDim, 2>(p, stream)
+    err = p.block_rows == 32 ? launch_flash_decode_tiles<Element, kHeadDim, 2>(p, stream)
                              : launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
   } else {
     err = launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);

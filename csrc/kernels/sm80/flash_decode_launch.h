@@ -31,8 +31,10 @@ cudaError_t run_kvcache_append(const DecodeParams& p, cudaStream_t stream);
 // heads_kv packed rows: 32 where there are more than 16 and the head dim is at most 128 (so a
 // 32-query-head MQA group reads its keys once), else 16 (a 16-row m-tile wastes less of the
 // MMAs on GQA groups of a few heads; at head dim 256 two m-tiles would not fit in registers).
-constexpr int decode_block_rows(int head_dim, int64_t rows) {
-  return head_dim <= 128 && rows > 16 ? 32 : 16;
+// `forced` (KernelOptions::decode_block_rows, 0: the rule) picks 16 or 32 where the head dim
+// allows both.
+constexpr int decode_block_rows(int head_dim, int64_t rows, int forced = 0) {
+  return head_dim > 128 ? 16 : forced > 0 ? forced : rows > 16 ? 32 : 16;
 }
 
 }  // namespace flash_attn_ext::sm80
