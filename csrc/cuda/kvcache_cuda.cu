@@ -211,8 +211,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     slopes = prepare_alibi(alibi_slopes, at::kFloat, p);
   }
   const int64_t rows = seqlen_q * (heads_q / p.heads_kv);
-  const int64_t rows_per_cta = sm80::decode_block_rows(static_cast<int>(p.head_dim), rows,
-                                                       kernel_options().decode_block_rows);
+  const int64_t rows_per_cta =
+      sm80::decode_block_rows(static_cast<int>(p.head_dim), rows, batch * p.heads_kv,
+                              kernel_options().decode_block_rows);
   p.block_rows = static_cast<int32_t>(rows_per_cta);
   const int64_t ctas = batch * p.heads_kv * ((rows + rows_per_cta - 1) / rows_per_cta);
   const int64_t splits =

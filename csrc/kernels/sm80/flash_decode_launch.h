@@ -31,10 +31,18 @@ cudaError_t run_kvcache_append(const DecodeParams& p, cudaStream_t stream);
 // heads_kv packed rows: 32 where there are more than 16 and the head dim is at most 128 (so a
 // 32-query-head MQA group reads its keys once), else 16 (a 16-row m-tile wastes less of the
 // MMAs on GQA groups of a few heads; at head dim 256 two m-tiles would not fit in registers).
-// `forced` (KernelOptions::decode_block_rows, 0: the rule) picks 16 or 32 where the head dim
-// allows both.
-constexpr int decode_block_rows(int head_dim, int64_t rows, int forced = 0) {
-  return head_dim > 128 ? 16 : forced > 0 ? forced : rows > 16 ? 32 : 16;
+// But where the 32-row CTAs of the call (kv_heads_total = batch * heads_kv of them per 32
+// rows) are fewer than 32, 16: two lighter CTAs per split (167 registers against 255) read the
+// same keys, the second mostly from L2, and hide twice the latency (MQA on the H100: B = 1,
+// S = 128k 49.9 -> 37.8 us, B = 8 216.6 -> 197.1; at B = 64 16 rows lost 7%;
+// docs/perf/decode.md, "Rows per CTA").  `forced` (KernelOptions::decode_block_rows, 0: the
+// rule) picks 16 or 32 where the head dim allows both.
+constexpr int decode_block_rows(int head_dim, int64_t rows, int64_t kv_heads_total,
+                                int forced = 0) {
+  return head_dim > 128                              ? 16
+         : forced > 0                                ? forced
+         : rows > 16 && kv_heads_total * ((rows + 31) / 32) >= 32 ? 32
+                                                     : 16;
 }
 
 }  // namespace flash_attn_ext::sm80
