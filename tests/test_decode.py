@@ -127,6 +127,19 @@ def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
         assert torch.isfinite(outs[0][0]).all()
 
 
+def _assert_causal_entries(out, lse, q, lens, rows, what):
+    """Each batch entry b of a causal decode call (out, lse) within the error rule of a float32
+    reference over its first lens[b] cache rows (rows(b), as _cache gives), the LSE to fp32's."""
+    for b in range(len(lens)):
+        kc, vc = rows(b)
+        keys, values = kc[None, :int(lens[b])], vc[None, :int(lens[b])]
+        true, true_lse = attention_ref(q[b:b + 1], keys, values, causal=True,
+                                       compute_dtype=torch.float32)
+        low, _ = attention_ref(q[b:b + 1], keys, values, causal=True, compute_dtype=q.dtype)
+        assert_error_rule(out[b:b + 1], low.to(q.dtype), true, 2.0, f"out[{b}], {what}")
+        assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
+
+
 @pytest.mark.parametrize("num_splits", [5, 40, 200])
 def test_combine_spreads_match_the_reference(num_splits, kernel_opts):
     # The combine's warps per row (the option decode_combine_splits: 4, 8 or 16 splits one warp
@@ -146,16 +159,7 @@ def test_combine_spreads_match_the_reference(num_splits, kernel_opts):
                                                num_splits=num_splits, causal=True,
                                                return_softmax_lse=True)
             assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
-            for b in range(2):
-                kc, vc = rows(b)
-                keys, values = kc[None, :int(lens[b])], vc[None, :int(lens[b])]
-                true, true_lse = attention_ref(q[b:b + 1], keys, values, causal=True,
-                                               compute_dtype=torch.float32)
-                low, _ = attention_ref(q[b:b + 1], keys, values, causal=True,
-                                       compute_dtype=dtype)
-                assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0,
-                                  f"out[{b}], {per_warp} splits per warp")
-                assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
+            _assert_causal_entries(out, lse, q, lens, rows, f"{per_warp} splits per warp")
 
 
 @pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
@@ -178,17 +182,9 @@ def test_block_rows_match_the_reference(head_dim, kernel_opts):
                                                cache_seqlens=lens.to(torch.int32).cuda(),
                                                causal=True, return_softmax_lse=True)
             assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
-            for b in range(2):
-                kc, vc = rows(b)
-                keys, values = kc[None, :int(lens[b])], vc[None, :int(lens[b])]
-                true, true_lse = attention_ref(q[b:b + 1], keys, values, causal=True,
-                                               compute_dtype=torch.float32)
-                low, _ = attention_ref(q[b:b + 1], keys, values, causal=True,
-                                       compute_dtype=dtype)
-                assert_error_rule(out[b:b + 1], low.to(dtype), true, 2.0,
-                                  f"out[{b}], {block_rows} rows per CTA, {heads}/{heads_k} "
-                                  f"heads, {seqlen_q} query rows")
-                assert (lse[b:b + 1] - true_lse).abs().max().item() < 1e-4 * true_lse.abs().max()
+            _assert_causal_entries(out, lse, q, lens, rows,
+                                   f"{block_rows} rows per CTA, {heads}/{heads_k} heads, "
+                                   f"{seqlen_q} query rows")
 
 
 @pytest.mark.parametrize("keys", ["random", "one_key"])
