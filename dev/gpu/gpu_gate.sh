@@ -16,6 +16,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DEADLINE=${DEADLINE:-580}
 build_once gate
+# Each translation unit's compile time (ninja's log: start, end in ms, output), longest first,
+# to see which units bound the build's wall time on 16 cores.
+log=$(ls build/temp*/.ninja_log 2>/dev/null | head -1)
+if [ -n "$log" ]; then
+  awk -F'\t' 'NR > 1 { t[$4] = ($2 - $1) / 1000 }  # the last build of each output
+    END { for (o in t) { n = o; sub(/.*\/csrc\//, "csrc/", n); printf "%7.1f s  %s\n", t[o], n } }' \
+    "$log" | sort -rn > "$OUT/build_times.txt"
+  echo "gate: longest compiles: $(head -3 "$OUT/build_times.txt" | awk '{printf "%s %s; ", $1, $3}')"
+fi
 OTHERS="tests/test_ops.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask.py
   tests/test_alibi.py tests/test_dropout.py tests/test_decode.py tests/test_sdpa.py
   tests/test_torch_flash.py tests/test_transformers.py tests/test_numerics_nan.py
