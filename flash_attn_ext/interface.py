@@ -78,7 +78,10 @@ def flash_attn_func(
             converted) add -slope * |i + seqlen_k - seqlen_q - j| to the scores of query i
             and key j, after softcap.  softmax_lse includes it (FlashAttention-2's causal
             kernels add only slope * j, which softmax cancels but softmax_lse does not).  No
-            gradient flows to the slopes: slopes that require grad raise ValueError.
+            gradient flows to the slopes: slopes that require grad raise ValueError.  Their
+            values are not read on the host (that would synchronise with the GPU and break CUDA
+            graph capture), so a NaN or infinite slope is not refused: its head's output is
+            then NaN or meaningless.
         deterministic: with True (or under torch.use_deterministic_algorithms(True)) gradients
             are bitwise reproducible run to run.  With False, the CUDA backwards that add dq
             into an fp32 buffer from many CTAs do so in the order the CTAs get there (faster;
