@@ -11,6 +11,8 @@ Usage on the GPU machine:
     python3 dev/gpu/decode_ab.py --option decode_pdl --values True False --points small
     python3 dev/gpu/decode_ab.py --option decode_contiguous_loads --values True False \
         --points small --l2 cold
+    python3 dev/gpu/decode_ab.py --option decode_block_rows --values 16 32 --points mqa \
+        --dims 128 64
 """
 import argparse
 import ast
@@ -33,6 +35,10 @@ POINTS = {
     # the calls that split the keys (a combine kernel) and are short
     "small": [(1, 8192, 8), (1, 32768, 8), (8, 1024, 8), (1, 32768, 1), (8, 32768, 1),
               (1, 131072, 1), (1, 131072, 8), (8, 32768, 8)],
+    # MQA across the batch sizes where decode_block_rows' rule turns from 16 rows to 32 (at
+    # batch 32: 32 CTAs of 32 rows; measured 16 better at 8, 32 better at 64)
+    "mqa": [(8, 32768, 1), (16, 32768, 1), (24, 32768, 1), (32, 32768, 1), (48, 32768, 1),
+            (64, 32768, 1), (16, 8192, 1), (32, 8192, 1), (64, 8192, 1)],
 }
 HEADS = 32
 
