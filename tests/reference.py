@@ -147,7 +147,10 @@ def slack(true: torch.Tensor, dtype: torch.dtype) -> float:
     SLACK is taken at the size of the largest true value where that is below 1 (a fixed 1.6e-2
     in bf16 was ~9x PyTorch's whole error for outputs of 0.35 at L = 1023, and let an output
     that dropped each row's last key pass), plus float32's SLACK for what the kernels' float32
-    accumulators leave where the truth is ~0 (a gradient whose terms cancel)."""
+    accumulators leave where the truth is ~0 (a gradient whose terms cancel).  float32's
+    SLACK is that floor, not scaled by the true values: scaled, it failed where the truth is
+    exactly 0 and nothing passes the cancellation (dq of an SDPA call with one query and one
+    key: 2.7e-7 against a true 0, PyTorch's error 0)."""
     scale = finite_abs_max(true)
     if dtype in (torch.float16, torch.bfloat16):
         return SLACK[dtype] * min(1.0, scale) + SLACK[torch.float32] + \
