@@ -97,10 +97,9 @@ struct KernelOptions {
   bool decode_contiguous_loads = true;
   // Query rows one decode CTA takes where the head dim is at most 128: 16 or 32 (0: the rule,
   // decode_block_rows: 32 where a KV head has more than 16 packed rows and the call at least 32
-  // such CTAs).  16 for an MQA group
-  // of 32 heads gives two CTAs per split, each with the lighter 16-row form (its keys read
-  // twice, the second time mostly from L2).  Head dim 256 takes 16 always.  Experimental: for
-  // same-build A/Bs (docs/perf/decode.md).
+  // such CTAs).  16 for an MQA group of 32 heads gives two CTAs per split, each with the
+  // lighter 16-row form (its keys read twice, the second time mostly from L2).  Head dim 256
+  // takes 16 always.  Experimental: for same-build A/Bs (docs/perf/decode.md).
   int32_t decode_block_rows = 0;
   // Splits one warp of the decode combine reads before a row's splits are spread over more
   // warps: 4, 8 or 16 (0: the default, kCombineSplitsPerWarp); fewer: more warps per row and

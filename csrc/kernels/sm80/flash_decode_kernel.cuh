@@ -70,9 +70,9 @@ struct DecodeTraits {
 
 // kRowLookup: each cache row's address through cache_row_offset (the page in block_table, or
 // the entry: paged caches, and contiguous ones under KernelOptions::decode_contiguous_loads =
-// false); else a contiguous cache's rows by row offsets alone (the loads below).  kRowLanes: lanes per cache row
-// of a copy instruction (the loads below): 8 at head dims 128 and 256; at 64 4 by default, 2
-// and 8 for A/Bs (DecodeParams::row_lanes).
+// false); else a contiguous cache's rows by row offsets alone (the loads below).  kRowLanes:
+// lanes per cache row of a copy instruction (the loads below): 8 at head dims 128 and 256; at
+// 64 4 by default, 2 and 8 for A/Bs (DecodeParams::row_lanes).
 template <typename Element, int kHeadDim, int kMTiles, bool kRowLookup,
           int kRowLanes = (kHeadDim >= 128 ? 8 : 4)>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kMTiles>::kThreads)
@@ -481,7 +481,8 @@ constexpr int kCombineMaxDim = 256;
 // Splits one warp reads before its row is spread over more warps (the default; DecodeParams::
 // combine_splits_per_warp, KernelOptions::decode_combine_splits for A/Bs): up to 16, two
 // batches of kCombineBatch independent loads per lane, so a row costs two L2 round trips, not
-// ~14.  8 (one batch) is the held alternative: a small call's combine one round trip shorter.
+// ~14.  8 and 4 (one batch) measured within noise of 16 at the small calls on the H100
+// (docs/perf/decode.md, "The loads' and the prologue's instructions").
 constexpr int kCombineSplitsPerWarp = 16;
 // Loads of out_accum each lane has in flight (8 x 16 bytes: 32 registers).
 constexpr int kCombineBatch = 8;
