@@ -105,11 +105,17 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
                     "q, k and v must be on the same device, got q.device=", q.device(),
                     ", k.device=", k.device(), ", v.device=", v.device());
-  const bool dtype_ok =
-      kernel_dtypes ? is_supported_dtype(q) : at::isFloatingType(q.scalar_type());
-  TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", dtype_name(q.scalar_type()), " is not supported on ",
+  // Without kernel_dtypes (a call the unfused fallback may serve) the four dtypes of either
+  // route, not every floating one: float8 passed at::isFloatingType and ran unfused in float8
+  // with a warning that no kernel or fallback took it (a new-user finding).
+  const auto d = q.scalar_type();
+  const bool dtype_ok = kernel_dtypes ? is_supported_dtype(q)
+                                      : d == at::kFloat || d == at::kDouble || d == at::kHalf ||
+                                            d == at::kBFloat16;
+  TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", dtype_name(d), " is not supported on ",
                     q.device().type(), ": CPU takes float32, float64, float16 and bfloat16; CUDA "
-                    "takes float16 and bfloat16");
+                    "takes float16 and bfloat16",
+                    kernel_dtypes ? "" : " (float32 and float64 through the unfused fallback)");
 
   AttnArgs a{};
   a.batch = q.size(0);

@@ -148,6 +148,6 @@ def _explain_call(query, key, value, layout, enable_gqa, call_kwargs, reached) -
                        float(dropout_p))
         if not p.fused:
             check_strict(strict)
-    if p.kernel == "none":  # not a floating dtype: a call raises
+    if p.kernel == "none":  # not one of the four float dtypes: a call raises
         raise ValueError("; ".join(p.reasons))
     return p

@@ -259,8 +259,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_dtype = run_dtype or q.dtype
     dtype = _DTYPE_NAMES.get(q_dtype)
     if dtype is None:
-        return unfused("none", (f"q.dtype={q_dtype} is not a floating dtype: no kernel or "
-                                "fallback takes it",))
+        return unfused("none", (f"q.dtype={q_dtype} is not float16, bfloat16, float32 or "
+                                "float64: no kernel or fallback takes it",))
     head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
     if max(head_dim, head_dim_v) > MAX_HEAD_DIM or min(head_dim, head_dim_v) == 0:
         return unfused(FALLBACK, (f"head_dim={head_dim}, head_dim_v={head_dim_v}: the kernels "

@@ -390,3 +390,20 @@ def test_flash_attention_2_return_attn_probs():
     positional = flash_attn_func(q, q, q, 0.0, None, True, (-1, -1), 0.0, None, False, True)
     assert len(positional) == 3 and positional[2] is None
     assert torch.equal(positional[0], out) and torch.equal(positional[1], lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_is_refused_on_every_route(dtype):
+    # float8 counts as floating in ATen, and calls used to run unfused in float8 with a warning
+    # that nothing took them (a new-user finding); every route refuses it as it refuses int8.
+    from flash_attn_ext import explain, flash_attn_func, scaled_dot_product_attention
+    q = torch.randn(1, 5, 2, 8).to(dtype)
+    name = str(dtype)
+    with pytest.raises(ValueError, match=rf"q.dtype={name} is not supported on cpu"):
+        flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match=rf"q.dtype={name} is not supported on cpu"):
+        flash_attn_func(q, q, q, strict=True)
+    with pytest.raises(ValueError, match=rf"q.dtype={name} is not supported on cpu"):
+        explain(q, q, q, layout="blhd")
+    with pytest.raises(ValueError, match=rf"{name} is not supported"):
+        scaled_dot_product_attention(*(q.transpose(1, 2),) * 3)
