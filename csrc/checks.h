@@ -27,8 +27,8 @@ struct AttnArgs {
 };
 
 // Validates q/k/v and the flags of the forward (and, with the same arguments, the backward) op.
-// kernel_dtypes: require a dtype this device's kernels take; else any floating dtype (the checks
-// of the unfused fallback path).
+// kernel_dtypes: require a dtype this device's kernels take; else float16, bfloat16, float32 or
+// float64 (the checks of the unfused fallback path; float8 is floating in ATen but refused).
 AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          std::optional<double> softmax_scale, bool causal, int64_t window_left,
                          int64_t window_right, double softcap,

@@ -188,6 +188,10 @@ def check_args_traced(q, k, v, softmax_scale, causal, window_left, window_right,
     is traced and bad input raises then (wrapped in Dynamo's TorchRuntimeError); the traced
     graph keeps no trace of it, so it costs nothing per call.  Skipped where a size or stride
     is symbolic (dynamic shapes), which the C++ checks cannot read."""
+    if q.dtype not in _FLOAT_DTYPES:  # (a dtype is never symbolic: checked with dynamic shapes)
+        raise ValueError(f"q.dtype={q.dtype} is not supported on {q.device.type}: CPU takes "
+                         f"float32, float64, float16 and bfloat16; CUDA takes float16 and "
+                         f"bfloat16 (float32 and float64 through the unfused fallback)")
     tensors = (q, k, v)
     if any(isinstance(x, torch.SymInt) for t in tensors for x in (*t.shape, *t.stride())):
         return

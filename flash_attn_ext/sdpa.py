@@ -114,13 +114,24 @@ def attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
     if not beyond_kernels(q, v):
         return run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
                         strict)
-    # (the mask checked first: a bad mask is the call's error, not a fallback's)
+    # (the dtype and the mask checked first: a bad one is the call's error, not a fallback's)
+    check_sdpa_dtype(query, q.dtype)
     bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
     policy.record(planning.plan(q, k, v), strict)
     dropout_p, drop_all = kernel_dropout(dropout_p)
     out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
                                         softcap, bias, dropout_p)
     return dropped(out, drop_all)
+
+
+def check_sdpa_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
+    """ValueError unless ``dtype`` (query's, or what autocast runs the call in) is one of the
+    four the drop-in takes: float8 counts as floating point but no route takes it (it ran
+    unfused in float8 where the head dim sent the call to the fallback; a new-user finding)."""
+    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"query.dtype={query.dtype} is not supported: query, key and value must "
+                         f"be float32, float64, float16 or bfloat16 (CPU: all four; CUDA: "
+                         f"float16 and bfloat16 on the kernels, float32 on a fallback)")
 
 
 def beyond_kernels(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -314,10 +325,7 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
         raise ValueError(f"query, key and value must have the same dtype, got query.dtype="
                          f"{query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}{cast}")
-    if not dtypes[0].is_floating_point:
-        raise ValueError(f"query.dtype={query.dtype} is not supported: query, key and value must "
-                         f"be floating point (CPU: float32, float64, float16, bfloat16; CUDA: "
-                         f"float16 and bfloat16 on the kernels, float32 on a fallback)")
+    check_sdpa_dtype(query, dtypes[0])
     if not key.device == value.device == query.device:
         raise ValueError(f"query, key and value must be on the same device, got query.device="
                          f"{query.device}, key.device={key.device}, value.device={value.device}")

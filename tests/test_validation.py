@@ -405,5 +405,14 @@ def test_float8_is_refused_on_every_route(dtype):
         flash_attn_func(q, q, q, strict=True)
     with pytest.raises(ValueError, match=rf"q.dtype={name} is not supported on cpu"):
         explain(q, q, q, layout="blhd")
-    with pytest.raises(ValueError, match=rf"{name} is not supported"):
+    with pytest.raises(ValueError, match=rf"query.dtype={name} is not supported"):
         scaled_dot_product_attention(*(q.transpose(1, 2),) * 3)
+    # (head dims past the kernels: the drop-in's own fallback, before the op's checks)
+    wide = torch.randn(1, 2, 5, 512).to(dtype)
+    with pytest.raises(ValueError, match=rf"query.dtype={name} is not supported"):
+        scaled_dot_product_attention(wide, wide, wide)
+    # (torch.compile with dynamic shapes, where the traced check skips what sizes decide)
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attn_func, backend="aot_eager", dynamic=True, fullgraph=True)
+    with pytest.raises(Exception, match=rf"q.dtype={name} is not supported on cpu"):
+        compiled(q, q, q)
