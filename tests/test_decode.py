@@ -108,9 +108,12 @@ def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
     # row at head dim 64; decode_contiguous_loads: a contiguous cache's rows by offsets alone
     # or through the paged cache's per-row lookup) change only which lane copies which 16
     # bytes from which address computation: the same bits, GQA and MQA, 1 and 3 query rows, a
-    # cache length that ends mid-tile, head dim 40 padded.
+    # cache length that ends mid-tile, head dim 40 padded.  Both CTA heights where the head dim
+    # allows them (decode_block_rows: MQA at batch 2 takes 16 rows by the rule, so 32 is forced
+    # to keep the 32-row form's loads, paged and contiguous, under test).
     gen = torch.Generator().manual_seed(3)
-    for heads, heads_k, seqlen_q, splits in ((8, 2, 1, 1), (32, 1, 3, 4)):
+    cases = ((8, 2, 1, 1, 16), (32, 1, 3, 4, 16), (32, 1, 3, 4, 32))
+    for heads, heads_k, seqlen_q, splits, block_rows in cases:
         k_cache, v_cache, kw, _ = _cache(2, 192, heads_k, head_dim, torch.bfloat16, layout, gen)
         if layout == "leftpad":
             kw["cache_leftpad"] = torch.tensor([3, 17], dtype=torch.int32, device="cuda")
@@ -118,7 +121,8 @@ def test_load_forms_give_the_same_bits(layout, head_dim, kernel_opts):
         lens = torch.tensor([187, 61], dtype=torch.int32, device="cuda")
         outs = []
         for lanes, contiguous in itertools.product((2, 4, 8), (True, False)):
-            kernel_opts(decode_row_lanes=lanes, decode_contiguous_loads=contiguous)
+            kernel_opts(decode_row_lanes=lanes, decode_contiguous_loads=contiguous,
+                        decode_block_rows=block_rows)
             outs.append(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                 num_splits=splits, causal=True,
                                                 return_softmax_lse=True, **kw))
