@@ -129,6 +129,12 @@ pybind11::tuple select_cuda_kernels(const pybind11::dict& build, const std::tupl
                               pybind11::tuple(notes));
 }
 
+// A count option's value as set_kernel_options takes it: "auto" where it holds auto_value.
+pybind11::object count_or_auto(int32_t value, int32_t auto_value) {
+  if (value == auto_value) return pybind11::str("auto");
+  return pybind11::int_(value);
+}
+
 // KernelOptions as a dict of plain values, and back (unknown keys and bad values raise).
 pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   static const char* pack[] = {"auto", "on", "off"};
@@ -144,30 +150,15 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_bias_blocks"] = o.sm90_bias_blocks;
   d["sm90_bwd"] = pack[static_cast<int>(o.sm90_bwd)];
   d["exact_rows_always"] = o.exact_rows_always;
-  if (o.sm90_fma_exp2 < 0)
-    d["sm90_fma_exp2"] = "auto";
-  else
-    d["sm90_fma_exp2"] = o.sm90_fma_exp2;
-  if (o.sm90_per_score_consumers == 0)
-    d["sm90_per_score_consumers"] = "auto";
-  else
-    d["sm90_per_score_consumers"] = o.sm90_per_score_consumers;
-  if (o.decode_row_lanes == 0)
-    d["decode_row_lanes"] = "auto";
-  else
-    d["decode_row_lanes"] = o.decode_row_lanes;
-  if (o.decode_combine_splits == 0)
-    d["decode_combine_splits"] = "auto";
-  else
-    d["decode_combine_splits"] = o.decode_combine_splits;
+  d["sm90_fma_exp2"] = count_or_auto(o.sm90_fma_exp2, -1);
+  d["sm90_per_score_consumers"] = count_or_auto(o.sm90_per_score_consumers, 0);
+  d["decode_row_lanes"] = count_or_auto(o.decode_row_lanes, 0);
+  d["decode_combine_splits"] = count_or_auto(o.decode_combine_splits, 0);
   d["sm90_alibi_fold"] = o.sm90_alibi_fold;
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
-  if (o.decode_block_rows == 0)
-    d["decode_block_rows"] = "auto";
-  else
-    d["decode_block_rows"] = o.decode_block_rows;
+  d["decode_block_rows"] = count_or_auto(o.decode_block_rows, 0);
   return d;
 }
 

@@ -215,7 +215,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
       sm80::decode_block_rows(static_cast<int>(p.head_dim), rows, batch * p.heads_kv,
                               kernel_options().decode_block_rows);
   p.block_rows = static_cast<int32_t>(rows_per_cta);
-  const int64_t ctas = batch * p.heads_kv * ((rows + rows_per_cta - 1) / rows_per_cta);
+  const int64_t m_blocks = (rows + rows_per_cta - 1) / rows_per_cta;
+  const int64_t ctas = batch * p.heads_kv * m_blocks;
   const int64_t splits =
       num_splits > 0 ? num_splits
                      : heuristic_splits(ctas, p.seqlen_cache, sm80::multiprocessor_count(),
@@ -229,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                     ", num_heads_k = ", p.heads_kv, ", batch = ", batch, ", num_splits = ",
                     p.num_splits);
   p.group_div = FastDiv(heads_q / p.heads_kv);
-  p.m_blocks_div = FastDiv((rows + rows_per_cta - 1) / rows_per_cta);
+  p.m_blocks_div = FastDiv(m_blocks);
   p.splits_div = FastDiv(p.num_splits);
   p.heads_kv_div = FastDiv(p.heads_kv);
   p.row_lanes = kernel_options().decode_row_lanes;

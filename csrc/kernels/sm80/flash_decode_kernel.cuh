@@ -704,9 +704,10 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
 template <typename Element, int kHeadDim, int kMT, bool kRowLookup>
 cudaError_t launch_flash_decode_layout(const DecodeParams& p, cudaStream_t stream) {
   using T = DecodeTraits<kHeadDim, kMT>;
-  const int64_t rows = p.seqlen_q * (p.heads_q / p.heads_kv);
-  const int64_t m_blocks = (rows + T::kRows - 1) / T::kRows;
-  const int64_t ctas = m_blocks * p.num_splits * p.heads_kv * p.batch;
+  // The kernel splits its grid index with p.m_blocks_div, which the glue computed for
+  // p.block_rows rows per CTA: a launch of other tiles would leave rows out or run past them.
+  if (p.block_rows != T::kRows) return cudaErrorInvalidValue;
+  const int64_t ctas = int64_t{p.m_blocks_div.d} * p.num_splits * p.heads_kv * p.batch;
   if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
     if (p.row_lanes == 2)
       return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 2>, ctas, T::kThreads,
