@@ -5,17 +5,17 @@
 # file, test_sm90 and test_cuda, then the other CUDA test files as long as time is left.  Each
 # stage has its own log under $OUT and a summary line; a stage the deadline cut says so
 # ("cut"), so a partial gate is never read as a pass.  Timing on the H200 (2026-12-04): build
-# 190-250 s, compile tests ~60 s, test_sm90 + test_cuda ~120 s, the other 15 files ~250 s.
+# 190-250 s, compile tests ~60 s, test_sm90 + test_cuda ~120 s, the other 15 files ~250 s; on
+# an H100 (2026-12-06): build 170-222 s, 71 s, 96 s, 114 s (16 files).
 # Usage on the GPU machine:
 #   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] [STAGES="compile core
 #   others"] [AFTER="<command>"] bash dev/gpu/gpu_gate.sh
 # STAGES picks the stages (a second, warm call: STAGES=others); AFTER runs last with the time
-# left (e.g. an A/B benchmark of the same build), its output in $OUT/after.log.  JOBS=<n> runs
-# each stage's files on n pytest-xdist workers, a file per worker (--dist loadfile: a file's
-# tests keep their order and process), where pytest-xdist is importable or its wheel and
-# execnet's lie in .whl/ (carried; here: `pip download --no-deps pytest-xdist==3.8.0
-# execnet==2.1.2 -d .whl`); else serially, as by default.  Not yet timed on the device:
-# the CPU suite's files ran so on two cores (368 passed, as serially).
+# left (e.g. an A/B benchmark of the same build), its output in $OUT/after.log.  Tried and
+# dropped: each stage's files on 4 pytest-xdist workers (one file per worker).  On an H100
+# (2026-12-06) the compile stage took 103 s against 71 serially and the core stage ran 24% of
+# its tests in 155 s against all of them in 96 s serially: the workers' processes time-slice
+# the one GPU (no MPS), and thousands of short tests wait on the context switches.
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASH_ATTN_EXT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -35,28 +35,11 @@ OTHERS="tests/test_ops.py tests/test_varlen.py tests/test_kvcache.py tests/test_
   tests/test_torch_flash.py tests/test_transformers.py tests/test_numerics_nan.py
   tests/test_validation.py tests/test_planning.py tests/test_patch.py tests/test_autocast.py
   tests/test_attention.py"
-PARALLEL=()
-if [ "${JOBS:-1}" -gt 1 ]; then
-  if ! python3 -c "import xdist" 2>/dev/null; then
-    wheels=$(ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl 2>/dev/null)
-    if [ -n "$wheels" ]; then
-      # shellcheck disable=SC2086
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target /tmp/xdist_site $wheels && export PYTHONPATH=/tmp/xdist_site:$PYTHONPATH
-    fi
-  fi
-  if python3 -c "import xdist" 2>/dev/null; then
-    PARALLEL=(-n "$JOBS" --dist loadfile)
-    echo "gate: $JOBS pytest-xdist workers per stage"
-  else
-    echo "gate: JOBS=$JOBS but no pytest-xdist: serial"
-  fi
-fi
 stage() {  # name, pytest arguments...
   local name=$1 left=$((DEADLINE - SECONDS))
   shift
   if [ "$left" -le 5 ]; then echo "gate: $name: not run (no time left)"; return 1; fi
-  timeout "$left" python3 -m pytest -q -rfE "${PARALLEL[@]}" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$left" python3 -m pytest -q -rfE "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   local summary
   summary=$(tail -1 "$OUT/$name.log")
