@@ -6,7 +6,7 @@
 # stage has its own log under $OUT and a summary line; a stage the deadline cut says so
 # ("cut"), so a partial gate is never read as a pass.  Timing on the H200 (2026-12-04): build
 # 190-250 s, compile tests ~60 s, test_sm90 + test_cuda ~120 s, the other 15 files ~250 s; on
-# an H100 (2026-12-06): build 170-222 s, 71 s, 96 s, 114 s (16 files).
+# an H100 (2026-12-06): build 170-222 s, 71 s, 96 s, 114 s for the other 16 (one call).
 # Usage on the GPU machine:
 #   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] [STAGES="compile core
 #   others"] [AFTER="<command>"] bash dev/gpu/gpu_gate.sh
