@@ -429,3 +429,23 @@ def test_head_dims_beyond_the_kernels_fall_back_in_the_integration():
     finally:
         policy.set_strict(None)
         policy.reset_fallback_counts()
+
+
+@pytest.mark.parametrize("config", ["CodeGenConfig", "BloomConfig", "GPTJConfig"])
+def test_models_that_compute_attention_themselves_refuse_the_name(config):
+    """A model that does not support SDPA-style attention (its own attention code, not the
+    attention interface) refuses attn_implementation="flash_attn_ext" with a ValueError that
+    says why, as "fae_sdpa" and "sdpa" are refused: transformers accepted the name for any
+    model, our kernels never ran, and the model's own attention took our boolean masks as
+    additive ones (CodeGen's causal LM saw later tokens; a new-user finding).  A model that
+    does support it is unaffected."""
+    cfg = getattr(transformers, config)(vocab_size=97, hidden_size=64, n_embd=64, n_layer=2,
+                                        n_head=4, num_hidden_layers=2, num_attention_heads=4,
+                                        n_positions=64, rotary_dim=8)
+    with pytest.raises(ValueError, match="does not support attn_implementation='flash_attn_ext'"):
+        transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flash_attn_ext")
+    with pytest.raises(ValueError):
+        transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fae_sdpa")
+    transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    llama = make_models("cpu")["ours"]
+    assert llama.config._attn_implementation == "flash_attn_ext"

@@ -310,6 +310,7 @@ def register_transformers(name: str = NAME) -> None:
     if not flash_names:
         return
     _registered_flash_names.update(flash_names)
+    _refuse_models_without_the_interface(modeling_utils.PreTrainedModel)
     preload = getattr(modeling_utils, "lazy_import_flash_attention", None)
     if preload is not None and not getattr(preload, "_flash_attn_ext_guard", False):
         def lazy_import_flash_attention(implementation, *args, **kwargs):
@@ -319,6 +320,37 @@ def register_transformers(name: str = NAME) -> None:
 
         lazy_import_flash_attention._flash_attn_ext_guard = True
         modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+def _refuse_models_without_the_interface(model_class) -> None:
+    """Wraps transformers' check of a model's attn_implementation so that our "flash" names are
+    refused where the model does not support SDPA-style attention (``_supports_sdpa`` False:
+    Bloom, CodeGen, MPT, XGLM, GPT-J, ... compute attention in their own code).  transformers
+    checks a registered name only where it is "sdpa"-like or flash-attn's own
+    (``flash_attention_N``), so it accepted ours for any model: our kernels never ran, and the
+    model's own attention got the boolean masks of our registered mask function as if they
+    were additive (wrong answers, NaN; GPT-J and GPT-Neo a bare KeyError).  "fae_sdpa" gets
+    transformers' own refusal for such models already."""
+    check = getattr(model_class, "get_correct_attn_implementation", None)
+    if check is None or getattr(check, "_flash_attn_ext_guard", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        chosen = check(self, requested_attention, *args, **kwargs)
+        base = chosen.split("|")[-1] if isinstance(chosen, str) else chosen
+        if base in _registered_flash_names and not getattr(self, "_supports_sdpa", False):
+            raise ValueError(
+                f"{type(self).__name__} does not support attn_implementation={chosen!r}: it "
+                f"computes attention in its own code, not through transformers' attention "
+                f"interface (it supports no 'sdpa' either), so flash_attn_ext's kernels would "
+                f"never run and its attention would get masks of another convention; use "
+                f"attn_implementation='eager' (or flash_attn_ext.patch() for code that calls "
+                f"torch.nn.functional.scaled_dot_product_attention)")
+        return chosen
+
+    get_correct_attn_implementation._flash_attn_ext_guard = True
+    get_correct_attn_implementation.__doc__ = check.__doc__
+    model_class.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 _MODEL_CODE = "transformers.modeling_utils"  # where attn_implementation names are looked up
