@@ -24,3 +24,14 @@ def kernel_opts():
     before = _C.kernel_options()
     yield flash_attn_ext.set_kernel_options
     flash_attn_ext.set_kernel_options(**before)
+
+
+@pytest.fixture
+def clean_policy():
+    """No fallback counted and strict mode unset, before and after the test (modules whose
+    tests read fallback_counts() or set strict mode take it for every test: pytestmark)."""
+    flash_attn_ext.policy.reset_fallback_counts()
+    flash_attn_ext.policy.set_strict(None)
+    yield
+    flash_attn_ext.policy.reset_fallback_counts()
+    flash_attn_ext.policy.set_strict(None)

@@ -42,6 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flash_attn_ext
 from flash_attn_ext import FallbackError, Plan, explain, planning, policy
 
+pytestmark = pytest.mark.usefixtures("clean_policy")
+
 EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_EXPLAIN_EXAMPLES", "0"))
 SETTINGS = settings(max_examples=EXPLORE or 1500, deadline=None, derandomize=not EXPLORE,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -589,15 +591,6 @@ def test_explain_agrees_with_scaled_dot_product_attention(case):
 @given(fa_cases())
 def test_explain_agrees_with_flash_attn_func(case):
     _check(case)
-
-
-@pytest.fixture(autouse=True)
-def _policy():
-    policy.reset_fallback_counts()
-    policy.set_strict(None)
-    yield
-    policy.reset_fallback_counts()
-    policy.set_strict(None)
 
 
 # ---------------------------------------------------------------------------------------------

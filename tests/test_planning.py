@@ -14,14 +14,7 @@ import flash_attn_ext
 from flash_attn_ext import FallbackError, explain, flash_attn_func, ops, planning, policy, unfused
 from reference import assert_lse_infinities, attention_ref
 
-
-@pytest.fixture(autouse=True)
-def _clean_state():
-    policy.reset_fallback_counts()
-    policy.set_strict(None)
-    yield
-    policy.reset_fallback_counts()
-    policy.set_strict(None)
+pytestmark = pytest.mark.usefixtures("clean_policy")
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
