@@ -33,6 +33,7 @@ from ._call import (
     check_scale,
     check_softcap,
     check_tensors,
+    check_transforms,
 )
 from .planning import MAX_HEAD_DIM, Plan, score_mods
 from .varlen import fwd_varlen_op, record_plan
@@ -336,7 +337,8 @@ def flash_attn_with_kvcache(
 
     Raises:
         NotImplementedError: q on a device other than CPU or CUDA (meta included); on CUDA,
-            a GPU or build without the kernels (naming the reason).
+            a GPU or build without the kernels (naming the reason); forward-mode AD and
+            torch.func's gradient transforms, as flash_attn_func.
         TypeError: q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes,
             block_table or cache_batch_idx not a tensor (naming it).
         ValueError: another tensor not on q's device (the lengths and indices may be on the
@@ -459,6 +461,9 @@ def flash_attn_with_kvcache(
     check_devices(q, ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                   ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                   ("block_table", block_table))
+    # (torch.func's gradient transforms and forward-mode AD: flash_attn_func's refusal)
+    check_transforms(*(t for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                   alibi_slopes) if t is not None))
     for name, d in (("head_dim (q.shape[3])", head_dim), ("head_dim_v (v_cache.shape[3])",
                                                           head_dim_v)):
         if not 1 <= d <= MAX_HEAD_DIM:

@@ -40,6 +40,7 @@ from ._call import (
     check_seqlen,
     check_softcap,
     check_tensors,
+    check_transforms,
     dropped,
     kernel_dropout,
 )
@@ -324,7 +325,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         TypeError: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table or
             alibi_slopes not a tensor (e.g. a list of offsets).
         NotImplementedError: on CUDA, a GPU or build without the kernels (naming the
-            reason).
+            reason); forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) and
+            torch.func's gradient transforms (grad, vjp, jacrev), as flash_attn_func.
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
             the argument and the rule), a block_table that does not fit its pages or the
             lengths (naming the entry); k, v or alibi_slopes not on q's device; flags as
@@ -349,6 +351,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
     check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
     check_devices(q, ("k", k), ("v", v))
+    # (torch.func's gradient transforms and forward-mode AD: the same refusal as
+    # flash_attn_func's, not PyTorch's message about C++ autograd functions)
+    check_transforms(q, k, v, *(t for t in (alibi_slopes,) if t is not None),
+                     dropout_p=dropout_p)
     if block_table is not None:  # (before autocast: only the pages used are cast)
         _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
         k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k = _gather_pages(

@@ -174,6 +174,44 @@ def test_forward_mode_and_functorch_grad_are_refused():
     assert torch.allclose(out[1], flash_attn_func(q, k, v))
 
 
+def test_varlen_and_kvcache_refuse_forward_mode_and_functorch_grad():
+    # flash_attn_func's refusal, not PyTorch's "cannot use C++ torch::autograd::Function with
+    # functorch transforms" (a new-user finding).
+    from flash_attn_ext import flash_attn_varlen_func, flash_attn_with_kvcache
+    q = torch.randn(5, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+
+    def varlen(q):
+        return flash_attn_varlen_func(q, q, q, cu, cu, 3, 3)
+
+    with pytest.raises(NotImplementedError, match="torch.func's gradient transforms"):
+        torch.func.grad(lambda q: varlen(q).sum())(q)
+    with pytest.raises(NotImplementedError, match="torch.func's gradient transforms"):
+        torch.func.vjp(varlen, q)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(varlen, (q,), (torch.randn_like(q),))
+    cache = torch.randn(2, 6, 2, 8, dtype=torch.float64)
+    qc = torch.randn(2, 1, 2, 8, dtype=torch.float64)
+
+    def decode(q):
+        return flash_attn_with_kvcache(q, cache, cache, cache_seqlens=4)
+
+    with pytest.raises(NotImplementedError, match="torch.func's gradient transforms"):
+        torch.func.grad(lambda q: decode(q).sum())(qc)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(decode, (qc,), (torch.randn_like(qc),))
+    import torch.autograd.forward_ad as fwad
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            varlen(fwad.make_dual(q, torch.randn_like(q)))
+    # vmap stays served, and reverse mode too.
+    out = torch.vmap(varlen)(q.unsqueeze(0).expand(3, -1, -1, -1))
+    assert torch.equal(out[2], varlen(q))
+    qg = q.clone().requires_grad_()
+    (dq,) = torch.autograd.grad(varlen(qg).sum(), qg)
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+
+
 def test_sdpa_errors_use_callers_dimensions():
     r = torch.randn
     with pytest.raises(ValueError, match=r"key.size\(2\)=4, value.size\(2\)=5"):
