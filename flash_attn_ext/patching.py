@@ -4,9 +4,9 @@ Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call tim
 ``torch.nn.MultiheadAttention``'s fast path and most model code do) then run on flash_attn_ext.
 Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors, key or
 value broadcast against query: a batch or head count of 1 or fewer dimensions, which PyTorch's
-function broadcasts; inside torch.func's gradient transforms or forward-mode AD, which the
-drop-in refuses) go to PyTorch's own function, reported like every fallback (warning once,
-counted, an error in strict mode).
+function broadcasts; enable_gqa with key and value of different head counts; inside
+torch.func's gradient transforms or forward-mode AD, which the drop-in refuses) go to PyTorch's
+own function, reported like every fallback (warning once, counted, an error in strict mode).
 Code that imported the function by name before patching keeps the original, and modules that
 never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
 (its default) computes the weights itself, and ``nn.TransformerEncoderLayer``'s native fast
@@ -40,6 +40,10 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         reason = "nested (jagged) tensors: flash_attn_ext takes dense ones"
     elif query.dim() < 3:
         reason = f"query.dim()={query.dim()}: flash_attn_ext takes 3-D or higher inputs"
+    elif _uneven_groups(query, key, value, enable_gqa):
+        reason = (f"enable_gqa with key and value of different head counts "
+                  f"({key.shape[-3]} and {value.shape[-3]}): flash_attn_ext takes one KV head "
+                  f"count")
     elif _broadcasts(query, key, value, enable_gqa):
         reason = ("key or value broadcast against query (a batch or head count of 1, or fewer "
                   "dimensions): flash_attn_ext takes them expanded to query's batch and head "
@@ -66,6 +70,17 @@ def _refused_transform(query, key, value, attn_mask, dropout_p) -> Optional[str]
     except NotImplementedError as e:
         return str(e)
     return None
+
+
+def _uneven_groups(query, key, value, enable_gqa) -> bool:
+    """Whether enable_gqa groups query's heads over key and value with different head counts
+    (each dividing query's), which PyTorch's function takes and the drop-in refuses
+    (ValueError: one KV head count, as FlashAttention's)."""
+    if not (enable_gqa is True and all(isinstance(t, torch.Tensor) for t in (query, key, value))
+            and query.dim() >= 3 and key.dim() == query.dim() == value.dim()):
+        return False
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    return hk != hv and hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0
 
 
 def _broadcasts(query, key, value, enable_gqa) -> bool:

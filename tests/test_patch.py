@@ -186,6 +186,34 @@ def test_patch_hands_grouped_heads_that_broadcast_to_pytorch(shape):
     policy.reset_fallback_counts()
 
 
+def test_patch_hands_grouped_heads_of_unequal_counts_to_pytorch():
+    # enable_gqa with key and value of different head counts, each dividing query's: PyTorch's
+    # function takes it, the drop-in refuses it (one KV head count), so under patch() it was a
+    # ValueError (new-user trial).  Now a reported fallback, equal to PyTorch's result; strict
+    # mode refuses it by that reason.
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 9, 8, dtype=torch.float64)
+    v = torch.randn(2, 1, 9, 8, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    policy.reset_fallback_counts()
+    with flash_attn_ext.patch():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.testing.assert_close(out, want)
+        counts = policy.fallback_counts()
+        assert sum(counts.values()) == 1 and all("head counts (2 and 1)" in r for r in counts), \
+            counts
+        assert not flash_attn_ext.last_plan().fused
+        policy.set_strict(True)
+        try:
+            with pytest.raises(flash_attn_ext.FallbackError, match="different head counts"):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        finally:
+            policy.set_strict(None)
+    policy.reset_fallback_counts()
+
+
 def test_patch_hands_torch_func_gradient_transforms_to_pytorch():
     # Code that takes torch.func.grad (or vjp) of SDPA works unpatched; the drop-in refuses
     # those transforms, so under patch() such calls go to PyTorch's function, reported (a
