@@ -602,11 +602,16 @@ def flash_attn_with_kvcache(
     q_packed = q.reshape(batch * seqlen_q, heads, q.shape[-1])
     kc = kc.reshape(batch * seqlen_cache, *kc.shape[2:])
     vc = vc.reshape(batch * seqlen_cache, *vc.shape[2:])
+    notes = [] if q.device.type == "cpu" else [
+        f"not on the decode kernels: {refusal}; the packed-sequence kernels serve it (the "
+        f"values are checked on the host, which waits for the GPU)"]
+    if block_table is not None or cache_batch_idx is not None:
+        # (a cost the caller should see: reference.md measures it on the CPU)
+        notes.append(f"the {'pages' if block_table is not None else 'entries'} used gathered "
+                     f"into a copy of {batch} x {seqlen_cache} rows before the kernels run")
     record_plan(q_packed, kc, vc, softmax_scale, local,
                 score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
-                note=None if q.device.type == "cpu" else
-                f"not on the decode kernels: {refusal}; the packed-sequence kernels serve it "
-                f"(the values are checked on the host, which waits for the GPU)")
+                note="; ".join(notes) if notes else None)
     out, lse, _ = fwd_varlen_op(
         q_packed, kc, vc, cu_q, cu_k, seqlen_q, longest_k,
         softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),

@@ -366,7 +366,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window_left, window_right = (int(w) for w in window_size)
     record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
                 planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
-                strict)
+                strict, note=None if block_table is None else
+                f"block_table: the pages used gathered into a copy of {k.shape[0]} key rows "
+                f"before the kernels run")
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
     # (max_seqlen_q / _k as check_seqlen returns them: an int, or under torch.compile possibly

@@ -606,3 +606,28 @@ def test_gathered_caches_copy_only_the_rows_in_use():
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
     assert torch.isfinite(outs[0][0]).all()
+
+
+def test_plan_names_the_gathered_copy():
+    # A paged cache or cache_batch_idx off the decode kernels (every CPU call) gathers the
+    # rows used into a copy before the kernels run; the plan says so (a new-user finding: its
+    # notes were empty), and a contiguous cache, read in place, adds no such note.  So does
+    # flash_attn_varlen_func's block_table.
+    cache = torch.randn(8, 16, 2, 16)
+    q = torch.randn(2, 1, 4, 16)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=20, block_table=table)
+    assert any("pages used gathered into a copy of 2 x 32 rows" in n
+               for n in flash_attn_ext.last_plan().notes), flash_attn_ext.last_plan()
+    flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=10,
+                            cache_batch_idx=torch.tensor([3, 1]))
+    assert any("entries used gathered into a copy of 2 x 10 rows" in n
+               for n in flash_attn_ext.last_plan().notes), flash_attn_ext.last_plan()
+    flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=10)
+    assert not any("copy" in n for n in flash_attn_ext.last_plan().notes)
+    qv = torch.randn(5, 4, 16)
+    flash_attn_ext.flash_attn_varlen_func(
+        qv, cache, cache, torch.tensor([0, 2, 5], dtype=torch.int32),
+        torch.tensor([0, 20, 40], dtype=torch.int32), 3, 20, block_table=table)
+    assert any("gathered into a copy of 64 key rows" in n
+               for n in flash_attn_ext.last_plan().notes), flash_attn_ext.last_plan()
