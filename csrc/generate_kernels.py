@@ -100,6 +100,11 @@ template <>
 cudaError_t run_flash_decode<{element}, {d}>(const DecodeParams& p, cudaStream_t stream) {{
   return launch_flash_decode<{element}, {d}>(p, stream);
 }}
+
+template <>
+int run_flash_decode_ctas_per_sm<{element}, {d}>(const DecodeParams& p) {{
+  return flash_decode_ctas_per_sm<{element}, {d}>(p);
+}}
 {append}
 }}  // namespace flash_attn_ext::sm80
 """

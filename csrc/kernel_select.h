@@ -105,6 +105,11 @@ struct KernelOptions {
   // warps: 4, 8 or 16 (0: the default, kCombineSplitsPerWarp); fewer: more warps per row and
   // fewer dependent load batches each.  Experimental: for same-build A/Bs (docs/perf/decode.md).
   int32_t decode_combine_splits = 0;
+  // Decode CTAs per SM the split heuristic counts as the GPU's slots: 1-4 (0: the kernel's
+  // occupancy, cudaOccupancyMaxActiveBlocksPerMultiprocessor: 4 / 3 at head dim 64 with 16 / 32
+  // rows, 2 at 128, 1 at 256 on the H100 / H200).  2 was the fixed count before.  Experimental:
+  // for same-build A/Bs (docs/perf/decode.md, "The split count").
+  int32_t decode_ctas_per_sm = 0;
 };
 
 enum class FwdKernel : int { kNone = 0, kSm80 = 1, kSm90 = 2, kSm90PackGqa = 3 };

@@ -159,6 +159,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
   d["decode_block_rows"] = count_or_auto(o.decode_block_rows, 0);
+  d["decode_ctas_per_sm"] = count_or_auto(o.decode_ctas_per_sm, 0);
   return d;
 }
 
@@ -257,6 +258,9 @@ void set_kernel_options(const pybind11::dict& values) {
     } else if (key == "decode_block_rows") {
       o.decode_block_rows =
           count({16, 32}, 0, "query rows one decode CTA takes at head dims up to 128");
+    } else if (key == "decode_ctas_per_sm") {
+      o.decode_ctas_per_sm =
+          count({1, 2, 3, 4}, 0, "decode CTAs per SM the split heuristic counts");
     } else {
       TORCH_CHECK_VALUE(false, "unknown kernel option '", key, "' (known: ",
                         pybind11::str(pybind11::list(options_dict(o).attr("keys")()))

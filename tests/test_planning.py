@@ -482,7 +482,8 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
             ("sm90_per_score_consumers", 3, (0, 1, 4, True, "3", 3.0), "2 or 3"),
             ("decode_row_lanes", 8, (0, 1, 16, True, "4", 4.0), "2, 4 or 8"),
             ("decode_combine_splits", 8, (0, 2, 32, True, "8", 8.0), "4, 8 or 16"),
-            ("decode_block_rows", 16, (0, 8, 64, True, "16", 16.0), "16 or 32")):
+            ("decode_block_rows", 16, (0, 8, 64, True, "16", 16.0), "16 or 32"),
+            ("decode_ctas_per_sm", 3, (0, 5, -1, True, "2", 2.0), "1, 2, 3 or 4")):
         assert ops._C.kernel_options()[name] == "auto"
         with flash_attn_ext.kernel_options(**{name: good}) as now:
             assert now[name] == good

@@ -105,8 +105,9 @@ int major_version() {
   });
 }
 // Split-KV (FlashAttention-2's num_splits_heuristic, with thresholds from our sweep,
-// docs/perf/decode.md "The split count"). Decode CTAs per SM: two up to head dim 128, where ~200
-// registers per thread or ~100 KB of shared memory allow no more; one at 256 (136 KB). Each
+// docs/perf/decode.md "The split count") over `slots` CTAs that the GPU holds at once (the
+// kernel's CTAs per SM times the SMs: on the H100 / H200 2 at head dim 128, where ~200
+// registers per thread or ~100 KB of shared memory allow no more, 1 at 256, 3-4 at 64). Each
 // split covers at least 256 keys of the cache's capacity (the lengths are not read on the host)
 // and at most kMaxSplits are taken (the combine's per-row warps).
 // - Where one wave of every allowed split cannot fill the slots (MQA at batch 1: one CTA per
@@ -114,8 +115,8 @@ int major_version() {
 //   rate of its own), and FlashAttention-2's 85% rule left 14% on the table.
 // - Else the smallest count within 95% of the best wave efficiency: the 85% rule's 29 of 33
 //   splits left 24 of 264 slots empty and measured 8-9% below the full wave.
-int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int sms, int64_t head_dim) {
-  const int64_t slots = (head_dim > 128 ? 1 : 2) * std::max(sms, 1);
+int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int64_t slots) {
+  slots = std::max<int64_t>(slots, 1);
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (seqlen_cache + 255) / 256));
   if (ctas <= 0 || ctas >= slots || most == 1) return 1;
   if (ctas * most <= slots) return most;
@@ -131,8 +132,19 @@ int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int sms, int64_t he
 }
 
 template <typename Fn>
-cudaError_t by_dtype(const at::Tensor& t, Fn fn) {
+auto by_dtype(const at::Tensor& t, Fn fn) {
   return t.scalar_type() == at::kBFloat16 ? fn(__nv_bfloat16{}) : fn(__half{});
+}
+
+// fn(element, head-dim constant) for the decode instantiation of q's dtype and the head dim
+// padded up to 64, 128 or 256.
+template <typename Fn>
+auto by_decode_instance(const at::Tensor& q, int64_t head_dim, Fn fn) {
+  return by_dtype(q, [&](auto element) {
+    return head_dim <= 64    ? fn(element, std::integral_constant<int, 64>{})
+           : head_dim <= 128 ? fn(element, std::integral_constant<int, 128>{})
+                             : fn(element, std::integral_constant<int, 256>{});
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
@@ -217,10 +229,23 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.block_rows = static_cast<int32_t>(rows_per_cta);
   const int64_t m_blocks = (rows + rows_per_cta - 1) / rows_per_cta;
   const int64_t ctas = batch * p.heads_kv * m_blocks;
-  const int64_t splits =
-      num_splits > 0 ? num_splits
-                     : heuristic_splits(ctas, p.seqlen_cache, sm80::multiprocessor_count(),
-                                        p.head_dim);
+  // (the kernel choice's inputs before the occupancy query asks which kernel runs)
+  p.row_lanes = kernel_options().decode_row_lanes;
+  p.contiguous_loads = kernel_options().decode_contiguous_loads;
+  int64_t splits = num_splits;
+  if (splits <= 0) {
+    // The slots: CTAs of this kernel one SM holds at once (its occupancy; the kernel option for
+    // A/Bs), times the SMs.  Head dim 64 holds 3-4 per SM where a fixed 2 was counted, which
+    // made waves of 1.33 where the heuristic saw 2 whole ones (docs/perf/decode.md).
+    int per_sm = kernel_options().decode_ctas_per_sm;
+    if (per_sm <= 0)
+      per_sm = by_decode_instance(q, p.head_dim, [&](auto element, auto dim) {
+        return sm80::run_flash_decode_ctas_per_sm<decltype(element), decltype(dim)::value>(p);
+      });
+    if (per_sm <= 0) per_sm = p.head_dim > 128 ? 1 : 2;  // (the query failed: the old count)
+    splits = heuristic_splits(ctas, p.seqlen_cache,
+                              int64_t{per_sm} * std::max(sm80::multiprocessor_count(), 1));
+  }
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   // (The kernel's packed rows and its grid index are 32-bit: FastDiv's range.)
   TORCH_CHECK_VALUE(rows < (int64_t{1} << 31) && ctas * p.num_splits < (int64_t{1} << 31),
@@ -233,9 +258,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.m_blocks_div = FastDiv(m_blocks);
   p.splits_div = FastDiv(p.num_splits);
   p.heads_kv_div = FastDiv(p.heads_kv);
-  p.row_lanes = kernel_options().decode_row_lanes;
   p.pdl = kernel_options().decode_pdl;
-  p.contiguous_loads = kernel_options().decode_contiguous_loads;
   p.combine_splits_per_warp = kernel_options().decode_combine_splits;
   at::Tensor out_accum, stats_accum;
   if (p.num_splits > 1) {
@@ -247,13 +270,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     p.max_accum = stats_accum[0].data_ptr<float>();
     p.sum_accum = stats_accum[1].data_ptr<float>();
   }
-  const int64_t kernel_dim = p.head_dim <= 64 ? 64 : p.head_dim <= 128 ? 128 : 256;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(by_dtype(q, [&](auto element) {
-    using E = decltype(element);
-    return kernel_dim == 64    ? sm80::run_flash_decode<E, 64>(p, stream)
-           : kernel_dim == 128 ? sm80::run_flash_decode<E, 128>(p, stream)
-                               : sm80::run_flash_decode<E, 256>(p, stream);
+  C10_CUDA_CHECK(by_decode_instance(q, p.head_dim, [&](auto element, auto dim) {
+    return sm80::run_flash_decode<decltype(element), decltype(dim)::value>(p, stream);
   }));
   // (No exact pass after it, cuda/exact_rows.h: the decode kernels form exponents and LSEs
   // exactly themselves.)

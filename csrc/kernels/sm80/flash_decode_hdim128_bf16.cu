@@ -10,4 +10,9 @@ cudaError_t run_flash_decode<__nv_bfloat16, 128>(const DecodeParams& p, cudaStre
   return launch_flash_decode<__nv_bfloat16, 128>(p, stream);
 }
 
+template <>
+int run_flash_decode_ctas_per_sm<__nv_bfloat16, 128>(const DecodeParams& p) {
+  return flash_decode_ctas_per_sm<__nv_bfloat16, 128>(p);
+}
+
 }  // namespace flash_attn_ext::sm80

@@ -10,4 +10,9 @@ cudaError_t run_flash_decode<__half, 128>(const DecodeParams& p, cudaStream_t st
   return launch_flash_decode<__half, 128>(p, stream);
 }
 
+template <>
+int run_flash_decode_ctas_per_sm<__half, 128>(const DecodeParams& p) {
+  return flash_decode_ctas_per_sm<__half, 128>(p);
+}
+
 }  // namespace flash_attn_ext::sm80

@@ -11,6 +11,11 @@ cudaError_t run_flash_decode<__nv_bfloat16, 64>(const DecodeParams& p, cudaStrea
 }
 
 template <>
+int run_flash_decode_ctas_per_sm<__nv_bfloat16, 64>(const DecodeParams& p) {
+  return flash_decode_ctas_per_sm<__nv_bfloat16, 64>(p);
+}
+
+template <>
 cudaError_t run_kvcache_append<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream) {
   return launch_kvcache_append<__nv_bfloat16>(p, stream);
 }

@@ -11,6 +11,11 @@ cudaError_t run_flash_decode<__half, 64>(const DecodeParams& p, cudaStream_t str
 }
 
 template <>
+int run_flash_decode_ctas_per_sm<__half, 64>(const DecodeParams& p) {
+  return flash_decode_ctas_per_sm<__half, 64>(p);
+}
+
+template <>
 cudaError_t run_kvcache_append<__half>(const DecodeParams& p, cudaStream_t stream) {
   return launch_kvcache_append<__half>(p, stream);
 }

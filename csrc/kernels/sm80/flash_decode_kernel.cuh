@@ -701,30 +701,62 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
   }
 }
 
-template <typename Element, int kHeadDim, int kMT, bool kRowLookup>
-cudaError_t launch_flash_decode_layout(const DecodeParams& p, cudaStream_t stream) {
-  using T = DecodeTraits<kHeadDim, kMT>;
-  // The kernel splits its grid index with p.m_blocks_div, which the glue computed for
-  // p.block_rows rows per CTA: a launch of other tiles would leave rows out or run past them.
-  if (p.block_rows != T::kRows) return cudaErrorInvalidValue;
-  const int64_t ctas = int64_t{p.m_blocks_div.d} * p.num_splits * p.heads_kv * p.batch;
-  if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
-    if (p.row_lanes == 2)
-      return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 2>, ctas, T::kThreads,
-                    T::kSmem, stream, p);
-    if (p.row_lanes == 8)
-      return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 8>, ctas, T::kThreads,
-                    T::kSmem, stream, p);
+// A kernel as a type (each instantiation its own), for with_decode_kernel's callbacks.
+template <auto kKernel>
+struct KernelTag {
+  static constexpr auto kernel = kKernel;
+};
+
+// Calls fn(KernelTag<kernel>, traits) with the decode kernel instantiation p selects (rows per
+// CTA from p.block_rows, the row lookup for paged caches and p.contiguous_loads = false, the
+// lanes per row from p.row_lanes at head dim 64), so that the launch and the occupancy query
+// (flash_decode_ctas_per_sm) cannot pick different kernels.
+template <typename Element, int kHeadDim, typename Fn>
+auto with_decode_kernel(const DecodeParams& p, Fn&& fn) {
+  auto layout = [&](auto mt, auto row_lookup) {
+    constexpr int kMT = decltype(mt)::value;
+    constexpr bool kRowLookup = decltype(row_lookup)::value;
+    using T = DecodeTraits<kHeadDim, kMT>;
+    if constexpr (kHeadDim == 64) {  // the A/B's load forms (KernelOptions::decode_row_lanes)
+      if (p.row_lanes == 2)
+        return fn(KernelTag<flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 2>>{}, T{});
+      if (p.row_lanes == 8)
+        return fn(KernelTag<flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup, 8>>{}, T{});
+    }
+    return fn(KernelTag<flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup>>{}, T{});
+  };
+  auto tiles = [&](auto mt) {
+    return p.block_table != nullptr || !p.contiguous_loads ? layout(mt, std::true_type{})
+                                                           : layout(mt, std::false_type{});
+  };
+  if constexpr (kHeadDim <= 128) {
+    return p.block_rows == 32 ? tiles(std::integral_constant<int, 2>{})
+                              : tiles(std::integral_constant<int, 1>{});
+  } else {
+    return tiles(std::integral_constant<int, 1>{});
   }
-  return launch(flash_decode_kernel<Element, kHeadDim, kMT, kRowLookup>, ctas, T::kThreads, T::kSmem,
-                stream, p);
 }
 
-template <typename Element, int kHeadDim, int kMT>
-cudaError_t launch_flash_decode_tiles(const DecodeParams& p, cudaStream_t stream) {
-  return p.block_table != nullptr || !p.contiguous_loads
-             ? launch_flash_decode_layout<Element, kHeadDim, kMT, true>(p, stream)
-             : launch_flash_decode_layout<Element, kHeadDim, kMT, false>(p, stream);
+// CTAs of the kernel launch_flash_decode runs for p that one SM holds at once (registers and
+// shared memory), queried once per device and instantiation; 0 if the query fails.
+template <typename Element, int kHeadDim>
+int flash_decode_ctas_per_sm(const DecodeParams& p) {
+  return with_decode_kernel<Element, kHeadDim>(p, [](auto tag, auto traits) {
+    using T = decltype(traits);
+    constexpr auto kernel = decltype(tag)::kernel;
+    // (a lambda type per kernel instantiation: per_device_cached keeps one value for each)
+    auto query = [](int) {
+      if (T::kSmem > 48 * 1024 &&
+          opt_in_smem(reinterpret_cast<const void*>(kernel), T::kSmem) != cudaSuccess)
+        return 0;
+      int ctas = 0;
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, T::kThreads,
+                                                           T::kSmem) == cudaSuccess
+                 ? ctas
+                 : 0;
+    };
+    return per_device_cached(query);
+  });
 }
 
 template <typename Element, int kHeadDim>
@@ -739,13 +771,17 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
       (p.num_splits > 1 && (p.head_dim_v > kCombineMaxDim || p.head_dim_v % 4 != 0 ||
                             row_warps < 1 || kCombineWarps % row_warps != 0)))
     return cudaErrorInvalidValue;
-  cudaError_t err;
-  if constexpr (kHeadDim <= 128) {
-    err = p.block_rows == 32 ? launch_flash_decode_tiles<Element, kHeadDim, 2>(p, stream)
-                             : launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
-  } else {
-    err = launch_flash_decode_tiles<Element, kHeadDim, 1>(p, stream);
-  }
+  const cudaError_t err =
+      with_decode_kernel<Element, kHeadDim>(p, [&](auto tag, auto traits) -> cudaError_t {
+        using T = decltype(traits);
+        constexpr auto kernel = decltype(tag)::kernel;
+        // The kernel splits its grid index with p.m_blocks_div, which the glue computed for
+        // p.block_rows rows per CTA: a launch of other tiles would leave rows out or run
+        // past them.
+        if (p.block_rows != T::kRows) return cudaErrorInvalidValue;
+        const int64_t ctas = int64_t{p.m_blocks_div.d} * p.num_splits * p.heads_kv * p.batch;
+        return launch(kernel, ctas, T::kThreads, T::kSmem, stream, p);
+      });
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int rows_per_combine_cta = kCombineWarps / row_warps;
   return launch_dependent(p.pdl, flash_decode_combine_kernel<Element>,

@@ -23,6 +23,12 @@ constexpr int kMaxDecodeSplits = 256;
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_decode(const DecodeParams& p, cudaStream_t stream);
 
+// CTAs of the decode kernel run_flash_decode launches for p (its rows per CTA, load form and
+// lanes) that one SM holds at once, from the CUDA occupancy calculator (registers and shared
+// memory), cached per device and kernel; 0 if the query fails.  The split heuristic's slots.
+template <typename Element, int kHeadDim>
+int run_flash_decode_ctas_per_sm(const DecodeParams& p);
+
 // The append of k_new / v_new (rotated) into the cache; defined in the head-dim-64 files.
 template <typename Element>
 cudaError_t run_kvcache_append(const DecodeParams& p, cudaStream_t stream);
