@@ -105,10 +105,12 @@ struct KernelOptions {
   // warps: 4, 8 or 16 (0: the default, kCombineSplitsPerWarp); fewer: more warps per row and
   // fewer dependent load batches each.  Experimental: for same-build A/Bs (docs/perf/decode.md).
   int32_t decode_combine_splits = 0;
-  // Decode CTAs per SM the split heuristic counts as the GPU's slots: 1-4 (0: the kernel's
-  // occupancy, cudaOccupancyMaxActiveBlocksPerMultiprocessor: 4 / 3 at head dim 64 with 16 / 32
-  // rows, 2 at 128, 1 at 256 on the H100 / H200).  2 was the fixed count before.  Experimental:
-  // for same-build A/Bs (docs/perf/decode.md, "The split count").
+  // Decode CTAs per SM the split heuristic counts as the GPU's slots: 1-4 (0: the occupancy of
+  // the kernel the other decode options pick, cudaOccupancyMaxActiveBlocksPerMultiprocessor: on
+  // the H100 / H200 4 / 3 at head dim 64 with 16 / 32 rows and the default loads, 2 at 128, 1
+  // at 256; the load forms' counts differ, so an A/B of them with the heuristic's splits pins
+  // this).  2 was the fixed count before.  Experimental: for same-build A/Bs
+  // (docs/perf/decode.md, "The slots").
   int32_t decode_ctas_per_sm = 0;
 };
 

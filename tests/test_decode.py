@@ -204,20 +204,24 @@ def test_block_rows_match_the_reference(head_dim, kernel_opts):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
-    # The split heuristic counts the kernel's CTAs per SM from its occupancy ("auto": 3-4 at
-    # head dim 64, where a fixed 2 was counted) or the option's count: each choice changes the
-    # splits (so the combine's merge) and stays within the error rule of the reference.  MQA
-    # and GQA at batch sizes whose CTAs fill the GPU partly (48: 1.33 waves under the old count
-    # at head dim 64), paged and contiguous, a length that ends mid-tile.
+    # The split heuristic counts the kernel's CTAs per SM from its occupancy ("auto": 4 / 3 at
+    # head dim 64 with 16 / 32 rows on the H100 / H200, where a fixed 2 was counted) or the
+    # option's count; with a long enough cache each count gives other splits (on the H100,
+    # MQA B = 8 at 1, 2, 3, 4 per SM: 8, 16, 23, 32 splits of 16-row CTAs, two m-blocks each;
+    # B = 48, 32 rows: 2 per SM 11 splits, 3 per SM 8), so the combine's merge and the grid's
+    # m-blocks change: each within the error rule of the reference.  A paged GQA call beside
+    # them, lengths that end mid-tile.
     _skip_unless_decode_route(head_dim)
     gen = torch.Generator().manual_seed(47)
     dtype = torch.float16
-    for batch, heads, heads_k, layout in ((48, 32, 1, "plain"), (6, 32, 8, "paged16")):
-        k_cache, v_cache, kw, rows = _cache(batch, 1504, heads_k, head_dim, dtype, layout, gen)
-        q = torch.randn(batch, 1, heads, head_dim, generator=gen).to("cuda", dtype)
-        lens = torch.randint(1, 1505, (batch,), generator=gen)
-        lens[0] = 1500  # (mid-tile)
-        for per_sm in ("auto", 1, 2, 4):
+    for batch, heads_k, layout, cache_len in ((8, 1, "plain", 8192), (48, 1, "plain", 8192),
+                                              (6, 8, "paged16", 1504)):
+        k_cache, v_cache, kw, rows = _cache(batch, cache_len, heads_k, head_dim, dtype, layout,
+                                            gen)
+        q = torch.randn(batch, 1, 32, head_dim, generator=gen).to("cuda", dtype)
+        lens = torch.randint(1, cache_len + 1, (batch,), generator=gen)
+        lens[0] = cache_len - 5  # (mid-tile)
+        for per_sm in ("auto", 1, 2, 3, 4):
             kernel_opts(decode_ctas_per_sm=per_sm)
             out, lse = flash_attn_with_kvcache(q, k_cache, v_cache,
                                                cache_seqlens=lens.to(torch.int32).cuda(),
@@ -225,7 +229,7 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
             assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode")
             _assert_causal_entries(out, lse, q, lens, rows,
                                    f"decode_ctas_per_sm={per_sm}, batch {batch}, "
-                                   f"{heads}/{heads_k} heads, {layout}")
+                                   f"32/{heads_k} heads, {layout}")
 
 
 @pytest.mark.parametrize("keys", ["random", "one_key"])

@@ -107,7 +107,8 @@ int major_version() {
 // Split-KV (FlashAttention-2's num_splits_heuristic, with thresholds from our sweep,
 // docs/perf/decode.md "The split count") over `slots` CTAs that the GPU holds at once (the
 // kernel's CTAs per SM times the SMs: on the H100 / H200 2 at head dim 128, where ~200
-// registers per thread or ~100 KB of shared memory allow no more, 1 at 256, 3-4 at 64). Each
+// registers per thread or ~100 KB of shared memory allow no more, 1 at 256, 2-4 at 64 by the
+// rows per CTA and load form). Each
 // split covers at least 256 keys of the cache's capacity (the lengths are not read on the host)
 // and at most kMaxSplits are taken (the combine's per-row warps).
 // - Where one wave of every allowed split cannot fill the slots (MQA at batch 1: one CTA per

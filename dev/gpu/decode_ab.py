@@ -7,7 +7,10 @@ K/V TB/s in interleaved rounds (A B C A B C ...), SDPA's FLASH and cuDNN backend
 cache, and the device copy rate.  Checks that every value gives the first value's bits.
 
 Usage on the GPU machine:
-    python3 dev/gpu/decode_ab.py --option decode_row_lanes --values 2 4 8 --dims 64
+    python3 dev/gpu/decode_ab.py --option decode_row_lanes --values 2 4 8 --dims 64 \
+        --fixed decode_ctas_per_sm=4
+    python3 dev/gpu/decode_ab.py --option decode_ctas_per_sm --values "'auto'" 2 \
+        --points mqa --dims 64 128
     python3 dev/gpu/decode_ab.py --option decode_pdl --values True False --points small
     python3 dev/gpu/decode_ab.py --option decode_contiguous_loads --values True False \
         --points small --l2 cold
@@ -56,7 +59,7 @@ def layer_count(nbytes: int, l2: str) -> int:
     return min(64, max(1, -(-3 * l2_bytes // nbytes)))  # (64: a graph of bounded size)
 
 
-def point(batch, seqlen, heads_kv, d, option, values, rounds, l2="warm"):
+def point(batch, seqlen, heads_kv, d, option, values, rounds, l2="warm", fixed=None):
     torch.manual_seed(0)  # (drawn on the GPU: a 2 GB cache drawn on the CPU takes seconds)
     q = torch.randn(batch, 1, HEADS, d, device="cuda", dtype=torch.bfloat16)
     shape = (batch, seqlen, heads_kv, d)
@@ -74,12 +77,12 @@ def point(batch, seqlen, heads_kv, d, option, values, rounds, l2="warm"):
             flash_attn_ext.flash_attn_with_kvcache(q, kl, vl, cache_seqlens=lens)
     outs, best = [], [float("inf")] * len(values)
     for value in values:
-        with flash_attn_ext.kernel_options(**{option: value}):
+        with flash_attn_ext.kernel_options(**{**(fixed or {}), option: value}):
             outs.append(ours_one())
     same = all(torch.equal(out, outs[0]) for out in outs)
     for _ in range(rounds):
         for i, value in enumerate(values):
-            with flash_attn_ext.kernel_options(**{option: value}):
+            with flash_attn_ext.kernel_options(**{**(fixed or {}), option: value}):
                 best[i] = min(best[i], graph_ms(ours, reps=10, groups=3) / len(layers))
     row = [f"B={batch:3d} S={seqlen:6d} H_kv={heads_kv} d={d:3d}"]
     if l2 == "cold":
@@ -118,13 +121,18 @@ def main() -> None:
     parser.add_argument("--l2", choices=["warm", "cold"], default="warm",
                         help="cold: each timed call reads another copy of the cache, as a decode "
                              "step over many layers does (layer_count)")
+    parser.add_argument("--fixed", nargs="*", default=[], metavar="OPTION=VALUE",
+                        help="other kernel options held for every value, e.g. "
+                             "decode_ctas_per_sm=4 when A/B-ing the load forms (their "
+                             "occupancies differ, so the heuristic's split counts would too)")
     args = parser.parse_args()
     values = [ast.literal_eval(v) for v in args.values]
+    fixed = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in args.fixed)}
     print(torch.cuda.get_device_name(), torch.__version__, f"{args.option}: {values}", flush=True)
     for d in args.dims:
         for batch, seqlen, heads_kv in POINTS[args.points]:
-            print(point(batch, seqlen, heads_kv, d, args.option, values, args.rounds, args.l2),
-                  flush=True)
+            print(point(batch, seqlen, heads_kv, d, args.option, values, args.rounds, args.l2,
+                        fixed), flush=True)
 
 
 if __name__ == "__main__":
