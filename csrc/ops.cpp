@@ -18,10 +18,16 @@ namespace flash_attn_ext {
 
 namespace {
 
+// The four dtypes of either route (the CPU kernels and the unfused fallback): not every
+// floating one, since ATen counts float8 as floating.
+bool is_float_dtype(at::ScalarType d) {
+  return d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16;
+}
+
 bool is_supported_dtype(const at::Tensor& t) {
   const auto d = t.scalar_type();
   if (t.is_cuda()) return d == at::kHalf || d == at::kBFloat16;
-  return d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16;
+  return is_float_dtype(d);
 }
 
 }  // namespace
@@ -106,12 +112,10 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
                     "q, k and v must be on the same device, got q.device=", q.device(),
                     ", k.device=", k.device(), ", v.device=", v.device());
   // Without kernel_dtypes (a call the unfused fallback may serve) the four dtypes of either
-  // route, not every floating one: float8 passed at::isFloatingType and ran unfused in float8
-  // with a warning that no kernel or fallback took it (a new-user finding).
+  // route: float8 passed at::isFloatingType and ran unfused in float8 with a warning that no
+  // kernel or fallback took it (a new-user finding).
   const auto d = q.scalar_type();
-  const bool dtype_ok = kernel_dtypes ? is_supported_dtype(q)
-                                      : d == at::kFloat || d == at::kDouble || d == at::kHalf ||
-                                            d == at::kBFloat16;
+  const bool dtype_ok = kernel_dtypes ? is_supported_dtype(q) : is_float_dtype(d);
   TORCH_CHECK_VALUE(dtype_ok, "q.dtype=", dtype_name(d), " is not supported on ",
                     q.device().type(), ": CPU takes float32, float64, float16 and bfloat16; CUDA "
                     "takes float16 and bfloat16",

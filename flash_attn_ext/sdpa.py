@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import planning, policy, unfused
+from . import ops, planning, policy, unfused
 from ._call import (
     autocast_dtype,
     check_bool,
@@ -128,7 +128,7 @@ def check_sdpa_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
     """ValueError unless ``dtype`` (query's, or what autocast runs the call in) is one of the
     four the drop-in takes: float8 counts as floating point but no route takes it (it ran
     unfused in float8 where the head dim sent the call to the fallback; a new-user finding)."""
-    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    if dtype not in ops._FLOAT_DTYPES:
         raise ValueError(f"query.dtype={query.dtype} is not supported: query, key and value must "
                          f"be float32, float64, float16 or bfloat16 (CPU: all four; CUDA: "
                          f"float16 and bfloat16 on the kernels, float32 on a fallback)")
