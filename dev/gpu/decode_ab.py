@@ -1,10 +1,12 @@
 """A kernel option of the decode call, A/B in one process: flash_attn_with_kvcache with each
-value of one option of flash_attn_ext.kernel_options (decode_row_lanes: lanes per cache row of
+value of one option of flash_attn_ext.kernel_options (decode_ctas_per_sm: the slots the split
+heuristic counts per SM; decode_row_lanes: lanes per cache row of
 the copies at head dim 64; decode_pdl: the combine as a programmatic dependent launch;
 decode_contiguous_loads: a contiguous cache's rows by offsets alone or by the paged lookup), one
 query token, 32 query heads, bf16, a full contiguous cache; graph-replayed time per call and
 K/V TB/s in interleaved rounds (A B C A B C ...), SDPA's FLASH and cuDNN backends on the same
-cache, and the device copy rate.  Checks that every value gives the first value's bits.
+cache, and the device copy rate.  Checks that every value gives the first value's bits, or
+says the largest difference where a value changes the split count.
 
 Usage on the GPU machine:
     python3 dev/gpu/decode_ab.py --option decode_row_lanes --values 2 4 8 --dims 64 \
@@ -42,6 +44,11 @@ POINTS = {
     # batch 32: 32 CTAs of 32 rows; measured 16 better at 8, 32 better at 64)
     "mqa": [(8, 32768, 1), (16, 32768, 1), (24, 32768, 1), (32, 32768, 1), (48, 32768, 1),
             (64, 32768, 1), (16, 8192, 1), (32, 8192, 1), (64, 8192, 1)],
+    # GQA 32:8 where the slots heuristic (decode_ctas_per_sm) changes the split count at head
+    # dim 64 (docs/perf/decode.md, "The slots"): short caches that gain a combine launch, and
+    # middle batches
+    "gqa": [(8, 1024, 8), (16, 1024, 8), (32, 1024, 8), (48, 1024, 8), (8, 8192, 8),
+            (16, 8192, 8), (32, 8192, 8), (48, 8192, 8), (8, 32768, 8)],
 }
 HEADS = 32
 
@@ -80,6 +87,9 @@ def point(batch, seqlen, heads_kv, d, option, values, rounds, l2="warm", fixed=N
         with flash_attn_ext.kernel_options(**{**(fixed or {}), option: value}):
             outs.append(ours_one())
     same = all(torch.equal(out, outs[0]) for out in outs)
+    # (values that change the split count round differently: the largest difference says
+    # whether it is rounding)
+    diff = max((out.float() - outs[0].float()).abs().max().item() for out in outs)
     for _ in range(rounds):
         for i, value in enumerate(values):
             with flash_attn_ext.kernel_options(**{**(fixed or {}), option: value}):
@@ -106,7 +116,7 @@ def point(batch, seqlen, heads_kv, d, option, values, rounds, l2="warm", fixed=N
     dst = torch.empty_like(src)
     copy_ms = graph_ms(lambda: dst.copy_(src), reps=10, groups=3)
     row.append(f"copy {2 * nbytes / copy_ms / 1e9:5.2f}")  # (read + write)
-    row.append("bits equal" if same else "BITS DIFFER")
+    row.append("bits equal" if same else f"bits differ (max {diff:.1e})")
     return "  ".join(row)
 
 
