@@ -34,6 +34,12 @@ _ORIGINAL_NAME = "fallback:the original torch.nn.functional.scaled_dot_product_a
 def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False, **kwargs):
     reason: Optional[str] = None
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        # (the drop-in's TypeError, as PyTorch's function raises one; the checks below read
+        # tensor attributes)
+        return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                            dropout_p=dropout_p, is_causal=is_causal,
+                                            scale=scale, enable_gqa=enable_gqa, **kwargs)
     if kwargs:
         reason = f"unsupported arguments {sorted(kwargs)}"
     elif any(getattr(t, "is_nested", False) for t in (query, key, value)):

@@ -259,3 +259,15 @@ def test_a_patch_handle_entered_again_patches_again():
     with handle:
         assert flash_attn_ext.is_patched()
     assert F.scaled_dot_product_attention is original
+
+
+@pytest.mark.parametrize("bad", ["query", "key", "value"])
+def test_patch_raises_typeerror_for_a_non_tensor_as_pytorch_does(bad):
+    """A list where a tensor belongs: PyTorch's function raises TypeError, and so does the
+    patched one (it read query.dim() first and raised AttributeError)."""
+    args = {name: torch.randn(1, 2, 5, 8) for name in ("query", "key", "value")}
+    args[bad] = [1.0]
+    with pytest.raises(TypeError):
+        F.scaled_dot_product_attention(args["query"], args["key"], args["value"])
+    with flash_attn_ext.patch(), pytest.raises(TypeError, match=bad):
+        F.scaled_dot_product_attention(args["query"], args["key"], args["value"])
