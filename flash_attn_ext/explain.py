@@ -39,6 +39,14 @@ _CALL_KEYWORDS = {
 }
 
 
+# The packed-sequence and KV-cache functions' own arguments (their calls are not explained:
+# last_plan() names the kernels after the call).
+_PACKED_KEYWORDS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                              "block_table", "seqused_k", "cache_seqlens", "cache_batch_idx",
+                              "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_interleaved",
+                              "num_splits", "k_cache", "v_cache"})
+
+
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             layout: str = "bhld", enable_gqa: bool = False, **call_kwargs) -> Plan:
     """Says which kernel would serve attention on these tensors, without running it.
@@ -72,7 +80,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             message (the call's checks, in its order: e.g. head dims outside 1..256 with
             ``"blhd"``, which flash_attn_func refuses, while the SDPA drop-in runs them on
             the unfused math, which the plan names as a fallback).
-        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``); a
+        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``;
+            flash_attn_varlen_func's and flash_attn_with_kvcache's own arguments, such as
+            ``cu_seqlens_q``, with a pointer to ``last_plan()``, which names their kernels); a
             tensor argument that is not a tensor, as the call.
     """
     if layout not in _CALL_KEYWORDS:
@@ -80,8 +90,12 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     unknown = set(call_kwargs) - _CALL_KEYWORDS[layout]
     if unknown:
         function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
+        packed = sorted(unknown & _PACKED_KEYWORDS)
+        hint = (f" ({packed} belong to flash_attn_varlen_func / flash_attn_with_kvcache, which "
+                f"explain() does not plan: run the call and read flash_attn_ext.last_plan(), "
+                f"which names their kernels)" if packed else "")
         raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
-                        f"does not take: {sorted(unknown)}")
+                        f"does not take: {sorted(unknown)}{hint}")
     # The SDPA drop-in checks its own tensor rules (dtype, devices, ...) once more where the
     # kernels' checks raise, and raises the broken rule's error first (sdpa.py): so does this.
     reached = []

@@ -34,6 +34,14 @@ def test_explain_layouts_and_errors():
     assert explain(q, q, q, layout="blhd").fused
     with pytest.raises(ValueError, match="layout"):
         explain(q, q, q, layout="xyz")
+    with pytest.raises(TypeError, match=r"\['is_casual'\]$"):
+        explain(q, q, q, is_casual=True)
+    # Packed-sequence and KV-cache arguments: not planned here; the error says where to look.
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    for layout in ("bhld", "blhd"):
+        with pytest.raises(TypeError, match=r"\['cu_seqlens_q'\] belong to "
+                                            r"flash_attn_varlen_func.*last_plan\(\)"):
+            explain(q, q, q, layout=layout, cu_seqlens_q=cu, causal_typo=1)
 
 
 def _mixed_autocast():
