@@ -6,7 +6,8 @@ Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested 
 value broadcast against query: a batch or head count of 1 or fewer dimensions, which PyTorch's
 function broadcasts; enable_gqa with key and value of different head counts; inside
 torch.func's gradient transforms or forward-mode AD, which the drop-in refuses) go to PyTorch's
-own function, reported like every fallback (warning once, counted, an error in strict mode).
+own function, reported like every fallback (warning once, counted, an error in strict mode);
+so do non-tensor arguments, unreported (PyTorch's TypeError, or torch.fx's tracing proxies).
 Code that imported the function by name before patching keeps the original, and modules that
 never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
 (its default) computes the weights itself, and ``nn.TransformerEncoderLayer``'s native fast
@@ -35,11 +36,11 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
              enable_gqa=False, **kwargs):
     reason: Optional[str] = None
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
-        # (the drop-in's TypeError, as PyTorch's function raises one; the checks below read
-        # tensor attributes)
-        return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                            dropout_p=dropout_p, is_causal=is_causal,
-                                            scale=scale, enable_gqa=enable_gqa, **kwargs)
+        # PyTorch's function, unreported: it raises its TypeError for a list, and a tracer's
+        # stand-in (torch.fx's Proxy) records the call as PyTorch's; the checks below read
+        # tensor attributes.
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)
     if kwargs:
         reason = f"unsupported arguments {sorted(kwargs)}"
     elif any(getattr(t, "is_nested", False) for t in (query, key, value)):

@@ -5,6 +5,9 @@ rows and no memory error; no host synchronisation; CUDA-graph capture."""
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,6 +224,7 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
         q = torch.randn(batch, 1, 32, head_dim, generator=gen).to("cuda", dtype)
         lens = torch.randint(1, cache_len + 1, (batch,), generator=gen)
         lens[0] = cache_len - 5  # (mid-tile)
+        outs = {}
         for per_sm in ("auto", 1, 2, 3, 4):
             kernel_opts(decode_ctas_per_sm=per_sm)
             out, lse = flash_attn_with_kvcache(q, k_cache, v_cache,
@@ -230,6 +234,19 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
             _assert_causal_entries(out, lse, q, lens, rows,
                                    f"decode_ctas_per_sm={per_sm}, batch {batch}, "
                                    f"32/{heads_k} heads, {layout}")
+            outs[per_sm] = out
+        # "auto" took the occupancy, not the fallback count (2; 1 at head dim 256) of a query
+        # that failed: where the count is known (sm_90 code on a 132-SM H100 / H200: 4 CTAs per
+        # SM of the 16-row kernel at head dim 64, 2 at 128, 1 at 256), auto gives that count's
+        # bits, and at head dim 64 not the fallback's (MQA B = 8: 32 splits against 16).
+        props = torch.cuda.get_device_properties(0)
+        sm90_code = "9.0" in flash_attn_ext.ops.build_info()["cuda_archs"]
+        if (batch, layout) == (8, "plain") and sm90_code and \
+                (props.major, props.minor, props.multi_processor_count) == (9, 0, 132):
+            count = {64: 4, 128: 2, 256: 1}[head_dim]
+            assert torch.equal(outs["auto"], outs[count]), (head_dim, count)
+            if head_dim == 64:
+                assert not torch.equal(outs["auto"], outs[2])
 
 
 @pytest.mark.parametrize("keys", ["random", "one_key"])
@@ -432,6 +449,46 @@ def test_a_call_never_synchronises_and_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(k_pages, k_eager)
+
+
+FIRST_CAPTURE = """
+import torch, flash_attn_ext
+from flash_attn_ext import flash_attn_with_kvcache
+torch.manual_seed(3)
+large_smem = torch.cuda.get_device_capability() in flash_attn_ext.kvcache._LARGE_SMEM_CAPABILITIES
+for d, heads_k, opts in ((64, 1, {}), (64, 1, {"decode_row_lanes": 2}), (128, 8, {})):
+    if d > 64 and not large_smem:
+        continue  # (such GPUs send head dims above 64 to the packed-sequence kernels)
+    q = torch.randn(2, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4096, heads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lens = torch.tensor([4000, 37], dtype=torch.int32, device="cuda")
+    with flash_attn_ext.kernel_options(**opts):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        want = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+        torch.cuda.synchronize()
+        assert flash_attn_ext.last_plan().kernel.startswith("sm80_decode"), d
+        assert torch.equal(out, want), (d, opts)
+print("ok")
+"""
+
+
+def test_the_first_call_of_a_process_is_captured_in_a_cuda_graph():
+    # A process's first decode call makes the per-device queries (the opt-in to large shared
+    # memory, the SM count, the kernel's occupancy for the split heuristic's slots): captured
+    # with no warm-up call, in a fresh process where nothing is cached yet, the replay equals
+    # an eager call (the other graph tests warm up first).
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_ext.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", FIRST_CAPTURE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])

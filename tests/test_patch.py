@@ -264,10 +264,25 @@ def test_a_patch_handle_entered_again_patches_again():
 @pytest.mark.parametrize("bad", ["query", "key", "value"])
 def test_patch_raises_typeerror_for_a_non_tensor_as_pytorch_does(bad):
     """A list where a tensor belongs: PyTorch's function raises TypeError, and so does the
-    patched one (it read query.dim() first and raised AttributeError)."""
+    patched one (it read query.dim() first and raised AttributeError): PyTorch's own."""
     args = {name: torch.randn(1, 2, 5, 8) for name in ("query", "key", "value")}
     args[bad] = [1.0]
     with pytest.raises(TypeError):
         F.scaled_dot_product_attention(args["query"], args["key"], args["value"])
     with flash_attn_ext.patch(), pytest.raises(TypeError, match=bad):
         F.scaled_dot_product_attention(args["query"], args["key"], args["value"])
+
+
+def test_torch_fx_traces_a_module_under_patch():
+    """torch.fx.symbolic_trace passes Proxies, not tensors: the patched function hands them to
+    PyTorch's, which records the call (the drop-in raised TypeError for a Proxy); the traced
+    module runs on whatever the function is when it is called."""
+    model = TinyAttention()
+    x, mask = torch.randn(2, 11, 32), torch.rand(2, 1, 1, 11) > 0.3
+    with flash_attn_ext.patch():
+        # (a mask: the trace fixes is_causal=mask is None for a Proxy mask, as False)
+        traced = torch.fx.symbolic_trace(model)
+        assert torch.allclose(traced(x, mask), model(x, mask), atol=1e-5)
+    assert any(node.target is F.scaled_dot_product_attention or
+               getattr(node.target, "__name__", "") == "scaled_dot_product_attention"
+               for node in traced.graph.nodes)

@@ -13,8 +13,8 @@
 namespace flash_attn_ext::sm80 {
 
 // query() (> 0 on success, 0 on failure) for the current device, called once per device and
-// call site (each lambda type has its own cache); failures are not cached and any CUDA error
-// they left is cleared, so the next launch check does not report it.  0 if it failed.
+// call site (each lambda type has its own cache); a failure is cached too (as -1), and the CUDA
+// error it left is cleared once, so the next launch check does not report it.  0 if it failed.
 template <typename Query>
 int per_device_cached(Query query) {
   constexpr int kMaxDevices = 64;
@@ -25,14 +25,14 @@ int per_device_cached(Query query) {
     return 0;
   }
   int value = device < kMaxDevices ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (value != 0) return value;
+  if (value != 0) return value > 0 ? value : 0;
   value = query(device);
   if (value <= 0) {
     (void)cudaGetLastError();
-    return 0;
+    value = -1;  // (cached too: a failed query is not repeated, nor its error cleared, per call)
   }
   if (device < kMaxDevices) cache[device].store(value, std::memory_order_relaxed);
-  return value;
+  return value > 0 ? value : 0;
 }
 
 // Largest dynamic shared memory a block may opt in to on the current device, queried once per
