@@ -236,17 +236,18 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
                                    f"32/{heads_k} heads, {layout}")
             outs[per_sm] = out
         # "auto" took the occupancy, not the fallback count (2; 1 at head dim 256) of a query
-        # that failed: where the count is known (sm_90 code on a 132-SM H100 / H200: 4 CTAs per
-        # SM of the 16-row kernel at head dim 64, 2 at 128, 1 at 256), auto gives that count's
-        # bits, and at head dim 64 not the fallback's (MQA B = 8: 32 splits against 16).
+        # that failed.  Where the counts are known (sm_90 code on a 132-SM H100 / H200): at
+        # head dim 64 the 16-row kernel holds 3 or 4 CTAs per SM (ptxas: 124-132 registers,
+        # where 128 is the line), never 2, and MQA B = 8 gives 8, 16, 23 and 32 splits at 1-4
+        # per SM, so auto's bits are those of 3 or 4 and not the fallback's; at 128 and 256
+        # shared memory holds 2 and 1, so auto's bits are the old rule's.
         props = torch.cuda.get_device_properties(0)
         sm90_code = "9.0" in flash_attn_ext.ops.build_info()["cuda_archs"]
         if (batch, layout) == (8, "plain") and sm90_code and \
                 (props.major, props.minor, props.multi_processor_count) == (9, 0, 132):
-            count = {64: 4, 128: 2, 256: 1}[head_dim]
-            assert torch.equal(outs["auto"], outs[count]), (head_dim, count)
-            if head_dim == 64:
-                assert not torch.equal(outs["auto"], outs[2])
+            same = [n for n in (1, 2, 3, 4) if torch.equal(outs["auto"], outs[n])]
+            want = {64: [3, 4], 128: [2], 256: [1]}[head_dim]
+            assert same and set(same) <= set(want), (head_dim, same)
 
 
 @pytest.mark.parametrize("keys", ["random", "one_key"])
