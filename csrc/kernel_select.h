@@ -109,8 +109,8 @@ struct KernelOptions {
   // the kernel the other decode options pick, cudaOccupancyMaxActiveBlocksPerMultiprocessor: on
   // the H100 / H200 with sm_90 code 4 / 3 at head dim 64 with 16 / 32 rows and the default
   // loads, 2 at 128, 1 at 256; sm_80 code and other GPUs differ (docs/perf/decode.md), and so
-  // do the load forms, so an A/B of them with the heuristic's splits pins this).  2 was the fixed count before.  Experimental: for same-build A/Bs
-  // (docs/perf/decode.md, "The slots").
+  // do the load forms, so an A/B of them with the heuristic's splits pins this).  2 was the
+  // fixed count before.  Experimental: for same-build A/Bs (docs/perf/decode.md, "The slots").
   int32_t decode_ctas_per_sm = 0;
 };
 

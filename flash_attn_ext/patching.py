@@ -82,9 +82,9 @@ def _refused_transform(query, key, value, attn_mask, dropout_p) -> Optional[str]
 def _uneven_groups(query, key, value, enable_gqa) -> bool:
     """Whether enable_gqa groups query's heads over key and value with different head counts
     (each dividing query's), which PyTorch's function takes and the drop-in refuses
-    (ValueError: one KV head count, as FlashAttention's)."""
-    if not (enable_gqa is True and all(isinstance(t, torch.Tensor) for t in (query, key, value))
-            and query.dim() >= 3 and key.dim() == query.dim() == value.dim()):
+    (ValueError: one KV head count, as FlashAttention's).  query, key and value are tensors
+    and query has 3 or more dimensions (_patched's earlier checks)."""
+    if not (enable_gqa is True and key.dim() == query.dim() == value.dim()):
         return False
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
     return hk != hv and hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0
@@ -94,9 +94,8 @@ def _broadcasts(query, key, value, enable_gqa) -> bool:
     """Whether key or value differ from query in rank or in their dimensions before (S, E) in a
     way PyTorch's function broadcasts (a batch or head count of 1, fewer dimensions), which the
     drop-in refuses (ValueError).  Grouped heads with enable_gqa are the drop-in's own; shapes
-    that do not broadcast either stay with it, for its error."""
-    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
-        return False  # (the drop-in names the argument)
+    that do not broadcast either stay with it, for its error.  query, key and value are tensors
+    (_patched's first check)."""
     lead_q = tuple(query.shape[:-2])
     for t in (key, value):
         lead = tuple(t.shape[:-2])

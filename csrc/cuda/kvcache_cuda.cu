@@ -108,9 +108,9 @@ int major_version() {
 // docs/perf/decode.md "The split count") over `slots` CTAs that the GPU holds at once (the
 // kernel's CTAs per SM times the SMs: on the H100 / H200 2 at head dim 128, where ~200
 // registers per thread or ~100 KB of shared memory allow no more, 1 at 256, 2-4 at 64 by the
-// rows per CTA and load form). Each
-// split covers at least 256 keys of the cache's capacity (the lengths are not read on the host)
-// and at most kMaxSplits are taken (the combine's per-row warps).
+// rows per CTA and load form).  Each split covers at least 256 keys of the cache's capacity (the
+// lengths are not read on the host) and at most kMaxSplits are taken (the combine's per-row
+// warps).
 // - Where one wave of every allowed split cannot fill the slots (MQA at batch 1: one CTA per
 //   split), every allowed split: bandwidth grew in proportion to the CTAs there (each reads at a
 //   rate of its own), and FlashAttention-2's 85% rule left 14% on the table.
