@@ -105,12 +105,13 @@ struct KernelOptions {
   // warps: 4, 8 or 16 (0: the default, kCombineSplitsPerWarp); fewer: more warps per row and
   // fewer dependent load batches each.  Experimental: for same-build A/Bs (docs/perf/decode.md).
   int32_t decode_combine_splits = 0;
-  // Decode CTAs per SM the split heuristic counts as the GPU's slots: 1-4 (0: the occupancy of
-  // the kernel the other decode options pick, cudaOccupancyMaxActiveBlocksPerMultiprocessor: on
-  // the H100 / H200 with sm_90 code 4 / 3 at head dim 64 with 16 / 32 rows and the default
-  // loads, 2 at 128, 1 at 256; sm_80 code and other GPUs differ (docs/perf/decode.md), and so
-  // do the load forms, so an A/B of them with the heuristic's splits pins this).  2 was the
-  // fixed count before.  Experimental: for same-build A/Bs (docs/perf/decode.md, "The slots").
+  // Decode CTAs per SM the split heuristic takes as resident, to trim a grid that ends in a
+  // partial wave of them (its target stays two per SM, one at head dim 256): 1-4 (0: the
+  // occupancy of the kernel the other decode options pick,
+  // cudaOccupancyMaxActiveBlocksPerMultiprocessor: on the H100 / H200 with sm_90 code 4 / 3 at
+  // head dim 64 with 16 / 32 rows and the default loads, 2 at 128, 1 at 256; sm_80 code, other
+  // GPUs and the load forms differ, docs/perf/decode.md).  Experimental: for same-build A/Bs
+  // (docs/perf/decode.md, "The slots").
   int32_t decode_ctas_per_sm = 0;
 };
 

@@ -120,8 +120,8 @@ def set_kernel_options(**options) -> dict:
     ``decode_combine_splits`` ("auto", 4, 8 or 16: splits one warp of the decode combine reads
     before a row's splits are spread over more warps), ``decode_block_rows`` ("auto", 16 or
     32: query rows one decode CTA takes at head dims up to 128), ``decode_ctas_per_sm``
-    ("auto", 1, 2, 3 or 4: decode CTAs per SM the split heuristic counts; "auto" asks the
-    kernel's occupancy).
+    ("auto", 1, 2, 3 or 4: decode CTAs per SM the split heuristic takes as resident, to trim
+    a partial last wave; "auto" asks the kernel's occupancy).
     csrc/kernel_select.h says what each does.  Raises ``ValueError`` for an unknown option or a
     bad value (nothing is changed then).
     """

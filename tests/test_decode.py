@@ -207,13 +207,14 @@ def test_block_rows_match_the_reference(head_dim, kernel_opts):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
-    # The split heuristic counts the kernel's CTAs per SM from its occupancy ("auto": 4 / 3 at
-    # head dim 64 with 16 / 32 rows on the H100 / H200, where a fixed 2 was counted) or the
-    # option's count; with a long enough cache each count gives other splits (on the H100,
-    # MQA B = 8 at 1, 2, 3, 4 per SM: 8, 16, 23, 32 splits of 16-row CTAs, two m-blocks each;
-    # B = 48, 32 rows: 2 per SM 11 splits, 3 per SM 8), so the combine's merge and the grid's
-    # m-blocks change: each within the error rule of the reference.  A paged GQA call beside
-    # them, lengths that end mid-tile.
+    # The split heuristic aims at two CTAs per SM (one at head dim 256) and trims a grid that
+    # ends in a partial wave of the CTAs the GPU holds at once: the kernel's occupancy
+    # ("auto") or the option's count per SM.  MQA B = 48 (32-row CTAs at head dims up to 128,
+    # 16-row at 256) is where the counts differ on the H100 / H200: 11 splits at 1, 2 and 4
+    # per SM at head dim 64, 8 at 3 (docs/perf/decode.md, "The slots"), so the combine's
+    # merge and the grid's m-blocks change: each within the error rule of the reference.  MQA
+    # B = 8 (16-row CTAs, two m-blocks each) and a paged GQA call beside them, lengths that end
+    # mid-tile.
     _skip_unless_decode_route(head_dim)
     gen = torch.Generator().manual_seed(47)
     dtype = torch.float16
@@ -235,21 +236,19 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
                                    f"decode_ctas_per_sm={per_sm}, batch {batch}, "
                                    f"32/{heads_k} heads, {layout}")
             outs[per_sm] = out
-        # "auto" took the occupancy, not the fallback count (2; 1 at head dim 256) of a query
-        # that failed.  Where the counts are known (sm_90 code on a 132-SM H100 / H200): at
-        # head dim 64 the 16-row kernel holds 3 or 4 CTAs per SM (ptxas: 124-132 registers,
-        # where 128 is the line), never 2, and MQA B = 8 gives 8, 16, 23 and 32 splits at 1-4
-        # per SM, so auto's bits are those of 3 or 4 and not the fallback's; at 128 and 256
-        # shared memory holds 2 and 1, so auto's bits are the old rule's.
+        # "auto" took the occupancy (a failed query trims nothing: the bits of 1, 2 and 4 per
+        # SM at head dim 64).  Where the counts are known (sm_90 code on a 132-SM H100 /
+        # H200): the 32-row kernel at head dim 64 holds 3 CTAs per SM, 2 at 128, and the
+        # 16-row one 1 at 256; at B = 48 each of these trims where the next count does not,
+        # or the other way round (64: 3 gives 8 splits, 2 gives 11; 128: 2 gives 11, 3 gives
+        # 8; 256: 1 gives 4, 2 gives 2).
         props = torch.cuda.get_device_properties(0)
         sm90_code = "9.0" in flash_attn_ext.ops.build_info()["cuda_archs"]
-        if (batch, layout) == (8, "plain") and sm90_code and \
+        if (batch, layout) == (48, "plain") and sm90_code and \
                 (props.major, props.minor, props.multi_processor_count) == (9, 0, 132):
-            same = [n for n in (1, 2, 3, 4) if torch.equal(outs["auto"], outs[n])]
-            if head_dim == 64:
-                assert set(same) & {3, 4} and not set(same) & {1, 2}, same
-            else:
-                assert {128: 2, 256: 1}[head_dim] in same, (head_dim, same)
+            same = {n for n in (1, 2, 3, 4) if torch.equal(outs["auto"], outs[n])}
+            known, other = {64: (3, 2), 128: (2, 3), 256: (1, 2)}[head_dim]
+            assert known in same and other not in same, (head_dim, same)
 
 
 @pytest.mark.parametrize("keys", ["random", "one_key"])

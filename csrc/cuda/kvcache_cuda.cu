@@ -105,31 +105,43 @@ int major_version() {
   });
 }
 // Split-KV (FlashAttention-2's num_splits_heuristic, with thresholds from our sweep,
-// docs/perf/decode.md "The split count") over `slots` CTAs that the GPU holds at once (the
-// kernel's CTAs per SM times the SMs: on the H100 / H200 2 at head dim 128, where ~200
-// registers per thread or ~100 KB of shared memory allow no more, 1 at 256, 2-4 at 64 by the
-// rows per CTA and load form).  Each split covers at least 256 keys of the cache's capacity (the
-// lengths are not read on the host) and at most kMaxSplits are taken (the combine's per-row
+// docs/perf/decode.md "The split count") over `slots` CTAs: two per SM at head dims up to 128,
+// one at 256, the CTAs that saturate the memory bandwidth (measured: counting the kernel's
+// whole occupancy instead, 3-4 per SM at head dim 64, made more splits and ran 5-35% slower at
+// all but one point; "The slots").  Each split covers at least 256 keys of the cache's capacity
+// (the lengths are not read on the host) and at most kMaxSplits are taken (the combine's per-row
 // warps).
 // - Where one wave of every allowed split cannot fill the slots (MQA at batch 1: one CTA per
 //   split), every allowed split: bandwidth grew in proportion to the CTAs there (each reads at a
 //   rate of its own), and FlashAttention-2's 85% rule left 14% on the table.
 // - Else the smallest count within 95% of the best wave efficiency: the 85% rule's 29 of 33
 //   splits left 24 of 264 slots empty and measured 8-9% below the full wave.
-int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int64_t slots) {
+// - Then `resident` (the CTAs the GPU holds at once: the kernel's occupancy times the SMs; 0 if
+//   unknown): a grid past it that ends in a partial wave there (under 90% full) is cut to its
+//   whole waves.  At head dim 64 the 32-row kernel holds 3 per SM, so MQA B = 48 took 11 splits
+//   (528 CTAs: two waves of 264, but 1.33 waves of the 396 that run at once, 186 us) where 8
+//   (384, one wave) take 153 us.
+int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int64_t slots, int64_t resident) {
   slots = std::max<int64_t>(slots, 1);
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (seqlen_cache + 255) / 256));
   if (ctas <= 0 || ctas >= slots || most == 1) return 1;
-  if (ctas * most <= slots) return most;
-  auto efficiency = [&](int64_t s) {
-    const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
-    return waves / std::ceil(waves);
-  };
-  double best = 0.0;
-  for (int64_t s = 1; s <= most; ++s) best = std::max(best, efficiency(s));
-  for (int64_t s = 1; s <= most; ++s)
-    if (efficiency(s) >= 0.95 * best) return s;
-  return 1;
+  int64_t splits = most;
+  if (ctas * most > slots) {
+    auto efficiency = [&](int64_t s) {
+      const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
+      return waves / std::ceil(waves);
+    };
+    double best = 0.0;
+    for (int64_t s = 1; s <= most; ++s) best = std::max(best, efficiency(s));
+    for (splits = 1; splits < most; ++splits)
+      if (efficiency(splits) >= 0.95 * best) break;
+  }
+  if (resident >= ctas && ctas * splits > resident) {
+    const double waves = static_cast<double>(ctas * splits) / static_cast<double>(resident);
+    if (waves / std::ceil(waves) < 0.9)
+      splits = std::max<int64_t>(1, static_cast<int64_t>(std::floor(waves)) * resident / ctas);
+  }
+  return splits;
 }
 
 template <typename Fn>
@@ -235,17 +247,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   p.contiguous_loads = kernel_options().decode_contiguous_loads;
   int64_t splits = num_splits;
   if (splits <= 0) {
-    // The slots: CTAs of this kernel one SM holds at once (its occupancy; the kernel option for
-    // A/Bs), times the SMs.  Head dim 64 holds 3-4 per SM where a fixed 2 was counted, which
-    // made waves of 1.33 where the heuristic saw 2 whole ones (docs/perf/decode.md).
+    // The resident CTAs: this kernel's CTAs per SM (its occupancy; the kernel option for A/Bs)
+    // times the SMs, which only trims a partial last wave (heuristic_splits).
     int per_sm = kernel_options().decode_ctas_per_sm;
     if (per_sm <= 0)
       per_sm = by_decode_instance(q, p.head_dim, [&](auto element, auto dim) {
         return sm80::run_flash_decode_ctas_per_sm<decltype(element), decltype(dim)::value>(p);
       });
-    if (per_sm <= 0) per_sm = p.head_dim > 128 ? 1 : 2;  // (the query failed: the old count)
-    splits = heuristic_splits(ctas, p.seqlen_cache,
-                              int64_t{per_sm} * std::max(sm80::multiprocessor_count(), 1));
+    const int64_t sms = std::max(sm80::multiprocessor_count(), 1);
+    splits = heuristic_splits(ctas, p.seqlen_cache, (p.head_dim > 128 ? 1 : 2) * sms,
+                              std::max(per_sm, 0) * sms);  // (a failed query: 0, no trim)
   }
   p.num_splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   // (The kernel's packed rows and its grid index are 32-bit: FastDiv's range.)

@@ -1,6 +1,6 @@
 """A kernel option of the decode call, A/B in one process: flash_attn_with_kvcache with each
-value of one option of flash_attn_ext.kernel_options (decode_ctas_per_sm: the slots the split
-heuristic counts per SM; decode_row_lanes: lanes per cache row of
+value of one option of flash_attn_ext.kernel_options (decode_ctas_per_sm: the CTAs per SM the
+split heuristic takes as resident; decode_row_lanes: lanes per cache row of
 the copies at head dim 64; decode_pdl: the combine as a programmatic dependent launch;
 decode_contiguous_loads: a contiguous cache's rows by offsets alone or by the paged lookup), one
 query token, 32 query heads, bf16, a full contiguous cache; graph-replayed time per call and
@@ -44,11 +44,12 @@ POINTS = {
     # batch 32: 32 CTAs of 32 rows; measured 16 better at 8, 32 better at 64)
     "mqa": [(8, 32768, 1), (16, 32768, 1), (24, 32768, 1), (32, 32768, 1), (48, 32768, 1),
             (64, 32768, 1), (16, 8192, 1), (32, 8192, 1), (64, 8192, 1)],
-    # GQA 32:8 where the slots heuristic (decode_ctas_per_sm) changes the split count at head
-    # dim 64 (docs/perf/decode.md, "The slots"): short caches that gain a combine launch, and
-    # middle batches
-    "gqa": [(8, 1024, 8), (16, 1024, 8), (32, 1024, 8), (48, 1024, 8), (8, 8192, 8),
-            (16, 8192, 8), (32, 8192, 8), (48, 8192, 8), (8, 32768, 8)],
+    # GQA 32:8 at head dim 64 around the batches where the occupancy would change the split
+    # count (docs/perf/decode.md, "The slots"; B = 24: 4 splits trimmed to one resident wave
+    # of 2)
+    "gqa": [(8, 1024, 8), (16, 1024, 8), (24, 1024, 8), (32, 1024, 8), (48, 1024, 8),
+            (8, 8192, 8), (16, 8192, 8), (24, 8192, 8), (32, 8192, 8), (48, 8192, 8),
+            (8, 32768, 8)],
 }
 HEADS = 32
 
