@@ -142,7 +142,7 @@ def check_softcap(softcap) -> float:
     """``softcap`` as a float (a Python or NumPy number or a 0-d real tensor); ValueError
     otherwise (bools refused); the kernels check its range."""
     softcap = as_number(softcap, "softcap")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymFloat)):
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     return float(softcap)
 
@@ -211,7 +211,9 @@ def check_flags(causal, window_size, dropout_p,
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                          f"got {window_size!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+    # (A symbolic dropout_p, torch.compile(dynamic=True) through nn.MultiheadAttention, passes
+    # the comparisons and becomes a float, a guard, as a symbolic scale does in check_scale.)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, torch.SymFloat)) \
             or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     for side, w in zip(("window_left", "window_right"), window_size):

@@ -286,3 +286,31 @@ def test_torch_fx_traces_a_module_under_patch():
     assert any(node.target is F.scaled_dot_product_attention or
                getattr(node.target, "__name__", "") == "scaled_dot_product_attention"
                for node in traced.graph.nodes)
+
+
+def test_compiled_multihead_attention_with_dynamic_shapes_under_patch():
+    """torch.compile(dynamic=True) of nn.MultiheadAttention in training mode: Dynamo records
+    F.multi_head_attention_forward as one node and runs it on fake tensors with the module's
+    dropout as a symbolic float, which the drop-in takes as PyTorch's function does (it raised
+    "dropout_p must be a number" for a SymFloat; a new-user finding).  With dropout 0 the
+    compiled module under patch() equals the eager one unpatched, forward and gradients."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.0).train()
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    ref = mha(x, x, x, need_weights=False)[0]
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(mha, dynamic=True, backend="aot_eager")
+    with flash_attn_ext.patch():
+        out = compiled(x, x, x, need_weights=False)[0]
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        # dropout 0.1 traces too (a symbolic float compared and read as a number)
+        mha.dropout = 0.1
+        torch._dynamo.reset()
+        dropped = torch.compile(mha, dynamic=True, backend="aot_eager")(x, x, x,
+                                                                         need_weights=False)[0]
+    mha.dropout = 0.0
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=2e-5, rtol=1e-5)
+    assert dropped.shape == ref.shape and torch.isfinite(dropped).all()
