@@ -43,6 +43,12 @@ def _patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)
     if kwargs:
         reason = f"unsupported arguments {sorted(kwargs)}"
+    elif not torch.compiler.is_compiling() and not torch.backends.cuda.flash_sdp_enabled():
+        # Code that pins PyTorch's backends (sdpa_kernel([SDPBackend.MATH]) for a double
+        # backward, say) keeps them.  (Eager only: Dynamo does not trace the flag's query.)
+        reason = ("the flash backend is disabled (torch.nn.attention.sdpa_kernel without "
+                  "SDPBackend.FLASH_ATTENTION, or torch.backends.cuda.enable_flash_sdp(False)): "
+                  "PyTorch's function picks among the enabled backends")
     elif any(getattr(t, "is_nested", False) for t in (query, key, value)):
         reason = "nested (jagged) tensors: flash_attn_ext takes dense ones"
     elif query.dim() < 3:

@@ -62,7 +62,9 @@ def scaled_dot_product_attention(
             through), as PyTorch's fused CPU kernel computes it (its documentation calls the
             combination an error, and its math backend raises).
         scale: multiplies q k^T; default 1 / sqrt(E).
-        enable_gqa: allow H_kv < H (grouped-query attention).
+        enable_gqa: allow H_kv < H (grouped-query attention).  3-D inputs whose first sizes
+            differ are grouped as heads then, (H, L, E) against (H_kv, S, E), as PyTorch's
+            function groups dimension -3.
         strict: raise instead of falling back to an unfused path (see
             :func:`flash_attn_ext.explain`).
 
@@ -90,6 +92,14 @@ def scaled_dot_product_attention(
         out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                            scale, enable_gqa, strict=strict)
         return out.reshape(*lead, *out.shape[1:])
+    if _grouped_3d(query, key, value, enable_gqa):
+        # PyTorch's function groups dimension -3 as the heads: 3-D inputs with enable_gqa and
+        # other leading sizes are (H, L, E) against (H_kv, S, E), one batch.  A mask of up to 3
+        # dimensions broadcasts against (1, H, L, S) as against (H, L, S).
+        out = scaled_dot_product_attention(query.unsqueeze(0), key.unsqueeze(0),
+                                           value.unsqueeze(0), attn_mask, dropout_p, is_causal,
+                                           scale, enable_gqa, strict=strict)
+        return out.squeeze(0)
     scale = check_scale(scale, "scale")
     dropout_p = check_sdpa_flags(dropout_p, is_causal)
     q, k, v = to_bshd(query, key, value, enable_gqa)
@@ -103,6 +113,16 @@ def scaled_dot_product_attention(
         raise
     out = out.transpose(1, 2)
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def _grouped_3d(query, key, value, enable_gqa) -> bool:
+    """Whether 3-D query, key and value with enable_gqa differ in their first size (query's a
+    multiple of key's and value's): PyTorch's heads and KV heads of one batch."""
+    if enable_gqa is not True or not all(isinstance(t, torch.Tensor) and t.dim() == 3
+                                         for t in (query, key, value)):
+        return False
+    h, h_k, h_v = query.shape[0], key.shape[0], value.shape[0]
+    return h_k == h_v and h_k != h and h_k > 0 and h % h_k == 0
 
 
 def attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,

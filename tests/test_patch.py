@@ -314,3 +314,62 @@ def test_compiled_multihead_attention_with_dynamic_shapes_under_patch():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=2e-5, rtol=1e-5)
     assert dropped.shape == ref.shape and torch.isfinite(dropped).all()
+
+
+def test_patch_keeps_the_backends_sdpa_kernel_pins():
+    """Code that pins PyTorch's backends with sdpa_kernel (the math backend for a double
+    backward) keeps them under patch(): with the flash backend disabled the patched function
+    hands the call to PyTorch's, a reported fallback (it ran ours, whose double backward
+    raises; a new-user finding).  Outside the context, ours again."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64, requires_grad=True)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = torch.autograd.grad(
+            torch.autograd.grad(F.scaled_dot_product_attention(q, q, q).square().sum(), q,
+                                create_graph=True)[0].sum(), q)[0]
+    with flash_attn_ext.patch(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with sdpa_kernel([SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(q, q, q)
+            plan = flash_attn_ext.last_plan()
+            (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+            (gg,) = torch.autograd.grad(g.sum(), q)
+        assert not plan.fused and "flash backend is disabled" in " ".join(plan.reasons), plan
+        F.scaled_dot_product_attention(q, q, q)
+        assert flash_attn_ext.last_plan().kernel.startswith("cpu_flash"), \
+            flash_attn_ext.last_plan()
+    torch.testing.assert_close(gg, expected)
+
+
+@pytest.mark.parametrize("mask", [None, "bool3", "float2"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_three_dimensional_grouped_heads_as_pytorch(mask, is_causal):
+    """3-D inputs with enable_gqa whose first sizes differ are PyTorch's heads and KV heads,
+    (H, L, E) against (H_kv, S, E): the drop-in and patch() group them as PyTorch's function
+    does (both raised "must have the same batch size"; a new-user finding), forward and
+    gradients against PyTorch's math in float64."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 7, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    attn_mask = None
+    if mask == "bool3":
+        attn_mask = torch.rand(4, 9, 7, generator=gen) > 0.3
+        attn_mask[..., 0] = True
+    elif mask == "float2":
+        attn_mask = torch.randn(9, 7, generator=gen, dtype=torch.float64)
+    if is_causal and attn_mask is not None:
+        pytest.skip("PyTorch's math backend refuses a mask with is_causal")
+    kw = dict(attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for fn in ("drop-in", "patched"):
+        if fn == "drop-in":
+            out = flash_attn_ext.scaled_dot_product_attention(q, k, v, **kw)
+        else:
+            with flash_attn_ext.patch():
+                out = F.scaled_dot_product_attention(q, k, v, **kw)
+        assert out.shape == ref.shape == (4, 9, 8)
+        torch.testing.assert_close(out, ref)
+        for g, r in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), ref_grads):
+            torch.testing.assert_close(g, r)
