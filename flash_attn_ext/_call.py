@@ -14,10 +14,17 @@ from . import ops, planning, policy, unfused
 
 
 def check_tensors(*named: Tuple[str, object]) -> None:
-    """TypeError naming the first (name, value) whose value is not a torch.Tensor."""
+    """TypeError naming the first (name, value) whose value is not a torch.Tensor; ValueError
+    for a nested tensor (the kernels' functions read dense strides: the op's own error named
+    nothing but the op)."""
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(f"{name} is a nested tensor, which flash_attn_ext's functions do "
+                             f"not take: pack the sequences into one (total, heads, head_dim) "
+                             f"tensor and call flash_attn_varlen_func with cu_seqlens, or call "
+                             f"torch.nn.functional.scaled_dot_product_attention")
 
 
 def check_devices(q: torch.Tensor, *named: Tuple[str, Optional[torch.Tensor]]) -> None:

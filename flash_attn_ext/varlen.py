@@ -341,6 +341,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor"
                             f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
                             f"{type(t).__name__}")
+    check_tensors(("q", q), ("k", k), ("v", v))  # (nested tensors)
     # The flags as flash_attn_func checks them (a string "False" would be taken as True).
     causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
     window_size, dropout_p = check_flags(causal, window_size, dropout_p)
@@ -394,8 +395,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     head_dim), q, k and v read in place (strided views, no copy; their gradients land in one
     (total, 3, num_heads, head_dim) gradient); the same offsets for queries and keys. Otherwise
     :func:`flash_attn_varlen_func` (arguments, returns, errors)."""
-    if not isinstance(qkv, torch.Tensor):
-        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    check_tensors(("qkv", qkv))
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, num_heads, head_dim), got "
                          f"{tuple(qkv.shape)}")
@@ -417,8 +417,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
                                     strict: Optional[bool] = None):
     """FlashAttention-2's ``flash_attn_varlen_kvpacked_func``: ``kv`` (total_k, 2,
     num_heads_k, head_dim), k and v read in place. Otherwise :func:`flash_attn_varlen_func`."""
-    if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    check_tensors(("kv", kv))
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, num_heads_k, head_dim), got "
                          f"{tuple(kv.shape)}")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import flash_attn_ext
 from flash_attn_ext import flash_attn_func, ops, scaled_dot_product_attention
 
 
@@ -454,3 +455,28 @@ def test_float8_is_refused_on_every_route(dtype):
     compiled = torch.compile(flash_attn_func, backend="aot_eager", dynamic=True, fullgraph=True)
     with pytest.raises(Exception, match=rf"q.dtype={name} is not supported on cpu"):
         compiled(q, q, q)
+
+
+def test_nested_tensors_get_an_error_naming_the_argument():
+    """Jagged nested tensors passed to the FlashAttention-2 functions: a ValueError naming the
+    argument and pointing to flash_attn_varlen_func (the op's "NotImplementedError:
+    flash_attn_ext.fwd.default" and slicing's "not supported for NestedTensor" named nothing; a
+    new-user finding)."""
+    def nested(heads=4):
+        return torch.nested.nested_tensor([torch.randn(n, heads, 16) for n in (5, 9)],
+                                          layout=torch.jagged)
+    dense = torch.randn(2, 9, 4, 16)
+    packed = torch.nested.nested_tensor([torch.randn(n, 3, 4, 16) for n in (5, 9)],
+                                        layout=torch.jagged)
+    offsets = torch.tensor([0, 5, 14], dtype=torch.int32)
+    calls = {
+        "q": lambda: flash_attn_ext.flash_attn_func(nested(), dense, dense),
+        "v": lambda: flash_attn_ext.flash_attn_func(dense, dense, nested()),
+        "qkv": lambda: flash_attn_ext.flash_attn_qkvpacked_func(packed),
+        "kv": lambda: flash_attn_ext.flash_attn_kvpacked_func(dense, packed),
+        "k": lambda: flash_attn_ext.flash_attn_varlen_func(
+            torch.randn(14, 4, 16), nested(), torch.randn(14, 4, 16), offsets, offsets, 9, 9),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{name} is a nested tensor.*varlen_func"):
+            call()
