@@ -236,12 +236,12 @@ def test_split_heuristic_slots_match_the_reference(head_dim, kernel_opts):
                                    f"decode_ctas_per_sm={per_sm}, batch {batch}, "
                                    f"32/{heads_k} heads, {layout}")
             outs[per_sm] = out
-        # "auto" took the occupancy (a failed query trims nothing: the bits of 1, 2 and 4 per
-        # SM at head dim 64).  Where the counts are known (sm_90 code on a 132-SM H100 /
-        # H200): the 32-row kernel at head dim 64 holds 3 CTAs per SM, 2 at 128, and the
-        # 16-row one 1 at 256; at B = 48 each of these trims where the next count does not,
-        # or the other way round (64: 3 gives 8 splits, 2 gives 11; 128: 2 gives 11, 3 gives
-        # 8; 256: 1 gives 4, 2 gives 2).
+        # Where the counts are known (sm_90 code on a 132-SM H100 / H200): the 32-row kernel
+        # at head dim 64 holds 3 CTAs per SM, 2 at 128, and the 16-row one 1 at 256; at B = 48
+        # the known count gives other splits than the next count (64: 3 gives 8 splits, 2
+        # gives 11; 128: 2 gives 11, 3 gives 8; 256: 1 gives 4, 2 gives 2).  At 64 this also
+        # catches a failed occupancy query, which trims nothing (the bits of 1, 2 and 4); at
+        # 128 and 256 the known count trims nothing itself, so there it holds the rule only.
         props = torch.cuda.get_device_properties(0)
         sm90_code = "9.0" in flash_attn_ext.ops.build_info()["cuda_archs"]
         if (batch, layout) == (48, "plain") and sm90_code and \

@@ -116,9 +116,10 @@ int major_version() {
 //   rate of its own), and FlashAttention-2's 85% rule left 14% on the table.
 // - Else the smallest count within 95% of the best wave efficiency: the 85% rule's 29 of 33
 //   splits left 24 of 264 slots empty and measured 8-9% below the full wave.
-// - Then `resident` (the CTAs the GPU holds at once: the kernel's occupancy times the SMs; 0 if
-//   unknown): a grid past it that ends in a partial wave there (under 90% full) is cut to its
-//   whole waves.  At head dim 64 the 32-row kernel holds 3 per SM, so MQA B = 48 took 11 splits
+// - Then, where `resident` (the CTAs the GPU holds at once: the kernel's occupancy times the
+//   SMs; 0 if unknown) exceeds the slots, a grid past it that ends in a partial wave there
+//   (under 90% full) is cut to its whole waves.  (Where it equals the slots the rule above
+//   already weighed those waves; where it is smaller, whole waves of the slots stay whole.)  At head dim 64 the 32-row kernel holds 3 per SM, so MQA B = 48 took 11 splits
 //   (528 CTAs: two waves of 264, but 1.33 waves of the 396 that run at once, 186 us) where 8
 //   (384, one wave) take 153 us.
 int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int64_t slots, int64_t resident) {
@@ -136,7 +137,7 @@ int64_t heuristic_splits(int64_t ctas, int64_t seqlen_cache, int64_t slots, int6
     for (splits = 1; splits < most; ++splits)
       if (efficiency(splits) >= 0.95 * best) break;
   }
-  if (resident >= ctas && ctas * splits > resident) {
+  if (resident > slots && resident >= ctas && ctas * splits > resident) {
     const double waves = static_cast<double>(ctas * splits) / static_cast<double>(resident);
     if (waves / std::ceil(waves) < 0.9)
       splits = std::max<int64_t>(1, static_cast<int64_t>(std::floor(waves)) * resident / ctas);
