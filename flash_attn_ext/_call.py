@@ -21,10 +21,12 @@ def check_tensors(*named: Tuple[str, object]) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:
+            hint = (": pack the sequences into one (total, heads, head_dim) tensor and call "
+                    "flash_attn_varlen_func with cu_seqlens, or call "
+                    "torch.nn.functional.scaled_dot_product_attention"
+                    if name in ("q", "k", "v", "qkv", "kv") else "; pass a dense tensor")
             raise ValueError(f"{name} is a nested tensor, which flash_attn_ext's functions do "
-                             f"not take: pack the sequences into one (total, heads, head_dim) "
-                             f"tensor and call flash_attn_varlen_func with cu_seqlens, or call "
-                             f"torch.nn.functional.scaled_dot_product_attention")
+                             f"not take{hint}")
 
 
 def check_devices(q: torch.Tensor, *named: Tuple[str, Optional[torch.Tensor]]) -> None:

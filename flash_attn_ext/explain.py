@@ -20,6 +20,7 @@ from .planning import Plan, plan, score_mods
 from .policy import check_strict
 from .sdpa import (
     _checked_to_bshd,
+    _grouped_3d,
     beyond_kernels,
     check_sdpa_flags,
     flatten_batch_dims,
@@ -121,6 +122,8 @@ def _explain_call(query, key, value, layout, enable_gqa, call_kwargs, reached) -
         check_bool(enable_gqa, "enable_gqa", numpy_bool=False)
         if isinstance(query, torch.Tensor) and query.dim() > 4:  # one call on the flattened batch
             query, key, value, attn_mask, _ = flatten_batch_dims(query, key, value, attn_mask)
+        if _grouped_3d(query, key, value, enable_gqa, attn_mask):  # (H, L, E), one batch
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         scale = check_scale(call_kwargs.get("scale"), "scale")
         dropout_p = check_sdpa_flags(dropout_p, causal)
         q, k, v = to_bshd(query, key, value, enable_gqa)

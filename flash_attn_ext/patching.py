@@ -5,9 +5,11 @@ Modules that call ``F.scaled_dot_product_attention(...)`` (looked up at call tim
 Calls the drop-in cannot take (unknown keyword arguments, ranks below 3, nested tensors, key or
 value broadcast against query: a batch or head count of 1 or fewer dimensions, which PyTorch's
 function broadcasts; enable_gqa with key and value of different head counts; inside
-torch.func's gradient transforms or forward-mode AD, which the drop-in refuses) go to PyTorch's
-own function, reported like every fallback (warning once, counted, an error in strict mode);
-so do non-tensor arguments, unreported (PyTorch's TypeError, or torch.fx's tracing proxies).
+torch.func's gradient transforms or forward-mode AD, which the drop-in refuses; in eager mode,
+calls while the flash backend is disabled, e.g. under torch.nn.attention.sdpa_kernel pinning
+the math backend) go to PyTorch's own function, reported like every fallback (warning once,
+counted, an error in strict mode); so do non-tensor arguments, unreported (PyTorch's
+TypeError, or torch.fx's tracing proxies).
 Code that imported the function by name before patching keeps the original, and modules that
 never call the function are not affected: ``nn.MultiheadAttention`` with ``need_weights=True``
 (its default) computes the weights itself, and ``nn.TransformerEncoderLayer``'s native fast

@@ -92,7 +92,7 @@ def scaled_dot_product_attention(
         out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                            scale, enable_gqa, strict=strict)
         return out.reshape(*lead, *out.shape[1:])
-    if _grouped_3d(query, key, value, enable_gqa):
+    if _grouped_3d(query, key, value, enable_gqa, attn_mask):
         # PyTorch's function groups dimension -3 as the heads: 3-D inputs with enable_gqa and
         # other leading sizes are (H, L, E) against (H_kv, S, E), one batch.  A mask of up to 3
         # dimensions broadcasts against (1, H, L, S) as against (H, L, S).
@@ -115,14 +115,19 @@ def scaled_dot_product_attention(
     return out.squeeze(1) if query.dim() == 3 else out
 
 
-def _grouped_3d(query, key, value, enable_gqa) -> bool:
+def _grouped_3d(query, key, value, enable_gqa, attn_mask) -> bool:
     """Whether 3-D query, key and value with enable_gqa differ in their first size (query's a
-    multiple of key's and value's): PyTorch's heads and KV heads of one batch."""
+    multiple of key's and value's): PyTorch's heads and KV heads of one batch.  ValueError for
+    an attn_mask of more than 3 dimensions then (the attention is (H, L, S), as PyTorch's
+    function says; it would broadcast against the (1, H, L, S) the call runs)."""
     if enable_gqa is not True or not all(isinstance(t, torch.Tensor) and t.dim() == 3
                                          for t in (query, key, value)):
         return False
     h, h_k, h_v = query.shape[0], key.shape[0], value.shape[0]
-    return h_k == h_v and h_k != h and h_k > 0 and h % h_k == 0
+    grouped = h_k == h_v and h_k != h and h_k > 0 and h % h_k == 0
+    if grouped and isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 3:
+        check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
+    return grouped
 
 
 def attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,

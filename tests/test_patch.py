@@ -373,3 +373,18 @@ def test_three_dimensional_grouped_heads_as_pytorch(mask, is_causal):
         torch.testing.assert_close(out, ref)
         for g, r in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), ref_grads):
             torch.testing.assert_close(g, r)
+
+
+def test_three_dimensional_grouped_heads_explained_and_masks_checked():
+    """explain() plans 3-D grouped heads as the call runs them (it raised the batch-size
+    error the call no longer raises); a 4-D mask against them gets the mask-shape error,
+    as PyTorch's function refuses it (it broadcast against the (1, H, L, S) the call runs; a
+    review's findings)."""
+    q, k, v = torch.randn(4, 5, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    plan = flash_attn_ext.explain(q, k, v, enable_gqa=True)
+    assert plan.fused and plan.kernel.startswith("cpu_flash"), plan
+    mask = torch.ones(1, 4, 5, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(1, 4, 5, 6\) is not broadcast"):
+        flash_attn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with pytest.raises(RuntimeError):  # PyTorch's own refusal
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
