@@ -22,6 +22,7 @@ from .sdpa import (
     _checked_to_bshd,
     _grouped_3d,
     beyond_kernels,
+    check_fallback_inputs,
     check_sdpa_flags,
     flatten_batch_dims,
     mask_to_bias,
@@ -129,12 +130,15 @@ def _explain_call(query, key, value, layout, enable_gqa, call_kwargs, reached) -
         q, k, v = to_bshd(query, key, value, enable_gqa)
         reached.append((query, key, value, enable_gqa))
         # (head dims outside the kernels': the unfused math, without the kernels' checks; the
-        # call records that fallback, strict or not, before it reads the mask)
+        # call checks devices and the dtype, then the mask, then records that fallback, strict
+        # or not: sdpa.attend's order)
         kernel_checks = not beyond_kernels(q, v)
         if not kernel_checks:
-            check_strict(strict)
+            check_fallback_inputs(query, key, value, q.dtype)
         if attn_mask is not None:  # checked against the call's (N, H, L, S), as the call does
             mask_to_bias(attn_mask, query, key)
+        if not kernel_checks:
+            check_strict(strict)
         query, key, value = q, k, v
     else:  # flash_attn_func's
         check_tensors(("q", query), ("k", key), ("v", value))

@@ -139,14 +139,30 @@ def attend(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
     if not beyond_kernels(q, v):
         return run_sdpa(q, k, v, query, key, attn_mask, dropout_p, is_causal, scale, softcap,
                         strict)
-    # (the dtype and the mask checked first: a bad one is the call's error, not a fallback's)
-    check_sdpa_dtype(query, q.dtype)
+    # (devices, the dtype and the mask checked first: a bad one is the call's error, not a
+    # fallback's)
+    check_fallback_inputs(query, key, v, q.dtype)
     bias = None if attn_mask is None else mask_to_bias(attn_mask, query, key)
     policy.record(planning.plan(q, k, v), strict)
     dropout_p, drop_all = kernel_dropout(dropout_p)
     out, _ = unfused.fallback_attention(q, k, v, scale, -1, 0 if is_causal else -1, False,
                                         softcap, bias, dropout_p)
     return dropped(out, drop_all)
+
+
+def check_fallback_inputs(query, key, value, dtype: torch.dtype) -> None:
+    """The checks the unfused fallback needs that to_bshd's fast path leaves to the kernels'
+    (ValueError): one device (a meta value beside CPU tensors ran the math on both and
+    answered a meta tensor), then the dtype (check_sdpa_dtype)."""
+    check_same_device(query, key, value)
+    check_sdpa_dtype(query, dtype)
+
+
+def check_same_device(query, key, value) -> None:
+    """ValueError unless query, key and value are on one device."""
+    if not key.device == value.device == query.device:
+        raise ValueError(f"query, key and value must be on the same device, got query.device="
+                         f"{query.device}, key.device={key.device}, value.device={value.device}")
 
 
 def check_sdpa_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
@@ -351,9 +367,7 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError(f"query, key and value must have the same dtype, got query.dtype="
                          f"{query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}{cast}")
     check_sdpa_dtype(query, dtypes[0])
-    if not key.device == value.device == query.device:
-        raise ValueError(f"query, key and value must be on the same device, got query.device="
-                         f"{query.device}, key.device={key.device}, value.device={value.device}")
+    check_same_device(query, key, value)
     if query.dim() == 3:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -72,7 +72,7 @@ def _attention(q, k, v, softmax_scale, window_left, window_right, align_bottom_r
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // max(k.shape[2], 1)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    if group > 1:
+    if k.shape[2] != q.shape[2]:  # (group 0 too: no query heads, an empty answer)
         kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0

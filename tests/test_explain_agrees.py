@@ -512,32 +512,11 @@ def _disagreement(said, done, recorded, counted, log, q):
 # Known disagreements (the call's behaviour is the truth), matched by (explain's outcome,
 # the call's outcome).  Each has a minimal reproducer below.
 
-def _mixed_devices(case):
-    return len({spec[5] for spec in case["tensors"] if spec[0] == "tensor"}) > 1
-
-
 def _raised(outcome, kind, text):
     return outcome[0] == "raised" and isinstance(outcome[1], kind) and text in str(outcome[1])
 
 
 KNOWN = {
-    # SDPA layout, head dims beyond the kernels (E or Ev > 256, or 0): the call checks the mask
-    # (sdpa.attend: check_sdpa_dtype, mask_to_bias) before strict= (policy.record); explain
-    # checks strict= first.
-    "strict_before_mask_beyond_kernels": lambda said, done, why, case: (
-        _raised(said, ValueError, "strict must be True, False or None")
-        and done[0] == "raised" and "attn_mask" in str(done[1])),
-    # SDPA layout, head dims beyond the kernels, a dtype the drop-in refuses and an attn_mask
-    # that is not a tensor: the call raises its dtype ValueError (check_sdpa_dtype) first;
-    # explain reads the mask first and its TypeError escapes the ValueError re-check.
-    "mask_type_before_dtype_beyond_kernels": lambda said, done, why, case: (
-        _raised(said, TypeError, "attn_mask must be a torch.Tensor or None")
-        and _raised(done, ValueError, "is not supported: query, key and value must be")),
-    # SDPA layout, head dims beyond the kernels, enable_gqa with 0 query heads and H_kv > 0:
-    # the call's unfused math fails (matmul broadcast, RuntimeError); explain names the
-    # fallback plan.  (The kernels take this call; here the call itself is at fault too.)
-    "zero_query_heads_on_the_fallback": lambda said, done, why, case: (
-        said[0] == "ok" and _raised(done, RuntimeError, "must match the size of tensor b")),
     # flash_attn_func with a meta tensor among CPU ones: the call's op is dispatched to its fake
     # kernel, whose checks (ops._check_fake_args: devices before dtypes; its own rank message)
     # differ from the C++ checks explain runs (ops.check_args: dtypes before devices).
@@ -545,28 +524,6 @@ KNOWN = {
         said[0] == "raised" and done[0] == "raised" and (
             "must be on the same device, got q.device=" in str(done[1])
             or "dimensions (batch, seqlen, num_heads, head_dim)" in str(done[1]))),
-    # SDPA layout, head dims beyond the kernels, a meta tensor among CPU ones: the call runs the
-    # unfused math on the mixed devices and answers a meta tensor (to_bshd's fast path leaves
-    # devices to the kernels' checks, which this path skips), or fails inside PyTorch
-    # ("Tensor on device cpu is not on the expected device meta!", a dtype RuntimeError under
-    # autocast, or in the backward);
-    # explain names the fallback.  The call is at fault (with head dims in the kernels it
-    # raises the drop-in's device error).
-    "mixed_devices_run_on_the_fallback": lambda said, done, why, case: (
-        said[0] == "ok" and _mixed_devices(case)),
-    # SDPA layout under torch.autocast, head dims beyond the kernels, float8 inputs: the call
-    # checks the uncast dtype (sdpa.attend: check_sdpa_dtype(query, q.dtype)) and raises;
-    # explain plans the autocast dtype and names the fallback.  (With head dims in the kernels
-    # the call casts float8 and runs fused, as explain says.)
-    "float8_under_autocast_beyond_kernels": lambda said, done, why, case: (
-        said[0] == "ok" and _raised(done, ValueError, "is not supported: query, key and")),
-    # flash_attn_func with a nested key or value: the call fails inside PyTorch ("Internal
-    # error: NestedTensorImpl doesn't support sizes", from the op's dispatch); explain's C++
-    # checks raise another error (a dtype ValueError, or "dimension 2 is irregular").  Neither
-    # is a clear refusal; the SDPA drop-in's is ("query is a nested tensor, which
-    # flash_attn_ext does not take").
-    "nested_key_or_value_in_flash_attn_func": lambda said, done, why, case: (
-        said[0] == "raised" and _raised(done, RuntimeError, "NestedTensorImpl doesn't support")),
 }
 
 
@@ -594,7 +551,8 @@ def test_explain_agrees_with_flash_attn_func(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Minimal reproducers of KNOWN (xfail until fixed; strict, so a fix shows up).
+# Minimal reproducers of the disagreements found: KNOWN ones xfail until fixed (strict, so a
+# fix shows up); fixed ones stay as regression tests.
 
 def _agree(layout, tensors, enable_gqa=False, **kwargs):
     call = (flash_attn_ext.scaled_dot_product_attention if layout == "bhld"
@@ -613,20 +571,17 @@ def _agree(layout, tensors, enable_gqa=False, **kwargs):
         assert flash_attn_ext.last_plan() == said[1]
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN strict_before_mask_beyond_kernels")
-def test_known_strict_checked_before_the_mask_beyond_the_kernels():
+def test_strict_checked_after_the_mask_beyond_the_kernels():
     q = torch.randn(1, 1, 1, 257)
     _agree("bhld", (q, q, q), strict="yes", attn_mask=torch.ones(2, 2, dtype=torch.bool))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN mask_type_before_dtype_beyond_kernels")
-def test_known_mask_type_checked_before_the_dtype_beyond_the_kernels():
+def test_dtype_checked_before_the_mask_type_beyond_the_kernels():
     q = torch.zeros(1, 1, 1, 257, dtype=torch.int64)
     _agree("bhld", (q, q, q), attn_mask=[[True]])
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN zero_query_heads_on_the_fallback")
-def test_known_zero_query_heads_with_gqa_on_the_fallback():
+def test_zero_query_heads_with_gqa_on_the_fallback():
     q, kv = torch.randn(1, 0, 1, 257), torch.randn(1, 2, 1, 257)
     _agree("bhld", (q, kv, kv), enable_gqa=True)
 
@@ -643,9 +598,8 @@ def test_known_rank_message_with_a_meta_tensor():
     _agree("blhd", (q, torch.randn((), device="meta"), q))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN mixed_devices_run_on_the_fallback")
-def test_known_mixed_devices_refused_on_the_fallback():
-    # (the call is at fault: it answers a meta tensor; explain agrees with it today)
+def test_mixed_devices_refused_on_the_fallback():
+    # (the call answered a meta tensor: to_bshd's fast path leaves devices to the kernels')
     q = torch.randn(1, 1, 1, 257)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -654,14 +608,13 @@ def test_known_mixed_devices_refused_on_the_fallback():
                 q, q, torch.randn(1, 1, 1, 257, device="meta"))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN float8_under_autocast_beyond_kernels")
-def test_known_float8_under_autocast_beyond_the_kernels():
+def test_float8_under_autocast_beyond_the_kernels():
+    # (explain checks the dtype the call checks there: the uncast one)
     q = torch.randn(1, 1, 1, 257).to(torch.float8_e4m3fn)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _agree("bhld", (q, q, q))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN nested_key_or_value_in_flash_attn_func")
-def test_known_nested_key_in_flash_attn_func():
+def test_nested_key_in_flash_attn_func():
     q = torch.randn(2, 4, 3, 8)
     _agree("blhd", (q, _NESTED, q))
