@@ -263,7 +263,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dtype is None:
         return unfused("none", (f"q.dtype={q_dtype} is not float16, bfloat16, float32 or "
                                 "float64: no kernel or fallback takes it",))
-    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
+    # (0-d tensors: no head dim; the callers' rank checks name them after this plan)
+    head_dim, head_dim_v = (int(t.shape[-1]) if len(t.shape) else 0 for t in (q, v))
     if max(head_dim, head_dim_v) > MAX_HEAD_DIM or min(head_dim, head_dim_v) == 0:
         return unfused(FALLBACK, (f"head_dim={head_dim}, head_dim_v={head_dim_v}: the kernels "
                                   f"take head dims 1 to {MAX_HEAD_DIM}",))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -197,14 +198,17 @@ def flatten_batch_dims(query, key, value, attn_mask):
                              f"dimensions before (H, L, E), got query {tuple(query.shape)} and "
                              f"{name} {tuple(t.shape)}")
     lead = query.shape[:-3]
+    # (the count, not -1: a tensor with a 0 in H, L or E has no -1 to infer; PyTorch answers an
+    # empty tensor there)
+    n = math.prod(lead)
     # (anything else, and a mask of fewer than 2 dimensions, the call names)
     if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 2:
         check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
         if attn_mask.dim() > 3:
             mask = attn_mask.reshape((1,) * (query.dim() - attn_mask.dim()) + attn_mask.shape)
-            attn_mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    return (query.reshape(-1, *query.shape[-3:]), key.reshape(-1, *key.shape[-3:]),
-            value.reshape(-1, *value.shape[-3:]), attn_mask, lead)
+            attn_mask = mask.expand(*lead, *mask.shape[-3:]).reshape(n, *mask.shape[-3:])
+    return (query.reshape(n, *query.shape[-3:]), key.reshape(n, *key.shape[-3:]),
+            value.reshape(n, *value.shape[-3:]), attn_mask, lead)
 
 
 def check_sdpa_flags(dropout_p, is_causal) -> float:

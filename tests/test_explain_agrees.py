@@ -618,3 +618,12 @@ def test_float8_under_autocast_beyond_the_kernels():
 def test_nested_key_in_flash_attn_func():
     q = torch.randn(2, 4, 3, 8)
     _agree("blhd", (q, _NESTED, q))
+
+
+def test_zero_dimensional_tensors_in_flash_attn_func():
+    # (both raised IndexError from the plan's head dim; now the rank error, explain too)
+    q = torch.randn(1, 2, 2, 8)
+    _agree("blhd", (torch.randn(()), q, q))
+    _agree("blhd", (q, q, torch.randn(())))
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        flash_attn_ext.flash_attn_func(torch.randn(()), q, q)

@@ -355,3 +355,21 @@ def test_errors_name_the_drop_in_arguments():
     with pytest.raises(ValueError, match=r"^scale must be finite and representable in "
                                          r"float32 .* got 1e\+300"):
         scaled_dot_product_attention(q, q, q, scale=1e300)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 5, 8), (2, 3, 4, 0, 8), (2, 3, 4, 5, 0),
+                                   (0, 3, 4, 5, 8)])
+def test_five_dimensional_inputs_with_a_zero_size_as_pytorch(shape):
+    """(..., H, L, E) inputs with more than one leading dimension and a 0 in H, L or E: an
+    empty answer (E = 0: the fallback's, PyTorch's), as PyTorch's function gives (the batch
+    flattening's reshape(-1, ...) raised "cannot reshape tensor of 0 elements"; found by the
+    explain property test)."""
+    q = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = scaled_dot_product_attention(q, q, q)
+    ref = F.scaled_dot_product_attention(q, q, q)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
