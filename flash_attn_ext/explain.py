@@ -75,7 +75,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         A :class:`Plan`: ``kernel`` (e.g. ``"cpu_flash_fwd_fp32"``), ``backward_kernel``,
         ``fused`` and ``reasons`` (why it falls back, empty when fused), ``backward_fused``
         and ``backward_reasons`` (the same for the backward), ``notes`` (why a fused but
-        slower kernel serves the call, or how its dQ is formed).
+        slower kernel serves the call, or how its dQ is formed).  ``strict=True`` (or strict
+        mode set) does not make it raise: a fallback's Plan is returned, ``fused`` False,
+        where the call raises ``FallbackError`` with its ``reasons``.
 
     Raises:
         ValueError: unknown layout; otherwise the ValueError the call itself raises, with its
