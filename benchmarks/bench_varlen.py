@@ -13,13 +13,15 @@ Rows, per (head dim, sequences, lengths, causal):
   varlen_sm80   the same with the portable kernels forced (force_portable)
   dense         flash_attn_func on a (seqs, total / seqs) batch (equal lengths only): the
                 unpacked kernel the packed one should match
-  cudnn, flash  PyTorch's SDPA CUDNN and FLASH backends on that dense batch (equal lengths only)
+  cudnn, flash  PyTorch's SDPA CUDNN and FLASH backends on that dense batch (equal lengths only;
+                not with --softcap, which they lack)
+With --softcap every call of ours takes it (sm_90: the Hopper varlen softcap instantiations).
 Equal lengths are total / seqs; uneven ones a fixed-seed split (bench_packed.lengths) that no
 dense call can run.  TFLOP/s count each sequence's own work (4 * H * L^2 * d forward, halved
 when causal; the backward 2.5x).
 
 Usage: python benchmarks/bench_varlen.py [--dims 64 128 256] [--total 16384]
-       [--seqs 1 4 16 64] [--out-dir DIR]
+       [--seqs 1 4 16 64] [--softcap 30] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def _sdpa(backend):
 
 
 def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int = 8,
-               device: str = "cuda", reps: int = 10) -> dict:
+               device: str = "cuda", reps: int = 10, softcap: float = 0.0) -> dict:
     """{row: (forward ms, forward + backward ms)} for sequences of `lens` (device "cpu": float32,
-    no SDPA peers; for the tests)."""
+    no SDPA peers; for the tests), each call of ours with `softcap` (no SDPA peers then)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     total = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
@@ -64,7 +66,8 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
     # (gradients by autograd.grad: backward() would add into .grad, an extra kernel per input
     # and call)
     def varlen(forward_only, args=packed, deterministic=False):
-        out = flash_attn_varlen_func(*args, causal=causal, deterministic=deterministic)
+        out = flash_attn_varlen_func(*args, causal=causal, softcap=softcap,
+                                     deterministic=deterministic)
         if not forward_only:
             torch.autograd.grad(out, (q, k, v), dout)
     calls["varlen"] = varlen
@@ -83,11 +86,11 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
         doutd = dout.view(b, n, heads, d)
 
         def dense(forward_only):
-            out = flash_attn_func(qd, kd, vd, causal=causal)
+            out = flash_attn_func(qd, kd, vd, causal=causal, softcap=softcap)
             if not forward_only:
                 torch.autograd.grad(out, (qd, kd, vd), doutd)
         calls["dense"] = dense
-        if device == "cuda":
+        if device == "cuda" and softcap == 0.0:
             qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (qd, kd, vd))
             douts = doutd.transpose(1, 2)
             for name, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
@@ -119,6 +122,8 @@ def main() -> int:
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--total", type=int, default=16384)
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--softcap", type=float, default=0.0,
+                        help="softcap of every call of ours (no SDPA peers then)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -130,7 +135,7 @@ def main() -> int:
                     continue
                 lens = lengths(args.total, seqs, g) if uneven else [args.total // seqs] * seqs
                 for causal in (False, True):
-                    res = time_point(d, lens, causal)
+                    res = time_point(d, lens, causal, softcap=args.softcap)
                     f = flops(lens, d, 16, causal)
                     cells = [f"{name} {f / ms[0] / 1e9:6.1f} / {3.5 * f / ms[1] / 1e9:6.1f}"
                              for name, ms in res.items()]
@@ -138,10 +143,13 @@ def main() -> int:
                           f"{'causal' if causal else 'full  '}  " + "  ".join(cells)
                           + "  (TFLOP/s fwd / fwd+bwd)", flush=True)
                     records.append(dict(d=d, seqs=seqs, lens=lens, causal=causal,
+                                        softcap=args.softcap,
                                         ms={k: list(v) for k, v in res.items()}))
     if args.out_dir:
         commit = os.environ.get("FLASH_ATTN_EXT_COMMIT", "unknown")
-        path = os.path.join(args.out_dir, f"varlen_{time.strftime('%Y%m%d')}_{commit[:7]}.json")
+        kind = "varlen_softcap" if args.softcap > 0 else "varlen"
+        path = os.path.join(args.out_dir,
+                            f"{kind}_{time.strftime('%Y%m%d')}_{commit[:7]}.json")
         with open(path, "w") as fh:
             json.dump(dict(commit=commit, device=torch.cuda.get_device_name(), records=records),
                       fh, indent=1)

@@ -26,6 +26,9 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_softcap)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu     ... with ALiBi alone
                                                           (run_flash_fwd_sm90_alibi)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu  ... on packed
+                                                          sequences with softcap alone
+                                                          (run_flash_fwd_sm90_varlen_softcap)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -39,6 +42,9 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_softcap)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu ... with ALiBi alone
                                                           (run_flash_bwd_sm90_alibi)
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu ... on packed
+                                                          sequences with softcap alone
+                                                          (run_flash_bwd_sm90_varlen_softcap)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -148,18 +154,22 @@ cudaStream_t stream) {{
 """
 SM90_BWD_HEAD_DIMS = (64, 128, 256)
 # Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention,
-# packed sequences, a boolean mask alone, dropout alone, softcap alone and ALiBi alone.
-SM90_BWD_256_VARIANTS = ("", "_dropout", "_mask", "_varlen", "_softcap", "_alibi")
+# packed sequences (with softcap alone too), a boolean mask alone, dropout alone, softcap alone
+# and ALiBi alone.
+SM90_BWD_256_VARIANTS = ("", "_dropout", "_mask", "_varlen", "_softcap", "_alibi",
+                         "_varlen_softcap")
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
-                     ("_alibi", ", ALiBi alone"))
+                     ("_alibi", ", ALiBi alone"),
+                     ("_varlen_softcap", ", packed sequences with softcap alone"))
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
-                     ("_alibi", ", ALiBi alone"))
+                     ("_alibi", ", ALiBi alone"),
+                     ("_varlen_softcap", ", packed sequences with softcap alone"))
 # The kMask, kVarlen, kSoftcap and kAlibi template arguments, written only where one is true (the
 # other files predate them).
 MASK_ARG = {True: ", /*kMask=*/true", False: ""}
@@ -167,6 +177,14 @@ VARLEN_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true", False: ""}
 SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true", False: ""}
 ALIBI_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/false, /*kAlibi=*/true",
              False: ""}
+VARLEN_SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true, /*kSoftcap=*/true", False: ""}
+
+
+def variant_args(suffix):
+    """The template arguments past kDropout that a file of this suffix writes."""
+    return (MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
+            + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"]
+            + VARLEN_SOFTCAP_ARG[suffix == "_varlen_softcap"])
 
 
 def kernel_files():
@@ -185,9 +203,7 @@ def kernel_files():
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
                     dropout=str(suffix == "_dropout").lower(),
-                    mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
-                    + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"],
-                    **args)
+                    mask=variant_args(suffix), **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
                     if d == 256 and suffix not in SM90_BWD_256_VARIANTS:
@@ -196,9 +212,7 @@ def kernel_files():
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),
                         dropout=str(suffix == "_dropout").lower(),
-                        mask=MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
-                        + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"],
-                        **args)
+                        mask=variant_args(suffix), **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 

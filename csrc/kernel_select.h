@@ -177,8 +177,8 @@ struct CallInfo {
   bool bias_rows_differ = false;
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
   // Packed sequences (the varlen ops; q, k, v described as (1, total, heads, head_dim)): the
-  // Hopper forward's and backward's varlen instantiations take plain attention (the backward
-  // up to head dim 128, deterministic too); else the 4-warp kernels with the separate dQ
+  // Hopper forward's and backward's varlen instantiations take plain attention and softcap
+  // alone (the backward deterministic too); else the 4-warp kernels with the separate dQ
   // kernel.
   bool packed = false;
 };
@@ -282,6 +282,12 @@ inline const char* sm90_variant(const CallInfo& call) {
                                         : "";
 }
 
+// The same for packed sequences (CallInfo::packed), which the rule gives the Hopper kernels only
+// for plain attention and softcap alone.
+inline const char* sm90_varlen_variant(const CallInfo& call) {
+  return call.score_mods == kSoftcap ? "_varlen_softcap" : "_varlen";
+}
+
 }  // namespace detail
 
 // Whether a build for TORCH_CUDA_ARCH_LIST-style `archs` (e.g. "8.0;9.0a") has code that runs on
@@ -383,11 +389,11 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       c.sm90_schedule = options.sm90_schedule != Sm90Schedule::kAuto ? options.sm90_schedule
                         : unequal ? Sm90Schedule::kDynamic
                                   : Sm90Schedule::kStatic;
-      if (call.packed && call.score_mods != 0) {
+      if (call.packed && call.score_mods != 0 && call.score_mods != kSoftcap) {
         c.fwd = FwdKernel::kSm80;
         c.notes.push_back("forward on the portable sm80 kernels, not the Hopper one, because the "
-                          "Hopper forward takes packed sequences (cu_seqlens) without softcap, "
-                          "alibi_slopes and dropout only");
+                          "Hopper forward takes packed sequences (cu_seqlens) with softcap "
+                          "alone or nothing: not with alibi_slopes or dropout");
       }
     } else {
       c.notes.push_back("forward and backward on the portable sm80 kernels, not the Hopper "
@@ -409,18 +415,18 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
   c.fwd_name = (c.fwd == FwdKernel::kSm80 ? "sm80_fwd" : "sm90_fwd") + suffix +
                (c.fwd == FwdKernel::kSm90PackGqa ? "_packgqa"
                 : c.fwd != FwdKernel::kSm90      ? ""
-                : call.packed                    ? "_varlen"
+                : call.packed                    ? detail::sm90_varlen_variant(call)
                                                  : detail::sm90_variant(call));
 
-  // Packed sequences: the Hopper backward's varlen instantiation for plain attention (dQ added
-  // in any order, or in a fixed order when deterministic), else the 4-warp backward with its
-  // separate dQ kernel (per-sequence offsets; bitwise reproducible).
+  // Packed sequences: the Hopper backward's varlen instantiations for plain attention and
+  // softcap alone (dQ added in any order, or in a fixed order when deterministic), else the
+  // 4-warp backward with its separate dQ kernel (per-sequence offsets; bitwise reproducible).
   if (call.packed) {
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
-      if (call.score_mods != 0)
-        why.push_back("the Hopper backward takes packed sequences without softcap, "
-                      "alibi_slopes and dropout only");
+      if (call.score_mods != 0 && call.score_mods != kSoftcap)
+        why.push_back("the Hopper backward takes packed sequences with softcap alone or "
+                      "nothing: not with alibi_slopes or dropout");
       if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
       if (why.empty()) {
         c.bwd = BwdKernel::kSm90;
@@ -432,7 +438,7 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                                         "block), because ") +
                             detail::kDeterministicWhy + ": bitwise-reproducible gradients");
         }
-        c.bwd_name = "sm90_bwd" + suffix + "_varlen";
+        c.bwd_name = "sm90_bwd" + suffix + detail::sm90_varlen_variant(call);
         return c;
       }
     }

@@ -36,6 +36,15 @@ def _packed(lens_q, lens_k, heads, heads_kv, d, dv, dtype, tail=(0, 0)):
     return q, k, v, cq, ck
 
 
+def _used_rows(ck, used):
+    """The packed key rows that seqused_k leaves in use (the first used[b] keys of sequence b)
+    and their offsets once gathered: (index of those rows, offsets), for a reference over the
+    used keys alone."""
+    index = torch.cat([torch.arange(int(ck[b]), int(ck[b]) + n, dtype=torch.long)
+                       for b, n in enumerate(used)])
+    return index, _offsets(used)
+
+
 def _per_sequence(q, k, v, cq, ck, dout, **kw):
     """The reference: each sequence on its own (float64), outputs and gradients scattered back
     into packed tensors (rows outside every sequence: 0)."""
@@ -510,11 +519,10 @@ def test_seqused_k_uses_the_first_keys_of_each_sequence(causal):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     # The reference: the same call with each sequence's keys cut to the used ones.
-    keep = torch.cat([torch.arange(int(ck[b]), int(ck[b]) + used[b]) for b in range(3)])
+    keep, cu_used = _used_rows(ck, used)
     k_cut, v_cut = k.detach()[keep].requires_grad_(), v.detach()[keep].requires_grad_()
     q_ref = q.detach().requires_grad_()
-    ref, _, ref_grads = _per_sequence(q_ref, k_cut, v_cut, cq, _offsets(used), dout,
-                                      causal=causal)
+    ref, _, ref_grads = _per_sequence(q_ref, k_cut, v_cut, cq, cu_used, dout, causal=causal)
     assert (out - ref).abs().max().item() < 1e-12
     assert (grads[0] - ref_grads[0]).abs().max().item() < 1e-11
     for g, r in zip(grads[1:], ref_grads[1:]):
@@ -730,7 +738,8 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
     hopper = any("flash_fwd_sm90_kernel" in n for n in names)
     assert plan.fused and plan.kernel.startswith("sm90_fwd" if hopper else "sm80_fwd"), (
         plan, names)
-    assert plan.kernel.endswith("_varlen") == hopper, (plan, names)
+    varlen_name = "_varlen_softcap" if case.get("softcap") else "_varlen"
+    assert plan.kernel.endswith(varlen_name) == hopper, (plan, names)
     out, lse = result["out"], result["lse"]
     dout = torch.randn_like(out)
     wl, wr = case.pop("window_size", (-1, -1))
@@ -770,17 +779,24 @@ def _on_sm90():
             and torch.cuda.get_device_capability() == (9, 0))
 
 
-def _varlen_sm90(name):
+def _varlen_flags(softcap):
+    return {"varlen", "softcap"} if softcap else {"varlen"}
+
+
+def _varlen_sm90(name, softcap=False):
     """Whether ``name`` is the Hopper forward's varlen instantiation (plain attention: causal
-    and windows per sequence; kVarlen alone among its traits' flags)."""
-    return sm90_variant_flags(name) == {"varlen"}
+    and windows per sequence; kVarlen alone among its traits' flags), or with ``softcap`` its
+    varlen softcap one (kVarlen and kSoftcap)."""
+    return sm90_variant_flags(name) == _varlen_flags(softcap)
 
 
-def _hopper_bwd_varlen(names):
+def _hopper_bwd_varlen(names, softcap=False):
     """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
-    kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone) ran."""
+    kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone), or with ``softcap`` its varlen
+    softcap one (kVarlen and kSoftcap), ran."""
     return any("flash_bwd_sm90_kernel" in n
-               and sm90_variant_flags(n, "Sm90BwdTraits") == {"varlen"} for n in names)
+               and sm90_variant_flags(n, "Sm90BwdTraits") == _varlen_flags(softcap)
+               for n in names)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
@@ -791,48 +807,51 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype, portable, kernel_o
     # The CPU test's geometry on the CUDA kernels, longer (several query and key blocks, partial
     # ones), head dim 40 (padded), GQA, rows past the last offset: on the kernels the
     # dispatcher picks (on an H200 the Hopper varlen forward for plain, causal and window
-    # cases) and on the portable ones.
+    # cases, its varlen softcap one for softcap) and on the portable ones.
     kernel_opts(force_portable=portable)
     names, bwd_names = _cuda_case_under_the_error_rule([5, 0, 200, 1, 130], [7, 3, 150, 9, 130],
                                                        4, 2, 40, dtype, case, tail=(2, 3))
-    plain = "softcap" not in case and "alibi" not in case
-    hopper = plain and not portable and _on_sm90()
-    assert any(_varlen_sm90(n) for n in names) == hopper, names
+    softcap = "softcap" in case
+    hopper = "alibi" not in case and not portable and _on_sm90()
+    assert any(_varlen_sm90(n, softcap) for n in names) == hopper, names
     assert any("flash_fwd_sm90_kernel" in n for n in names) == \
-        any(_varlen_sm90(n) for n in names), names
-    # (the backward likewise: the Hopper varlen backward for plain attention)
-    assert _hopper_bwd_varlen(bwd_names) == hopper, bwd_names
+        any(_varlen_sm90(n, softcap) for n in names), names
+    # (the backward likewise: the Hopper varlen backward for plain attention and softcap)
+    assert _hopper_bwd_varlen(bwd_names, softcap) == hopper, bwd_names
     assert any("flash_bwd_sm90_kernel" in n for n in bwd_names) == hopper, bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
 @pytest.mark.parametrize("head_dim", [40, 59, 72, 128, 256])
-@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(50, 7))],
-                         ids=str)
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(50, 7)),
+                                  dict(window_size=(50, 7), softcap=5.0)], ids=str)
 def test_sm90_forward_takes_packed_sequences(case, head_dim):
     # Lengths 1, 17, 0, 113, 1023, 300 queries against 1, 40, 5, 113, 1000, 129 keys: a single
     # row, L < S, an empty sequence, L = S, several query blocks with a partial last one (192
     # rows at head dims up to 64, 128 above; idle warpgroups), L > S (causal rows that see
-    # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel,
-    # and so is the backward (at 256 its step split by role, 64 keys per CTA).
+    # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel
+    # (with softcap its varlen softcap one), and so is the backward (at 256 its step split by
+    # role, 64 keys per CTA).
     dtype = torch.bfloat16 if head_dim != 72 else torch.float16
     names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
                                                        [1, 40, 5, 113, 1000, 129], 6, 2,
                                                        head_dim, dtype, case, tail=(3, 2))
+    softcap = "softcap" in case
     hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
-    assert hopper and all(_varlen_sm90(n) for n in hopper), names
-    assert _hopper_bwd_varlen(bwd_names), bwd_names
+    assert hopper and all(_varlen_sm90(n, softcap) for n in hopper), names
+    assert _hopper_bwd_varlen(bwd_names, softcap), bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
-def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_sm90_varlen_many_sequences_and_seqused_k(softcap, kernel_opts):
     # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first
     # table; in the backward a table of key blocks, most CTAs a sequence's last), seqused_k
-    # leaving some keys unused (their gradients zero), GQA 4:2, equal to the portable kernels'
-    # answer within 1e-2 (absolute and relative: a bf16 rounding or two apart), forward and
-    # gradients; softcap stays on the portable forward.
+    # leaving some keys unused (their gradients zero), GQA 4:2, causal, plain and with
+    # softcap: the Hopper varlen kernels and the portable ones each under the error rule
+    # against a float64 reference over the used keys, forward and gradients.
     gen = torch.Generator().manual_seed(0)
     lens_q = torch.randint(0, 300, (300,), generator=gen).tolist()
     lens_k = torch.randint(1, 300, (300,), generator=gen).tolist()
@@ -841,8 +860,8 @@ def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     args = (q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
-    kw = dict(causal=True, seqused_k=torch.tensor(used, dtype=torch.int32).cuda(),
-              return_attn_probs=True)
+    kw = dict(causal=True, softcap=softcap,
+              seqused_k=torch.tensor(used, dtype=torch.int32).cuda(), return_attn_probs=True)
     result = {}
 
     def run(key):
@@ -851,29 +870,35 @@ def test_sm90_varlen_many_sequences_and_seqused_k(kernel_opts):
             result[key] = (out, lse, torch.autograd.grad(out, (q, k, v), dout))
         return call
     names = launched_kernels(run("hopper"))
-    assert any(_varlen_sm90(n) for n in names) and _hopper_bwd_varlen(names), names
-    out, lse, grads = result["hopper"]
+    assert any(_varlen_sm90(n, softcap > 0) for n in names), names
+    assert _hopper_bwd_varlen(names, softcap > 0), names
     kernel_opts(force_portable=True)
     names = launched_kernels(run("portable"))
     assert names and not any("_sm90_" in n for n in names), names
-    ref_out, ref_lse, ref_grads = result["portable"]
     kernel_opts(force_portable=False)
-    # (both round fp32 results to bf16: at most an ulp or two apart)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
-    finite = torch.isfinite(ref_lse)
-    assert_lse_infinities(lse, ref_lse)
-    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
-    unused = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
-    for b, n in enumerate(used):
-        unused[int(ck[b]):int(ck[b]) + n] = False
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert torch.isfinite(g).all(), name
-        # (sums over up to 300 rows in fp32 in another order, rounded to bf16)
-        torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2, msg=name)
-        if name != "dq":
-            assert torch.equal(g[unused], torch.zeros_like(g[unused])), name
-    names = launched_kernels(lambda: flash_attn_varlen_func(*args, softcap=5.0))
-    assert not any("flash_fwd_sm90_kernel" in n for n in names), names
+    # The reference over the used keys alone (each sequence's first used[b] keys).
+    keep, cu_used = _used_rows(ck, used)
+    q_ref, k_ref, v_ref = q.detach().cpu(), k.detach().cpu()[keep], v.detach().cpu()[keep]
+    ref_kw = dict(causal=True, softcap=softcap)
+    true, true_lse, true_grads = _per_sequence(q_ref, k_ref, v_ref, cq, cu_used, dout.cpu(),
+                                               **ref_kw)
+    low, leaves = _low_per_sequence(q_ref, k_ref, v_ref, cq, cu_used, torch.bfloat16, None,
+                                    **ref_kw)
+    low_grads = _low_grads(low, leaves, dout, torch.bfloat16)
+    unused = torch.ones(k.shape[0], dtype=torch.bool)
+    unused[keep] = False
+    finite = torch.isfinite(true_lse)
+    for key in ("hopper", "portable"):
+        out, lse, grads = result[key]
+        assert_error_rule(out.cpu(), low, true, 2.0, f"{key} out")
+        assert_lse_infinities(lse, true_lse)
+        assert (lse.cpu().double()[finite] - true_lse[finite]).abs().max().item() < 1e-3, key
+        for name, g, lo, t in zip(("dq", "dk", "dv"), grads, low_grads, true_grads):
+            g = g.cpu()
+            if name != "dq":
+                assert torch.equal(g[unused], torch.zeros_like(g[unused])), (key, name)
+                g = g[keep]
+            assert_error_rule(g, lo, t, 3.0, f"{key} {name}")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
@@ -1023,12 +1048,13 @@ def test_cuda_capture_in_a_cuda_graph_is_a_clear_error(on_host):
             flash_attn_varlen_func(q, k, v, *offsets, 40, 40, causal=True)
 
 
-def _hopper_deterministic_grads(grads, runs):
-    """grads(deterministic=True) on the Hopper varlen backward (its launched kernels), bitwise
-    equal over `runs` calls; returns the first call's gradients."""
+def _hopper_deterministic_grads(grads, runs, softcap=False):
+    """grads(deterministic=True) on the Hopper varlen backward (its launched kernels; with
+    ``softcap`` its varlen softcap one), bitwise equal over `runs` calls; returns the first
+    call's gradients."""
     result = {}
     names = launched_kernels(lambda: result.setdefault("first", grads(deterministic=True)))
-    assert _hopper_bwd_varlen(names), names
+    assert _hopper_bwd_varlen(names, softcap), names
     for _ in range(runs - 1):
         again = grads(deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(again, result["first"]))
@@ -1160,42 +1186,43 @@ def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal_softcap"])
 def test_sm90_varlen_deterministic_backward(head_dim, mask):
     # deterministic=True (and torch.use_deterministic_algorithms) keep the Hopper varlen
-    # backward, dQ added in a fixed order (each sequence's key blocks the highest first):
-    # bitwise reproducible over 10 runs; the same gradients as the default order up to the
-    # order of dQ's fp32 sums, and as a float64 reference per sequence.  Lengths: an empty
-    # sequence, some below one block, several key blocks (dQ waits across blocks), GQA.
+    # backward (with softcap its varlen softcap one), dQ added in a fixed order (each
+    # sequence's key blocks the highest first): bitwise reproducible over 10 runs; the same
+    # gradients as the default order up to the order of dQ's fp32 sums, and as a float64
+    # reference per sequence.  Lengths: an empty sequence, some below one block, several key
+    # blocks (dQ waits across blocks), GQA.
     lens_q, lens_k = [300, 0, 5, 129, 700, 64], [280, 7, 5, 200, 700, 64]
     q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, head_dim, head_dim, torch.bfloat16,
                               tail=(3, 3))
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    kw = dict(causal=mask == "causal", window_size=(100, 20) if mask == "window" else (-1, -1))
+    softcap = 5.0 if mask.endswith("softcap") else 0.0
+    kw = dict(causal=mask.startswith("causal"),
+              window_size=(100, 20) if mask == "window" else (-1, -1), softcap=softcap)
 
     def grads(**extra):
         out = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k),
                                      **kw, **extra)
         return torch.autograd.grad(out, (q, k, v), dout)
-    result = {"first": _hopper_deterministic_grads(grads, runs=10)}
+    result = {"first": _hopper_deterministic_grads(grads, runs=10, softcap=softcap > 0)}
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         names = launched_kernels(lambda: result.setdefault("global", grads()))
     finally:
         torch.use_deterministic_algorithms(old)
-    assert _hopper_bwd_varlen(names), names
+    assert _hopper_bwd_varlen(names, softcap > 0), names
     assert all(torch.equal(a, b) for a, b in zip(result["global"], result["first"]))
     default = grads()
     for name, a, b in zip(("dq", "dk", "dv"), result["first"], default):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2, msg=name)
-    _, _, ref = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(),
-                              causal=kw["causal"], window_left=kw["window_size"][0],
-                              window_right=kw["window_size"][1])
     wl, wr = kw["window_size"]
-    low, leaves = _low_per_sequence(q, k, v, cq, ck, q.dtype, causal=kw["causal"],
-                                    window_left=wl, window_right=wr)
+    ref_kw = dict(causal=kw["causal"], window_left=wl, window_right=wr, softcap=softcap)
+    _, _, ref = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(), **ref_kw)
+    low, leaves = _low_per_sequence(q, k, v, cq, ck, q.dtype, **ref_kw)
     for name, a, lo, want in zip(("dq", "dk", "dv"), result["first"],
                                  _low_grads(low, leaves, dout, q.dtype), ref):
         assert_error_rule(a.cpu(), lo, want, 3.0, name)

@@ -175,6 +175,11 @@ cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stre
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_mask<Element, 128>(p, stream);
     return sm90::run_flash_fwd_sm90_mask<Element, 256>(p, stream);
   }
+  if (p.softcap_only() && p.cu_seqlens_q != nullptr) {  // packed sequences, softcap alone
+    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 64>(p, stream);
+    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 128>(p, stream);
+    return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 256>(p, stream);
+  }
   if (p.softcap_only()) {  // (kernel_select.h keeps GQA packing off it)
     if (head_dim <= 64) return sm90::run_flash_fwd_sm90_softcap<Element, 64>(p, stream);
     if (head_dim <= 128) return sm90::run_flash_fwd_sm90_softcap<Element, 128>(p, stream);
@@ -217,6 +222,13 @@ cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_mask<Element, 64>(p, stats, stream);
     if (head_dim <= 128) return sm90::run_flash_bwd_sm90_mask<Element, 128>(p, stats, stream);
     return sm90::run_flash_bwd_sm90_mask<Element, 256>(p, stats, stream);
+  }
+  if (p.softcap_only() && p.cu_seqlens_q != nullptr) {  // packed sequences, softcap alone
+    if (head_dim <= 64)
+      return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 64>(p, stats, stream);
+    if (head_dim <= 128)
+      return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 128>(p, stats, stream);
+    return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 256>(p, stats, stream);
   }
   if (p.softcap_only()) {
     if (head_dim <= 64) return sm90::run_flash_bwd_sm90_softcap<Element, 64>(p, stats, stream);
@@ -639,11 +651,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 }
 
 // Packed sequences (FlashAttention-2's varlen: the fwd_varlen / bwd_varlen ops, schemas in
-// cpu/flash_fwd_cpu.cpp): on sm_90 the Hopper forward's varlen instantiation for plain
-// attention (its tiles from a table of every sequence's query blocks: sm90_varlen_tiles),
-// elsewhere the portable kernels, each CTA placing its sequence by params.h's cu_seqlens
-// (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90 the Hopper backward's
-// varlen instantiation for plain attention (a table of every sequence's key blocks:
+// cpu/flash_fwd_cpu.cpp): on sm_90 the Hopper forward's varlen instantiations for plain
+// attention and softcap alone (their tiles from a table of every sequence's query blocks:
+// sm90_varlen_tiles), elsewhere the portable kernels, each CTA placing its sequence by
+// params.h's cu_seqlens (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90
+// the Hopper backward's varlen instantiations for plain attention and softcap alone (a table of every sequence's key blocks:
 // sm90_bwd_varlen_tables; deterministic: dQ added in a fixed order); else the 4-warp kernels
 // with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the
 // offsets are read on the host), so a call cannot be captured in a CUDA graph

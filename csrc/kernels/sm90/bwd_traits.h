@@ -52,9 +52,11 @@ struct Sm90BwdTraits {
   // one KV head, loads over the packed tensors at its sequence's offsets, and keeps its
   // statistics and dQ in the sequence's padded rows (BwdParams::sm90_varlen_rows).  dQ in any
   // order, or in a fixed one (deterministic: each sequence's key blocks the highest first, the
-  // table ordered so).  Its own instantiation.
+  // table ordered so).  Its own instantiations: plain attention, and softcap alone (kSoftcap,
+  // whose step is blind to the sequence).
   static constexpr bool kVarlen = kVarlen_;
-  static_assert(!(kVarlen && (kGeneral || kDropout || kMask)), "packed sequences: plain only");
+  static_assert(!(kVarlen && (kGeneral || kDropout || kMask)),
+                "packed sequences: plain attention or softcap alone");
   // Softcap alone (the forward's softcap variant): the plain kernel's step (P^T from S^T
   // alone, dV issued before dS^T is computed) on t = tanh(x * scale / softcap), P^T =
   // exp2(t * softcap * log2 e - lse log2 e), with the score's derivative folded into P^T
@@ -63,7 +65,8 @@ struct Sm90BwdTraits {
   // waits for both GEMMs to have t next to dP^T, and issues dV after dS^T.)  Its own
   // instantiation.
   static constexpr bool kSoftcap = kSoftcap_;
-  static_assert(!(kSoftcap && (kGeneral || kDropout || kMask || kVarlen)), "softcap alone");
+  static_assert(!(kSoftcap && (kGeneral || kDropout || kMask)),
+                "softcap alone (packed sequences or not)");
   // ALiBi alone: the plain step, ALiBi's term in P^T's exponent (an FADD for the distance and
   // an FFMA: exp2(S^T scale log2 e - slope log2 e |i + off - j| - lse log2 e)); its derivative
   // with respect to S^T is the plain one.  Its own instantiation.

@@ -63,4 +63,11 @@ cudaError_t run_flash_bwd_sm90_alibi(const BwdParams& p, float* stats, cudaStrea
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90_varlen(const BwdParams& p, float* stats, cudaStream_t stream);
 
+// The same for packed sequences with softcap alone (p.cu_seqlens_q and p.softcap_only(): the
+// varlen table and rows above, the softcap variant's step), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_varlen_softcap.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_varlen_softcap(const BwdParams& p, float* stats,
+                                              cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90

@@ -93,4 +93,10 @@ cudaError_t run_flash_fwd_sm90_alibi(const FwdParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_varlen(const FwdParams& p, cudaStream_t stream);
 
+// Packed sequences with softcap alone (p.cu_seqlens_q and p.softcap_only(): the varlen tiles
+// above, the softcap variant's scores), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_varlen_softcap.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_varlen_softcap(const FwdParams& p, cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90

@@ -65,7 +65,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Softcap, an additive bias and ALiBi only in the general variant (softcap alone and ALiBi
   // alone also in their variants), dropout there or in the dropout variant (which needs it), a boolean mask
   // alone only in the mask variant (FwdParams::sm90_variant_is); packed sequences only in the
-  // varlen instantiation, with a tile table of its query blocks.
+  // varlen instantiations (plain, softcap alone), with a tile table of their query blocks.
   if ((p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap, T::kAlibi))
     return cudaErrorInvalidValue;
@@ -167,10 +167,10 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 }
 
 // What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout|_mask|
-// _varlen|_softcap|_alibi].cu) launches: the traits of head dim kHeadDim
+// _varlen|_softcap|_alibi|_varlen_softcap].cu) launches: the traits of head dim kHeadDim
 // (flash_fwd_sm90_launch.h), with or without GQA packing, plain, general (softcap, bias,
-// ALiBi, dropout), dropout alone, a boolean mask alone, packed sequences, softcap alone or
-// ALiBi alone.
+// ALiBi, dropout), dropout alone, a boolean mask alone, packed sequences, softcap alone,
+// ALiBi alone or packed sequences with softcap alone.
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
           bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
           bool kAlibi = false>

@@ -85,17 +85,19 @@ struct Sm90FwdTraits {
   // host's table (FwdParams::sm90_varlen_tiles), each a query block of one sequence, which
   // carries its offsets and lengths to the consumers (TileInfo's seq); q, k and v are read at
   // the sequence's offsets and O is stored from registers (a TMA store of a whole block would
-  // write into the next sequence's rows).  Its own instantiation, plain attention only.
+  // write into the next sequence's rows).  Its own instantiations: plain attention, and
+  // softcap alone (kSoftcap).
   static constexpr bool kVarlen = kVarlen_;
   static_assert(!(kVarlen_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_)),
-                "packed sequences: plain attention");
+                "packed sequences: plain attention or softcap alone");
   // Softcap alone (Gemma-2's logit softcapping): the plain kernel with each score x replaced
   // by t = tanh(x * scale / softcap) (one FMUL and one MUFU) before the mask, and the online
   // softmax's exp2 factor softcap * log2(e) in place of scale * log2(e), so that the
   // exponent stays one FFMA, fma(t, softcap * log2 e, -m).  tanh is increasing: the row max
   // and the masks work on t as on x.  The scores are bounded (|s| <= softcap), so the
   // reference max's rounding never matters.  Its own instantiation; unpacked, as the general
-  // variant, whose per-score flag tests and spills it avoids.
+  // variant, whose per-score flag tests and spills it avoids.  With kVarlen too: packed
+  // sequences with softcap alone (the scores are per score, blind to the sequence).
   static constexpr bool kSoftcap = kSoftcap_;
   // Of every 8 columns of S a consumer thread holds, how many take their exp2 on the FMA pipe
   // (fwd_softmax.h's exp2_fma) instead of the MUFU unit: the softcap variant at head dim 64,
@@ -107,8 +109,8 @@ struct Sm90FwdTraits {
   static constexpr int kFmaExp2Of8 =
       kFmaExp2Of8_ >= 0 ? kFmaExp2Of8_ : kSoftcap_ && kHeadDim_ <= 64 ? 2 : 0;
   static_assert(kFmaExp2Of8 >= 0 && kFmaExp2Of8 <= 8, "");
-  static_assert(!(kSoftcap_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_)),
-                "softcap alone, unpacked");
+  static_assert(!(kSoftcap_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_)),
+                "softcap alone (packed sequences or not), GQA unpacked");
   // ALiBi alone (alibi_slopes; FlashAttention-2's definition, score.h): the plain kernel with
   // each score x replaced by x * scale * log2 e - slope * log2 e * |i + off - j| (an FADD for
   // the distance, an FMUL and an FFMA; no MUFU operation) before the mask, and the online
