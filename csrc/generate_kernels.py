@@ -170,21 +170,15 @@ SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
                      ("_alibi", ", ALiBi alone"),
                      ("_varlen_softcap", ", packed sequences with softcap alone"))
-# The kMask, kVarlen, kSoftcap and kAlibi template arguments, written only where one is true (the
-# other files predate them).
-MASK_ARG = {True: ", /*kMask=*/true", False: ""}
-VARLEN_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true", False: ""}
-SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true", False: ""}
-ALIBI_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/false, /*kAlibi=*/true",
-             False: ""}
-VARLEN_SOFTCAP_ARG = {True: ", /*kMask=*/false, /*kVarlen=*/true, /*kSoftcap=*/true", False: ""}
-
-
-def variant_args(suffix):
-    """The template arguments past kDropout that a file of this suffix writes."""
-    return (MASK_ARG[suffix == "_mask"] + VARLEN_ARG[suffix == "_varlen"]
-            + SOFTCAP_ARG[suffix == "_softcap"] + ALIBI_ARG[suffix == "_alibi"]
-            + VARLEN_SOFTCAP_ARG[suffix == "_varlen_softcap"])
+# The kMask, kVarlen, kSoftcap and kAlibi template arguments of each variant that sets one (the
+# other files predate them and write none).
+VARIANT_ARGS = {
+    "_mask": ", /*kMask=*/true",
+    "_varlen": ", /*kMask=*/false, /*kVarlen=*/true",
+    "_softcap": ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true",
+    "_alibi": ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/false, /*kAlibi=*/true",
+    "_varlen_softcap": ", /*kMask=*/false, /*kVarlen=*/true, /*kSoftcap=*/true",
+}
 
 
 def kernel_files():
@@ -203,7 +197,7 @@ def kernel_files():
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
                     dropout=str(suffix == "_dropout").lower(),
-                    mask=variant_args(suffix), **args)
+                    mask=VARIANT_ARGS.get(suffix, ""), **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
                     if d == 256 and suffix not in SM90_BWD_256_VARIANTS:
@@ -212,7 +206,7 @@ def kernel_files():
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),
                         dropout=str(suffix == "_dropout").lower(),
-                        mask=variant_args(suffix), **args)
+                        mask=VARIANT_ARGS.get(suffix, ""), **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 
 
