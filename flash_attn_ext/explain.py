@@ -64,8 +64,10 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             default, as there: a call with H_kv < H without it raises ``ValueError``, and so
             does its explanation); ``"blhd"`` always allows it, as flash_attn_func does.
         **call_kwargs: the call's other arguments (is_causal, scale, ...), so that a call can be
-            explained as written; softcap, attn_mask, alibi_slopes and dropout_p pick the
-            Hopper kernels' general variant on sm_90 GPUs, and ``deterministic=True`` (with
+            explained as written; on sm_90 GPUs softcap, a boolean attn_mask, alibi_slopes
+            or dropout_p alone picks the Hopper kernels' variant for it (``..._softcap``,
+            ``..._mask``, ``..._alibi``, ``..._dropout``), a float mask or several of them
+            together their general variant (``..._general``), and ``deterministic=True`` (with
             ``layout="blhd"``, as flash_attn_func takes it; in either layout
             torch.use_deterministic_algorithms(True)) adds a note where the CUDA backward's dQ
             becomes bitwise reproducible: added in a fixed order on the Hopper backward, a

@@ -272,8 +272,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (keys:
             cu_seqlens_k). Zero-length sequences are allowed; rows before the first offset
             (cu_seqlens_q[0] > 0) and past the last are left alone (out 0, softmax_lse -inf,
-            zero gradients). On q's device (FlashAttention-2's way) or,
-            with seqused_k, all on the CPU. The offsets are checked and the kernels' tables
+            zero gradients). On q's device (FlashAttention-2's way) or on the CPU, the
+            offsets and seqused_k on the same one. They are checked and the kernels' tables
             built on the host: offsets on a CUDA device are copied to the host once per call
             (one synchronisation, forward and backward together); offsets on the CPU cost
             none (they are uploaded on the call's stream), which is the faster way to call
