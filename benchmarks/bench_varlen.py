@@ -14,14 +14,16 @@ Rows, per (head dim, sequences, lengths, causal):
   dense         flash_attn_func on a (seqs, total / seqs) batch (equal lengths only): the
                 unpacked kernel the packed one should match
   cudnn, flash  PyTorch's SDPA CUDNN and FLASH backends on that dense batch (equal lengths only;
-                not with --softcap, which they lack)
-With --softcap every call of ours takes it (sm_90: the Hopper varlen softcap instantiations).
+                not with --softcap or --alibi, which they lack; with --dropout, theirs)
+With --softcap, --alibi (slopes 2^(-8 (h + 1) / H), FlashAttention-2's ALiBi) or --dropout P
+every call of ours takes that modifier (sm_90: the Hopper varlen instantiation for it alone;
+two together run on the portable kernels).
 Equal lengths are total / seqs; uneven ones a fixed-seed split (bench_packed.lengths) that no
 dense call can run.  TFLOP/s count each sequence's own work (4 * H * L^2 * d forward, halved
 when causal; the backward 2.5x).
 
 Usage: python benchmarks/bench_varlen.py [--dims 64 128 256] [--total 16384]
-       [--seqs 1 4 16 64] [--softcap 30] [--out-dir DIR]
+       [--seqs 1 4 16 64] [--softcap 30 | --alibi | --dropout 0.1] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -48,10 +50,15 @@ def _sdpa(backend):
 
 
 def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int = 8,
-               device: str = "cuda", reps: int = 10, softcap: float = 0.0) -> dict:
+               device: str = "cuda", reps: int = 10, softcap: float = 0.0,
+               alibi: bool = False, dropout_p: float = 0.0) -> dict:
     """{row: (forward ms, forward + backward ms)} for sequences of `lens` (device "cpu": float32,
-    no SDPA peers; for the tests), each call of ours with `softcap` (no SDPA peers then)."""
+    no SDPA peers; for the tests), each call of ours with `softcap`, ALiBi (`alibi`) and
+    `dropout_p` (no SDPA peers with softcap or ALiBi)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    slopes = (2.0 ** (-8.0 * (torch.arange(heads, dtype=torch.float32) + 1) / heads)).to(device) \
+        if alibi else None
+    mods = dict(softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p)
     total = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                       device=device)
@@ -66,8 +73,7 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
     # (gradients by autograd.grad: backward() would add into .grad, an extra kernel per input
     # and call)
     def varlen(forward_only, args=packed, deterministic=False):
-        out = flash_attn_varlen_func(*args, causal=causal, softcap=softcap,
-                                     deterministic=deterministic)
+        out = flash_attn_varlen_func(*args, causal=causal, deterministic=deterministic, **mods)
         if not forward_only:
             torch.autograd.grad(out, (q, k, v), dout)
     calls["varlen"] = varlen
@@ -86,18 +92,19 @@ def time_point(d: int, lens: list, causal: bool, heads: int = 16, heads_kv: int 
         doutd = dout.view(b, n, heads, d)
 
         def dense(forward_only):
-            out = flash_attn_func(qd, kd, vd, causal=causal, softcap=softcap)
+            out = flash_attn_func(qd, kd, vd, causal=causal, **mods)
             if not forward_only:
                 torch.autograd.grad(out, (qd, kd, vd), doutd)
         calls["dense"] = dense
-        if device == "cuda" and softcap == 0.0:
+        if device == "cuda" and softcap == 0.0 and not alibi:
             qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (qd, kd, vd))
             douts = doutd.transpose(1, 2)
             for name, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
                 def peer(forward_only, backend=backend):
                     with _sdpa(backend):
                         out = torch.nn.functional.scaled_dot_product_attention(
-                            qs, ks, vs, is_causal=causal, enable_gqa=True)
+                            qs, ks, vs, is_causal=causal, dropout_p=dropout_p,
+                            enable_gqa=True)
                     if not forward_only:
                         torch.autograd.grad(out, (qs, ks, vs), douts)
                 calls[name] = peer
@@ -124,6 +131,10 @@ def main() -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="softcap of every call of ours (no SDPA peers then)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="ALiBi on every call of ours (no SDPA peers then)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout_p of every call, SDPA's too")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -135,7 +146,8 @@ def main() -> int:
                     continue
                 lens = lengths(args.total, seqs, g) if uneven else [args.total // seqs] * seqs
                 for causal in (False, True):
-                    res = time_point(d, lens, causal, softcap=args.softcap)
+                    res = time_point(d, lens, causal, softcap=args.softcap, alibi=args.alibi,
+                                     dropout_p=args.dropout)
                     f = flops(lens, d, 16, causal)
                     cells = [f"{name} {f / ms[0] / 1e9:6.1f} / {3.5 * f / ms[1] / 1e9:6.1f}"
                              for name, ms in res.items()]
@@ -143,11 +155,14 @@ def main() -> int:
                           f"{'causal' if causal else 'full  '}  " + "  ".join(cells)
                           + "  (TFLOP/s fwd / fwd+bwd)", flush=True)
                     records.append(dict(d=d, seqs=seqs, lens=lens, causal=causal,
-                                        softcap=args.softcap,
+                                        softcap=args.softcap, alibi=args.alibi,
+                                        dropout_p=args.dropout,
                                         ms={k: list(v) for k, v in res.items()}))
     if args.out_dir:
         commit = os.environ.get("FLASH_ATTN_EXT_COMMIT", "unknown")
-        kind = "varlen_softcap" if args.softcap > 0 else "varlen"
+        kind = "varlen" + "".join(f"_{name}" for name, on in (
+            ("softcap", args.softcap > 0), ("alibi", args.alibi), ("dropout", args.dropout > 0))
+            if on)
         path = os.path.join(args.out_dir,
                             f"{kind}_{time.strftime('%Y%m%d')}_{commit[:7]}.json")
         with open(path, "w") as fh:

@@ -66,6 +66,13 @@ inline uint64_t dropout_counters_per_row(int64_t seqlen_k) {
   return static_cast<uint64_t>(4 * ((seqlen_k + 15) / 16));
 }
 
+// The row id of query row 0 of head h of a sequence whose query rows start at packed row q0
+// and number len_q (above); a dense batch's entry b is the sequence q0 = b * seqlen_q, len_q =
+// seqlen_q, which gives (b * heads_q + h) * seqlen_q.  Every kernel's rows number from it.
+FLASH_DROPOUT_HD int64_t dropout_row_base(int64_t q0, int64_t h, int64_t heads_q, int64_t len_q) {
+  return q0 * heads_q + h * len_q;
+}
+
 // The cell of query row i / key j, and the element's byte within the call (see above).
 FLASH_DROPOUT_HD int64_t dropout_cell_row(int64_t i) { return i & ~int64_t{9}; }
 FLASH_DROPOUT_HD int64_t dropout_cell_col(int64_t j) { return 4 * (j >> 4) + ((j >> 1) & 3); }

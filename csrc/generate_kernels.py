@@ -29,6 +29,12 @@ The files, under csrc/kernels/:
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu  ... on packed
                                                           sequences with softcap alone
                                                           (run_flash_fwd_sm90_varlen_softcap)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_alibi.cu  ... on packed
+                                                          sequences with ALiBi alone
+                                                          (run_flash_fwd_sm90_varlen_alibi)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_dropout.cu  ... on packed
+                                                          sequences with dropout alone
+                                                          (run_flash_fwd_sm90_varlen_dropout)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -45,6 +51,12 @@ The files, under csrc/kernels/:
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu ... on packed
                                                           sequences with softcap alone
                                                           (run_flash_bwd_sm90_varlen_softcap)
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_alibi.cu ... on packed
+                                                          sequences with ALiBi alone
+                                                          (run_flash_bwd_sm90_varlen_alibi)
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_dropout.cu ... on packed
+                                                          sequences with dropout alone
+                                                          (run_flash_bwd_sm90_varlen_dropout)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
@@ -153,23 +165,27 @@ cudaStream_t stream) {{
 }}  // namespace flash_attn_ext::sm90
 """
 SM90_BWD_HEAD_DIMS = (64, 128, 256)
+# Packed sequences with one score modifier (kVarlen and that variant's flag together).
+VARLEN_MODIFIER_VARIANTS = (("_varlen_softcap", ", packed sequences with softcap alone"),
+                            ("_varlen_alibi", ", packed sequences with ALiBi alone"),
+                            ("_varlen_dropout", ", packed sequences with dropout alone"))
 # Head dim 256 (the step split by role, kernels/sm90/bwd_mainloop_split.h): plain attention,
-# packed sequences (with softcap alone too), a boolean mask alone, dropout alone, softcap alone
-# and ALiBi alone.
-SM90_BWD_256_VARIANTS = ("", "_dropout", "_mask", "_varlen", "_softcap", "_alibi",
-                         "_varlen_softcap")
+# packed sequences (with softcap, ALiBi or dropout alone too), a boolean mask alone, dropout
+# alone, softcap alone and ALiBi alone.
+SM90_BWD_256_VARIANTS = ("", "_dropout", "_mask", "_varlen", "_softcap", "_alibi") + tuple(
+    suffix for suffix, _ in VARLEN_MODIFIER_VARIANTS)
 # (file and entry-point suffix, what the file's comment adds)
 SM90_FWD_VARIANTS = (("", ""), ("_packgqa", ", GQA query heads packed into shared tiles"),
                      ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
-                     ("_alibi", ", ALiBi alone"),
-                     ("_varlen_softcap", ", packed sequences with softcap alone"))
+                     ("_alibi", ", ALiBi alone")) + VARLEN_MODIFIER_VARIANTS
 SM90_BWD_VARIANTS = (("", ""), ("_general", ", softcap, bias, ALiBi and dropout"),
                      ("_dropout", ", dropout alone"), ("_mask", ", a boolean mask alone"),
                      ("_varlen", ", packed sequences"), ("_softcap", ", softcap alone"),
-                     ("_alibi", ", ALiBi alone"),
-                     ("_varlen_softcap", ", packed sequences with softcap alone"))
+                     ("_alibi", ", ALiBi alone")) + VARLEN_MODIFIER_VARIANTS
+# The variants whose kDropout template argument is true (dropout alone, packed or not).
+DROPOUT_VARIANTS = ("_dropout", "_varlen_dropout")
 # The kMask, kVarlen, kSoftcap and kAlibi template arguments of each variant that sets one (the
 # other files predate them and write none).
 VARIANT_ARGS = {
@@ -178,6 +194,8 @@ VARIANT_ARGS = {
     "_softcap": ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/true",
     "_alibi": ", /*kMask=*/false, /*kVarlen=*/false, /*kSoftcap=*/false, /*kAlibi=*/true",
     "_varlen_softcap": ", /*kMask=*/false, /*kVarlen=*/true, /*kSoftcap=*/true",
+    "_varlen_alibi": ", /*kMask=*/false, /*kVarlen=*/true, /*kSoftcap=*/false, /*kAlibi=*/true",
+    "_varlen_dropout": ", /*kMask=*/false, /*kVarlen=*/true",
 }
 
 
@@ -196,7 +214,7 @@ def kernel_files():
                     what=what, entry="run_flash_fwd_sm90" + suffix,
                     pack=str(suffix == "_packgqa").lower(),
                     general=str(suffix == "_general").lower(),
-                    dropout=str(suffix == "_dropout").lower(),
+                    dropout=str(suffix in DROPOUT_VARIANTS).lower(),
                     mask=VARIANT_ARGS.get(suffix, ""), **args)
             if d in SM90_BWD_HEAD_DIMS:
                 for suffix, what in SM90_BWD_VARIANTS:
@@ -205,7 +223,7 @@ def kernel_files():
                     files[f"sm90/flash_bwd_sm90_hdim{d}_{dtype}{suffix}.cu"] = SM90_BWD.format(
                         what=what, entry="run_flash_bwd_sm90" + suffix,
                         general=str(suffix == "_general").lower(),
-                        dropout=str(suffix == "_dropout").lower(),
+                        dropout=str(suffix in DROPOUT_VARIANTS).lower(),
                         mask=VARIANT_ARGS.get(suffix, ""), **args)
     return {path: GENERATED + text for path, text in sorted(files.items())}
 

@@ -177,9 +177,9 @@ struct CallInfo {
   bool bias_rows_differ = false;
   bool deterministic = false;  // the call's flag or torch.use_deterministic_algorithms
   // Packed sequences (the varlen ops; q, k, v described as (1, total, heads, head_dim)): the
-  // Hopper forward's and backward's varlen instantiations take plain attention and softcap
-  // alone (the backward deterministic too); else the 4-warp kernels with the separate dQ
-  // kernel.
+  // Hopper forward's and backward's varlen instantiations take plain attention and softcap,
+  // ALiBi or dropout alone (the backward deterministic too); else the 4-warp kernels with the
+  // separate dQ kernel.
   bool packed = false;
 };
 
@@ -282,11 +282,24 @@ inline const char* sm90_variant(const CallInfo& call) {
                                         : "";
 }
 
-// The same for packed sequences (CallInfo::packed), which the rule gives the Hopper kernels only
-// for plain attention and softcap alone.
-inline const char* sm90_varlen_variant(const CallInfo& call) {
-  return call.score_mods == kSoftcap ? "_varlen_softcap" : "_varlen";
+// Whether the Hopper kernels take packed sequences (CallInfo::packed) with these score
+// modifiers: plain attention, or softcap, ALiBi or dropout alone (their varlen variants; two or
+// more together stay on the portable kernels).
+inline bool sm90_varlen_takes(int score_mods) {
+  return score_mods == 0 || score_mods == kSoftcap || score_mods == kAlibi ||
+         score_mods == kDropout;
 }
+// The same name suffix for packed sequences, which sm90_varlen_takes.
+inline const char* sm90_varlen_variant(const CallInfo& call) {
+  return call.score_mods == kSoftcap  ? "_varlen_softcap"
+         : call.score_mods == kAlibi  ? "_varlen_alibi"
+         : call.score_mods == kDropout ? "_varlen_dropout"
+                                       : "_varlen";
+}
+// Why the Hopper kernels leave a packed call to the portable ones (not sm90_varlen_takes).
+inline constexpr const char* kVarlenModsWhy =
+    "the Hopper kernels take packed sequences (cu_seqlens) with at most one of softcap, "
+    "alibi_slopes and dropout";
 
 }  // namespace detail
 
@@ -389,11 +402,10 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
       c.sm90_schedule = options.sm90_schedule != Sm90Schedule::kAuto ? options.sm90_schedule
                         : unequal ? Sm90Schedule::kDynamic
                                   : Sm90Schedule::kStatic;
-      if (call.packed && call.score_mods != 0 && call.score_mods != kSoftcap) {
+      if (call.packed && !detail::sm90_varlen_takes(call.score_mods)) {
         c.fwd = FwdKernel::kSm80;
-        c.notes.push_back("forward on the portable sm80 kernels, not the Hopper one, because the "
-                          "Hopper forward takes packed sequences (cu_seqlens) with softcap "
-                          "alone or nothing: not with alibi_slopes or dropout");
+        c.notes.push_back(std::string("forward on the portable sm80 kernels, not the Hopper "
+                                      "one, because ") + detail::kVarlenModsWhy);
       }
     } else {
       c.notes.push_back("forward and backward on the portable sm80 kernels, not the Hopper "
@@ -419,14 +431,13 @@ inline KernelChoice select_cuda_kernels(const BuildInfo& build, const DeviceInfo
                                                  : detail::sm90_variant(call));
 
   // Packed sequences: the Hopper backward's varlen instantiations for plain attention and
-  // softcap alone (dQ added in any order, or in a fixed order when deterministic), else the
-  // 4-warp backward with its separate dQ kernel (per-sequence offsets; bitwise reproducible).
+  // softcap, ALiBi or dropout alone (dQ added in any order, or in a fixed order when
+  // deterministic), else the 4-warp backward with its separate dQ kernel (per-sequence
+  // offsets; bitwise reproducible).
   if (call.packed) {
     std::vector<std::string> why;
     if (hopper && hopper_why.empty()) {  // (else the forward's note says why)
-      if (call.score_mods != 0 && call.score_mods != kSoftcap)
-        why.push_back("the Hopper backward takes packed sequences with softcap alone or "
-                      "nothing: not with alibi_slopes or dropout");
+      if (!detail::sm90_varlen_takes(call.score_mods)) why.push_back(detail::kVarlenModsWhy);
       if (options.sm90_bwd == Sm90Bwd::kOff) why.push_back("kernel option sm90_bwd='off'");
       if (why.empty()) {
         c.bwd = BwdKernel::kSm90;

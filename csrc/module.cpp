@@ -60,19 +60,29 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 // Testing aid: the dropout mask (True = kept) that every kernel applies for rng_state
 // (seed, offset), as a (batch, heads, seqlen_q, seqlen_k) bool CPU tensor (dropout.h).
+// packed_start >= 0: the mask of one packed sequence (flash_attn_varlen_func) whose query rows
+// start at packed row packed_start and number seqlen_q (batch must be 1).
 at::Tensor dropout_mask(int64_t seed, int64_t offset, int64_t batch, int64_t heads,
-                        int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+                        int64_t seqlen_q, int64_t seqlen_k, double dropout_p,
+                        int64_t packed_start) {
   TORCH_CHECK_VALUE(dropout_p > 0.0 && dropout_p < 1.0, "dropout_p must be in (0, 1), got ",
                     dropout_p);
+  TORCH_CHECK_VALUE(packed_start < 0 || batch == 1,
+                    "dropout_mask: a packed sequence (packed_start = ", packed_start,
+                    ") needs batch = 1, got ", batch);
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, at::kBool);
   auto* keep = reinterpret_cast<uint8_t*>(mask.data_ptr<bool>());
   const uint32_t threshold = flash_attn_ext::dropout_threshold(dropout_p);
-  for (int64_t bh = 0; bh < batch * heads; ++bh)
-    for (int64_t i = 0; i < seqlen_q; ++i)
-      flash_attn_ext::cpu::dropout_keep(
-          static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), threshold,
-          static_cast<uint64_t>(bh * seqlen_q + flash_attn_ext::dropout_cell_row(i)), i, 0,
-          seqlen_k, keep + (bh * seqlen_q + i) * seqlen_k);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t q0 = packed_start >= 0 ? packed_start : b * seqlen_q;
+      const int64_t base = flash_attn_ext::dropout_row_base(q0, h, heads, seqlen_q);
+      for (int64_t i = 0; i < seqlen_q; ++i)
+        flash_attn_ext::cpu::dropout_keep(
+            static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), threshold,
+            static_cast<uint64_t>(base + flash_attn_ext::dropout_cell_row(i)), i, 0, seqlen_k,
+            keep + ((b * heads + h) * seqlen_q + i) * seqlen_k);
+    }
   return mask;
 }
 
@@ -293,9 +303,13 @@ PYBIND11_MODULE(_C, m) {
         "Sets some of the process's kernel options (a dict; unknown keys and bad values raise "
         "ValueError).");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
-  m.def("dropout_mask", &dropout_mask,
+  m.def("dropout_mask", &dropout_mask, pybind11::arg("seed"), pybind11::arg("offset"),
+        pybind11::arg("batch"), pybind11::arg("heads"), pybind11::arg("seqlen_q"),
+        pybind11::arg("seqlen_k"), pybind11::arg("dropout_p"),
+        pybind11::arg("packed_start") = -1,
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "
-        "(batch, heads, seqlen_q, seqlen_k) bool.");
+        "(batch, heads, seqlen_q, seqlen_k) bool; packed_start >= 0: the packed sequence whose "
+        "query rows start at that row (batch 1).");
   m.def("dropout_scale", &dropout_scale,
         "The kernels' scale of kept dropout elements: 1 / P(kept), P(kept) = 1 - dropout_p "
         "rounded to a multiple of 1/256 (0 when nothing is kept).");

@@ -7,11 +7,12 @@ cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of k a
 offsets). Each sequence attends only to its own keys, with FlashAttention-2's semantics (causal
 and windows bottom-right aligned per sequence). The kernels are the dense ones, reading each
 sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
-the Hopper forward's varlen instantiation for plain attention (causal, windows and GQA
-included; its tiles come from a table of every sequence's query blocks that the host builds
-from the offsets, heaviest first) and the Hopper backward's (head dims up to 256, deterministic
-too; its CTAs from a table of every sequence's key blocks); elsewhere, and with
-softcap, ALiBi or dropout, the portable kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
+the Hopper forward's varlen instantiations for plain attention (causal, windows and GQA
+included) and for softcap, ALiBi or dropout alone (their tiles come from a table of every
+sequence's query blocks that the host builds from the offsets, heaviest first) and the Hopper
+backward's (head dims up to 256, deterministic too; its CTAs from a table of every sequence's
+key blocks); elsewhere, and with two of softcap, ALiBi and dropout together, the portable
+kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
 stay apart: no value of one (NaN and inf included) reaches another's output.  The offsets are
 checked on the host: offsets on a CUDA device are copied there once per call, forward and
 backward together (one synchronisation); offsets given on the CPU cost none.  Not capturable

@@ -179,6 +179,11 @@ def test_bench_varlen_times_packed_and_dense(cpu_bench):
                                      reps=1, softcap=5.0)
     assert set(capped) == {"varlen", "varlen_sm80", "dense"}
     assert all(fwd > 0 and both > 0 for fwd, both in capped.values())
+    for mods in (dict(alibi=True), dict(dropout_p=0.1)):
+        res = bench_varlen.time_point(16, [40, 40], True, heads=4, heads_kv=2, device="cpu",
+                                      reps=1, **mods)
+        assert set(res) == {"varlen", "varlen_sm80", "dense"}, mods
+        assert all(fwd > 0 and both > 0 for fwd, both in res.values()), mods
     assert bench_varlen.flops([30, 50], 16, 4, True) == (30**2 + 50**2) * 4 * 4 * 16 / 2
 
 

@@ -689,7 +689,11 @@ def test_cuda_plan_of_packed_calls(monkeypatch):
     p = planning.plan(q, q, q, mods=planning.SOFTCAP, packed=True)
     assert (p.kernel, p.backward_kernel) == ("sm90_fwd_hdim128_bf16_varlen_softcap",
                                              "sm90_bwd_hdim128_bf16_varlen_softcap")
-    p = planning.plan(q, q, q, mods=planning.ALIBI, packed=True)
+    for mods, name in ((planning.ALIBI, "alibi"), (planning.DROPOUT, "dropout")):
+        p = planning.plan(q, q, q, mods=mods, packed=True)
+        assert (p.kernel, p.backward_kernel) == (f"sm90_fwd_hdim128_bf16_varlen_{name}",
+                                                 f"sm90_bwd_hdim128_bf16_varlen_{name}")
+    p = planning.plan(q, q, q, mods=planning.ALIBI | planning.DROPOUT, packed=True)
     assert p.kernel == "sm80_fwd_hdim128_bf16" and "packed sequences" in str(p)
     p = planning.plan(q, q, q, run_dtype=torch.float32, packed=True)
     assert not p.fused  # (varlen records nothing for it: the op refuses the call)
@@ -874,9 +878,10 @@ def test_a_dropout_p_that_rounds_to_zero_is_no_score_mod():
 def test_packed_sequences_rule(kernel_opts):
     # Packed sequences (the varlen ops) on an H200: the Hopper varlen forward and backward for
     # plain attention at head dims up to 256, a deterministic call too (dQ in a fixed order,
-    # the note says so), and their varlen softcap instantiations for softcap alone; ALiBi /
-    # dropout / softcap with dropout and sm90_bwd="off" take the portable backward, the note
-    # saying why; on sm_80 the 4-warp kernels, the note saying why not the 8-warp ones.
+    # the note says so), and their varlen softcap, ALiBi and dropout instantiations for each
+    # alone; two modifiers together (softcap with dropout, ALiBi with dropout, softcap with
+    # ALiBi) and sm90_bwd="off" take the portable backward, the note saying why; on sm_80 the
+    # 4-warp kernels, the note saying why not the 8-warp ones.
     build = {"cuda": True, "sm90": True, "cuda_archs": "8.0;9.0a"}
 
     def rule(head_dim=128, mods=0, deterministic=False, device=(9, 0, 232448)):
@@ -893,21 +898,23 @@ def test_packed_sequences_rule(kernel_opts):
     assert [n for n in notes if n.startswith("backward dQ added in a fixed order") and
             "deterministic=True" in n], notes
     assert rule(head_dim=256)[1] == "sm90_bwd_hdim256_bf16_varlen"
-    for head_dim in (40, 128, 256):
-        padded = 64 if head_dim == 40 else head_dim
-        for deterministic in (False, True):
-            fwd, bwd, _ = rule(head_dim=head_dim, mods=planning.SOFTCAP,
-                               deterministic=deterministic)
-            assert (fwd, bwd) == (f"sm90_fwd_hdim{padded}_bf16_varlen_softcap",
-                                  f"sm90_bwd_hdim{padded}_bf16_varlen_softcap")
-    for kw, text in ((dict(mods=planning.ALIBI), "not with alibi_slopes"),
-                     (dict(mods=planning.DROPOUT), "or dropout"),
-                     (dict(mods=planning.SOFTCAP | planning.DROPOUT), "softcap alone or")):
-        _, bwd, notes = rule(**kw)
-        assert bwd == f"sm80_bwd_hdim{kw.get('head_dim', 128)}_bf16", (kw, bwd)
-        backward = [n for n in notes if n.startswith("backward")]
-        assert len(backward) == 1 and text in backward[0], (kw, notes)
-        assert "not the Hopper one" in backward[0], (kw, notes)
+    for mods, name in ((planning.SOFTCAP, "softcap"), (planning.ALIBI, "alibi"),
+                       (planning.DROPOUT, "dropout")):
+        for head_dim in (40, 128, 256):
+            padded = 64 if head_dim == 40 else head_dim
+            for deterministic in (False, True):
+                fwd, bwd, _ = rule(head_dim=head_dim, mods=mods, deterministic=deterministic)
+                assert (fwd, bwd) == (f"sm90_fwd_hdim{padded}_bf16_varlen_{name}",
+                                      f"sm90_bwd_hdim{padded}_bf16_varlen_{name}")
+    for mods in (planning.SOFTCAP | planning.DROPOUT, planning.ALIBI | planning.DROPOUT,
+                 planning.SOFTCAP | planning.ALIBI):
+        fwd, bwd, notes = rule(mods=mods)
+        assert (fwd, bwd) == ("sm80_fwd_hdim128_bf16", "sm80_bwd_hdim128_bf16"), (mods, bwd)
+        for part in ("forward", "backward"):
+            said = [n for n in notes if n.startswith(part)]
+            assert len(said) == 1 and "at most one of softcap, alibi_slopes and dropout" in \
+                said[0], (mods, notes)
+            assert "not the Hopper one" in said[0], (mods, notes)
     kernel_opts(sm90_bwd="off")
     _, bwd, notes = rule()
     assert bwd == "sm80_bwd_hdim128_bf16"

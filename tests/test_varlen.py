@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import flash_attn_ext
-from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
+from flash_attn_ext import _C, flash_attn_func, flash_attn_varlen_func
+from flash_attn_ext.varlen import fwd_varlen_op
 from reference import (
     assert_error_rule,
     assert_lse_infinities,
@@ -45,9 +46,22 @@ def _used_rows(ck, used):
     return index, _offsets(used)
 
 
-def _per_sequence(q, k, v, cq, ck, dout, **kw):
+def _sequence_kw(b, slopes, keeps, kw):
+    """attention_ref's arguments for sequence b: its ALiBi slopes ((H,) shared or row b of (B,
+    H)) and its dropout mask (``keeps[b]``, with kw's dropout_p), beside kw's others."""
+    kw = dict(kw, alibi_slopes=None if slopes is None else
+              (slopes if slopes.dim() == 1 else slopes[b]))
+    if keeps is not None:
+        kw["dropout_keep"] = keeps[b]
+    else:
+        kw.pop("dropout_p", None)
+    return kw
+
+
+def _per_sequence(q, k, v, cq, ck, dout, keeps=None, **kw):
     """The reference: each sequence on its own (float64), outputs and gradients scattered back
-    into packed tensors (rows outside every sequence: 0)."""
+    into packed tensors (rows outside every sequence: 0).  ``keeps``: each sequence's dropout
+    mask (_dropout_keeps), kw's dropout_p its rate."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
@@ -56,16 +70,14 @@ def _per_sequence(q, k, v, cq, ck, dout, **kw):
         rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         if rq.stop == rq.start:
             continue
-        s = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
         o, seq_lse = attention_ref(leaves[0][rq][None], leaves[1][rk][None],
-                                   leaves[2][rk][None],
-                                   alibi_slopes=s, **kw)
+                                   leaves[2][rk][None], **_sequence_kw(b, slopes, keeps, kw))
         out[rq], lse[:, rq] = o[0], seq_lse[0]
     grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True)
     return out, lse, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
 
-def _low_per_sequence(q, k, v, cq, ck, dtype, slopes=None, **kw):
+def _low_per_sequence(q, k, v, cq, ck, dtype, slopes=None, keeps=None, **kw):
     """PyTorch's answer in ``dtype`` (the error rule's yardstick), each sequence on its own, on
     the CPU, scattered into a packed tensor (rows outside every sequence: 0); returns it and
     the leaves it was computed from, for its gradients."""
@@ -75,11 +87,36 @@ def _low_per_sequence(q, k, v, cq, ck, dtype, slopes=None, **kw):
         rq, rk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         if rq.stop == rq.start:
             continue
-        s = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
         o, _ = attention_ref(leaves[0][rq][None], leaves[1][rk][None], leaves[2][rk][None],
-                             alibi_slopes=s, compute_dtype=dtype, **kw)
+                             compute_dtype=dtype, **_sequence_kw(b, slopes, keeps, kw))
         low[rq] = o[0]
     return low, leaves
+
+
+def _rng_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _dropout_keeps(q, k, v, cq, ck, kw, state):
+    """The dropout masks that a flash_attn_varlen_func call with ``kw`` (dropout_p > 0) drew,
+    per sequence ((1, H, len_q, len_k) bool): the fwd_varlen op, run again from the generator
+    ``state`` that the call started from (_rng_state), gives the call's (seed, offset), and
+    _C.dropout_mask regenerates each sequence's mask at its packed rows (csrc/dropout.h)."""
+    if q.device.type == "cuda":
+        torch.cuda.set_rng_state(state, q.device)
+    else:
+        torch.set_rng_state(state)
+    lens_q, lens_k = (cu.diff().tolist() for cu in (cq, ck))
+    wl, wr = kw.get("window_size", (-1, -1))
+    _, _, rng = fwd_varlen_op(q.detach(), k.detach(), v.detach(), cq.to(q.device),
+                              ck.to(q.device), max(lens_q), max(lens_k), kw.get("softmax_scale"),
+                              bool(kw.get("causal", False)), wl, wr,
+                              float(kw.get("softcap", 0.0)), kw.get("alibi_slopes"),
+                              float(kw["dropout_p"]), None, False)
+    seed, offset = (int(x) for x in rng.cpu())
+    return [_C.dropout_mask(seed, offset, 1, q.shape[1], lq, lk, kw["dropout_p"],
+                            packed_start=int(cq[b]))
+            for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
 
 
 def _low_grads(low, leaves, dout, dtype):
@@ -89,7 +126,8 @@ def _low_grads(low, leaves, dout, dtype):
 
 
 CASES = [dict(), dict(causal=True), dict(window_size=(3, 2)), dict(causal=True, softcap=5.0),
-         dict(alibi="head"), dict(alibi="batch_head", causal=True)]
+         dict(alibi="head"), dict(alibi="batch_head", causal=True),
+         dict(causal=True, dropout_p=0.17)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -103,12 +141,15 @@ def test_each_sequence_is_its_own_attention_float64(case):
     alibi = case.pop("alibi", None)
     slopes = None if alibi is None else \
         torch.rand(*((4,) if alibi == "batch_head" else ()), 4, dtype=torch.float64)
+    state = _rng_state(q.device)
     out, lse, _ = flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
                                          alibi_slopes=slopes, return_attn_probs=True, **case)
+    # (dropout: each sequence's mask at its packed rows, the kernels' numbering)
+    keeps = _dropout_keeps(q, k, v, cq, ck, case, state) if "dropout_p" in case else None
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     wl, wr = case.pop("window_size", (-1, -1))
-    ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, window_left=wl,
+    ref, ref_lse, ref_grads = _per_sequence(q, k, v, cq, ck, dout, keeps=keeps, window_left=wl,
                                             window_right=wr, alibi_slopes=slopes, **case)
     assert (out - ref).abs().max().item() < 1e-12
     finite = torch.isfinite(ref_lse)
@@ -221,6 +262,20 @@ def test_equal_lengths_are_the_dense_batch_dropout_included(dropout_p):
     # same seed drops the same elements; the same kernel gives the same bits.
     q, k, v = (torch.randn(3, 37, 4, 16, requires_grad=True) for _ in "qkv")
     _assert_packed_equal_lengths_are_dense(q, k, v, torch.randn(3, 37, 4, 16), dropout_p)
+
+
+def test_dropout_mask_of_a_packed_sequence_numbers_its_rows_from_its_start():
+    # The testing aid's mask of one packed sequence (rows from packed_start * H + h * L_b,
+    # csrc/dropout.h) is the dense batch's entry b for equal lengths (packed_start = b * L);
+    # another start draws other bits.
+    dense = _C.dropout_mask(5, 12, 3, 4, 37, 29, 0.3)
+    for b in range(3):
+        packed = _C.dropout_mask(5, 12, 1, 4, 37, 29, 0.3, packed_start=37 * b)
+        assert torch.equal(packed[0], dense[b]), b
+    assert not torch.equal(_C.dropout_mask(5, 12, 1, 4, 37, 29, 0.3, packed_start=1)[0],
+                           dense[0])
+    with pytest.raises(Exception, match=r"packed_start = 0\) needs batch = 1, got 2"):
+        _C.dropout_mask(5, 12, 2, 4, 37, 29, 0.3, packed_start=0)
 
 
 def _assert_packed_equal_lengths_are_dense(q, k, v, dout, dropout_p):
@@ -718,6 +773,7 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
     names of the CUDA kernels the forward launched and those the backward launched (empty
     without ``grads``)."""
     case = dict(case)
+    variant = _variant_of(case)
     q64, k64, v64, cq, ck = _packed(lens_q, lens_k, heads, heads_kv, d, d, torch.float64,
                                     tail=tail)
     q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in (q64, k64, v64))
@@ -732,22 +788,25 @@ def _cuda_case_under_the_error_rule(lens_q, lens_k, heads, heads_kv, d, dtype, c
         result["out"], result["lse"], _ = flash_attn_varlen_func(
             q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k), return_attn_probs=True,
             **gpu)
+    state = _rng_state(q.device)
     names = launched_kernels(run)
     # The recorded plan names the forward that ran (varlen calls recorded none before).
     plan = flash_attn_ext.last_plan()
     hopper = any("flash_fwd_sm90_kernel" in n for n in names)
     assert plan.fused and plan.kernel.startswith("sm90_fwd" if hopper else "sm80_fwd"), (
         plan, names)
-    varlen_name = "_varlen_softcap" if case.get("softcap") else "_varlen"
+    varlen_name = "_varlen_" + variant if variant else "_varlen"
     assert plan.kernel.endswith(varlen_name) == hopper, (plan, names)
+    # (dropout: each sequence's mask, from the (seed, offset) the call drew)
+    keeps = _dropout_keeps(q, k, v, cq, ck, gpu, state) if "dropout_p" in case else None
     out, lse = result["out"], result["lse"]
     dout = torch.randn_like(out)
     wl, wr = case.pop("window_size", (-1, -1))
     ref_kw = dict(window_left=wl, window_right=wr, **case)
     true, true_lse, true_grads = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(),
-                                               alibi_slopes=slopes, **ref_kw)
+                                               keeps=keeps, alibi_slopes=slopes, **ref_kw)
     # PyTorch's error in the same precision, sequence by sequence (the rule's yardstick).
-    low, leaves = _low_per_sequence(q, k, v, cq, ck, dtype, slopes, **ref_kw)
+    low, leaves = _low_per_sequence(q, k, v, cq, ck, dtype, slopes, keeps=keeps, **ref_kw)
     assert_error_rule(out.cpu(), low, true, 2.0, "out")
     finite = torch.isfinite(true_lse)
     assert_lse_infinities(lse, true_lse)
@@ -779,23 +838,32 @@ def _on_sm90():
             and torch.cuda.get_device_capability() == (9, 0))
 
 
-def _varlen_flags(softcap):
-    return {"varlen", "softcap"} if softcap else {"varlen"}
+def _variant_of(case):
+    """The one score modifier of a case ("softcap", "alibi" or "dropout"), whose Hopper varlen
+    variant runs it, or "" for plain attention."""
+    mods = [name for name, key in (("softcap", "softcap"), ("alibi", "alibi"),
+                                   ("dropout", "dropout_p")) if case.get(key)]
+    assert len(mods) <= 1, case
+    return mods[0] if mods else ""
 
 
-def _varlen_sm90(name, softcap=False):
+def _varlen_flags(variant):
+    return {"varlen", variant} - {""}
+
+
+def _varlen_sm90(name, variant=""):
     """Whether ``name`` is the Hopper forward's varlen instantiation (plain attention: causal
-    and windows per sequence; kVarlen alone among its traits' flags), or with ``softcap`` its
-    varlen softcap one (kVarlen and kSoftcap)."""
-    return sm90_variant_flags(name) == _varlen_flags(softcap)
+    and windows per sequence; kVarlen alone among its traits' flags), or with ``variant``
+    ("softcap", "alibi", "dropout") its varlen one for that modifier alone (kVarlen and it)."""
+    return sm90_variant_flags(name) == _varlen_flags(variant)
 
 
-def _hopper_bwd_varlen(names, softcap=False):
+def _hopper_bwd_varlen(names, variant=""):
     """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
-    kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone), or with ``softcap`` its varlen
-    softcap one (kVarlen and kSoftcap), ran."""
+    kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone), or with ``variant`` its
+    varlen one for that modifier alone, ran."""
     return any("flash_bwd_sm90_kernel" in n
-               and sm90_variant_flags(n, "Sm90BwdTraits") == _varlen_flags(softcap)
+               and sm90_variant_flags(n, "Sm90BwdTraits") == _varlen_flags(variant)
                for n in names)
 
 
@@ -807,17 +875,18 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype, portable, kernel_o
     # The CPU test's geometry on the CUDA kernels, longer (several query and key blocks, partial
     # ones), head dim 40 (padded), GQA, rows past the last offset: on the kernels the
     # dispatcher picks (on an H200 the Hopper varlen forward for plain, causal and window
-    # cases, its varlen softcap one for softcap) and on the portable ones.
+    # cases, its varlen softcap, ALiBi and dropout ones for those alone; dropout against each
+    # sequence's regenerated mask) and on the portable ones.
     kernel_opts(force_portable=portable)
     names, bwd_names = _cuda_case_under_the_error_rule([5, 0, 200, 1, 130], [7, 3, 150, 9, 130],
                                                        4, 2, 40, dtype, case, tail=(2, 3))
-    softcap = "softcap" in case
-    hopper = "alibi" not in case and not portable and _on_sm90()
-    assert any(_varlen_sm90(n, softcap) for n in names) == hopper, names
+    variant = _variant_of(case)
+    hopper = not portable and _on_sm90()
+    assert any(_varlen_sm90(n, variant) for n in names) == hopper, names
     assert any("flash_fwd_sm90_kernel" in n for n in names) == \
-        any(_varlen_sm90(n, softcap) for n in names), names
-    # (the backward likewise: the Hopper varlen backward for plain attention and softcap)
-    assert _hopper_bwd_varlen(bwd_names, softcap) == hopper, bwd_names
+        any(_varlen_sm90(n, variant) for n in names), names
+    # (the backward likewise: the Hopper varlen backward of the same variant)
+    assert _hopper_bwd_varlen(bwd_names, variant) == hopper, bwd_names
     assert any("flash_bwd_sm90_kernel" in n for n in bwd_names) == hopper, bwd_names
 
 
@@ -825,33 +894,38 @@ def test_cuda_each_sequence_under_the_error_rule(case, dtype, portable, kernel_o
                     "kernels")
 @pytest.mark.parametrize("head_dim", [40, 59, 72, 128, 256])
 @pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(50, 7)),
-                                  dict(window_size=(50, 7), softcap=5.0)], ids=str)
+                                  dict(window_size=(50, 7), softcap=5.0),
+                                  dict(causal=True, alibi="batch_head"),
+                                  dict(window_size=(50, 7), alibi="head"),
+                                  dict(causal=True, dropout_p=0.17)], ids=str)
 def test_sm90_forward_takes_packed_sequences(case, head_dim):
     # Lengths 1, 17, 0, 113, 1023, 300 queries against 1, 40, 5, 113, 1000, 129 keys: a single
     # row, L < S, an empty sequence, L = S, several query blocks with a partial last one (192
-    # rows at head dims up to 64, 128 above; idle warpgroups), L > S (causal rows that see
-    # nothing); GQA 6:2; rows past the last offset.  The forward is the Hopper varlen kernel
-    # (with softcap its varlen softcap one), and so is the backward (at 256 its step split by
-    # role, 64 keys per CTA).
+    # rows at head dims up to 64, 128 above, and for dropout at 64 too; idle warpgroups), L > S
+    # (causal rows that see nothing); GQA 6:2; rows past the last offset.  The forward is the
+    # Hopper varlen kernel (with softcap, ALiBi (each sequence's slopes and bottom-right
+    # offset) or dropout (each sequence's mask) its varlen one for that modifier), and so is
+    # the backward (at 256 its step split by role, 64 keys per CTA).
     dtype = torch.bfloat16 if head_dim != 72 else torch.float16
     names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
                                                        [1, 40, 5, 113, 1000, 129], 6, 2,
                                                        head_dim, dtype, case, tail=(3, 2))
-    softcap = "softcap" in case
+    variant = _variant_of(case)
     hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
-    assert hopper and all(_varlen_sm90(n, softcap) for n in hopper), names
-    assert _hopper_bwd_varlen(bwd_names, softcap), bwd_names
+    assert hopper and all(_varlen_sm90(n, variant) for n in hopper), names
+    assert _hopper_bwd_varlen(bwd_names, variant), bwd_names
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
-@pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_sm90_varlen_many_sequences_and_seqused_k(softcap, kernel_opts):
+@pytest.mark.parametrize("variant", ["", "softcap", "alibi", "dropout"])
+def test_sm90_varlen_many_sequences_and_seqused_k(variant, kernel_opts):
     # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first
     # table; in the backward a table of key blocks, most CTAs a sequence's last), seqused_k
-    # leaving some keys unused (their gradients zero), GQA 4:2, causal, plain and with
-    # softcap: the Hopper varlen kernels and the portable ones each under the error rule
-    # against a float64 reference over the used keys, forward and gradients.
+    # leaving some keys unused (their gradients zero), GQA 4:2, causal, plain and with softcap,
+    # ALiBi ((B, H) slopes, each sequence's offset over its used keys) or dropout alone: the
+    # Hopper varlen kernels and the portable ones each under the error rule against a float64
+    # reference over the used keys (dropout: with each call's masks), forward and gradients.
     gen = torch.Generator().manual_seed(0)
     lens_q = torch.randint(0, 300, (300,), generator=gen).tolist()
     lens_k = torch.randint(1, 300, (300,), generator=gen).tolist()
@@ -860,35 +934,52 @@ def test_sm90_varlen_many_sequences_and_seqused_k(softcap, kernel_opts):
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     args = (q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k))
-    kw = dict(causal=True, softcap=softcap,
-              seqused_k=torch.tensor(used, dtype=torch.int32).cuda(), return_attn_probs=True)
-    result = {}
+    slopes = torch.rand(300, 4, generator=gen, dtype=torch.float64) \
+        if variant == "alibi" else None
+    mods = dict(softcap=5.0 if variant == "softcap" else 0.0,
+                dropout_p=0.17 if variant == "dropout" else 0.0,
+                alibi_slopes=None if slopes is None else slopes.float().cuda())
+    kw = dict(causal=True, seqused_k=torch.tensor(used, dtype=torch.int32).cuda(),
+              return_attn_probs=True, **mods)
+    result, keeps = {}, {}
 
     def run(key):
         def call():
             out, lse, _ = flash_attn_varlen_func(*args, **kw)
             result[key] = (out, lse, torch.autograd.grad(out, (q, k, v), dout))
         return call
+    state = _rng_state(q.device)
     names = launched_kernels(run("hopper"))
-    assert any(_varlen_sm90(n, softcap > 0) for n in names), names
-    assert _hopper_bwd_varlen(names, softcap > 0), names
+    if variant == "dropout":  # (each call's masks, over the used keys)
+        keeps["hopper"] = _dropout_keeps(q, k, v, cq, ck, kw, state)
+    assert any(_varlen_sm90(n, variant) for n in names), names
+    assert _hopper_bwd_varlen(names, variant), names
     kernel_opts(force_portable=True)
+    state = _rng_state(q.device)
     names = launched_kernels(run("portable"))
+    if variant == "dropout":
+        keeps["portable"] = _dropout_keeps(q, k, v, cq, ck, kw, state)
     assert names and not any("_sm90_" in n for n in names), names
     kernel_opts(force_portable=False)
     # The reference over the used keys alone (each sequence's first used[b] keys).
     keep, cu_used = _used_rows(ck, used)
     q_ref, k_ref, v_ref = q.detach().cpu(), k.detach().cpu()[keep], v.detach().cpu()[keep]
-    ref_kw = dict(causal=True, softcap=softcap)
-    true, true_lse, true_grads = _per_sequence(q_ref, k_ref, v_ref, cq, cu_used, dout.cpu(),
-                                               **ref_kw)
-    low, leaves = _low_per_sequence(q_ref, k_ref, v_ref, cq, cu_used, torch.bfloat16, None,
-                                    **ref_kw)
-    low_grads = _low_grads(low, leaves, dout, torch.bfloat16)
     unused = torch.ones(k.shape[0], dtype=torch.bool)
     unused[keep] = False
-    finite = torch.isfinite(true_lse)
+    ref_kw = dict(causal=True, softcap=mods["softcap"], dropout_p=mods["dropout_p"])
+
+    def reference(masks):
+        true, true_lse, true_grads = _per_sequence(q_ref, k_ref, v_ref, cq, cu_used,
+                                                   dout.cpu(), keeps=masks,
+                                                   alibi_slopes=slopes, **ref_kw)
+        low, leaves = _low_per_sequence(q_ref, k_ref, v_ref, cq, cu_used, torch.bfloat16,
+                                        slopes, keeps=masks, **ref_kw)
+        return true, true_lse, true_grads, low, _low_grads(low, leaves, dout, torch.bfloat16)
+    shared = None if variant == "dropout" else reference(None)
     for key in ("hopper", "portable"):
+        true, true_lse, true_grads, low, low_grads = shared or reference(
+            [m[..., :n] for m, n in zip(keeps[key], used)])
+        finite = torch.isfinite(true_lse)
         out, lse, grads = result[key]
         assert_error_rule(out.cpu(), low, true, 2.0, f"{key} out")
         assert_lse_infinities(lse, true_lse)
@@ -1048,13 +1139,13 @@ def test_cuda_capture_in_a_cuda_graph_is_a_clear_error(on_host):
             flash_attn_varlen_func(q, k, v, *offsets, 40, 40, causal=True)
 
 
-def _hopper_deterministic_grads(grads, runs, softcap=False):
+def _hopper_deterministic_grads(grads, runs, variant=""):
     """grads(deterministic=True) on the Hopper varlen backward (its launched kernels; with
-    ``softcap`` its varlen softcap one), bitwise equal over `runs` calls; returns the first
-    call's gradients."""
+    ``variant`` its varlen one for that modifier), bitwise equal over `runs` calls; returns
+    the first call's gradients."""
     result = {}
     names = launched_kernels(lambda: result.setdefault("first", grads(deterministic=True)))
-    assert _hopper_bwd_varlen(names, softcap), names
+    assert _hopper_bwd_varlen(names, variant), names
     for _ in range(runs - 1):
         again = grads(deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(again, result["first"]))
@@ -1186,43 +1277,56 @@ def test_sm90_varlen_backward_keeps_sequences_apart(head_dim, causal):
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal_softcap"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal_softcap", "causal_alibi",
+                                  "causal_dropout"])
 def test_sm90_varlen_deterministic_backward(head_dim, mask):
     # deterministic=True (and torch.use_deterministic_algorithms) keep the Hopper varlen
-    # backward (with softcap its varlen softcap one), dQ added in a fixed order (each
-    # sequence's key blocks the highest first): bitwise reproducible over 10 runs; the same
-    # gradients as the default order up to the order of dQ's fp32 sums, and as a float64
-    # reference per sequence.  Lengths: an empty sequence, some below one block, several key
-    # blocks (dQ waits across blocks), GQA.
+    # backward (with softcap, ALiBi or dropout its varlen one for that modifier), dQ added in a
+    # fixed order (each sequence's key blocks the highest first): bitwise reproducible over 10
+    # runs (dropout: each run from the same generator seed); the same gradients as the default
+    # order up to the order of dQ's fp32 sums, and as a float64 reference per sequence.
+    # Lengths: an empty sequence, some below one block, several key blocks (dQ waits across
+    # blocks), GQA.
     lens_q, lens_k = [300, 0, 5, 129, 700, 64], [280, 7, 5, 200, 700, 64]
     q, k, v, cq, ck = _packed(lens_q, lens_k, 4, 2, head_dim, head_dim, torch.bfloat16,
                               tail=(3, 3))
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    softcap = 5.0 if mask.endswith("softcap") else 0.0
+    variant = mask.partition("_")[2]
+    slopes = torch.rand(len(lens_q), 4, dtype=torch.float64) if variant == "alibi" else None
     kw = dict(causal=mask.startswith("causal"),
-              window_size=(100, 20) if mask == "window" else (-1, -1), softcap=softcap)
+              window_size=(100, 20) if mask == "window" else (-1, -1),
+              softcap=5.0 if variant == "softcap" else 0.0,
+              dropout_p=0.17 if variant == "dropout" else 0.0,
+              alibi_slopes=None if slopes is None else slopes.float().cuda())
 
     def grads(**extra):
+        torch.cuda.manual_seed(1234)  # (dropout: the same mask in every run)
         out = flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lens_q), max(lens_k),
                                      **kw, **extra)
         return torch.autograd.grad(out, (q, k, v), dout)
-    result = {"first": _hopper_deterministic_grads(grads, runs=10, softcap=softcap > 0)}
+    result = {"first": _hopper_deterministic_grads(grads, runs=10, variant=variant)}
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         names = launched_kernels(lambda: result.setdefault("global", grads()))
     finally:
         torch.use_deterministic_algorithms(old)
-    assert _hopper_bwd_varlen(names, softcap > 0), names
+    assert _hopper_bwd_varlen(names, variant), names
     assert all(torch.equal(a, b) for a, b in zip(result["global"], result["first"]))
     default = grads()
     for name, a, b in zip(("dq", "dk", "dv"), result["first"], default):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2, msg=name)
+    keeps = None
+    if variant == "dropout":  # (the mask every run drew: the seed grads sets)
+        torch.cuda.manual_seed(1234)
+        keeps = _dropout_keeps(q, k, v, cq, ck, kw, _rng_state(q.device))
     wl, wr = kw["window_size"]
-    ref_kw = dict(causal=kw["causal"], window_left=wl, window_right=wr, softcap=softcap)
-    _, _, ref = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(), **ref_kw)
-    low, leaves = _low_per_sequence(q, k, v, cq, ck, q.dtype, **ref_kw)
+    ref_kw = dict(causal=kw["causal"], window_left=wl, window_right=wr, softcap=kw["softcap"],
+                  dropout_p=kw["dropout_p"])
+    _, _, ref = _per_sequence(q.cpu(), k.cpu(), v.cpu(), cq, ck, dout.cpu(), keeps=keeps,
+                              alibi_slopes=slopes, **ref_kw)
+    low, leaves = _low_per_sequence(q, k, v, cq, ck, q.dtype, slopes, keeps=keeps, **ref_kw)
     for name, a, lo, want in zip(("dq", "dk", "dv"), result["first"],
                                  _low_grads(low, leaves, dout, q.dtype), ref):
         assert_error_rule(a.cpu(), lo, want, 3.0, name)

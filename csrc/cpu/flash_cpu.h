@@ -72,7 +72,8 @@ struct Seqs {
   // The row id of row i's dropout cell (dropout.h).
   uint64_t dropout_row(const FwdParams& p, int64_t b, int64_t h, int64_t i) const {
     const int64_t start = cu_q == nullptr ? b * p.seqlen_q : cu_q[b];
-    return static_cast<uint64_t>(start * p.heads_q + h * len_q(p, b) + dropout_cell_row(i));
+    return static_cast<uint64_t>(dropout_row_base(start, h, p.heads_q, len_q(p, b)) +
+                                 dropout_cell_row(i));
   }
   VisibleKeys visible(const FwdParams& p, int64_t b) const {
     return VisibleKeys(len_q(p, b), len_k(p, b), p.window_left, p.window_right,

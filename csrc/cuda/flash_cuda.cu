@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -168,97 +169,63 @@ at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaSt
   return blocks;
 }
 
+// f(std::integral_constant<int, d>{}) for the instantiated head dim d (64, 128 or 256) that
+// head_dim pads up to.
+template <typename F>
+cudaError_t by_head_dim(int64_t head_dim, F&& f) {
+  if (head_dim <= 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim <= 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
+// The Hopper forward's instantiation for p, as kernel_select.h's rule chose it (its variant
+// names in the comments).
 template <typename Element>
 cudaError_t run_fwd_sm90(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-  if (p.bias_is_mask) {  // (a boolean mask alone: kernel_select.h's mask_alone)
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_mask<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_mask<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_mask<Element, 256>(p, stream);
-  }
-  if (p.softcap_only() && p.cu_seqlens_q != nullptr) {  // packed sequences, softcap alone
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_varlen_softcap<Element, 256>(p, stream);
-  }
-  if (p.softcap_only()) {  // (kernel_select.h keeps GQA packing off it)
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_softcap<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_softcap<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_softcap<Element, 256>(p, stream);
-  }
-  if (p.alibi_only()) {  // (kernel_select.h keeps GQA packing off it)
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_alibi<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_alibi<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_alibi<Element, 256>(p, stream);
-  }
-  if (p.score_mods()) {
-    // (softcap, bias, ALiBi, and dropout with them; kernel_select.h keeps GQA packing off it)
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_general<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_general<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_general<Element, 256>(p, stream);
-  }
-  if (p.dropout) {  // dropout alone
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_dropout<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_dropout<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_dropout<Element, 256>(p, stream);
-  }
-  if (p.sm90_pack_gqa) {
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_packgqa<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_packgqa<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_packgqa<Element, 256>(p, stream);
-  }
-  if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
-    if (head_dim <= 64) return sm90::run_flash_fwd_sm90_varlen<Element, 64>(p, stream);
-    if (head_dim <= 128) return sm90::run_flash_fwd_sm90_varlen<Element, 128>(p, stream);
-    return sm90::run_flash_fwd_sm90_varlen<Element, 256>(p, stream);
-  }
-  if (head_dim <= 64) return sm90::run_flash_fwd_sm90<Element, 64>(p, stream);
-  if (head_dim <= 128) return sm90::run_flash_fwd_sm90<Element, 128>(p, stream);
-  return sm90::run_flash_fwd_sm90<Element, 256>(p, stream);
+  return by_head_dim(head_dim, [&](auto d) -> cudaError_t {
+    constexpr int D = decltype(d)::value;
+    if (p.cu_seqlens_q != nullptr) {  // packed sequences (no bias; one modifier at most)
+      if (p.softcap_only()) return sm90::run_flash_fwd_sm90_varlen_softcap<Element, D>(p, stream);
+      if (p.alibi_only()) return sm90::run_flash_fwd_sm90_varlen_alibi<Element, D>(p, stream);
+      if (p.dropout) return sm90::run_flash_fwd_sm90_varlen_dropout<Element, D>(p, stream);
+      return sm90::run_flash_fwd_sm90_varlen<Element, D>(p, stream);
+    }
+    // (_mask: a boolean mask alone, kernel_select.h's mask_alone; kernel_select.h keeps GQA
+    // packing off every variant below but the plain one)
+    if (p.bias_is_mask) return sm90::run_flash_fwd_sm90_mask<Element, D>(p, stream);
+    if (p.softcap_only()) return sm90::run_flash_fwd_sm90_softcap<Element, D>(p, stream);
+    if (p.alibi_only()) return sm90::run_flash_fwd_sm90_alibi<Element, D>(p, stream);
+    // (_general: softcap, bias, ALiBi, and dropout with them)
+    if (p.score_mods()) return sm90::run_flash_fwd_sm90_general<Element, D>(p, stream);
+    if (p.dropout) return sm90::run_flash_fwd_sm90_dropout<Element, D>(p, stream);
+    if (p.sm90_pack_gqa) return sm90::run_flash_fwd_sm90_packgqa<Element, D>(p, stream);
+    return sm90::run_flash_fwd_sm90<Element, D>(p, stream);
+  });
 }
+// The same for the Hopper backward.
 template <typename Element>
 cudaError_t run_bwd_sm90(int64_t head_dim, const BwdParams& p, float* stats,
                          cudaStream_t stream) {
-  if (p.bias_is_mask) {  // (a boolean mask alone: kernel_select.h's mask_alone)
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_mask<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_mask<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_mask<Element, 256>(p, stats, stream);
-  }
-  if (p.softcap_only() && p.cu_seqlens_q != nullptr) {  // packed sequences, softcap alone
-    if (head_dim <= 64)
-      return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 64>(p, stats, stream);
-    if (head_dim <= 128)
-      return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_varlen_softcap<Element, 256>(p, stats, stream);
-  }
-  if (p.softcap_only()) {
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_softcap<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_softcap<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_softcap<Element, 256>(p, stats, stream);
-  }
-  if (p.alibi_only()) {
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_alibi<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_alibi<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_alibi<Element, 256>(p, stats, stream);
-  }
-  if (p.score_mods()) {
-    // (softcap, bias, ALiBi and dropout with them: kernel_select.h keeps the rest off it)
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_general<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_general<Element, 128>(p, stats, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (p.dropout) {  // dropout alone
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_dropout<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_dropout<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_dropout<Element, 256>(p, stats, stream);
-  }
-  if (p.cu_seqlens_q != nullptr) {  // packed sequences (plain attention)
-    if (head_dim <= 64) return sm90::run_flash_bwd_sm90_varlen<Element, 64>(p, stats, stream);
-    if (head_dim <= 128) return sm90::run_flash_bwd_sm90_varlen<Element, 128>(p, stats, stream);
-    return sm90::run_flash_bwd_sm90_varlen<Element, 256>(p, stats, stream);
-  }
-  if (head_dim <= 64) return sm90::run_flash_bwd_sm90<Element, 64>(p, stats, stream);
-  if (head_dim <= 128) return sm90::run_flash_bwd_sm90<Element, 128>(p, stats, stream);
-  return sm90::run_flash_bwd_sm90<Element, 256>(p, stats, stream);
+  return by_head_dim(head_dim, [&](auto d) -> cudaError_t {
+    constexpr int D = decltype(d)::value;
+    if (p.cu_seqlens_q != nullptr) {  // packed sequences (no bias; one modifier at most)
+      if (p.softcap_only())
+        return sm90::run_flash_bwd_sm90_varlen_softcap<Element, D>(p, stats, stream);
+      if (p.alibi_only())
+        return sm90::run_flash_bwd_sm90_varlen_alibi<Element, D>(p, stats, stream);
+      if (p.dropout) return sm90::run_flash_bwd_sm90_varlen_dropout<Element, D>(p, stats, stream);
+      return sm90::run_flash_bwd_sm90_varlen<Element, D>(p, stats, stream);
+    }
+    if (p.bias_is_mask) return sm90::run_flash_bwd_sm90_mask<Element, D>(p, stats, stream);
+    if (p.softcap_only()) return sm90::run_flash_bwd_sm90_softcap<Element, D>(p, stats, stream);
+    if (p.alibi_only()) return sm90::run_flash_bwd_sm90_alibi<Element, D>(p, stats, stream);
+    if (p.score_mods()) {  // (the general variant: up to head dim 128, kernel_select.h)
+      if constexpr (D <= 128) return sm90::run_flash_bwd_sm90_general<Element, D>(p, stats, stream);
+      return cudaErrorInvalidValue;
+    }
+    if (p.dropout) return sm90::run_flash_bwd_sm90_dropout<Element, D>(p, stats, stream);
+    return sm90::run_flash_bwd_sm90<Element, D>(p, stats, stream);
+  });
 }
 #endif
 
@@ -302,7 +269,7 @@ at::Tensor upload_varlen_table(std::vector<std::pair<int64_t, VarlenTile>>& tile
 // device by upload_varlen_table; the caller keeps the tensor until the launch is queued.
 at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
                              const at::Tensor& q) {
-  const int block_m = sm90::fwd_block_m_of(kernel_dim);
+  const int block_m = sm90::fwd_block_m_of(kernel_dim, p.dropout);  // (the dropout variant's)
   const int32_t* cu_q = pk.cu_q_host.data_ptr<int32_t>();
   const int32_t* cu_k = pk.cu_k_host.data_ptr<int32_t>();
   const int32_t* used_k = pk.used_k.defined() ? pk.used_k_host.data_ptr<int32_t>() : nullptr;
@@ -652,12 +619,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
 // Packed sequences (FlashAttention-2's varlen: the fwd_varlen / bwd_varlen ops, schemas in
 // cpu/flash_fwd_cpu.cpp): on sm_90 the Hopper forward's varlen instantiations for plain
-// attention and softcap alone (their tiles from a table of every sequence's query blocks:
-// sm90_varlen_tiles), elsewhere the portable kernels, each CTA placing its sequence by
-// params.h's cu_seqlens (kernels/sm80/block_info.h: SeqInfo).  The backward likewise: on sm_90
-// the Hopper backward's varlen instantiations for plain attention and softcap alone (a table of every sequence's key blocks:
-// sm90_bwd_varlen_tables; deterministic: dQ added in a fixed order); else the 4-warp kernels
-// with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the
+// attention and softcap, ALiBi or dropout alone (their tiles from a table of every sequence's
+// query blocks: sm90_varlen_tiles), elsewhere the portable kernels, each CTA placing its
+// sequence by params.h's cu_seqlens (kernels/sm80/block_info.h: SeqInfo).  The backward
+// likewise: on sm_90 the Hopper backward's varlen instantiations for the same calls (a table of
+// every sequence's key blocks: sm90_bwd_varlen_tables; deterministic: dQ added in a fixed
+// order); else the 4-warp kernels with the separate dQ kernel (kernel_select.h).  Checks as on the CPU (varlen_checks.h: the
 // offsets are read on the host), so a call cannot be captured in a CUDA graph
 // (check_not_capturing).
 // Refuses a packed call while q's stream captures a CUDA graph: its checks and tables are made

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../../dropout.h"  // csrc/dropout.h (a plain "dropout.h" names sm80/dropout.h)
 #include "kernels/sm80/tile.h"
 #include "mask.h"
 #include "params.h"
@@ -59,11 +60,10 @@ struct SeqInfo {
   __device__ __forceinline__ int64_t stats(const FwdParams& p, int64_t b, int64_t h) const {
     return p.cu_seqlens_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q : h * p.total_q + q0;
   }
-  // Dropout's row id of (b, h)'s query row 0 (dropout.h): (b * heads_q + h) * seqlen_q dense,
-  // q0 * heads_q + h * len_q packed (the dense numbering for equal lengths).
+  // Dropout's row id of (b, h)'s query row 0 (dropout.h's dropout_row_base: (b * heads_q + h)
+  // * seqlen_q dense, q0 * heads_q + h * len_q packed).
   __device__ __forceinline__ int64_t dropout_rows(const FwdParams& p, int64_t b, int64_t h) const {
-    return p.cu_seqlens_q == nullptr ? (b * p.heads_q + h) * p.seqlen_q
-                                     : q0 * p.heads_q + h * len_q;
+    return dropout_row_base(p.cu_seqlens_q == nullptr ? b * p.seqlen_q : q0, h, p.heads_q, len_q);
   }
   // The causal / window mask of this sequence (bottom-right alignment over its own lengths).
   __device__ __forceinline__ VisibleKeys visible(const FwdParams& p) const {

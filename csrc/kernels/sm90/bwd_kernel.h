@@ -175,6 +175,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           cls = r == 0 || c == cls ? c : kBlockMixed;
         }
       }
+      // The scores' parameters of (b, h) (packed sequences: b is the sequence, ALiBi's slope
+      // row and bottom-right offset over its lengths) and dropout's row id of its query row 0
+      // (dropout.h; a packed sequence's from its first packed row).
+      const sm80::ScoreFn fn(p, b, h, seq.len_q, seq.len_k);
+      const int64_t drop_rows = dropout_row_base(
+          T::kVarlen ? seq.q0 : static_cast<int64_t>(b) * p.seqlen_q, h, p.heads_q, seq.len_q);
       pipe.consumer_wait(state);
       // Packed sequences: the step's rows past the sequence's end (the next sequence's, or
       // zeros) become zeros in Q and dO (their statistics give P^T = 0 and dS^T = 0, but
@@ -185,17 +191,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (T::kRoleSplit)
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
                       p.dq_accum + bwd_scratch_row(args, b, h, seq, m_block) * T::kHeadDim,
-                      sm80::ScoreFn(p, b, h), m0, n0, args.dq_order != kDqAnyOrder, cls,
+                      fn, m0, n0, args.dq_order != kDqAnyOrder, cls,
                       T::kMask ? mask_row(p, b, h, 0) : nullptr,
                       static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
-                      T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
-                      (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q);
+                      T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(), drop_rows);
       else
         mainloop.step(smem, state.index(), done & 1, masked, rel, scale, scale_log2,
-                      dq_staging, me, tid, sm80::ScoreFn(p, b, h), m0, n0,
+                      dq_staging, me, tid, fn, m0, n0,
                       static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
-                      cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(),
-                      (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
+                      cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(), drop_rows,
                       T::kMask ? mask_row(p, b, h, 0) : nullptr, done == 0);
       ++done;
       pipe.consumer_release(state);

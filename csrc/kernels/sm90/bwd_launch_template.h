@@ -43,8 +43,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& p, float* stats, cudaStream_t
   // The bias's gradient is not in these kernels; softcap, a bias and ALiBi only in the general
   // variant (softcap alone and ALiBi alone also in their variants), dropout there or in the
   // dropout variant (which needs it).  Packed sequences only in the varlen instantiations
-  // (plain, softcap alone), with their tables (for dQ in a fixed order, each sequence's key blocks the highest first:
-  // sm90_bwd_varlen_tables).
+  // (plain, softcap alone, ALiBi alone, dropout alone), with their tables (for dQ in a fixed
+  // order, each sequence's key blocks the highest first: sm90_bwd_varlen_tables).
   if (p.dbias_full != nullptr || (p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap, T::kAlibi))
     return cudaErrorInvalidValue;

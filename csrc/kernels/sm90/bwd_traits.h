@@ -52,11 +52,13 @@ struct Sm90BwdTraits {
   // one KV head, loads over the packed tensors at its sequence's offsets, and keeps its
   // statistics and dQ in the sequence's padded rows (BwdParams::sm90_varlen_rows).  dQ in any
   // order, or in a fixed one (deterministic: each sequence's key blocks the highest first, the
-  // table ordered so).  Its own instantiations: plain attention, and softcap alone (kSoftcap,
-  // whose step is blind to the sequence).
+  // table ordered so).  Its own instantiations: plain attention, softcap alone (kSoftcap,
+  // whose step is blind to the sequence), ALiBi alone (kAlibi: the sequence's slope row and
+  // bottom-right offset) and dropout alone (kDropout: the sequence's dropout row ids); steps
+  // count rows and keys from the sequence's first, as the forward's tiles.
   static constexpr bool kVarlen = kVarlen_;
-  static_assert(!(kVarlen && (kGeneral || kDropout || kMask)),
-                "packed sequences: plain attention or softcap alone");
+  static_assert(!(kVarlen && (kGeneral || kMask)),
+                "packed sequences: plain attention, softcap alone, ALiBi alone or dropout alone");
   // Softcap alone (the forward's softcap variant): the plain kernel's step (P^T from S^T
   // alone, dV issued before dS^T is computed) on t = tanh(x * scale / softcap), P^T =
   // exp2(t * softcap * log2 e - lse log2 e), with the score's derivative folded into P^T
@@ -71,8 +73,8 @@ struct Sm90BwdTraits {
   // an FFMA: exp2(S^T scale log2 e - slope log2 e |i + off - j| - lse log2 e)); its derivative
   // with respect to S^T is the plain one.  Its own instantiation.
   static constexpr bool kAlibi = kAlibi_;
-  static_assert(!(kAlibi && (kGeneral || kDropout || kMask || kVarlen || kSoftcap)),
-                "ALiBi alone");
+  static_assert(!(kAlibi && (kGeneral || kDropout || kMask || kSoftcap)),
+                "ALiBi alone (packed sequences or not)");
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim of q/k and v (64, 128, 256)
   // Head dim 256 splits the step by role, not by keys: 64 keys per CTA, both warpgroups on
   // the same keys; warpgroup 0 computes S^T and P^T and accumulates dV, warpgroup 1 computes

@@ -70,4 +70,18 @@ template <typename Element, int kHeadDim>
 cudaError_t run_flash_bwd_sm90_varlen_softcap(const BwdParams& p, float* stats,
                                               cudaStream_t stream);
 
+// The same for packed sequences with ALiBi alone (p.cu_seqlens_q and p.alibi_only(): the ALiBi
+// variant's step with each sequence's slope row and offset), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_varlen_alibi.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_varlen_alibi(const BwdParams& p, float* stats,
+                                            cudaStream_t stream);
+
+// The same for packed sequences with dropout alone (p.cu_seqlens_q and p.dropout, no softcap or
+// ALiBi: the dropout variant's step with each sequence's row ids), defined in
+// flash_bwd_sm90_hdim<kHeadDim>_<dtype>_varlen_dropout.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_bwd_sm90_varlen_dropout(const BwdParams& p, float* stats,
+                                              cudaStream_t stream);
+
 }  // namespace flash_attn_ext::sm90

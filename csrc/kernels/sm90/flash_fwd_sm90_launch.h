@@ -41,13 +41,16 @@ constexpr int fwd_consumers() {
   return kHeadDim <= 64 && !kPerScoreWork ? 3 : 2;
 }
 
-// Query rows per tile of the plain kernel (64 per consumer warpgroup): the packed-sequence
-// tile table's block size (FwdParams::sm90_varlen_block_m).
-template <int kHeadDim>
+// Query rows per tile (64 per consumer warpgroup): the packed-sequence tile table's block size
+// (FwdParams::sm90_varlen_block_m), per_score_work for the dropout variant's (kPerScoreWork).
+template <int kHeadDim, bool kPerScoreWork = false>
 constexpr int fwd_block_m() {
-  return 64 * fwd_consumers<kHeadDim>();
+  return 64 * fwd_consumers<kHeadDim, kPerScoreWork>();
 }
-inline int fwd_block_m_of(int64_t head_dim) {
+inline int fwd_block_m_of(int64_t head_dim, bool per_score_work) {
+  if (per_score_work)
+    return head_dim <= 64 ? fwd_block_m<64, true>() : head_dim <= 128 ? fwd_block_m<128, true>()
+                                                                      : fwd_block_m<256, true>();
   return head_dim <= 64 ? fwd_block_m<64>() : head_dim <= 128 ? fwd_block_m<128>()
                                                               : fwd_block_m<256>();
 }
@@ -98,5 +101,17 @@ cudaError_t run_flash_fwd_sm90_varlen(const FwdParams& p, cudaStream_t stream);
 // flash_fwd_sm90_hdim<kHeadDim>_<dtype>_varlen_softcap.cu.
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_fwd_sm90_varlen_softcap(const FwdParams& p, cudaStream_t stream);
+
+// Packed sequences with ALiBi alone (p.cu_seqlens_q and p.alibi_only(): the varlen tiles above,
+// the ALiBi variant's scores with each sequence's slope row and offset), defined in
+// flash_fwd_sm90_hdim<kHeadDim>_<dtype>_varlen_alibi.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_varlen_alibi(const FwdParams& p, cudaStream_t stream);
+
+// Packed sequences with dropout alone (p.cu_seqlens_q and p.dropout, no softcap or ALiBi: the
+// varlen tiles above, of fwd_block_m<kHeadDim, true>() rows, the dropout variant's mask with
+// each sequence's row ids), defined in flash_fwd_sm90_hdim<kHeadDim>_<dtype>_varlen_dropout.cu.
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_fwd_sm90_varlen_dropout(const FwdParams& p, cudaStream_t stream);
 
 }  // namespace flash_attn_ext::sm90

@@ -205,13 +205,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (!q_issued) issue_q_packed<T>(args, sQ, ctid, me, m0, b, h);
         finish_q_packed<T>(me);
       }
-      // The general and mask variants' rows of the bias (past seqlen_q: the last row's,
-      // discarded).
-      const int32_t last_row = static_cast<int32_t>(p.seqlen_q) - 1;
+      // The general and mask variants' rows of the bias, the ALiBi variant's distances (past
+      // the last row, a packed sequence's: the last row's, discarded).
+      const int32_t last_row = (T::kVarlen ? seq.len_q : static_cast<int32_t>(p.seqlen_q)) - 1;
       const int32_t score_rows[2] = {min(row_of[0], last_row), min(row_of[1], last_row)};
-      // Dropout's row id of the (batch, head)'s row 0 (dropout.h).
-      const TileDropout dropout{(static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q,
-                                row_of[0]};
+      // Dropout's row id of the (batch, head)'s row 0, a packed sequence's (dropout.h).
+      const TileDropout dropout{
+          dropout_row_base(T::kVarlen ? seq.q0 : static_cast<int64_t>(b) * p.seqlen_q, h,
+                           p.heads_q, T::kVarlen ? seq.len_q : p.seqlen_q),
+          row_of[0]};
+      // The scores' parameters of (b, h) (packed sequences: b is the sequence, ALiBi's slope
+      // row and bottom-right offset its own).
+      const sm80::ScoreFn fn = T::kVarlen ? sm80::ScoreFn(p, b, h, seq.len_q, seq.len_k)
+                                          : sm80::ScoreFn(p, b, h);
       // The mask variant's boolean mask at this (batch, head)'s key 0, row 0.
       const uint8_t* mask_bh = T::kMask ? mask_row(p, b, h, 0) : nullptr;
       // (Two calls, not a generic lambda: ptxas left that lambda a function of its own, with
@@ -221,7 +227,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         // The ALiBi variant at head dim 64: the term in the GEMM where fold_alibi allows
         // (QFold written for this tile, the softmax's factor scale log2 e), else per score
         // (factor 1: modify takes the scores to log2 units).
-        const sm80::ScoreFn fn(p, b, h);
         float v[3];
         if (fold_alibi<T>(p, fn, v)) {
           FwdMainloop<T>::write_fold_slope(fold_q, v, me);
@@ -240,13 +245,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       } else if (kMayFixMax && softmax.fixed_max)
         state = mainloop.template compute_tile<kMayFixMax>(
             args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
-            &smem.barrier_q_empty[qs], sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
-            dropout, mask_bh, seq.len_k, smem.v.data());
+            &smem.barrier_q_empty[qs], fn, score_rows, next, blocks, me, dropout, mask_bh,
+            seq.len_k, smem.v.data());
       else
         state = mainloop.template compute_tile<false>(
             args, pipe_k, pipe_v, state, ring, softmax, mask, n_begin, n_end, qs,
-            &smem.barrier_q_empty[qs], sm80::ScoreFn(p, b, h), score_rows, next, blocks, me,
-            dropout, mask_bh, seq.len_k, smem.v.data());
+            &smem.barrier_q_empty[qs], fn, score_rows, next, blocks, me, dropout, mask_bh,
+            seq.len_k, smem.v.data());
     }
     q_issued = false;
     if (T::kPackGQA && !idle && n_begin < n_end) {

@@ -63,9 +63,10 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // The rows a tile counts over (Sm90FwdArgs::rows_q), in 32 bits as the keys (kMaxRows,
   // pack_gqa.h; the glue keeps longer calls, and packing without a group, off this kernel).
   // Softcap, an additive bias and ALiBi only in the general variant (softcap alone and ALiBi
-  // alone also in their variants), dropout there or in the dropout variant (which needs it), a boolean mask
-  // alone only in the mask variant (FwdParams::sm90_variant_is); packed sequences only in the
-  // varlen instantiations (plain, softcap alone), with a tile table of their query blocks.
+  // alone also in their variants), dropout there or in the dropout variant (which needs it), a
+  // boolean mask alone only in the mask variant (FwdParams::sm90_variant_is); packed sequences
+  // only in the varlen instantiations (plain, softcap alone, ALiBi alone, dropout alone), with
+  // a tile table of their query blocks.
   if ((p.cu_seqlens_q != nullptr) != varlen ||
       !p.sm90_variant_is(T::kGeneral, T::kDropout, T::kMask, T::kSoftcap, T::kAlibi))
     return cudaErrorInvalidValue;
@@ -146,8 +147,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // 24 pairs measured 2-7% below 8; sm90_variants.py, docs/perf/sm90_forward.md; measured under
   // a causal mask only: a window bounded on both sides, whose tiles are nearly equal, follows
   // the rule).
-  // p.heads_per_section > 0 (KernelOptions::sm90_section_pairs, experimental: orders compared in one
-  // build) overrides it.
+  // p.heads_per_section > 0 (KernelOptions::sm90_section_pairs, experimental: orders compared
+  // in one build) overrides it.
   const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   const int64_t l2_heads = (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1);
@@ -167,10 +168,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 }
 
 // What each instantiation (flash_fwd_sm90_hdim<d>_<dtype>[_packgqa|_general|_dropout|_mask|
-// _varlen|_softcap|_alibi|_varlen_softcap].cu) launches: the traits of head dim kHeadDim
-// (flash_fwd_sm90_launch.h), with or without GQA packing, plain, general (softcap, bias,
-// ALiBi, dropout), dropout alone, a boolean mask alone, packed sequences, softcap alone,
-// ALiBi alone or packed sequences with softcap alone.
+// _varlen|_softcap|_alibi|_varlen_softcap|_varlen_alibi|_varlen_dropout].cu) launches: the
+// traits of head dim kHeadDim (flash_fwd_sm90_launch.h), with or without GQA packing, plain,
+// general (softcap, bias, ALiBi, dropout), dropout alone, a boolean mask alone, packed
+// sequences, softcap alone, ALiBi alone, or packed sequences with softcap, ALiBi or dropout
+// alone.
 template <typename CudaElement, int kHeadDim, bool kPackGQA, bool kGeneral = false,
           bool kDropout = false, bool kMask = false, bool kVarlen = false, bool kSoftcap = false,
           bool kAlibi = false>
@@ -178,8 +180,11 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
   using T = Sm90FwdTraits<CudaElement, kHeadDim, fwd_block_n<kHeadDim>(),
                           fwd_stages<kHeadDim>(), fwd_consumers<kHeadDim, kGeneral || kDropout>(),
                           kPackGQA, kGeneral, kDropout, kMask, kVarlen, kSoftcap, kAlibi>;
-  static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim>(), "the glue's tile table");
-  if constexpr ((kSoftcap || kAlibi) && kHeadDim <= 64) {
+  static_assert(!kVarlen || T::kBlockM == fwd_block_m<kHeadDim, kGeneral || kDropout>(),
+                "the glue's tile table");
+  // (The A/B instantiations below change the tiles of dense calls only: packed sequences keep
+  // the table's query blocks and compile one kernel, but for the softcap exp2 split's guard.)
+  if constexpr ((kSoftcap || kAlibi) && kHeadDim <= 64 && !kVarlen) {
     // The A/B instantiation of the softcap and ALiBi variants at head dim 64 with 96-key
     // tiles and the same warpgroups (KernelOptions::sm90_narrow_tiles, experimental): their
     // default before 128 measured faster despite its spills (flash_fwd_sm90_launch.h).
@@ -205,7 +210,7 @@ cudaError_t launch_flash_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) 
       return with(std::integral_constant<int, 0>{});
     if (p.sm90_fma_exp2 == 4) return with(std::integral_constant<int, 4>{});
   }
-  if constexpr ((kAlibi || kDropout) && kHeadDim <= 64) {
+  if constexpr ((kAlibi || kDropout) && kHeadDim <= 64 && !kVarlen) {
     // The A/B instantiation of the ALiBi and dropout variants at head dim 64 with the other
     // warpgroup count (KernelOptions::sm90_per_score_consumers, experimental; 0: T's), 128-key
     // tiles either way: two consumer warpgroups (ALiBi's other shape; dropout's default) or

@@ -33,8 +33,9 @@ __device__ __forceinline__ float combine_chains(float (&x)[kChains], bool max) {
 // Valid for z < 127.5 (above, 2^n's bits overflow into the sign: garbage).  The callers'
 // exponents are at most kFixedMaxLimit with the fixed reference max, and with the running max
 // kRescaleLog2 plus half an ulp of the reference max m * scale_log2, at most ~8.5 for
-// scale_log2 <= 2^24, which the launcher checks (launch_flash_fwd_sm90_hdim).  z below -127 (-inf for a masked score) is clamped there, where
-// 2^n's bits are all 0: exactly 0, as exp2 gives (a row that sees no key keeps l = 0).  NaN
+// scale_log2 <= 2^24, which the launcher checks (launch_flash_fwd_sm90_hdim).  z below -127
+// (-inf for a masked score) is clamped there, where 2^n's bits are all 0: exactly 0, as exp2
+// gives (a row that sees no key keeps l = 0).  NaN
 // stays NaN (max.NaN keeps it, p is NaN); +inf gives NaN (f = inf - inf) where exp2 gives inf,
 // and either makes the row's l and out NaN or inf / inf.
 template <int kDegree>

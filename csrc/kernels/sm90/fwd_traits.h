@@ -85,11 +85,14 @@ struct Sm90FwdTraits {
   // host's table (FwdParams::sm90_varlen_tiles), each a query block of one sequence, which
   // carries its offsets and lengths to the consumers (TileInfo's seq); q, k and v are read at
   // the sequence's offsets and O is stored from registers (a TMA store of a whole block would
-  // write into the next sequence's rows).  Its own instantiations: plain attention, and
-  // softcap alone (kSoftcap).
+  // write into the next sequence's rows).  Its own instantiations: plain attention, softcap
+  // alone (kSoftcap), ALiBi alone (kAlibi: the sequence's slope row and bottom-right offset,
+  // ScoreFn over its lengths) and dropout alone (kDropout: the sequence's dropout row ids,
+  // dropout.h).  The scores see the sequence only through those: tile rows and keys count
+  // from the sequence's first.
   static constexpr bool kVarlen = kVarlen_;
-  static_assert(!(kVarlen_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_)),
-                "packed sequences: plain attention or softcap alone");
+  static_assert(!(kVarlen_ && (kGeneral_ || kMask_ || kPackGQA_)),
+                "packed sequences: plain attention, softcap alone, ALiBi alone or dropout alone");
   // Softcap alone (Gemma-2's logit softcapping): the plain kernel with each score x replaced
   // by t = tanh(x * scale / softcap) (one FMUL and one MUFU) before the mask, and the online
   // softmax's exp2 factor softcap * log2(e) in place of scale * log2(e), so that the
@@ -116,9 +119,8 @@ struct Sm90FwdTraits {
   // the distance, an FMUL and an FFMA; no MUFU operation) before the mask, and the online
   // softmax's exp2 factor 1.  Its own instantiation, unpacked (the slope is per query head).
   static constexpr bool kAlibi = kAlibi_;
-  static_assert(!(kAlibi_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kVarlen_ ||
-                              kSoftcap_)),
-                "ALiBi alone, unpacked");
+  static_assert(!(kAlibi_ && (kGeneral_ || kDropout_ || kMask_ || kPackGQA_ || kSoftcap_)),
+                "ALiBi alone (packed sequences or not), GQA unpacked");
   // ALiBi's term in the Q K^T GEMM (the ALiBi variant at head dim 64, where the softmax's FP32
   // work is as long as a tile's GEMMs and the term's FFMA per score shows: 0.73-0.82x of
   // causal; docs/perf/sm90_score_mods.md).  Under a causal mask (window_right = 0) every
