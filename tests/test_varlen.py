@@ -4,11 +4,14 @@ kernels' answer for equal lengths (dropout included); the checks; torch.compile.
 portable kernels) the same geometry in bf16/fp16 under the error rule, and the dense portable
 kernels' bits for equal lengths, dropout included."""
 
+import os
 import re
 import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flash_attn_ext
 from flash_attn_ext import _C, flash_attn_func, flash_attn_varlen_func
@@ -73,7 +76,8 @@ def _per_sequence(q, k, v, cq, ck, dout, keeps=None, **kw):
         o, seq_lse = attention_ref(leaves[0][rq][None], leaves[1][rk][None],
                                    leaves[2][rk][None], **_sequence_kw(b, slopes, keeps, kw))
         out[rq], lse[:, rq] = o[0], seq_lse[0]
-    grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True)
+    grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True) \
+        if out.requires_grad else (None,) * 3  # (no sequence has a query row)
     return out, lse, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
 
@@ -1375,3 +1379,81 @@ def test_max_seqlen_far_above_the_longest_sequence_changes_nothing(maxima):
     assert torch.equal(out, want) and want.abs().sum() > 0
     for g, w in zip(grads, want_grads):
         assert torch.equal(g, w)
+
+
+@st.composite
+def _packed_configs(draw):
+    """A packed call: 1-5 sequences of 0-40 query and key rows, GQA, odd head dims, causal and
+    windows, a softmax_scale, none, one or two of softcap, ALiBi ((H,) or (B, H) slopes) and
+    dropout, seqused_k, rows past the last offset."""
+    n = draw(st.integers(1, 5))
+    lens_k = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+    return dict(
+        lens_q=draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)),
+        lens_k=lens_k,
+        used=draw(st.one_of(st.none(), st.tuples(*(st.integers(0, m) for m in lens_k)))),
+        heads_kv=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2, 3])),
+        head_dim=draw(st.integers(1, 48)),
+        head_dim_v=draw(st.integers(1, 48)),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (-1, -1), (0, 0), (5, 2), (-1, 3), (7, -1)])),
+        softmax_scale=draw(st.sampled_from([None, None, 0.05, 1.3])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.0, 2.0, 30.0])),
+        alibi=draw(st.sampled_from([None, None, "head", "batch_head"])),
+        dropout_p=draw(st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.6])),
+        tail=draw(st.tuples(st.integers(0, 3), st.integers(0, 3))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+# CI runs a fixed set of examples; FLASH_ATTN_EXT_FUZZ_EXAMPLES=N explores N fresh ones (as
+# test_fuzz.py).
+_EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
+
+
+@settings(max_examples=_EXPLORE or 120, deadline=None, derandomize=not _EXPLORE,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_packed_configs())
+def test_fuzz_packed_sequences_float64(c):
+    # Random packings on the CPU kernels in float64 against each sequence's own float64
+    # attention (over its used keys, with its slopes row, its bottom-right alignment and, with
+    # dropout, its mask regenerated at its packed rows): out, softmax_lse and the gradients to
+    # float64 rounding; rows outside every sequence and unused keys left alone (zeros).
+    torch.manual_seed(c["seed"])
+    lens_q, lens_k, heads = c["lens_q"], c["lens_k"], c["heads_kv"] * c["group"]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, heads, c["heads_kv"], c["head_dim"],
+                              c["head_dim_v"], torch.float64, tail=c["tail"])
+    slopes = None if c["alibi"] is None else torch.rand(
+        *((len(lens_q),) if c["alibi"] == "batch_head" else ()), heads, dtype=torch.float64)
+    used = None if c["used"] is None else list(c["used"])
+    kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=c["window"],
+              softcap=c["softcap"], dropout_p=c["dropout_p"], alibi_slopes=slopes)
+    state = _rng_state(q.device)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v, cq, ck, max(lens_q), max(lens_k), return_attn_probs=True,
+        seqused_k=None if used is None else torch.tensor(used, dtype=torch.int32), **kw)
+    keeps = _dropout_keeps(q, k, v, cq, ck, kw, state) if c["dropout_p"] > 0 else None
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout) if out.numel() else (None,) * 3
+    # The reference over the used keys alone.
+    keys, cu_ref = (torch.arange(k.shape[0]), ck) if used is None else _used_rows(ck, used)
+    if keeps is not None and used is not None:
+        keeps = [m[..., :n] for m, n in zip(keeps, used)]
+    wl, wr = c["window"]
+    ref, ref_lse, ref_grads = _per_sequence(
+        q, k[keys], v[keys], cq, cu_ref, dout, keeps=keeps, softmax_scale=c["softmax_scale"],
+        causal=c["causal"], window_left=wl, window_right=wr, softcap=c["softcap"],
+        dropout_p=c["dropout_p"], alibi_slopes=slopes)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    assert_lse_infinities(lse, ref_lse)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-9, atol=1e-10)
+    if grads[0] is None:
+        return
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-9, atol=1e-9, msg="dq")
+    for name, g, r in zip(("dk", "dv"), grads[1:], ref_grads[1:]):
+        unused = torch.ones(k.shape[0], dtype=torch.bool)
+        unused[keys] = False
+        assert torch.equal(g[unused], torch.zeros_like(g[unused])), name
+        torch.testing.assert_close(g[keys], r, rtol=1e-9, atol=1e-9, msg=name)
