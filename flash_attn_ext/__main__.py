@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -15,6 +16,8 @@ def info() -> int:
 
     b = ops.build_info()
     print(f"flash_attn_ext {flash_attn_ext.__version__}")
+    # (which copy is imported: a checkout's own flash_attn_ext/ shadows an installed one)
+    print(f"  location        {os.path.dirname(os.path.abspath(flash_attn_ext.__file__))}")
     print(f"  python          {platform.python_version()}")
     print(f"  torch           {torch.__version__} (built against {b.get('torch_version_built')})")
     print(f"  torch CUDA      {torch.version.cuda}")

@@ -3,6 +3,7 @@ Python), explain(), strict mode, warn-once and counters (the no-silent-fallback 
 rule is exercised here without a GPU: the GPU's answers (capability, shared memory) and the
 build are stood in."""
 
+import os
 import subprocess
 import sys
 import warnings
@@ -366,6 +367,9 @@ def test_info_cli_runs():
                        text=True, env=_pythonpath() | {"PATH": ""})
     assert r.returncode == 0, r.stderr
     assert "flash_attn_ext " + flash_attn_ext.__version__ in r.stdout
+    # (the imported copy's folder: two checkouts tell apart)
+    location = os.path.dirname(os.path.abspath(flash_attn_ext.__file__))
+    assert f"  location        {location}\n" in r.stdout
     assert "cpu   float32   d=64   cpu_flash_fwd_fp32" in r.stdout
 
 
