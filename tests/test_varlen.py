@@ -922,6 +922,31 @@ def test_sm90_forward_takes_packed_sequences(case, head_dim):
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
+@pytest.mark.parametrize("options", [dict(sm90_per_score_consumers=2),
+                                     dict(sm90_per_score_consumers=3),
+                                     dict(sm90_narrow_tiles=True), dict(sm90_alibi_fold=False),
+                                     dict(sm90_fma_exp2=0)], ids=str)
+@pytest.mark.parametrize("case", [dict(causal=True, alibi="batch_head"),
+                                  dict(causal=True, dropout_p=0.17),
+                                  dict(causal=True, softcap=5.0)], ids=str)
+def test_sm90_varlen_takes_the_dense_shape_options_as_they_apply(case, options, kernel_opts):
+    # The Hopper forward's experimental options at head dim 64: the shape options (the other
+    # warpgroup count, 96-key tiles) change dense calls only, a packed call keeping its tile
+    # table's block (the varlen instantiations compile that one shape); the ALiBi fold off
+    # takes the term per score, the softcap exp2 split off the MUFU's exp2 alone.  Each on the
+    # Hopper varlen kernels of the case's modifier, under the error rule.
+    kernel_opts(**options)
+    names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 300], [1, 40, 5, 113, 129],
+                                                       4, 2, 64, torch.bfloat16, case,
+                                                       tail=(2, 1))
+    variant = _variant_of(case)
+    hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
+    assert hopper and all(_varlen_sm90(n, variant) for n in hopper), names
+    assert _hopper_bwd_varlen(bwd_names, variant), bwd_names
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
 @pytest.mark.parametrize("variant", ["", "softcap", "alibi", "dropout"])
 def test_sm90_varlen_many_sequences_and_seqused_k(variant, kernel_opts):
     # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first
