@@ -2,13 +2,17 @@
 left padding and batch indices, against a float64 reference of each entry's attention; on CUDA
 the same call against the CPU's answer."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_with_kvcache
-from reference import attention_ref
+from reference import assert_lse_infinities, attention_ref
 
 HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
@@ -631,3 +635,121 @@ def test_plan_names_the_gathered_copy():
         torch.tensor([0, 20, 40], dtype=torch.int32), 3, 20, block_table=table)
     assert any("gathered into a copy of 64 key rows" in n
                for n in flash_attn_ext.last_plan().notes), flash_attn_ext.last_plan()
+
+
+@st.composite
+def _kvcache_configs(draw):
+    """A decode-shaped call: 1-3 batch rows, 1-5 queries, 0-4 appended keys (or none given),
+    cached lengths, left padding, cache_batch_idx or paged caches (any page size), rotary
+    (interleaved or halves, on some of the channels), GQA, odd head dims, causal and windows,
+    softcap, ALiBi ((H,) or (B, H) slopes), a softmax_scale."""
+    batch = draw(st.integers(1, 3))
+    new = draw(st.sampled_from([None, 0, 1, 2, 4]))
+    cache_len = draw(st.integers(max(new or 0, 1), 40))
+    seqlens = draw(st.lists(st.integers(0, cache_len - (new or 0)), min_size=batch,
+                            max_size=batch))
+    return dict(
+        batch=batch, seqlen_q=draw(st.integers(1, 5)), new=new, cache_len=cache_len,
+        seqlens=seqlens,
+        leftpad=draw(st.one_of(st.none(), st.tuples(*(st.integers(0, n) for n in seqlens)))),
+        layout=draw(st.sampled_from(["plain", "batch_idx", "paged"])),
+        page=draw(st.sampled_from([1, 3, 16])),
+        heads_kv=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2, 3])),
+        head_dim=draw(st.sampled_from([4, 8, 12, 40])),
+        head_dim_v=draw(st.sampled_from([4, 8, 24])),
+        rotary=draw(st.sampled_from([None, None, "interleaved", "halves"])),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (-1, -1), (3, 0), (2, 5), (-1, 2)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
+        alibi=draw(st.sampled_from([None, None, "head", "batch_head"])),
+        softmax_scale=draw(st.sampled_from([None, None, 0.3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+# CI runs a fixed set of examples; FLASH_ATTN_EXT_FUZZ_EXAMPLES=N explores N fresh ones (as
+# test_fuzz.py).
+_EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
+
+
+@settings(max_examples=_EXPLORE or 100, deadline=None, derandomize=not _EXPLORE,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_kvcache_configs())
+def test_fuzz_kvcache_float64(c):
+    # Random decode calls on the CPU in float64 against each batch row's own float64 attention
+    # over its used cache rows (leftpad .. cache_seqlens + new, the new keys appended and,
+    # with rotary, rotated at their positions; q rotated at cache_seqlens + i for causal or
+    # windowed calls, else at cache_seqlens), with its slopes row: the caches appended in
+    # place (the rest untouched), out and softmax_lse to float64 rounding.
+    torch.manual_seed(c["seed"])
+    f64, batch, new = torch.float64, c["batch"], c["new"]
+    heads_kv, d, dv = c["heads_kv"], c["head_dim"], c["head_dim_v"]
+    heads, cache_len = heads_kv * c["group"], c["cache_len"]
+    q = torch.randn(batch, c["seqlen_q"], heads, d, dtype=f64)
+    k = v = None
+    if new is not None:
+        k = torch.randn(batch, new, heads_kv, d, dtype=f64)
+        v = torch.randn(batch, new, heads_kv, dv, dtype=f64)
+    entries = batch + (1 if c["layout"] == "batch_idx" else 0)
+    k_full = torch.randn(entries, cache_len, heads_kv, d, dtype=f64)
+    v_full = torch.randn(entries, cache_len, heads_kv, dv, dtype=f64)
+    seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
+    leftpad = None if c["leftpad"] is None else torch.tensor(c["leftpad"], dtype=torch.int32)
+    idx = torch.randperm(entries)[:batch] if c["layout"] == "batch_idx" else None
+    cos = sin = None
+    if c["rotary"] is not None:
+        angles = torch.rand(cache_len + c["seqlen_q"], max(1, d // 4), dtype=f64) * 6
+        cos, sin = angles.cos(), angles.sin()
+    slopes = None if c["alibi"] is None else torch.rand(
+        *((batch,) if c["alibi"] == "batch_head" else ()), heads, dtype=f64)
+    # What the caches should hold after the append (entry-wise, contiguous).
+    rows = idx if idx is not None else torch.arange(batch)
+    local = c["causal"] or c["window"] != (-1, -1)
+    want_k, want_v = k_full.clone(), v_full.clone()
+    if new:
+        positions = seqlens.long()[:, None] + torch.arange(new)
+        k_rot = k if cos is None else _rotary_ref(k, cos, sin, positions,
+                                                    c["rotary"] == "interleaved")
+        for b in range(batch):
+            want_k[rows[b], seqlens[b]:seqlens[b] + new] = k_rot[b]
+            want_v[rows[b], seqlens[b]:seqlens[b] + new] = v[b]
+    q_pos = seqlens.long()[:, None] + (torch.arange(c["seqlen_q"]) if local else 0)
+    q_rot = q if cos is None else _rotary_ref(
+        q, cos, sin, q_pos.expand(batch, c["seqlen_q"]), c["rotary"] == "interleaved")
+    # The caches as the call takes them: contiguous, or shuffled pages of `page` rows.
+    k_cache, v_cache, table = k_full, v_full, None
+    if c["layout"] == "paged":
+        page = c["page"]
+        blocks = -(-cache_len // page)
+        pad = blocks * page - cache_len
+
+        def pages(x):
+            x = torch.cat([x, torch.zeros(batch, pad, *x.shape[2:], dtype=f64)], 1)
+            return x.reshape(batch * blocks, page, *x.shape[2:])
+        perm = torch.randperm(batch * blocks)
+        table = perm.reshape(batch, blocks).to(torch.int32)
+        k_cache, v_cache = (torch.empty_like(pages(x)) for x in (k_full, v_full))
+        k_cache[perm], v_cache[perm] = pages(k_full), pages(v_full)
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cache_batch_idx=idx, cache_leftpad=leftpad, block_table=table,
+        softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=c["window"],
+        softcap=c["softcap"], rotary_interleaved=c["rotary"] == "interleaved",
+        alibi_slopes=slopes, return_softmax_lse=True)
+    if table is not None:  # (back to entries, the padding rows dropped)
+        k_cache = k_cache[perm].reshape(batch, -1, heads_kv, d)[:, :cache_len]
+        v_cache = v_cache[perm].reshape(batch, -1, heads_kv, dv)[:, :cache_len]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    wl, wr = c["window"]
+    for b in range(batch):
+        lo = 0 if leftpad is None else int(leftpad[b])
+        hi = int(seqlens[b]) + (new or 0)
+        s = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+        ref, ref_lse = attention_ref(q_rot[b:b + 1], want_k[rows[b]][None, lo:hi],
+                                     want_v[rows[b]][None, lo:hi], causal=c["causal"],
+                                     window_left=wl, window_right=wr, softcap=c["softcap"],
+                                     softmax_scale=c["softmax_scale"], alibi_slopes=s)
+        torch.testing.assert_close(out[b], ref[0], rtol=1e-9, atol=1e-10)
+        assert_lse_infinities(lse[b], ref_lse[0])
+        finite = torch.isfinite(ref_lse[0])
+        torch.testing.assert_close(lse[b][finite], ref_lse[0][finite], rtol=1e-9, atol=1e-10)
