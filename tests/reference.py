@@ -8,6 +8,7 @@ yardstick of the error rule in DEVELOPERS.md).
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -386,3 +387,12 @@ def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits") -> set:
     names = SM90_FWD_FLAGS if traits == "Sm90FwdTraits" else SM90_BWD_FLAGS
     assert len(bools) == len(names), (name, names)
     return {n for n, b in zip(names, bools) if b}
+
+
+def fuzz_settings(ci_examples: int):
+    """The hypothesis settings of the fuzz tests: in CI a fixed (derandomized) set of
+    ``ci_examples`` examples; with FLASH_ATTN_EXT_FUZZ_EXAMPLES=N, N fresh ones to explore."""
+    from hypothesis import HealthCheck, settings
+    explore = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
+    return settings(max_examples=explore or ci_examples, deadline=None, derandomize=not explore,
+                    suppress_health_check=[HealthCheck.too_slow])

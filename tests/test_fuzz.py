@@ -1,9 +1,7 @@
 """Hypothesis fuzz: random shapes, masks, GQA groups, strides and dtypes against the reference."""
 
-import os
-
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from flash_attn_ext import _C, ops
@@ -13,6 +11,7 @@ from reference import (
     attention_ref,
     cancellation_scale,
     dbias_cancellation,
+    fuzz_settings,
 )
 
 
@@ -105,12 +104,7 @@ def make(shape, dtype, transposed):
     return torch.randn(shape, dtype=dtype, requires_grad=True)
 
 
-# CI runs a fixed set of 250 examples; FLASH_ATTN_EXT_FUZZ_EXAMPLES=N explores N fresh ones.
-EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
-
-
-@settings(max_examples=EXPLORE or 250, deadline=None, derandomize=not EXPLORE,
-          suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(250)
 @given(configs())
 def test_fuzz_against_reference(c):
     torch.manual_seed(c["seed"])

@@ -2,17 +2,15 @@
 left padding and batch indices, against a float64 reference of each entry's attention; on CUDA
 the same call against the CPU's answer."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flash_attn_ext
 from flash_attn_ext import flash_attn_with_kvcache
-from reference import assert_lse_infinities, attention_ref
+from reference import assert_lse_infinities, attention_ref, fuzz_settings
 
 HAS_CUDA = torch.cuda.is_available() and flash_attn_ext.ops.build_info()["cuda"]
 
@@ -667,13 +665,7 @@ def _kvcache_configs(draw):
     )
 
 
-# CI runs a fixed set of examples; FLASH_ATTN_EXT_FUZZ_EXAMPLES=N explores N fresh ones (as
-# test_fuzz.py).
-_EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
-
-
-@settings(max_examples=_EXPLORE or 100, deadline=None, derandomize=not _EXPLORE,
-          suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(100)
 @given(_kvcache_configs())
 def test_fuzz_kvcache_float64(c):
     # Random decode calls on the CPU in float64 against each batch row's own float64 attention

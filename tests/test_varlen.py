@@ -4,13 +4,12 @@ kernels' answer for equal lengths (dropout included); the checks; torch.compile.
 portable kernels) the same geometry in bf16/fp16 under the error rule, and the dense portable
 kernels' bits for equal lengths, dropout included."""
 
-import os
 import re
 import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flash_attn_ext
@@ -20,6 +19,7 @@ from reference import (
     assert_error_rule,
     assert_lse_infinities,
     attention_ref,
+    fuzz_settings,
     launched_kernels,
     sm90_variant_flags,
 )
@@ -862,6 +862,15 @@ def _varlen_sm90(name, variant=""):
     return sm90_variant_flags(name) == _varlen_flags(variant)
 
 
+def _assert_hopper_varlen(names, bwd_names, case):
+    """The forward kernels `names` launched are the Hopper varlen instantiation of the case's
+    modifier (_variant_of), and so is one of the backward's `bwd_names`."""
+    variant = _variant_of(case)
+    hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
+    assert hopper and all(_varlen_sm90(n, variant) for n in hopper), names
+    assert _hopper_bwd_varlen(bwd_names, variant), bwd_names
+
+
 def _hopper_bwd_varlen(names, variant=""):
     """Whether the Hopper backward's varlen instantiation (Sm90BwdTraits<..., kGeneral,
     kDropout, kMask, kVarlen, kSoftcap, kAlibi>: kVarlen alone), or with ``variant`` its
@@ -914,10 +923,7 @@ def test_sm90_forward_takes_packed_sequences(case, head_dim):
     names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 1023, 300],
                                                        [1, 40, 5, 113, 1000, 129], 6, 2,
                                                        head_dim, dtype, case, tail=(3, 2))
-    variant = _variant_of(case)
-    hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
-    assert hopper and all(_varlen_sm90(n, variant) for n in hopper), names
-    assert _hopper_bwd_varlen(bwd_names, variant), bwd_names
+    _assert_hopper_varlen(names, bwd_names, case)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
@@ -939,10 +945,7 @@ def test_sm90_varlen_takes_the_dense_shape_options_as_they_apply(case, options, 
     names, bwd_names = _cuda_case_under_the_error_rule([1, 17, 0, 113, 300], [1, 40, 5, 113, 129],
                                                        4, 2, 64, torch.bfloat16, case,
                                                        tail=(2, 1))
-    variant = _variant_of(case)
-    hopper = [n for n in names if "flash_fwd_sm90_kernel" in n]
-    assert hopper and all(_varlen_sm90(n, variant) for n in hopper), names
-    assert _hopper_bwd_varlen(bwd_names, variant), bwd_names
+    _assert_hopper_varlen(names, bwd_names, case)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
@@ -1432,13 +1435,7 @@ def _packed_configs(draw):
     )
 
 
-# CI runs a fixed set of examples; FLASH_ATTN_EXT_FUZZ_EXAMPLES=N explores N fresh ones (as
-# test_fuzz.py).
-_EXPLORE = int(os.environ.get("FLASH_ATTN_EXT_FUZZ_EXAMPLES", "0"))
-
-
-@settings(max_examples=_EXPLORE or 120, deadline=None, derandomize=not _EXPLORE,
-          suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(120)
 @given(_packed_configs())
 def test_fuzz_packed_sequences_float64(c):
     # Random packings on the CPU kernels in float64 against each sequence's own float64
