@@ -26,15 +26,10 @@ The files, under csrc/kernels/:
                                                           (run_flash_fwd_sm90_softcap)
   sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu     ... with ALiBi alone
                                                           (run_flash_fwd_sm90_alibi)
-  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu  ... on packed
-                                                          sequences with softcap alone
-                                                          (run_flash_fwd_sm90_varlen_softcap)
-  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_alibi.cu  ... on packed
-                                                          sequences with ALiBi alone
-                                                          (run_flash_fwd_sm90_varlen_alibi)
-  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_dropout.cu  ... on packed
-                                                          sequences with dropout alone
-                                                          (run_flash_fwd_sm90_varlen_dropout)
+  sm90/flash_fwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_{softcap,alibi,dropout}.cu
+                                                          ... on packed sequences with softcap,
+                                                          ALiBi or dropout alone
+                                                          (run_flash_fwd_sm90_varlen_<that>)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}.cu     Hopper backward (run_flash_bwd_sm90)
   sm90/flash_bwd_sm90_hdim{64,128}_{fp16,bf16}_general.cu ... with softcap, bias, ALiBi
                                                           and dropout (run_flash_bwd_sm90_general)
@@ -48,15 +43,10 @@ The files, under csrc/kernels/:
                                                           (run_flash_bwd_sm90_softcap)
   sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_alibi.cu ... with ALiBi alone
                                                           (run_flash_bwd_sm90_alibi)
-  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_softcap.cu ... on packed
-                                                          sequences with softcap alone
-                                                          (run_flash_bwd_sm90_varlen_softcap)
-  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_alibi.cu ... on packed
-                                                          sequences with ALiBi alone
-                                                          (run_flash_bwd_sm90_varlen_alibi)
-  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_dropout.cu ... on packed
-                                                          sequences with dropout alone
-                                                          (run_flash_bwd_sm90_varlen_dropout)
+  sm90/flash_bwd_sm90_hdim{64,128,256}_{fp16,bf16}_varlen_{softcap,alibi,dropout}.cu
+                                                          ... on packed sequences with softcap,
+                                                          ALiBi or dropout alone
+                                                          (run_flash_bwd_sm90_varlen_<that>)
 Each specialises the launcher template its kernel's headers declare; setup.py and
 scripts/check_cuda_compile.sh pick them up by globbing the folders.  Pure Python, no
 dependencies (tests/test_generated_kernels.py runs --check in CPU CI).
