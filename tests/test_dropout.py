@@ -15,7 +15,13 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext import _C, flash_attn_func, ops, policy, scaled_dot_product_attention
-from reference import assert_error_rule, attention_ref, dropout_scale
+from reference import (
+    assert_error_rule,
+    attention_ref,
+    dropout_scale,
+    launched_kernels,
+    sm90_variant_flags,
+)
 
 HAS_CUDA = torch.cuda.is_available() and ops.build_info()["cuda"]
 HOPPER = HAS_CUDA and ops.build_info()["sm90"] and torch.cuda.get_device_capability() == (9, 0)
@@ -122,6 +128,50 @@ def test_hopper_dropout_variants_meet_the_error_rule(dtype, shape, window):
         (q, k, v), out, dtype,
         lambda q, k, v, dt: attention_ref(q, k, v, compute_dtype=dt, dropout_keep=keep,
                                           dropout_p=p_drop, **kw)[0])
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a build with the Hopper kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2, 1, 64), (2, 17, 300, 4, 2, 40),
+                                   (1, 300, 17, 2, 2, 59), (1, 1023, 1023, 2, 1, 64),
+                                   (2, 200, 257, 4, 4, 64)], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 7)], ids=str)
+@pytest.mark.parametrize("short_steps", [False, True], ids=["128_rows", "64_rows"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any_order", "deterministic"])
+def test_hopper_dropout_backward_with_either_step_height(kernel_opts, dtype, shape, window,
+                                                         short_steps, deterministic):
+    # The Hopper backward's dropout variant at head dim 64 (40 and 59 padded to it) takes
+    # 128-row steps, or 64 under the option sm90_dropout_short_steps (an instantiation of its
+    # own: dQ split over 32-column halves of the head dim, K and V in 64-byte swizzled shared
+    # memory): the kernel that ran, and out and the gradients against float64 with the same
+    # mask, by the error rule, with dQ in any order and in the fixed one; the fixed order
+    # bitwise reproducible.
+    kernel_opts(sm90_dropout_short_steps=short_steps)
+    B, L, S, H, HKV, D = shape
+    p_drop = 0.17
+    g = torch.Generator().manual_seed(L * 5 + D)
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to("cuda", dtype).requires_grad_()
+               for n, h in ((L, H), (S, HKV), (S, HKV)))
+    out, _, rng = ops.fwd(q, k, v, None, False, window[0], window[1], True, 0.0, None, None,
+                          p_drop, deterministic)
+    seed, offset = (int(x) for x in rng.cpu())
+    keep = _C.dropout_mask(seed, offset, B, H, L, S, p_drop)
+    dout = torch.randn_like(out)
+    bwd = [n for n in launched_kernels(lambda: torch.autograd.grad(out, (q, k, v), dout,
+                                                                    retain_graph=True))
+           if "flash_bwd_sm90_kernel" in n]
+    want = {"dropout", "short_steps"} if short_steps else {"dropout"}
+    assert bwd and all(sm90_variant_flags(n, "Sm90BwdTraits") == want for n in bwd), bwd
+    kw = dict(softmax_scale=None, causal=False, window_left=window[0], window_right=window[1],
+              align_bottom_right=True, softcap=0.0)
+    assert_error_rule_with_grads(
+        (q, k, v), out, dtype,
+        lambda q, k, v, dt: attention_ref(q, k, v, compute_dtype=dt, dropout_keep=keep,
+                                          dropout_p=p_drop, **kw)[0])
+    if deterministic:
+        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -27,7 +27,7 @@ namespace flash_attn_ext::sm90 {
 
 template <typename CudaElement, int kHeadDim_, bool kGeneral_ = false, bool kDropout_ = false,
           bool kMask_ = false, bool kVarlen_ = false, bool kSoftcap_ = false,
-          bool kAlibi_ = false>
+          bool kAlibi_ = false, bool kShortSteps_ = false>
 struct Sm90BwdTraits {
   using Element = typename CuteType<CudaElement>::type;
   // Softcap, an additive bias, ALiBi and dropout on the scores (the forward's general variant;
@@ -94,7 +94,12 @@ struct Sm90BwdTraits {
   // Query rows per step: 128 at head dim 64 (twice the GEMM work per barrier and statistics
   // load; the S^T / dP^T accumulators, 2 x 64 floats, fit beside dK / dV's 2 x 32), 64 at 128
   // (FlashAttention-3's tiles) and 256.
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+  // kShortSteps: 64-row steps at head dim 64 too (the dropout variant's A/B form,
+  // KernelOptions::sm90_dropout_short_steps): half the S^T / dP^T accumulators and keep bits
+  // live while the Philox rounds run, against twice the barriers and statistics loads per row.
+  static constexpr bool kShortSteps = kShortSteps_;
+  static_assert(!kShortSteps || kHeadDim == 64, "64-row steps are the default above 64");
+  static constexpr int kBlockM = kHeadDim == 64 && !kShortSteps ? 128 : 64;
   static constexpr int kStages = 2;           // depth of the Q / dO / statistics ring
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
@@ -141,8 +146,15 @@ struct Sm90BwdTraits {
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
+  // K (also V): the dQ GEMM reads K MN-major in slices of kHeadDim / kConsumers columns where
+  // dQ is split over head-dim halves; a 128-byte swizzle atom spans 64 columns, so 32-column
+  // halves (head dim 64 with 64-row steps) take the 64-byte atom, whose 32 columns they are.
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumers;
+  using SmemAtomK = std::conditional_t<kDqCols % 64 == 0, SmemAtom,
+                                       GMMA::Layout_K_SW64_Atom<Element>>;
+  static_assert(kDqCols % 32 == 0, "");
   using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
+      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
   // Q and dO as (head dim, query, stage), K as (head dim, key): the B operands read MN-major.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
