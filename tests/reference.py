@@ -358,8 +358,8 @@ def launched_kernels(fn) -> list:
 # The Hopper kernels' variant flags, in the order of their traits' bool template parameters
 # (kernels/sm90/fwd_traits.h, bwd_traits.h).
 SM90_FWD_FLAGS = ("packgqa", "general", "dropout", "mask", "varlen", "softcap", "alibi")
-# (short_steps: Sm90BwdTraits::kShortSteps, the dropout variant at head dim 64 under the kernel
-# option sm90_dropout_short_steps; not a variant of its own)
+# (short_steps: Sm90BwdTraits::kShortSteps, the backward at head dim 64 under the kernel option
+# sm90_bwd_short_steps; not a variant of its own)
 SM90_BWD_FLAGS = ("general", "dropout", "mask", "varlen", "softcap", "alibi", "short_steps")
 
 

@@ -141,12 +141,12 @@ def test_hopper_dropout_variants_meet_the_error_rule(dtype, shape, window):
 def test_hopper_dropout_backward_with_either_step_height(kernel_opts, dtype, shape, window,
                                                          short_steps, deterministic):
     # The Hopper backward's dropout variant at head dim 64 (40 and 59 padded to it) takes
-    # 128-row steps, or 64 under the option sm90_dropout_short_steps (an instantiation of its
+    # 128-row steps, or 64 under the option sm90_bwd_short_steps (an instantiation of its
     # own: dQ split over 32-column halves of the head dim, K and V in 64-byte swizzled shared
     # memory): the kernel that ran, and out and the gradients against float64 with the same
     # mask, by the error rule, with dQ in any order and in the fixed one; the fixed order
     # bitwise reproducible.
-    kernel_opts(sm90_dropout_short_steps=short_steps)
+    kernel_opts(sm90_bwd_short_steps=short_steps)
     B, L, S, H, HKV, D = shape
     p_drop = 0.17
     g = torch.Generator().manual_seed(L * 5 + D)

@@ -587,7 +587,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         float* stats_ptr = stats.data_ptr<float>();
         p.heads_per_section = options.sm90_section_pairs;
         p.sm90_direct_epilogue = options.sm90_direct_epilogue;
-        p.sm90_dropout_short_steps = options.sm90_dropout_short_steps;
+        p.sm90_bwd_short_steps = options.sm90_bwd_short_steps;
         const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
