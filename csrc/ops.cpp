@@ -77,8 +77,13 @@ std::string dtype_name(at::ScalarType t) {
     case at::kChar: return "torch.int8";
     case at::kByte: return "torch.uint8";
     case at::kBool: return "torch.bool";
+    // (c10 names the complex types ComplexHalf/Float/Double, which lowercased below would read
+    // torch.complexfloat: a name torch has not; torch calls them by their bit widths)
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
     default: {
-      std::string name = c10::toString(t);  // e.g. ComplexFloat, Float8_e4m3fn
+      std::string name = c10::toString(t);  // e.g. Float8_e4m3fn, UInt16: torch's names lowercased
       for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       return "torch." + name;
     }

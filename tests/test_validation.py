@@ -480,3 +480,31 @@ def test_nested_tensors_get_an_error_naming_the_argument():
     for name, call in calls.items():
         with pytest.raises(ValueError, match=rf"^{name} is a nested tensor.*varlen_func"):
             call()
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.complex32])
+def test_complex_dtypes_are_named_as_torch_names_them(dtype):
+    # A complex64 q was named "torch.complexfloat" (c10's ComplexFloat lowercased, a name torch
+    # has not; a new-user finding): q, k and v of each function name it as torch users write it.
+    from flash_attn_ext import flash_attn_varlen_func, flash_attn_with_kvcache
+    c = torch.zeros(1, 4, 2, 8, dtype=dtype)
+    real = torch.randn(1, 4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    name = str(dtype)
+    assert "complexfloat" not in name and "complexdouble" not in name
+    unsupported = rf"q.dtype={name} is not supported on cpu"
+    with pytest.raises(ValueError, match=unsupported):
+        flash_attn_func(c, c, c)
+    with pytest.raises(ValueError, match=unsupported):
+        flash_attn_varlen_func(c[0], c[0], c[0], cu, cu, 4, 4)
+    with pytest.raises(ValueError, match=rf"got {name}$"):
+        flash_attn_with_kvcache(c, c, c, cache_seqlens=4)
+    for args, which in (((real, c, real), "k"), ((real, real, c), "v")):
+        mixed = rf"same dtype, got q.dtype=torch.float32, .*{which}.dtype={name}"
+        with pytest.raises(ValueError, match=mixed):
+            flash_attn_func(*args)
+        with pytest.raises(ValueError, match=mixed):
+            flash_attn_varlen_func(*(t[0] for t in args), cu, cu, 4, 4)
+        with pytest.raises(ValueError, match=rf"must have q's dtype, .*{name}"):
+            flash_attn_with_kvcache(*args, cache_seqlens=4)
