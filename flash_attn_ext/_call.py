@@ -176,16 +176,21 @@ def check_alibi_grad(alibi_slopes) -> None:
 
 
 def check_seqlen(value, name: str) -> int:
-    """``value`` as an int (a Python integer, a NumPy one or a 0-d integer tensor); ValueError
-    otherwise (bools, floats and strings refused: a float would be truncated)."""
+    """``value``, a sequence length, as an int >= 0 (a Python integer, a NumPy one or a 0-d
+    integer tensor); ValueError otherwise (bools, floats and strings refused: a float would be
+    truncated; a negative length, whose error was the op's "is shorter than the longest
+    sequence" naming no rule a length breaks)."""
     value = as_number(value, name)
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     # (the op's int is 64-bit; under torch.compile the value may be symbolic, where the
-    # comparison would be a guard on data)
-    if type(value) is int and not torch.compiler.is_compiling() and \
-            not -2**63 <= value < 2**63:
-        raise ValueError(f"{name} must fit in int64, got {value}")
+    # comparisons would be guards on data: the op checks it against the offsets there)
+    if type(value) is int and not torch.compiler.is_compiling():
+        if not -2**63 <= value < 2**63:
+            raise ValueError(f"{name} must fit in int64, got {value}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 (a length: at least the longest "
+                             f"sequence's), got {value}")
     return value
 
 

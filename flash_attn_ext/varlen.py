@@ -279,7 +279,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (one synchronisation, forward and backward together); offsets on the CPU cost
             none (they are uploaded on the call's stream), which is the faster way to call
             it many times with the same sequences (every layer of a model).
-        max_seqlen_q, max_seqlen_k: at least the longest sequence's length.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence's length (so >= 0).
         dropout_p, softmax_scale (default 1 / sqrt(head_dim)), causal, window_size, softcap,
             alibi_slopes ((num_heads,) or (batch, num_heads) float): as
             :func:`flash_attn_ext.flash_attn_func`, per sequence (dropout_p = 1 gives out =
@@ -329,7 +329,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             reason); forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) and
             torch.func's gradient transforms (grad, vjp, jacrev), as flash_attn_func.
         ValueError: bad shapes, dtypes (on CUDA: float16 and bfloat16 only), offsets (naming
-            the argument and the rule), a block_table that does not fit its pages or the
+            the argument and the rule), max_seqlen_q / max_seqlen_k not an int, negative or
+            below the longest sequence's length, a block_table that does not fit its pages or the
             lengths (naming the entry); k, v or alibi_slopes not on q's device; flags as
             flash_attn_func checks them (causal a bool, window_size a pair of ints, dropout_p
             in [0, 1], strict True, False or None, ...); alibi_slopes requiring grad.

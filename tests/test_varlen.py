@@ -682,6 +682,27 @@ def test_max_seqlen_beyond_int64_is_a_clear_error():
             flash_attn_varlen_func(q, k, v, cq, ck, *args)
 
 
+@pytest.mark.parametrize("bad", [-1, -6, torch.tensor(-2)])
+def test_negative_max_seqlen_is_a_clear_error(bad):
+    # max_seqlen_q=-1 was refused by the op as "max_seqlen_q=-1 is shorter than the longest
+    # sequence (6)", naming no rule a length breaks (new-user trial); with block_table too.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    value = int(bad)
+    with pytest.raises(ValueError, match=rf"max_seqlen_q must be >= 0 \(a length: at least the "
+                                         rf"longest sequence's\), got {value}$"):
+        flash_attn_varlen_func(q, k, v, cq, ck, bad, 6)
+    with pytest.raises(ValueError, match=rf"max_seqlen_k must be >= 0 .*got {value}$"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, bad)
+    pages = k.reshape(5, 2, 2, 8)
+    table = torch.tensor([[0, 1, 2], [2, 3, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"max_seqlen_k must be >= 0 .*got {value}$"):
+        flash_attn_varlen_func(q, pages, pages, cq, ck, 6, bad, block_table=table)
+    # (0 is a length: the offsets' rule then names the longest sequence)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=0 is shorter than the longest sequence "
+                                         r"\(6\)"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 0, 6)
+
+
 def test_offsets_on_another_device_are_a_clear_error_not_uninitialised_memory():
     # An offset tensor on the meta device beside CPU tensors dispatches the ops to their fake
     # kernels, which returned uninitialised memory (new-user trial); they now apply the
