@@ -287,11 +287,14 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or (attn_bias is not None and attn_bias.requires_grad))
-    policy.record(p, strict, needs_grad)
+    # (a fused call's plan becomes last_plan() once its op has checked its arguments: a call
+    # they refuse never ran)
+    policy.record(p, strict, needs_grad, remember_now=not p.fused)
     if p.fused:
         out, softmax_lse, _ = ops.fwd(q, k, v, softmax_scale, causal, window_left, window_right,
                                       align_bottom_right, softcap, alibi_slopes, attn_bias,
                                       dropout_p, deterministic)
+        policy.remember(p)
         return dropped(out, drop_all), softmax_lse
     out, softmax_lse = unfused.fallback_attention(q, k, v, softmax_scale, window_left,
                                                   0 if causal else window_right,

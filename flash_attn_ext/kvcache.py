@@ -481,11 +481,12 @@ def flash_attn_with_kvcache(
     refusal = _decode_refusal(q, k_cache, v_cache, k, v, alibi_slopes, softmax_scale,
                               rotary_cos)
     if refusal is None:
-        _record_decode_plan(q, strict)
-        return _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                       cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                       window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                       return_softmax_lse, local, seqlen_cache)
+        out = _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                      cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                      window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                      return_softmax_lse, local, seqlen_cache)
+        _record_decode_plan(q, strict)  # (once the ops ran: a call they refuse never did)
+        return out
     if torch.compiler.is_compiling() and (cache_seqlens is None or isinstance(
             cache_seqlens, torch.Tensor) or type(cache_seqlens) is int) and not (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -609,13 +610,13 @@ def flash_attn_with_kvcache(
         # (a cost the caller should see: reference.md measures it on the CPU)
         notes.append(f"the {'pages' if block_table is not None else 'entries'} used gathered "
                      f"into a copy of {batch} x {seqlen_cache} rows before the kernels run")
-    record_plan(q_packed, kc, vc, softmax_scale, local,
-                score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
-                note="; ".join(notes) if notes else None)
     out, lse, _ = fwd_varlen_op(
         q_packed, kc, vc, cu_q, cu_k, seqlen_q, longest_k,
         softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
         alibi_slopes, 0.0, seqlens + new - leftpad)
+    record_plan(q_packed, kc, vc, softmax_scale, local,  # (once the op ran, as varlen's)
+                score_mods(softcap, 0.0, None, alibi_slopes), False, strict,
+                note="; ".join(notes) if notes else None)
     out = out.reshape(batch, seqlen_q, heads, out.shape[-1])
     if not return_softmax_lse:
         return out

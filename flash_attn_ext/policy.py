@@ -24,7 +24,7 @@ import torch
 from .planning import FALLBACK, Plan
 
 __all__ = ["FallbackError", "set_strict", "strict_enabled", "fallback_counts",
-           "reset_fallback_counts", "last_plan", "record", "note_fallback"]
+           "reset_fallback_counts", "last_plan", "record", "remember", "note_fallback"]
 
 
 class FallbackError(RuntimeError):
@@ -92,29 +92,45 @@ def reset_fallback_counts() -> None:
 
 
 def last_plan() -> Optional[Plan]:
-    """The plan of the most recent eager call.  Calls inside torch.compile are not recorded
-    (``explain()`` gives their plan; strict mode still refuses their fallbacks when traced)."""
+    """The plan of the most recent eager call that got past its argument checks.  A call that
+    raises on a bad argument (the kernels' op's own checks included) leaves it as it was: it
+    never describes a call that did not run.  A call whose fallback strict mode refuses is
+    recorded (``FallbackError``): its plan, whose reasons the error names, as ``explain()``
+    returns it.  Calls inside torch.compile are not recorded (``explain()`` gives their plan;
+    strict mode still refuses their fallbacks when traced)."""
     return _last_plan
 
 
-def record(p: Plan, strict: Optional[bool], needs_grad: bool = False) -> None:
+def remember(p: Plan) -> None:
+    """Makes ``p`` the plan last_plan() returns, for an eager call (see :func:`record`)."""
+    global _last_plan
+    if not torch.compiler.is_compiling():
+        # Not while tracing: inside activation checkpointing (a higher-order op) dynamo refuses
+        # the write to a module global, and fullgraph=True would fail.
+        _last_plan = p
+
+
+def record(p: Plan, strict: Optional[bool], needs_grad: bool = False,
+           remember_now: bool = True) -> None:
     """Applies the no-silent-fallback rule to a plan that is about to run.
 
     A forward fallback is noted here.  A backward fallback is noted by the backward itself when
     it runs (eagerly) or is traced (torch.compile, through the bwd op's fake kernel); here, with
     ``needs_grad``, strict mode only refuses it early, before any work.
+    ``remember_now=False``: the call's op has still to check its arguments (a fused call is
+    recorded before its op runs, so that strict mode refuses before any work), and the caller
+    calls :func:`remember` once the op has returned, so that a call the op refuses is not
+    last_plan(); a plan that strict mode refuses here is remembered all the same.
     """
-    global _last_plan
     check_strict(strict)
-    if not torch.compiler.is_compiling():
-        # Not while tracing: inside activation checkpointing (a higher-order op) dynamo refuses
-        # the write to a module global, and fullgraph=True would fail.
-        _last_plan = p
+    if remember_now:
+        remember(p)
     if not p.fused:
         note_fallback("; ".join(p.reasons),
                       p.kernel if p.kernel.startswith("fallback:") else FALLBACK, strict)
     elif needs_grad and not p.backward_fused and strict_enabled(strict) \
             and not torch.compiler.is_compiling():
+        remember(p)  # (refused: named by last_plan() as a refused forward fallback is)
         note_fallback("backward: " + "; ".join(p.backward_reasons), p.backward_kernel, strict)
 
 

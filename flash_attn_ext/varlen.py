@@ -235,11 +235,11 @@ def _gather_pages(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, m
 
 def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
                 strict, note: Optional[str] = None) -> None:
-    """Records the plan of a packed call (``flash_attn_ext.last_plan()``): the kernels the
-    varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks them.  A call that no
-    kernel serves is not recorded: the op refuses it (NotImplementedError, ValueError), there
-    is no fallback.  ``note``: why the call came here (the KV-cache route), added to the
-    plan's notes."""
+    """Records the plan of a packed call (``flash_attn_ext.last_plan()``) after its op ran:
+    the kernels the varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks them.
+    A call that no kernel serves is not recorded: the op refuses it (NotImplementedError,
+    ValueError), there is no fallback.  ``note``: why the call came here (the KV-cache route),
+    added to the plan's notes."""
     if torch.compiler.is_compiling() or \
             not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
         return  # (recorded by eager calls only, as the other calls; the op names a bad shape)
@@ -367,11 +367,6 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
     window_left, window_right = (int(w) for w in window_size)
-    record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
-                planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
-                strict, note=None if block_table is None else
-                f"block_table: the pages used gathered into a copy of {k.shape[0]} key rows "
-                f"before the kernels run")
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
     # (max_seqlen_q / _k as check_seqlen returns them: an int, or under torch.compile possibly
@@ -380,6 +375,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         max_seqlen_k, softmax_scale, bool(causal),
                                         window_left, window_right, float(softcap), alibi_slopes,
                                         float(dropout_p), seqused_k, bool(deterministic))
+    # (recorded once the op has checked the shapes and offsets: a call it refuses never ran)
+    record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
+                planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
+                strict, note=None if block_table is None else
+                f"block_table: the pages used gathered into a copy of {k.shape[0]} key rows "
+                f"before the kernels run")
     out = dropped(out, drop_all)
     return (out, softmax_lse, None) if return_attn_probs else out
 

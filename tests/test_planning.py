@@ -927,3 +927,52 @@ def test_packed_sequences_rule(kernel_opts):
     fwd, bwd, notes = rule(device=(8, 0, 166912))
     assert (fwd, bwd) == ("sm80_fwd_hdim128_bf16", "sm80_bwd_hdim128_bf16")
     assert any("8-warp kernels do not take packed sequences" in n for n in notes), notes
+
+
+def test_a_call_that_raises_leaves_last_plan_alone():
+    # A fused call recorded its plan before its op checked the arguments, so that last_plan()
+    # named the kernels of a call that raised and never ran (new-user trial): each function's
+    # plan is recorded once its op has returned.  (float64 calls after a float32 one: a stale
+    # plan would show.)
+    from flash_attn_ext import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def ok():
+        flash_attn_func(*(torch.randn(1, 3, 2, 8) for _ in range(3)))
+        return flash_attn_ext.last_plan()
+    q, bad_k = torch.randn(1, 3, 2, 8).double(), torch.randn(2, 3, 2, 8).double()
+    cu, decreasing = (torch.tensor(c, dtype=torch.int32) for c in ([0, 1, 3], [0, 2, 1]))
+    calls = {
+        "flash_attn_func": (lambda: flash_attn_func(q, bad_k, bad_k), "batch"),
+        "sdpa": (lambda: flash_attn_ext.scaled_dot_product_attention(
+            q.transpose(1, 2), bad_k.transpose(1, 2), bad_k.transpose(1, 2)), "batch"),
+        "varlen offsets": (lambda: flash_attn_varlen_func(q[0], q[0], q[0], decreasing, cu, 2, 2),
+                           "non-decreasing"),
+        "varlen max_seqlen": (lambda: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 1, 2),
+                              "shorter than the longest"),
+        "varlen alibi": (lambda: flash_attn_varlen_func(
+            q[0], q[0], q[0], cu, cu, 2, 2, alibi_slopes=torch.rand(3, 2)), "alibi_slopes"),
+    }
+    for name, (call, match) in calls.items():
+        before = ok()
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert flash_attn_ext.last_plan() is before, name
+    # The calls that run are recorded, as before.
+    flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 2, 2)
+    assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp64_varlen"
+    ok()
+    cache = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1)
+    assert flash_attn_ext.last_plan().kernel == "cpu_flash_fwd_fp64_varlen"
+
+
+def test_a_fallback_that_strict_mode_refuses_is_last_plan():
+    # The one call that raises and is recorded (policy.last_plan's docstring): strict mode's
+    # refusal, so that last_plan() names the refused plan whose reasons FallbackError gives,
+    # as explain() does.
+    q = torch.empty(1, 4, 2, 8, device="meta")
+    flash_attn_func(*(torch.randn(1, 3, 2, 8) for _ in range(3)))
+    with pytest.raises(FallbackError, match="'meta' has no flash_attn_ext kernel"):
+        flash_attn_func(q, q, q, strict=True)
+    assert flash_attn_ext.last_plan() == explain(q, q, q, layout="blhd", strict=True)
+    assert not flash_attn_ext.last_plan().fused

@@ -213,10 +213,10 @@ def _forward(op: str, q, k, v, dropout_p: float, is_causal: bool, scale, window_
     if not p.fused:
         raise RuntimeError(f"flash_attn_ext as PyTorch's flash attention ({op}): no kernel "
                            f"serves this call: {'; '.join(p.reasons)}")
-    policy.record(p, None)
     _check_value_head_dim(op, q, v)
     out, lse, rng = ops.fwd_op(q, k, v, scale, is_causal, wl, wr, True, 0.0, None, None,
                                float(dropout_p), _deterministic())
+    policy.record(p, None)  # (once the op ran: a call it refuses is not last_plan())
     if k.shape[1] == 0 or (is_causal and q.shape[1] > k.shape[1]) or wl >= 0 or wr >= 0:
         lse = _no_keys_plus_inf(lse)  # (only where a row can see no key: one more kernel)
     return out, lse, rng
