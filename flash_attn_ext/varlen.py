@@ -238,14 +238,20 @@ def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, determin
     """Records the plan of a packed call (``flash_attn_ext.last_plan()``) after its op ran:
     the kernels the varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks them.
     A call that no kernel serves is not recorded: the op refuses it (NotImplementedError,
-    ValueError), there is no fallback.  ``note``: why the call came here (the KV-cache route),
-    added to the plan's notes."""
+    ValueError), there is no fallback.  On meta tensors (no kernel; the op's fake kernel gives
+    the shapes) the call is recorded as flash_attn_func's is there: the plan's fallback,
+    "device type 'meta' has no flash_attn_ext kernel", warned once, counted, refused in strict
+    mode.  ``note``: why the call came here (the KV-cache route), added to the plan's
+    notes."""
     if torch.compiler.is_compiling() or \
             not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
         return  # (recorded by eager calls only, as the other calls; the op names a bad shape)
     p = planning.plan(q, k, v, softmax_scale, mods, unequal_tiles=unequal_tiles,
                       deterministic=deterministic, packed=True)
-    if not p.fused:
+    # (a meta call ran, on the fake kernel: reported as flash_attn_func reports its meta
+    # calls, which run the unfused math on meta tensors; it left last_plan() naming an earlier
+    # call's kernels, a new-user finding)
+    if not p.fused and q.device.type != "meta":
         return
     if note is not None:
         p = dataclasses.replace(p, notes=p.notes + (note,))
@@ -315,7 +321,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             :func:`flash_attn_ext.flash_attn_func`'s.  No call of this function falls back
             today: every call runs on the packed-sequence kernels, or raises
             NotImplementedError (on CUDA, where none serves it), so strict mode changes
-            nothing here; the value is checked as there (True, False or None).
+            nothing here, except on meta tensors, which no kernel takes: as flash_attn_func's
+            meta calls, they are reported as a fallback (warned once, counted,
+            ``FallbackError`` in strict mode) and get the shapes of the output; the value is
+            checked as there (True, False or None).
 
     Returns:
         out (total_q, num_heads, head_dim_v), or (out, softmax_lse, None). A row that sees no

@@ -564,7 +564,31 @@ def test_meta_tensors_get_the_fake_kernels_shapes():
     q, k, v, cq, ck = _packed([4], [4], 2, 2, 8, 8, torch.float32)
     # Meta tensors (torch.compile's tracing): the fake kernel's shapes.
     meta = [t.detach().to("meta") for t in (q, k, v)]
-    assert flash_attn_varlen_func(*meta, cq, ck, 4, 4).shape == (4, 2, 8)
+    with pytest.warns(UserWarning, match="'meta' has no flash_attn_ext kernel"):
+        assert flash_attn_varlen_func(*meta, cq, ck, 4, 4).shape == (4, 2, 8)
+
+
+@pytest.mark.usefixtures("clean_policy")
+def test_meta_calls_are_reported_as_the_dense_calls_are():
+    # A packed call on meta tensors recorded nothing (last_plan() still named an earlier call's
+    # kernels) and warned of nothing, where flash_attn_func's meta call is a reported fallback
+    # (new-user trial): both now report the same plan, warn, count it and refuse it in strict
+    # mode; the offsets may be on the CPU or meta.
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    meta = [t.detach().to("meta") for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flash_attn_ext.flash_attn_func(*(t[None] for t in meta))
+        dense = flash_attn_ext.last_plan()
+        flash_attn_ext.reset_fallback_counts()
+        for offsets in ((cq, ck), (cq.to("meta"), ck.to("meta"))):
+            flash_attn_varlen_func(q, k, v, cq, ck, 6, 6)  # (a CPU call first: recorded)
+            out = flash_attn_varlen_func(*meta, *offsets, 6, 6, causal=True)
+            assert out.shape == (10, 2, 8) and out.device.type == "meta"
+            assert flash_attn_ext.last_plan() == dense and not dense.fused
+    assert flash_attn_ext.fallback_counts() == {"; ".join(dense.reasons): 2}
+    with pytest.raises(flash_attn_ext.FallbackError, match="'meta' has no flash_attn_ext"):
+        flash_attn_varlen_func(*meta, cq, ck, 6, 6, strict=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
