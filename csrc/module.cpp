@@ -11,6 +11,7 @@
 #include "cpu/dropout_cpu.h"
 #include "dropout.h"
 #include "kernel_select.h"
+#include "varlen_checks.h"
 
 #ifndef FLASH_ATTN_EXT_VERSION
 #define FLASH_ATTN_EXT_VERSION "unknown"
@@ -56,6 +57,23 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   flash_attn_ext::check_attn_args(q, k, v, softmax_scale, causal, window_left, window_right,
                                   softcap, std::nullopt, std::nullopt, dropout_p,
                                   /*kernel_dtypes=*/false);
+}
+
+// The varlen ops' argument checks (check_packed_call: shapes, offsets and their values,
+// max_seqlen, seqused_k, slopes, dtype, flags) without computing anything, for explain() of a
+// packed call: the errors the fwd_varlen op raises, in its order, on q's device type.  The
+// offsets are read on the host, as the op reads them (offsets on a GPU: one copy).
+void check_varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k,
+                       std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                       int64_t window_right, double softcap,
+                       const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                       const std::optional<at::Tensor>& seqused_k) {
+  flash_attn_ext::check_packed_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, causal, window_left,
+                                    window_right, softcap, alibi_slopes, dropout_p, seqused_k,
+                                    q.device().type());
 }
 
 // Testing aid: the dropout mask (True = kept) that every kernel applies for rng_state
@@ -306,6 +324,8 @@ PYBIND11_MODULE(_C, m) {
         "Sets some of the process's kernel options (a dict; unknown keys and bad values raise "
         "ValueError).");
   m.def("check_args", &check_args, "Validates q/k/v and flags like the fwd op (raises on error).");
+  m.def("check_varlen_args", &check_varlen_args,
+        "Validates a packed call's arguments like the fwd_varlen op (raises on error).");
   m.def("dropout_mask", &dropout_mask, pybind11::arg("seed"), pybind11::arg("offset"),
         pybind11::arg("batch"), pybind11::arg("heads"), pybind11::arg("seqlen_q"),
         pybind11::arg("seqlen_k"), pybind11::arg("dropout_p"),

@@ -28,6 +28,7 @@ from .sdpa import (
     mask_to_bias,
     to_bshd,
 )
+from .varlen import explain_packed
 
 __all__ = ["explain"]
 
@@ -38,11 +39,17 @@ _CALL_KEYWORDS = {
     "blhd": frozenset({"dropout_p", "softmax_scale", "causal", "window_size", "softcap",
                        "alibi_slopes", "deterministic", "return_softmax_lse",
                        "return_attn_probs", "strict"}),
+    # flash_attn_varlen_func's (packed sequences)
+    "thd": frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                      "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                      "deterministic", "return_attn_probs", "block_table", "seqused_k",
+                      "strict"}),
 }
+_THD_REQUIRED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
-# The packed-sequence and KV-cache functions' own arguments (their calls are not explained:
-# last_plan() names the kernels after the call).
+# The packed-sequence and KV-cache functions' own arguments (layout="thd" explains the former;
+# flash_attn_with_kvcache's calls are not explained: last_plan() names the kernels after it).
 _PACKED_KEYWORDS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
                               "block_table", "seqused_k", "cache_seqlens", "cache_batch_idx",
                               "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_interleaved",
@@ -56,9 +63,20 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     Args:
         query, key, value: tensors in ``layout``: ``"bhld"`` (N, H, L, E) as
             scaled_dot_product_attention takes them (default; (N, L, E) and (N, ..., H, L, E)
-            too, explained as the one call on the flattened batch that it runs), or
-            ``"blhd"`` (N, L, H, E) as flash_attn_func takes them.  Under torch.autocast, in
-            the dtype the call runs in.
+            too, explained as the one call on the flattened batch that it runs),
+            ``"blhd"`` (N, L, H, E) as flash_attn_func takes them, or ``"thd"``: packed
+            sequences as flash_attn_varlen_func takes them, q (total_q, H, E), k and v
+            (total_k, H_kv, E / Ev), with that function's arguments as keywords
+            (``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q`` and ``max_seqlen_k``
+            required; ``causal``, ``softcap``, ``alibi_slopes``, ``dropout_p``,
+            ``seqused_k``, ``block_table``, ``deterministic``, ...): the Plan that call records
+            in last_plan(), kernels named ``..._varlen`` (on sm_90 the Hopper varlen
+            instantiations, ``..._varlen_softcap``, ``..._varlen_alibi`` or
+            ``..._varlen_dropout`` for one of those alone; two of them together the portable
+            kernels, with the rule's note).  The call's checks run, its op's included: the
+            offsets are read on the host as the call reads them (on a GPU one copy, a
+            synchronisation), and a block_table's pages are gathered into a copy as the
+            call gathers them.  Under torch.autocast, in the dtype the call runs in.
         layout: see above.
         enable_gqa: allow H_kv < H, as scaled_dot_product_attention's argument (False by
             default, as there: a call with H_kv < H without it raises ``ValueError``, and so
@@ -82,26 +100,39 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         where the call raises ``FallbackError`` with its ``reasons``.
 
     Raises:
+        NotImplementedError: ``"thd"`` on CUDA where no kernel serves the call (the call's
+            error, with the rule's reasons); forward-mode AD or torch.func's transforms
+            active, as the call.
         ValueError: unknown layout; otherwise the ValueError the call itself raises, with its
             message (the call's checks, in its order: e.g. head dims outside 1..256 with
             ``"blhd"``, which flash_attn_func refuses, while the SDPA drop-in runs them on
             the unfused math, which the plan names as a fallback).
-        TypeError: an argument that neither API takes (e.g. a misspelt ``is_casual``;
-            flash_attn_varlen_func's and flash_attn_with_kvcache's own arguments, such as
-            ``cu_seqlens_q``, with a pointer to ``last_plan()``, which names their kernels); a
-            tensor argument that is not a tensor, as the call.
+        TypeError: an argument that the layout's function does not take (e.g. a misspelt
+            ``is_casual``; flash_attn_varlen_func's own arguments, such as ``cu_seqlens_q``,
+            outside ``"thd"`` and flash_attn_with_kvcache's in any layout, with a pointer to
+            ``layout="thd"`` and ``last_plan()``, which names the kernels after the call); a
+            missing required argument of ``"thd"``; a tensor argument that is not a tensor,
+            as the call.
     """
     if layout not in _CALL_KEYWORDS:
-        raise ValueError(f"layout must be 'bhld' or 'blhd', got {layout!r}")
+        raise ValueError(f"layout must be 'bhld', 'blhd' or 'thd', got {layout!r}")
     unknown = set(call_kwargs) - _CALL_KEYWORDS[layout]
     if unknown:
-        function = ("scaled_dot_product_attention" if layout == "bhld" else "flash_attn_func")
+        function = {"bhld": "scaled_dot_product_attention", "blhd": "flash_attn_func",
+                    "thd": "flash_attn_varlen_func"}[layout]
         packed = sorted(unknown & _PACKED_KEYWORDS)
-        hint = (f" ({packed} belong to flash_attn_varlen_func / flash_attn_with_kvcache, which "
-                f"explain() does not plan: run the call and read flash_attn_ext.last_plan(), "
-                f"which names their kernels)" if packed else "")
+        hint = (f" ({packed} belong to flash_attn_varlen_func, explained with layout='thd', or "
+                f"flash_attn_with_kvcache, which explain() does not plan: run that call and read "
+                f"flash_attn_ext.last_plan(), which names its kernels)" if packed else "")
         raise TypeError(f"explain() got keyword arguments that {function} (layout={layout!r}) "
                         f"does not take: {sorted(unknown)}{hint}")
+    if layout == "thd":
+        missing = [name for name in _THD_REQUIRED if name not in call_kwargs]
+        if missing:
+            raise TypeError(f"explain(layout='thd') needs flash_attn_varlen_func's required "
+                            f"arguments {list(_THD_REQUIRED)} as keywords, missing: {missing}")
+        # (enable_gqa: H_kv < H is always allowed, as flash_attn_varlen_func allows it)
+        return explain_packed(query, key, value, **call_kwargs)
     # The SDPA drop-in checks its own tensor rules (dtype, devices, ...) once more where the
     # kernels' checks raise, and raises the broken rule's error first (sdpa.py): so does this.
     reached = []

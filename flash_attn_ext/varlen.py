@@ -45,6 +45,7 @@ from ._call import (
     dropped,
     kernel_dropout,
 )
+from .planning import Plan
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func"]
@@ -233,30 +234,92 @@ def _gather_pages(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, m
     return k, v, cu_seqlens_q, cu, used.to(torch.int32), capacity
 
 
-def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
-                strict, note: Optional[str] = None) -> None:
-    """Records the plan of a packed call (``flash_attn_ext.last_plan()``) after its op ran:
-    the kernels the varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks them.
-    A call that no kernel serves is not recorded: the op refuses it (NotImplementedError,
+def packed_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
+                note: Optional[str] = None) -> Optional[Plan]:
+    """The plan of a packed call as :func:`record_plan` records it, or None where it records
+    none: the kernels the varlen ops run, as the rule (csrc/kernel_select.h, ``packed``) picks
+    them.  A call that no kernel serves has none: the op refuses it (NotImplementedError,
     ValueError), there is no fallback.  On meta tensors (no kernel; the op's fake kernel gives
-    the shapes) the call is recorded as flash_attn_func's is there: the plan's fallback,
-    "device type 'meta' has no flash_attn_ext kernel", warned once, counted, refused in strict
-    mode.  ``note``: why the call came here (the KV-cache route), added to the plan's
-    notes."""
-    if torch.compiler.is_compiling() or \
-            not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
-        return  # (recorded by eager calls only, as the other calls; the op names a bad shape)
+    the shapes) the plan is flash_attn_func's there: the fallback, "device type 'meta' has no
+    flash_attn_ext kernel".  ``note``: why the call came here (the KV-cache route, a
+    block_table's copy), added to the plan's notes."""
+    # (eager calls only, as the other calls; q, k, v read by their shapes, as plan() reads them:
+    # the op has checked them, and tests stand in CUDA-like descriptions)
+    if torch.compiler.is_compiling() or not all(len(t.shape) == 3 for t in (q, k, v)):
+        return None
     p = planning.plan(q, k, v, softmax_scale, mods, unequal_tiles=unequal_tiles,
                       deterministic=deterministic, packed=True)
     # (a meta call ran, on the fake kernel: reported as flash_attn_func reports its meta
     # calls, which run the unfused math on meta tensors; it left last_plan() naming an earlier
     # call's kernels, a new-user finding)
     if not p.fused and q.device.type != "meta":
-        return
+        return None
     if note is not None:
         p = dataclasses.replace(p, notes=p.notes + (note,))
+    return p
+
+
+def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
+                strict, note: Optional[str] = None) -> None:
+    """Records the plan of a packed call (``flash_attn_ext.last_plan()``) after its op ran:
+    :func:`packed_plan`'s, where it has one (on meta tensors a fallback: warned once, counted,
+    refused in strict mode, as flash_attn_func's there)."""
+    p = packed_plan(q, k, v, softmax_scale, unequal_tiles, mods, deterministic, note)
+    if p is None:
+        return
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     policy.record(p, strict, needs_grad)
+
+
+def _pages_note(block_table, k) -> Optional[str]:
+    """The plan's note on a block_table call's copy (k: the gathered keys), or None."""
+    return None if block_table is None else (f"block_table: the pages used gathered into a copy "
+                                             f"of {k.shape[0]} key rows before the kernels run")
+
+
+def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, block_table, seqused_k, strict):
+    """flash_attn_varlen_func's own checks, in its order, before its op's (explain() of a packed
+    call runs them too, so that a bad argument raises the call's error); returns the
+    arguments as the op takes them: (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    dropout_p, drop_all, deterministic, return_attn_probs), k and v the pages' gathered copy
+    with ``block_table``, q, k and v cast under torch.autocast."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                    ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
+        if not isinstance(t, torch.Tensor) and (t is not None or name != "seqused_k"):
+            # (the op's schema would name no argument)
+            raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor"
+                            f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
+                            f"{type(t).__name__}")
+    check_tensors(("q", q), ("k", k), ("v", v))  # (nested tensors)
+    # The flags as flash_attn_func checks them (a string "False" would be taken as True).
+    causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
+    window_size, dropout_p = check_flags(causal, window_size, dropout_p)
+    dropout_p, drop_all = kernel_dropout(dropout_p)  # (1: zeros, as flash_attn_func's)
+    softmax_scale = check_scale(softmax_scale, "softmax_scale")
+    softcap = check_softcap(softcap)
+    deterministic = check_bool(deterministic, "deterministic")
+    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
+    check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
+    check_devices(q, ("k", k), ("v", v))
+    # (torch.func's gradient transforms and forward-mode AD: the same refusal as
+    # flash_attn_func's, not PyTorch's message about C++ autograd functions)
+    check_transforms(q, k, v, *(t for t in (alibi_slopes,) if t is not None),
+                     dropout_p=dropout_p)
+    if block_table is not None:  # (before autocast: only the pages used are cast)
+        _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k = _gather_pages(
+            q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k)
+    q, k, v = autocast(q, k, v)  # (as flash_attn_func: SDPA's autocast rule)
+    policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
+    max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
+    window_left, window_right = (int(w) for w in window_size)
+    return (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, dropout_p, drop_all,
+            deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -345,37 +408,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             in [0, 1], strict True, False or None, ...); alibi_slopes requiring grad.
         RuntimeError: on CUDA, while the stream captures a CUDA graph.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-                    ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
-        if not isinstance(t, torch.Tensor) and (t is not None or name != "seqused_k"):
-            # (the op's schema would name no argument)
-            raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor"
-                            f"{' (int32, batch + 1 offsets)' if name[0] == 'c' else ''}, got "
-                            f"{type(t).__name__}")
-    check_tensors(("q", q), ("k", k), ("v", v))  # (nested tensors)
-    # The flags as flash_attn_func checks them (a string "False" would be taken as True).
-    causal = check_bool(causal, "causal")  # (a NumPy bool too, as FlashAttention-2 takes it)
-    window_size, dropout_p = check_flags(causal, window_size, dropout_p)
-    dropout_p, drop_all = kernel_dropout(dropout_p)  # (1: zeros, as flash_attn_func's)
-    softmax_scale = check_scale(softmax_scale, "softmax_scale")
-    softcap = check_softcap(softcap)
-    deterministic = check_bool(deterministic, "deterministic")
-    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs")
-    check_alibi(alibi_slopes, q)  # (a list named, not an AttributeError)
-    check_devices(q, ("k", k), ("v", v))
-    # (torch.func's gradient transforms and forward-mode AD: the same refusal as
-    # flash_attn_func's, not PyTorch's message about C++ autograd functions)
-    check_transforms(q, k, v, *(t for t in (alibi_slopes,) if t is not None),
-                     dropout_p=dropout_p)
-    if block_table is not None:  # (before autocast: only the pages used are cast)
-        _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
-        k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k = _gather_pages(
-            q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k)
-    q, k, v = autocast(q, k, v)  # (as flash_attn_func: SDPA's autocast rule)
-    policy.check_strict(strict)  # (no fallback to refuse: see the docstring)
-    max_seqlen_q = check_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = check_seqlen(max_seqlen_k, "max_seqlen_k")
-    window_left, window_right = (int(w) for w in window_size)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+     causal, window_left, window_right, softcap, dropout_p, drop_all, deterministic,
+     return_attn_probs) = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                   softcap, alibi_slopes, deterministic, return_attn_probs,
+                                   block_table, seqused_k, strict)
     cu_seqlens_q, cu_seqlens_k, seqused_k = _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k,
                                                              seqused_k)
     # (max_seqlen_q / _k as check_seqlen returns them: an int, or under torch.compile possibly
@@ -387,11 +425,46 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # (recorded once the op has checked the shapes and offsets: a call it refuses never ran)
     record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
                 planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
-                strict, note=None if block_table is None else
-                f"block_table: the pages used gathered into a copy of {k.shape[0]} key rows "
-                f"before the kernels run")
+                strict, note=_pages_note(block_table, k))
     out = dropped(out, drop_all)
     return (out, softmax_lse, None) if return_attn_probs else out
+
+
+def explain_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   softcap=0.0, alibi_slopes=None, deterministic=False,
+                   return_attn_probs=False, block_table=None, seqused_k=None, *,
+                   strict=None) -> Plan:
+    """``explain(q, k, v, layout="thd", ...)``: the plan that flash_attn_varlen_func records
+    for these arguments (last_plan() after the call), without running the kernels.  The
+    call's checks in its order: its own (:func:`_checked`, with a block_table the pages'
+    copy too, as the call gathers them), then its op's (the C++ checks of the fwd_varlen op,
+    or on meta tensors those of its fake kernel, which the call reaches there), so that a bad
+    argument raises the call's error; on CUDA the NotImplementedError of a call that no kernel
+    serves.  In strict mode a meta call's fallback Plan is returned where the call raises
+    FallbackError, as explain() does for the other layouts."""
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+     causal, window_left, window_right, softcap, dropout_p, _, deterministic,
+     _) = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, block_table, seqused_k, strict)
+    op_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               bool(causal), window_left, window_right, float(softcap), alibi_slopes,
+               float(dropout_p), seqused_k)
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in op_args):
+        _fwd_varlen_fake(*op_args)  # (the dispatcher sends such a call to the fake kernel)
+    else:
+        ops._C.check_varlen_args(*op_args)
+    unequal_tiles = causal or window_left >= 0 or window_right >= 0
+    mods = planning.score_mods(softcap, dropout_p, None, alibi_slopes)
+    p = packed_plan(q, k, v, softmax_scale, unequal_tiles, mods, deterministic,
+                    note=_pages_note(block_table, k))
+    if p is None:  # (the CUDA op's refusal, with the rule's reasons: csrc/cuda/flash_cuda.cu)
+        reasons = planning.plan(q, k, v, softmax_scale, mods, unequal_tiles=unequal_tiles,
+                                deterministic=deterministic, packed=True).reasons
+        raise NotImplementedError(f"no flash_attn_ext CUDA kernel serves this call: "
+                                  f"{'; '.join(reasons)}")
+    return p
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,

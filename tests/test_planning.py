@@ -976,3 +976,99 @@ def test_a_fallback_that_strict_mode_refuses_is_last_plan():
         flash_attn_func(q, q, q, strict=True)
     assert flash_attn_ext.last_plan() == explain(q, q, q, layout="blhd", strict=True)
     assert not flash_attn_ext.last_plan().fused
+
+
+def _explain_thd_and_call(q, k, v, **kwargs):
+    """(explain's outcome, the varlen call's outcome, last_plan() after it): ("ok", Plan) or
+    ("raised", (type, message))."""
+    def outcome(f):
+        try:
+            return "ok", f()
+        except Exception as error:  # (every exception is compared)
+            return "raised", (type(error), str(error))
+    said = outcome(lambda: explain(q, k, v, layout="thd", **kwargs))
+    policy._last_plan = None
+    done = outcome(lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, **kwargs))
+    return said, done, flash_attn_ext.last_plan()
+
+
+def test_explain_thd_is_the_varlen_calls_plan_and_error():
+    # explain() refused flash_attn_varlen_func's arguments (new-user trial): layout="thd"
+    # plans a packed call as the call does, its checks in the call's order (its op's too).
+    q, k = torch.randn(10, 4, 16, dtype=torch.float64), torch.randn(12, 2, 16, dtype=torch.float64)
+    cq, ck = (torch.tensor(c, dtype=torch.int32) for c in ([0, 4, 10], [0, 5, 12]))
+    base = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=6, max_seqlen_k=7)
+    table = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
+    good = [{}, dict(causal=True), dict(softcap=5.0), dict(alibi_slopes=torch.rand(4)),
+            dict(dropout_p=0.1), dict(softcap=5.0, alibi_slopes=torch.rand(2, 4), dropout_p=0.2),
+            dict(window_size=(2, 1), deterministic=True, softmax_scale=0.3),
+            dict(seqused_k=torch.tensor([3, 7], dtype=torch.int32), return_attn_probs=True),
+            dict(strict=True), dict(max_seqlen_q=100, max_seqlen_k=2**40)]
+    for extra in good:
+        said, done, recorded = _explain_thd_and_call(q, k, k, **{**base, **extra})
+        assert said[0] == done[0] == "ok" and said[1] == recorded, (extra, said, done)
+        assert said[1].kernel == "cpu_flash_fwd_fp64_varlen"
+    # a block_table call: its pages' copy in the notes, as the call's plan
+    pages = torch.randn(5, 3, 2, 16, dtype=torch.float64)
+    said, done, recorded = _explain_thd_and_call(q, pages, pages, **base, block_table=table)
+    assert said[0] == "ok" and said[1] == recorded and "block_table" in said[1].notes[0]
+    bad = [dict(max_seqlen_q=-1), dict(max_seqlen_k=6), dict(max_seqlen_q=2.5),
+           dict(cu_seqlens_q=torch.tensor([0, 6, 4], dtype=torch.int32)),
+           dict(cu_seqlens_k=ck.long()), dict(cu_seqlens_q=[0, 4, 10]), dict(causal="yes"),
+           dict(alibi_slopes=torch.rand(3)), dict(alibi_slopes=torch.rand(3, 4)),
+           dict(seqused_k=torch.tensor([6, 7], dtype=torch.int32)), dict(softcap=-1.0),
+           dict(window_size=(-2, 0)), dict(dropout_p=2.0), dict(strict="no"),
+           dict(alibi_slopes=torch.rand(4, requires_grad=True)),
+           dict(max_seqlen_q=-1, causal="yes"),  # (two bad ones: the call's first error)
+           dict(cu_seqlens_q=ck.to("meta"))]
+    for extra in bad:
+        said, done, recorded = _explain_thd_and_call(q, k, k, **{**base, **extra})
+        assert said[0] == done[0] == "raised" and said[1] == done[1], (extra, said, done)
+        assert recorded is None
+    for args in ((q.float(), k, k), (q, k[:, :, :8], k), (q[0], k, k), (q, k, k.to("meta"))):
+        said, done, _ = _explain_thd_and_call(*args, **base)
+        assert said[0] == done[0] == "raised" and said[1] == done[1], (said, done)
+    # meta tensors: the fallback flash_attn_func's meta calls report (strict: the Plan, where
+    # the call raises FallbackError)
+    meta = [t.to("meta") for t in (q, k, k)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        said, done, recorded = _explain_thd_and_call(*meta, **base)
+    assert said[0] == done[0] == "ok" and said[1] == recorded and not said[1].fused
+    said, done, recorded = _explain_thd_and_call(*meta, **base, strict=True)
+    assert said[0] == "ok" and done == ("raised", (FallbackError, done[1][1])) and \
+        recorded == said[1]
+    # layout="thd" takes flash_attn_varlen_func's keywords, its required ones included
+    with pytest.raises(TypeError, match=r"missing: \['max_seqlen_k'\]"):
+        explain(q, k, k, layout="thd", cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=6)
+    with pytest.raises(TypeError, match=r"\['cache_seqlens'\] belong to"):
+        explain(q, k, k, layout="thd", **base, cache_seqlens=cq)
+
+
+def test_explain_thd_on_hopper_names_the_varlen_variants(monkeypatch):
+    # The rule for an sm_90 GPU, asked without one (the GPU's answers stood in, as in
+    # test_cuda_plan_of_packed_calls): the packed call's flags pick the Hopper varlen
+    # instantiations, one of softcap / ALiBi / dropout alone its variant, two together the
+    # portable kernels with the rule's note.  explain_packed's plan step on CUDA-like tensors
+    # (a CUDA tensor cannot be made without a GPU: the op's checks are run on the CPU call).
+    _pretend_hopper(monkeypatch)
+    from flash_attn_ext import varlen
+    q = _CudaLike((300, 4, 128))
+
+    def plan_of(**flags):
+        dropout_p = flags.get("dropout_p", 0.0)
+        slopes = torch.rand(4) if flags.get("alibi") else None
+        return varlen.packed_plan(q, q, q, None, flags.get("causal", False),
+                                  planning.score_mods(flags.get("softcap", 0.0), dropout_p, None,
+                                                      slopes), False)
+    for flags, suffix in ((dict(), ""), (dict(causal=True), ""), (dict(softcap=5.0), "_softcap"),
+                          (dict(alibi=True), "_alibi"), (dict(dropout_p=0.1), "_dropout")):
+        p = plan_of(**flags)
+        assert (p.kernel, p.backward_kernel) == (f"sm90_fwd_hdim128_bf16_varlen{suffix}",
+                                                 f"sm90_bwd_hdim128_bf16_varlen{suffix}"), flags
+    for flags in (dict(softcap=5.0, alibi=True), dict(softcap=5.0, dropout_p=0.1),
+                  dict(alibi=True, dropout_p=0.1)):
+        p = plan_of(**flags)
+        assert p.kernel == "sm80_fwd_hdim128_bf16" and "packed sequences" in str(p), flags
+    # (a dropout_p that rounds to no dropout picks no dropout variant, as the kernels run)
+    assert plan_of(dropout_p=1e-4).kernel == "sm90_fwd_hdim128_bf16_varlen"
