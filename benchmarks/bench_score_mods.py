@@ -20,8 +20,8 @@ sm90_per_score_consumers, two consumer warpgroups with 128-key tiles or three wi
 other of the variant's default: ALiBi three, dropout two), ours_no_fold (alibi at d <= 64: the
 kernel option sm90_alibi_fold off, the term per score instead of in the Q Kᵀ GEMM),
 ours_narrow_tiles (softcap / alibi at d <= 64: the kernel option sm90_narrow_tiles, 96-key
-tiles instead of 128), ours_short_steps (every case at d <= 64: the kernel option
-sm90_bwd_short_steps, the Hopper backward's 64-row steps instead of 128),
+tiles instead of 128), ours_long_steps (dropout at d <= 64: the kernel option
+sm90_bwd_short_steps off, the Hopper backward's 128-row steps instead of 64),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
 everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
 variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
@@ -146,8 +146,9 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
     if case in ("alibi", "softcap") and d <= 64 and \
             "sm90_narrow_tiles" in flash_attn_ext.ops._C.kernel_options():
         impls["ours_narrow_tiles"] = with_options(ours, sm90_narrow_tiles=True)
-    if d <= 64 and "sm90_bwd_short_steps" in flash_attn_ext.ops._C.kernel_options():
-        impls["ours_short_steps"] = with_options(ours, sm90_bwd_short_steps=True)
+    if case == "dropout" and d <= 64 and \
+            "sm90_bwd_short_steps" in flash_attn_ext.ops._C.kernel_options():
+        impls["ours_long_steps"] = with_options(ours, sm90_bwd_short_steps=False)
     if case == "softcap" and "sm90_fma_exp2" in flash_attn_ext.ops._C.kernel_options():
         impls["ours_fma_exp2_0"] = ours_fma_exp2(0)
         impls["ours_fma_exp2_4"] = ours_fma_exp2(4)

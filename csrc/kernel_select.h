@@ -82,10 +82,10 @@ struct KernelOptions {
   // (fwd_block_n's kNarrow) instead of their default 128, with the same consumer warpgroups.
   // Experimental: for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_narrow_tiles = false;
-  // The Hopper backward at head dim 64 (dense calls; plain, a boolean mask, dropout, softcap or
-  // ALiBi alone) with 64-row steps instead of 128 (Sm90BwdTraits::kShortSteps).  Experimental:
+  // The Hopper backward's dropout variant at head dim 64 (dense calls) with 64-row steps
+  // (Sm90BwdTraits::kShortSteps); false: 128, as the other variants take there.  Experimental:
   // for same-build A/Bs (docs/perf/sm90_score_mods.md).
-  bool sm90_bwd_short_steps = false;
+  bool sm90_bwd_short_steps = true;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's
   // default (4).  Other head dims take 8 always.  Experimental: for same-build A/Bs

@@ -149,9 +149,9 @@ struct FwdParams {
   // KernelOptions::sm90_direct_epilogue)
   bool sm90_direct_epilogue = false;
 
-  // Hopper backward at head dim 64 (dense calls, every variant but the general one): 64-row
-  // steps instead of 128 (KernelOptions::sm90_bwd_short_steps, experimental)
-  bool sm90_bwd_short_steps = false;
+  // Hopper backward, dropout variant at head dim 64 (dense calls): 64-row steps (false: 128;
+  // KernelOptions::sm90_bwd_short_steps, experimental)
+  bool sm90_bwd_short_steps = true;
 
   // Softcap, a bias or ALiBi: what only the Hopper kernels' general variant computes.
   bool score_mods() const {

@@ -358,9 +358,11 @@ def launched_kernels(fn) -> list:
 # The Hopper kernels' variant flags, in the order of their traits' bool template parameters
 # (kernels/sm90/fwd_traits.h, bwd_traits.h).
 SM90_FWD_FLAGS = ("packgqa", "general", "dropout", "mask", "varlen", "softcap", "alibi")
-# (short_steps: Sm90BwdTraits::kShortSteps, the backward at head dim 64 under the kernel option
-# sm90_bwd_short_steps; not a variant of its own)
 SM90_BWD_FLAGS = ("general", "dropout", "mask", "varlen", "softcap", "alibi", "short_steps")
+# Flags of an instantiation's shape, not of its variant (Sm90BwdTraits::kShortSteps: the
+# dropout variant's 64-row steps at head dim 64), which sm90_variant_flags leaves out unless
+# asked for.
+SM90_SHAPE_FLAGS = frozenset({"short_steps"})
 
 
 def launched_fwd_traits(fn) -> tuple:
@@ -376,11 +378,12 @@ def launched_fwd_traits(fn) -> tuple:
     return [t.strip() for t in m.group(1).split(",")], names[0]
 
 
-def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits") -> set:
+def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits", shape: bool = False) -> set:
     """The flags set in a launched Hopper kernel's name (a demangled ``traits<...>``
     instantiation): its bool template arguments by position, so that integer parameters
-    before or after them (tile sizes, the forward's exp2 split) do not matter.  Empty when
-    ``name`` is not such a kernel."""
+    before or after them (tile sizes, the forward's exp2 split) do not matter; the variant's
+    flags, and with ``shape`` those of SM90_SHAPE_FLAGS too.  Empty when ``name`` is not such a
+    kernel."""
     import re
     m = re.search(traits + r"<([^<>]*)>", name)
     if m is None:
@@ -388,7 +391,7 @@ def sm90_variant_flags(name: str, traits: str = "Sm90FwdTraits") -> set:
     bools = [t.strip() == "true" for t in m.group(1).split(",") if t.strip() in ("true", "false")]
     names = SM90_FWD_FLAGS if traits == "Sm90FwdTraits" else SM90_BWD_FLAGS
     assert len(bools) == len(names), (name, names)
-    return {n for n, b in zip(names, bools) if b}
+    return {n for n, b in zip(names, bools) if b and (shape or n not in SM90_SHAPE_FLAGS)}
 
 
 def fuzz_settings(ci_examples: int):

@@ -141,11 +141,11 @@ def test_hopper_dropout_variants_meet_the_error_rule(dtype, shape, window):
 def test_hopper_dropout_backward_with_either_step_height(kernel_opts, dtype, shape, window,
                                                          short_steps, deterministic):
     # The Hopper backward's dropout variant at head dim 64 (40 and 59 padded to it) takes
-    # 128-row steps, or 64 under the option sm90_bwd_short_steps (an instantiation of its
-    # own: dQ split over 32-column halves of the head dim, K and V in 64-byte swizzled shared
-    # memory): the kernel that ran, and out and the gradients against float64 with the same
-    # mask, by the error rule, with dQ in any order and in the fixed one; the fixed order
-    # bitwise reproducible.
+    # 64-row steps (dQ split over 32-column halves of the head dim, K and V in 64-byte
+    # swizzled shared memory), or 128 under the option sm90_bwd_short_steps=False (an
+    # instantiation of its own, the other variants' steps there): the kernel that ran, and
+    # out and the gradients against float64 with the same mask, by the error rule, with dQ in
+    # any order and in the fixed one; the fixed order bitwise reproducible.
     kernel_opts(sm90_bwd_short_steps=short_steps)
     B, L, S, H, HKV, D = shape
     p_drop = 0.17
@@ -161,7 +161,8 @@ def test_hopper_dropout_backward_with_either_step_height(kernel_opts, dtype, sha
                                                                     retain_graph=True))
            if "flash_bwd_sm90_kernel" in n]
     want = {"dropout", "short_steps"} if short_steps else {"dropout"}
-    assert bwd and all(sm90_variant_flags(n, "Sm90BwdTraits") == want for n in bwd), bwd
+    assert bwd and all(sm90_variant_flags(n, "Sm90BwdTraits", shape=True) == want
+                       for n in bwd), bwd
     if deterministic:
         first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

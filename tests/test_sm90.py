@@ -19,10 +19,8 @@ from reference import (
     cancellation_scale,
     grad_bound,
     launched_fwd_traits,
-    launched_kernels,
     max_err,
     slack,
-    sm90_variant_flags,
     visible_mask,
 )
 
@@ -930,49 +928,6 @@ def test_hopper_mask_variant_backward_meets_the_error_rule(hopper_bwd, dtype, se
     mask, causal, window = mask_case(what, 2, seqlen_q, seqlen_k, 4)
     hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
                          window=window, attn_bias=mask)
-
-
-SHORT_STEP_CASES = ["plain", "causal", "window", "softcap", "softcap_causal", "alibi",
-                    "alibi_window", "padding", "causal_padding", "random", "perhead"]
-
-
-@pytest.mark.parametrize("dtype,deterministic", [(torch.bfloat16, False), (torch.float16, True)],
-                         ids=["bf16", "fp16_deterministic"])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (1023, 1023)])
-@pytest.mark.parametrize("head_dim", [40, 64])
-@pytest.mark.parametrize("what", SHORT_STEP_CASES)
-def test_hopper_backward_with_64_row_steps_at_head_dim_64(kernel_opts, hopper_bwd, dtype,
-                                                          seqlen_q, seqlen_k, head_dim, what,
-                                                          deterministic):
-    # Head dim 64's Hopper backward under the kernel option sm90_bwd_short_steps: 64-row steps
-    # instead of 128 in the plain, mask, softcap and ALiBi variants (an instantiation of each:
-    # dQ split over 32-column halves of the head dim, K and V in 64-byte swizzled shared
-    # memory; dropout's in test_dropout.py), with causal / window masks, boolean masks (rows
-    # they empty), GQA, L != S, seq 1, dQ in any order and in the fixed one: the kernel that
-    # ran, and the gradients against the fp32 reference by the error rule.
-    kernel_opts(sm90_bwd_short_steps=True)
-    if what in MASKS:
-        bias, causal, window = mask_case(what, 2, seqlen_q, seqlen_k, 4)
-        softcap, slopes = 0.0, None
-    else:
-        softcap, bias, causal, window, slopes = score_mod_case(what, 2, seqlen_q, seqlen_k, 4)
-    hopper_backward_case(dtype, 2, seqlen_q, seqlen_k, 4, 2, head_dim, causal=causal,
-                         window=window, softcap=softcap, attn_bias=bias, alibi_slopes=slopes,
-                         deterministic=deterministic)
-    if (seqlen_q, head_dim) != (1023, 64):
-        return
-    q, k, v = (rand(2, n, h, head_dim, dtype=dtype).requires_grad_()
-               for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
-    out, _, _ = ops.fwd(q, k, v, None, causal, window[0], window[1], True, softcap, slopes, bias,
-                        0.0, deterministic)
-    names = [n for n in launched_kernels(
-        lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
-        if "flash_bwd_sm90_kernel" in n]
-    variant = {"_mask": "mask", "_softcap": "softcap", "_alibi": "alibi"}
-    want = {"short_steps"} | {flag for suffix, flag in variant.items()
-                              if planning.plan(q, k, v, mods=planning.score_mods(
-                                  softcap, 0.0, bias, slopes)).backward_kernel.endswith(suffix)}
-    assert names and all(sm90_variant_flags(n, "Sm90BwdTraits") == want for n in names), names
 
 
 @pytest.mark.parametrize("what", ["causal_padding", "blockdiag"])
