@@ -82,6 +82,12 @@ struct KernelOptions {
   // (fwd_block_n's kNarrow) instead of their default 128, with the same consumer warpgroups.
   // Experimental: for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_narrow_tiles = false;
+  // The Hopper forward on packed sequences: its tile table by sequence (each sequence's query
+  // blocks together, the heaviest first; sequences by their heaviest block) in sections of
+  // heads, as the dense order's (batch, head) pairs, so that the CTAs running at once share K
+  // and V; false: the table by weight alone with the heads fastest.  Experimental: for
+  // same-build A/Bs (docs/perf/sm90_forward.md, "Packed sequences").
+  bool sm90_varlen_sections = true;
   // The Hopper backward's dropout variant at head dim 64 (dense calls) with 64-row steps
   // (Sm90BwdTraits::kShortSteps); false: 128, as the other variants take there.  Experimental:
   // for same-build A/Bs (docs/perf/sm90_score_mods.md).

@@ -184,6 +184,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["decode_combine_splits"] = count_or_auto(o.decode_combine_splits, 0);
   d["sm90_alibi_fold"] = o.sm90_alibi_fold;
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
+  d["sm90_varlen_sections"] = o.sm90_varlen_sections;
   d["sm90_bwd_short_steps"] = o.sm90_bwd_short_steps;
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
@@ -274,6 +275,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_alibi_fold);
     } else if (key == "sm90_narrow_tiles") {
       flag(o.sm90_narrow_tiles);
+    } else if (key == "sm90_varlen_sections") {
+      flag(o.sm90_varlen_sections);
     } else if (key == "sm90_bwd_short_steps") {
       flag(o.sm90_bwd_short_steps);
     } else if (key == "decode_pdl") {

@@ -138,6 +138,10 @@ struct FwdParams {
   // allows (fwd_kernel.h's fold_alibi; KernelOptions::sm90_alibi_fold = false, experimental,
   // clears it)
   bool sm90_alibi_fold = true;
+  // Hopper forward on packed sequences: the tile table by sequence (each one's query blocks
+  // together) in sections of heads, as the dense order (false: the table by weight alone, the
+  // heads fastest; KernelOptions::sm90_varlen_sections, experimental)
+  bool sm90_varlen_sections = true;
   // Hopper forward, softcap and ALiBi variants at head dim 64: 96-key tiles (false: 128, their
   // default; KernelOptions::sm90_narrow_tiles, experimental)
   bool sm90_narrow_tiles = false;

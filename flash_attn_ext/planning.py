@@ -111,9 +111,11 @@ def set_kernel_options(**options) -> dict:
     3, dropout 2), ``sm90_alibi_fold`` (bool: the Hopper forward's ALiBi
     variant at head dim 64 with its term in the Q K^T GEMM under a causal mask),
     ``sm90_narrow_tiles`` (bool: the Hopper forward's softcap and ALiBi variants at head dim 64
-    with 96-key tiles instead of their default 128), ``sm90_bwd_short_steps`` (bool: the
-    Hopper backward at head dim 64, dense calls, all variants but the general one, with 64-row
-    steps instead of 128),
+    with 96-key tiles instead of their default 128), ``sm90_bwd_short_steps`` (bool, on by
+    default: the Hopper backward's dropout variant at head dim 64, dense calls, with 64-row
+    steps; off: 128, as its other variants there),
+    ``sm90_varlen_sections`` (bool, on by default: the Hopper forward's tiles of packed
+    sequences by sequence in sections of heads; off: by weight alone, the heads fastest),
     ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
     call's combine kernel launched as a programmatic dependent of its attention kernel),

@@ -995,6 +995,40 @@ def test_sm90_varlen_takes_the_dense_shape_options_as_they_apply(case, options, 
 
 @pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
                     "kernels")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(50, 7)),
+                                  dict(causal=True, dropout_p=0.17)], ids=str)
+def test_sm90_varlen_forward_tile_orders_agree(case, head_dim, kernel_opts):
+    # The Hopper varlen forward's tile order (sm90_varlen_sections: each sequence's query
+    # blocks together in sections of heads; off: the heaviest blocks of all sequences first,
+    # the heads fastest; sm90_section_pairs: other section sizes, one head to all of them)
+    # changes which CTA takes a tile, not what it computes: out and LSE bitwise equal, with
+    # uneven and empty sequences (the longest in the middle), GQA 6:2.  (The error rule holds
+    # for the default order in the tests above.)
+    lens_q, lens_k = [300, 0, 17, 1023, 1, 500], [129, 5, 40, 1000, 1, 700]
+    q, k, v, cq, ck = (t.cuda() if isinstance(t, torch.Tensor) else t for t in
+                       _packed(lens_q, lens_k, 6, 2, head_dim, head_dim, torch.bfloat16))
+    q, k, v = (t.detach() for t in (q, k, v))
+    cq, ck = cq.cuda(), ck.cuda()
+    outs = []
+    for options in (dict(sm90_varlen_sections=True), dict(sm90_varlen_sections=False),
+                    dict(sm90_section_pairs=1), dict(sm90_section_pairs=4),
+                    dict(sm90_section_pairs=6)):
+        kernel_opts(sm90_varlen_sections=True, sm90_section_pairs=0)
+        kernel_opts(**options)
+        torch.manual_seed(3)  # (the same dropout mask in every order)
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
+                                             return_attn_probs=True, **case)
+        plan = flash_attn_ext.last_plan()
+        assert plan.kernel.startswith("sm90_fwd") and "_varlen" in plan.kernel, plan
+        outs.append((out, lse))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    assert not outs[0][0].isnan().any()
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU and a build with the Hopper "
+                    "kernels")
 @pytest.mark.parametrize("variant", ["", "softcap", "alibi", "dropout"])
 def test_sm90_varlen_many_sequences_and_seqused_k(variant, kernel_opts):
     # 300 sequences of 0-300 rows (many tiles per CTA, the dynamic schedule's longest-first

@@ -263,10 +263,14 @@ at::Tensor upload_varlen_table(std::vector<std::pair<int64_t, VarlenTile>>& tile
 
 // The Hopper forward's tiles for packed sequences (FwdParams::sm90_varlen_tiles), from the
 // offsets check_packed read on the host: every query block of block_m rows of every non-empty
-// sequence, so that no CTA visits a block past its sequence's end.  The heaviest blocks (most
-// key tiles: under a causal mask the last blocks of the longest sequences) first, as the dense
-// kernel's longest-first order, so that the dynamic schedule ends on short tiles.  On the
-// device by upload_varlen_table; the caller keeps the tensor until the launch is queued.
+// sequence, so that no CTA visits a block past its sequence's end.  Each sequence's blocks
+// together, the heaviest (most key tiles: under a causal mask the last ones) first, the
+// sequences by their heaviest block (the longest first), as the dense kernel's longest-first
+// order within its (batch, head) sections, so that the dynamic schedule ends on short tiles
+// and the CTAs running at once share a sequence's K and V (the launcher's sections of heads).
+// p.sm90_varlen_sections = false: the heaviest blocks of all sequences first (the form
+// before).  On the device by upload_varlen_table; the caller keeps the tensor until the launch
+// is queued.
 at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
                              const at::Tensor& q) {
   const int block_m = sm90::fwd_block_m_of(kernel_dim, p.dropout);  // (the dropout variant's)
@@ -287,6 +291,18 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
   }
   TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
               "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
+  if (p.sm90_varlen_sections) {  // the order above as weights that upload_varlen_table keeps
+    std::vector<int64_t> heaviest(pk.batch, 0);
+    for (const auto& t : tiles) heaviest[t.second.b] = std::max(heaviest[t.second.b], t.first);
+    std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& x, const auto& y) {
+      const int64_t hx = heaviest[x.second.b], hy = heaviest[y.second.b];
+      if (hx != hy) return hx > hy;
+      if (x.second.b != y.second.b) return x.second.b < y.second.b;
+      return x.first > y.first;
+    });
+    for (size_t i = 0; i < tiles.size(); ++i)
+      tiles[i].first = static_cast<int64_t>(tiles.size() - i);
+  }
   at::Tensor device = upload_varlen_table(tiles, {}, q);
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
@@ -382,6 +398,7 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.sm90_per_score_consumers = options.sm90_per_score_consumers;
     p.sm90_alibi_fold = options.sm90_alibi_fold;
     p.sm90_narrow_tiles = options.sm90_narrow_tiles;
+    p.sm90_varlen_sections = options.sm90_varlen_sections;
     p.sm90_row_shift = options.sm90_row_shift;
     p.sm90_direct_epilogue = options.sm90_direct_epilogue;
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;

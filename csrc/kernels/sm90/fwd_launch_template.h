@@ -149,14 +149,21 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // the rule).
   // p.heads_per_section > 0 (KernelOptions::sm90_section_pairs, experimental: orders compared
   // in one build) overrides it.
+  // Packed sequences: sections of heads, the table's entries (each sequence's query blocks
+  // together, the heaviest first: the glue's sm90_varlen_tiles) slowest within a section, so
+  // that the CTAs running at once take the same few (sequence, head) pairs' K and V, as the
+  // dense order's (batch, head) pairs; the same rule for the section's size, over the longest
+  // sequence's keys.  (p.sm90_varlen_sections = false, KernelOptions, experimental: one
+  // section, the heads fastest over a table ordered by weight alone, the form before.)
   const bool unequal_tiles = p.window_left >= 0 || p.window_right >= 0;
   const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * sizeof(Element);
   const int64_t l2_heads = (int64_t{24} << 20) / std::max<int64_t>(kv_bytes, 1);
   int64_t heads = T::kConsumers == 3 ? l2_heads
                   : unequal_tiles    ? std::min<int64_t>(l2_heads, 8)
                                      : 1;
+  if (varlen && !p.sm90_varlen_sections) heads = tile_heads;
   if (p.heads_per_section > 0) heads = p.heads_per_section;
-  const int64_t batch_heads = p.batch * tile_heads;
+  const int64_t batch_heads = varlen ? tile_heads : p.batch * tile_heads;
   args.heads_per_section = static_cast<int32_t>(std::clamp<int64_t>(heads, 1, batch_heads));
   args.num_sections = static_cast<int32_t>(batch_heads / args.heads_per_section);
   if (args.dynamic) {

@@ -54,8 +54,13 @@ __device__ __forceinline__ void run_producer(const Sm90FwdArgs<T>& args,
     TileSeq seq{0, 0, args.rows_q, static_cast<int32_t>(p.seqlen_k)};
     VisibleKeys tile_vis = vis;
     if constexpr (T::kVarlen) {
-      const VarlenTile e = p.sm90_varlen_tiles[tile / tile_heads];
-      tc = {e.block, e.b, tile % tile_heads};
+      // (sections of heads over the table's entries, in the table's order: tile_coord's
+      // blocks count down)
+      const int32_t entries = p.sm90_varlen_entries;
+      const TileCoord sc = tile_coord(tile, entries, args.heads_per_section, args.num_sections,
+                                      tile_heads, tile_heads);
+      const VarlenTile e = p.sm90_varlen_tiles[entries - 1 - sc.m_block];
+      tc = {e.block, e.b, sc.h};
       seq = {e.q0, e.k0, e.len_q, e.len_k};
       tile_vis = VisibleKeys(e.len_q, e.len_k, p.window_left, p.window_right,
                              p.align_bottom_right);
