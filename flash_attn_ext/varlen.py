@@ -9,7 +9,7 @@ and windows bottom-right aligned per sequence). The kernels are the dense ones, 
 sequence in place by its offsets: the CPU kernels (csrc/cpu/varlen_cpu.h); on an H200 (sm_90)
 the Hopper forward's varlen instantiations for plain attention (causal, windows and GQA
 included) and for softcap, ALiBi or dropout alone (their tiles come from a table of every
-sequence's query blocks that the host builds from the offsets, heaviest first) and the Hopper
+sequence's query blocks that the host builds from the offsets, by sequence) and the Hopper
 backward's (head dims up to 256, deterministic too; its CTAs from a table of every sequence's
 key blocks); elsewhere, and with two of softcap, ALiBi and dropout together, the portable
 kernels (kernels/sm80, block_info.h's SeqInfo).  Sequences
