@@ -58,7 +58,9 @@ _PACKED_KEYWORDS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "m
 
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             layout: str = "bhld", enable_gqa: bool = False, **call_kwargs) -> Plan:
-    """Says which kernel would serve attention on these tensors, without running it.
+    """Says which kernel would serve attention on these tensors, without running the kernels
+    (with ``layout="thd"`` and a ``block_table`` the pages are still gathered into a copy, as
+    the call gathers them: that copy's memory and time).
 
     Args:
         query, key, value: tensors in ``layout``: ``"bhld"`` (N, H, L, E) as
