@@ -199,8 +199,8 @@ struct FwdParams {
 // or, with block_table, (num_pages, page_size, heads_kv, head_dim) with k_batch_stride the page
 // stride.  Batch row b attends to its entry's cache rows leftpad[b] .. cache_seqlens[b] +
 // seqlen_new, all read on the device (no host synchronisation).  A row whose values break a
-// rule (a length outside the cache, an entry or page index out of range, rotary rows missing)
-// is not read: its out and softmax_lse become NaN.
+// rule (a length outside the cache, a left pad past cache_seqlens, an entry or page index out
+// of range, rotary rows missing) is not read: its out and softmax_lse become NaN.
 struct DecodeParams : FwdParams {
   const int32_t* cache_seqlens = nullptr;    // (batch,): each entry's length before the append
   const int32_t* cache_leftpad = nullptr;    // (batch,) or nullptr: first used row

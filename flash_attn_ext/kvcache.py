@@ -244,6 +244,11 @@ def _decode(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         raise ValueError(f"cache_seqlens + seqlen_new must be in [0, seqlen_cache = "
                          f"{seqlen_cache}], got cache_seqlens={cache_seqlens} and "
                          f"seqlen_new={new}")
+    if isinstance(cache_leftpad, int) and not isinstance(cache_leftpad, bool) and \
+            isinstance(cache_seqlens, int) and not 0 <= cache_leftpad <= cache_seqlens:
+        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens] (the new keys are "
+                         f"appended at cache_seqlens), got cache_leftpad={cache_leftpad} and "
+                         f"cache_seqlens={cache_seqlens}")
     seqlens = _int32(cache_seqlens, batch, device, "cache_seqlens", read_values=False)
     entries = None if cache_batch_idx is None else \
         _int32(cache_batch_idx, batch, device, "cache_batch_idx", read_values=False)
@@ -312,7 +317,7 @@ def flash_attn_with_kvcache(
             distinct. An int is refused (TypeError): it would give every batch element one
             entry.
         cache_leftpad: int, (batch,) int32 or int64 tensor, or None: entry b's keys start at
-            that row.
+            that row, at most cache_seqlens[b] (FlashAttention-2's rule).
         softmax_scale, causal (bottom-right over the used keys), window_size, softcap,
             alibi_slopes: as :func:`flash_attn_ext.flash_attn_func`.
         block_table: (batch, max_num_blocks) int32 or None: paged KV, entry b's cache is pages
@@ -342,7 +347,9 @@ def flash_attn_with_kvcache(
         TypeError: q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes,
             block_table or cache_batch_idx not a tensor (naming it).
         ValueError: another tensor not on q's device (the lengths and indices may be on the
-            CPU); shapes, head dims outside 1-256, a cache too short for the append, bad
+            CPU); k and v given while k_cache or v_cache is a leaf that requires grad (with
+            grad mode on: PyTorch's rule for in-place writes); cache_leftpad outside [0,
+            cache_seqlens]; shapes, head dims outside 1-256, a cache too short for the append, bad
             lengths, k and v without cache_seqlens (as FlashAttention-2: where to append
             them); flags that are not what flash_attn_func takes (e.g. causal not a bool,
             softcap < 0, strict not True, False or None); alibi_slopes requiring grad.  All of
@@ -405,6 +412,16 @@ def flash_attn_with_kvcache(
         raise ValueError(f"k_cache needs an entry per batch row of q (k_cache.shape[0] >= "
                          f"{batch}, or cache_batch_idx), got {k_cache.shape[0]}")
     if k is not None:
+        if torch.is_grad_enabled():
+            # PyTorch's rule for in-place writes: a leaf that requires grad is refused (an
+            # nn.Parameter passed as a cache would change without a word).
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if cache.requires_grad and cache.is_leaf:
+                    raise ValueError(
+                        f"{name} is a leaf tensor that requires grad: appending k and v would "
+                        f"write into it in place, which PyTorch refuses for such a tensor; "
+                        f"pass a copy ({name}.clone()) or {name}.detach(), or call under "
+                        f"torch.no_grad()")
         # An expanded cache (a stride-0 dimension of size > 1) shares memory between entries
         # or rows: the append would write one location for several of them (PyTorch refuses
         # such writes).
@@ -533,9 +550,13 @@ def flash_attn_with_kvcache(
         raise ValueError(f"rotary_cos / rotary_sin need a row per rotated position, up to "
                          f"cache_seqlens + {rotated} = {int(seqlens.max()) + rotated}, got "
                          f"seqlen_ro = {rotary_cos.shape[0]}")
-    if bool(((leftpad < 0) | (leftpad > seqlens + new)).any()):
-        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens + seqlen_new], got "
-                         f"{leftpad.tolist()}")
+    if bool(((leftpad < 0) | (leftpad > seqlens)).any()):
+        # (FlashAttention-2's rule: an entry's keys are rows cache_leftpad .. cache_seqlens
+        # + seqlen_new with the new ones appended at cache_seqlens; a pad past that would
+        # hide appended keys, all of them at seqlen_new rows past it, without a word)
+        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens] (the new keys are "
+                         f"appended at cache_seqlens), got cache_leftpad={leftpad.tolist()} "
+                         f"and cache_seqlens={seqlens.tolist()}")
     if cache_batch_idx is None:
         entries = torch.arange(batch, device=device)
     else:
@@ -551,7 +572,11 @@ def flash_attn_with_kvcache(
     positions = seqlens.long()[:, None] + torch.arange(max(seqlen_q, new), device=device)
     # New keys and values whose gradient is wanted reach the attention as the rows they are
     # appended to (below), so that they get it (and the cache's overwritten rows none).
-    grad_new = k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    # So do the cache's overwritten rows where the cache requires grad (a non-leaf): the rows
+    # then hold the new values, and their gradient belongs to k and v, not to the cache's
+    # history (it flowed there, a silent wrong gradient: a new-user finding).
+    grad_new = k is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (k, v, k_cache, v_cache))
     if k is not None and rotary:  # (once, with autograd: k's gradient flows through it)
         k = _rotate(k, rotary_cos, rotary_sin, positions[:, :new], rotary_interleaved)
     with torch.no_grad():

@@ -562,6 +562,84 @@ def test_appended_keys_and_values_get_their_gradient(rotary, paged):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_cache_that_requires_grad_gets_none_in_its_overwritten_rows(paged):
+    # A cache computed from a tensor that requires grad, new k and v that do not: the
+    # appended rows' gradient flowed back into the cache's history as if the old values had
+    # been attended to (a silent wrong gradient; a new-user finding).  Now those rows get
+    # none, the others theirs: the gradient of attention over the caches with k and v
+    # written in out of place.
+    torch.manual_seed(4)
+    f64 = torch.float64
+    batch, new, cache_len, heads, heads_k, d = 2, 3, 8, 4, 2, 8
+    q = torch.randn(batch, 2, heads, d, dtype=f64)
+    k, v = (torch.randn(batch, new, heads_k, d, dtype=f64) for _ in "kv")
+    k_base, v_base = (torch.randn(batch, cache_len, heads_k, d, dtype=f64, requires_grad=True)
+                      for _ in "kv")
+    seqlens = torch.tensor([1, 5], dtype=torch.int32)
+    k_cache, v_cache = k_base * 1.0, v_base * 1.0
+    kw = {}
+    if paged:  # (pages of 4 rows, entry b's at pages 2b + 1, 2b)
+        k_cache, v_cache = (c.reshape(batch, 2, 4, heads_k, d).flip(1).reshape(
+            2 * batch, 4, heads_k, d) for c in (k_cache, v_cache))
+        kw["block_table"] = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (k_base, v_base), dout)
+    positions = seqlens.long()[:, None] + torch.arange(new)
+    at = (torch.arange(batch)[:, None].expand(batch, new), positions)
+    k_all, v_all = k_base.index_put(at, k), v_base.index_put(at, v)
+    want = torch.cat([attention_ref(q[b:b + 1], k_all[b:b + 1, :int(seqlens[b]) + new],
+                                    v_all[b:b + 1, :int(seqlens[b]) + new])[0]
+                      for b in range(batch)])
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for g, w in zip(got, torch.autograd.grad(want, (k_base, v_base), dout)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+        assert not g[at].any()
+
+
+def test_appending_into_a_leaf_cache_that_requires_grad_raises():
+    # PyTorch refuses an in-place write into a leaf that requires grad; the append made it
+    # under torch.no_grad, so an nn.Parameter passed as a cache changed without a word.
+    q = torch.randn(1, 1, 2, 8)
+    new = torch.randn(1, 1, 2, 8)
+    for name in ("k_cache", "v_cache"):
+        caches = {"k_cache": torch.zeros(1, 4, 2, 8), "v_cache": torch.zeros(1, 4, 2, 8)}
+        caches[name].requires_grad_()
+        with pytest.raises(ValueError, match=f"{name} is a leaf tensor that requires grad"):
+            flash_attn_with_kvcache(q, caches["k_cache"], caches["v_cache"], new, new,
+                                    cache_seqlens=1)
+        assert not caches["k_cache"].any() and not caches["v_cache"].any()
+        # Reading it (no append) is fine, and so is an append under torch.no_grad.
+        flash_attn_with_kvcache(q, caches["k_cache"], caches["v_cache"], cache_seqlens=1)
+        with torch.no_grad():
+            flash_attn_with_kvcache(q, caches["k_cache"], caches["v_cache"], new, new,
+                                    cache_seqlens=1)
+        assert torch.equal(caches["k_cache"][0, 1], new[0, 0])
+
+
+def test_cache_leftpad_past_cache_seqlens_raises():
+    # The new keys are appended at cache_seqlens: a pad past it hid some or all of them (the
+    # query saw no key and returned zeros; a new-user finding).  FlashAttention-2's rule is
+    # cache_leftpad <= cache_seqlens.
+    q = torch.randn(2, 1, 2, 8)
+    k_cache, v_cache = torch.randn(2, 8, 2, 8), torch.randn(2, 8, 2, 8)
+    new = torch.randn(2, 2, 2, 8)
+    seqlens = torch.tensor([3, 4], dtype=torch.int32)
+    for leftpad in ([4, 0], [0, 6], [-1, 0]):
+        before = k_cache.clone()
+        with pytest.raises(ValueError, match=r"cache_leftpad must be in \[0, cache_seqlens\]"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
+                                    cache_leftpad=torch.tensor(leftpad, dtype=torch.int32))
+        assert torch.equal(k_cache, before)  # (refused before the append)
+    # At cache_seqlens exactly: the query sees the appended keys only.
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
+                                  cache_leftpad=seqlens.clone())
+    want = torch.cat([attention_ref(q[b:b + 1].double(), new[b:b + 1].double(),
+                                    new[b:b + 1].double())[0] for b in range(2)])
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_block_table_slots_past_the_used_pages_may_hold_anything():
     # FlashAttention-2 reads only the pages cache_seqlens (+ seqlen_new) reach; tables padded
     # with -1 were refused (new-user trial).  A slot a row uses must still be a page.

@@ -22,7 +22,7 @@ struct DecodeEntry {
     start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
     entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     len_k = total - start;
-    ok = seqlen >= 0 && total <= p.seqlen_cache && start >= 0 && start <= total &&
+    ok = seqlen >= 0 && total <= p.seqlen_cache && start >= 0 && start <= seqlen &&
          (p.block_table != nullptr || (entry >= 0 && entry < p.num_entries)) &&
          (p.seqlen_ro < 0 || seqlen + p.rotary_rows <= p.seqlen_ro);
   }
