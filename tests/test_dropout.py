@@ -134,7 +134,13 @@ def test_hopper_dropout_variants_meet_the_error_rule(dtype, shape, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2, 1, 64), (2, 17, 300, 4, 2, 40),
                                    (1, 300, 17, 2, 2, 59), (1, 1023, 1023, 2, 1, 64),
-                                   (2, 200, 257, 4, 4, 64)], ids=str)
+                                   (2, 200, 257, 4, 4, 64),
+                                   # GQA groups of 4 and 6 (dK / dV summed over them), 65-127
+                                   # query rows (the fixed order's rotation with one partial
+                                   # block), head_dim_v != head_dim (the kernel at their max;
+                                   # at 24 the second 32-column box of K lies wholly outside)
+                                   (1, 100, 300, 8, 2, 64), (2, 77, 129, 6, 1, 24, 64),
+                                   (1, 113, 90, 4, 1, 64, 40)], ids=str)
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 7)], ids=str)
 @pytest.mark.parametrize("short_steps", [False, True], ids=["128_rows", "64_rows"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any_order", "deterministic"])
@@ -147,11 +153,12 @@ def test_hopper_dropout_backward_with_either_step_height(kernel_opts, dtype, sha
     # out and the gradients against float64 with the same mask, by the error rule, with dQ in
     # any order and in the fixed one; the fixed order bitwise reproducible.
     kernel_opts(sm90_bwd_short_steps=short_steps)
-    B, L, S, H, HKV, D = shape
+    B, L, S, H, HKV, D = shape[:6]
+    Dv = shape[6] if len(shape) > 6 else D
     p_drop = 0.17
     g = torch.Generator().manual_seed(L * 5 + D)
-    q, k, v = (torch.randn(B, n, h, D, generator=g).to("cuda", dtype).requires_grad_()
-               for n, h in ((L, H), (S, HKV), (S, HKV)))
+    q, k, v = (torch.randn(B, n, h, d, generator=g).to("cuda", dtype).requires_grad_()
+               for n, h, d in ((L, H, D), (S, HKV, D), (S, HKV, Dv)))
     out, _, rng = ops.fwd(q, k, v, None, False, window[0], window[1], True, 0.0, None, None,
                           p_drop, deterministic)
     seed, offset = (int(x) for x in rng.cpu())
