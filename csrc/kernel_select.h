@@ -85,12 +85,12 @@ struct KernelOptions {
   // The Hopper forward on packed sequences: its tile table by sequence (each sequence's query
   // blocks together, the heaviest first; sequences by their heaviest block) in sections of
   // heads, as the dense order's (batch, head) pairs, so that the CTAs running at once share K
-  // and V; false: the table by weight alone with the heads fastest.  Experimental: for
-  // same-build A/Bs (docs/perf/sm90_forward.md, "Packed sequences").
+  // and V (the default); false: the table by weight alone with the heads fastest, the form
+  // before, kept for same-build A/Bs (docs/perf/sm90_forward.md, "Packed sequences").
   bool sm90_varlen_sections = true;
   // The Hopper backward's dropout variant at head dim 64 (dense calls) with 64-row steps
-  // (Sm90BwdTraits::kShortSteps); false: 128, as the other variants take there.  Experimental:
-  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  // (Sm90BwdTraits::kShortSteps, the default); false: 128, as the other variants take there,
+  // kept for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_bwd_short_steps = true;
   // The decode kernel's loads at head dim 64: lanes per 128-byte cache row of a copy
   // instruction, 2 (16 rows an instruction), 4 or 8 (a whole row per 8 lanes); 0: the kernel's

@@ -259,6 +259,14 @@ def packed_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, determin
     return p
 
 
+def _plan_flags(causal, window_left, window_right, softcap, dropout_p,
+                alibi_slopes) -> Tuple[bool, int]:
+    """What a packed call's plan depends on besides the tensors: whether its tiles are unequal
+    work (causal or a window) and its score modifiers (planning.score_mods)."""
+    return (causal or window_left >= 0 or window_right >= 0,
+            planning.score_mods(softcap, dropout_p, None, alibi_slopes))
+
+
 def record_plan(q, k, v, softmax_scale, unequal_tiles: bool, mods: int, deterministic: bool,
                 strict, note: Optional[str] = None) -> None:
     """Records the plan of a packed call (``flash_attn_ext.last_plan()``) after its op ran:
@@ -423,9 +431,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         window_left, window_right, float(softcap), alibi_slopes,
                                         float(dropout_p), seqused_k, bool(deterministic))
     # (recorded once the op has checked the shapes and offsets: a call it refuses never ran)
-    record_plan(q, k, v, softmax_scale, causal or window_left >= 0 or window_right >= 0,
-                planning.score_mods(softcap, dropout_p, None, alibi_slopes), deterministic,
-                strict, note=_pages_note(block_table, k))
+    record_plan(q, k, v, softmax_scale,
+                *_plan_flags(causal, window_left, window_right, softcap, dropout_p,
+                             alibi_slopes), deterministic, strict,
+                note=_pages_note(block_table, k))
     out = dropped(out, drop_all)
     return (out, softmax_lse, None) if return_attn_probs else out
 
@@ -455,8 +464,8 @@ def explain_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         _fwd_varlen_fake(*op_args)  # (the dispatcher sends such a call to the fake kernel)
     else:
         ops._C.check_varlen_args(*op_args)
-    unequal_tiles = causal or window_left >= 0 or window_right >= 0
-    mods = planning.score_mods(softcap, dropout_p, None, alibi_slopes)
+    unequal_tiles, mods = _plan_flags(causal, window_left, window_right, softcap, dropout_p,
+                                      alibi_slopes)
     p = packed_plan(q, k, v, softmax_scale, unequal_tiles, mods, deterministic,
                     note=_pages_note(block_table, k))
     if p is None:  # (the CUDA op's refusal, with the rule's reasons: csrc/cuda/flash_cuda.cu)

@@ -1009,7 +1009,6 @@ def test_sm90_varlen_forward_tile_orders_agree(case, head_dim, kernel_opts):
     q, k, v, cq, ck = (t.cuda() if isinstance(t, torch.Tensor) else t for t in
                        _packed(lens_q, lens_k, 6, 2, head_dim, head_dim, torch.bfloat16))
     q, k, v = (t.detach() for t in (q, k, v))
-    cq, ck = cq.cuda(), ck.cuda()
     outs = []
     for options in (dict(sm90_varlen_sections=True), dict(sm90_varlen_sections=False),
                     dict(sm90_section_pairs=1), dict(sm90_section_pairs=4),

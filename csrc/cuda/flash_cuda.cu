@@ -244,13 +244,16 @@ cudaError_t run_bwd(int64_t head_dim, const BwdParams& p, float* delta, cudaStre
 
 #ifdef FLASH_ATTN_EXT_SM90
 // A table of VarlenTile entries, the heaviest first (stable: equal weights keep the order they
-// were found in), then `extra` int32 values, in one pinned buffer copied to q's device on the
-// call's stream (no synchronisation; the host allocator keeps the block until the copy is
-// done).  Returns the device copy: the entries, then the extra values.
+// were found in; `ordered`: as they are, the caller has ordered them), then `extra` int32
+// values, in one pinned buffer copied to q's device on the call's stream (no synchronisation;
+// the host allocator keeps the block until the copy is done).  Returns the device copy: the
+// entries, then the extra values.
 at::Tensor upload_varlen_table(std::vector<std::pair<int64_t, VarlenTile>>& tiles,
-                               const std::vector<int32_t>& extra, const at::Tensor& q) {
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
+                               const std::vector<int32_t>& extra, const at::Tensor& q,
+                               bool ordered = false) {
+  if (!ordered)
+    std::stable_sort(tiles.begin(), tiles.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
   constexpr int64_t kInts = sizeof(VarlenTile) / sizeof(int32_t);
   const int64_t tile_ints = static_cast<int64_t>(tiles.size()) * kInts;
   at::Tensor host = at::empty({tile_ints + static_cast<int64_t>(extra.size())},
@@ -291,7 +294,7 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
   }
   TORCH_CHECK(tiles.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
               "flash_attn_ext: too many query blocks for the Hopper forward: ", tiles.size());
-  if (p.sm90_varlen_sections) {  // the order above as weights that upload_varlen_table keeps
+  if (p.sm90_varlen_sections) {  // (else upload_varlen_table's order: by weight alone)
     std::vector<int64_t> heaviest(pk.batch, 0);
     for (const auto& t : tiles) heaviest[t.second.b] = std::max(heaviest[t.second.b], t.first);
     std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& x, const auto& y) {
@@ -300,10 +303,8 @@ at::Tensor sm90_varlen_tiles(FwdParams& p, const Packed& pk, int64_t kernel_dim,
       if (x.second.b != y.second.b) return x.second.b < y.second.b;
       return x.first > y.first;
     });
-    for (size_t i = 0; i < tiles.size(); ++i)
-      tiles[i].first = static_cast<int64_t>(tiles.size() - i);
   }
-  at::Tensor device = upload_varlen_table(tiles, {}, q);
+  at::Tensor device = upload_varlen_table(tiles, {}, q, /*ordered=*/p.sm90_varlen_sections);
   p.sm90_varlen_tiles = reinterpret_cast<const VarlenTile*>(device.data_ptr<int32_t>());
   p.sm90_varlen_entries = static_cast<int32_t>(tiles.size());
   p.sm90_varlen_block_m = block_m;

@@ -277,8 +277,12 @@ struct Sm90FwdArgs {
   // (see the launcher).
   int32_t row_shift;
   int32_t heads_per_section;
-  int32_t num_sections;  // (batch * tile heads) / heads_per_section, at least 1 (tile_coord)
-  int32_t num_tiles;     // num_m_blocks * batch * (heads_kv packed, else heads_q)
+  // (tile_coord) pairs / heads_per_section, at least 1; pairs: batch * tile heads, or for
+  // packed sequences the tile heads alone (the table's entries take the m-blocks' place)
+  int32_t num_sections;
+  // num_m_blocks * batch * tile heads (heads_kv where GQA is packed, else heads_q); packed
+  // sequences: the table's entries * tile heads
+  int32_t num_tiles;
   int32_t* tile_counter;  // zeroed before the launch; CTAs take tiles gridDim.x, +1, ... from it
   // Dynamic schedule: the producer takes each next tile from tile_counter and announces it in
   // shared memory.  Static: CTA c computes tiles c, c + gridDim.x, ... (no counter).  In both
