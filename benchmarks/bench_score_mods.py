@@ -23,10 +23,11 @@ ours_narrow_tiles (softcap / alibi at d <= 64: the kernel option sm90_narrow_til
 tiles instead of 128), ours_long_steps (dropout at d <= 64: the kernel option
 sm90_bwd_short_steps off, the Hopper backward's 128-row steps instead of 64),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
-everywhere), ours_as_bias (masks: the same mask as a 0 / -inf fp32 bias, which the general
-variant reads), SDPA with the CUDNN, FLASH (no mask) and EFFICIENT backends forced,
-and FlexAttention compiled (block mask or score_mod for the same function).  A backend that
-refuses a call is recorded with its error.
+everywhere), ours_mask_bytes (masks: the kernel option sm90_mask_rows off, the forward reading
+the mask's bytes in mixed blocks where a row's keys are an interval), ours_as_bias (masks: the
+same mask as a 0 / -inf fp32 bias, which the general variant reads), SDPA with the CUDNN,
+FLASH (no mask) and EFFICIENT backends forced, and FlexAttention compiled (block mask or
+score_mod for the same function).  A backend that refuses a call is recorded with its error.
 
 FLOPs as bench_attention.py counts them (4 B H L S d, halved for the causal cases; masked-out
 keys are counted: every implementation gets the same count, so ratios are ratios of time).
@@ -155,6 +156,8 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
     if case in ("padding", "causal_padding"):
         impls["ours_no_blocks"] = ours_no_blocks
         impls["ours_as_bias"] = ours_as_bias
+        if "sm90_mask_rows" in flash_attn_ext.ops._C.kernel_options():
+            impls["ours_mask_bytes"] = with_options(ours, sm90_mask_rows=False)
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)

@@ -17,6 +17,12 @@
 #define FLASH_ATTN_EXT_VERSION "unknown"
 #endif
 
+#ifdef FLASH_ATTN_EXT_SM90
+namespace flash_attn_ext::cuda {
+at::Tensor sm90_mask_row_keys(const at::Tensor& mask);  // cuda/flash_cuda.cu
+}
+#endif
+
 namespace {
 
 pybind11::dict build_info() {
@@ -186,6 +192,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_narrow_tiles"] = o.sm90_narrow_tiles;
   d["sm90_varlen_sections"] = o.sm90_varlen_sections;
   d["sm90_bwd_short_steps"] = o.sm90_bwd_short_steps;
+  d["sm90_mask_rows"] = o.sm90_mask_rows;
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
   d["decode_block_rows"] = count_or_auto(o.decode_block_rows, 0);
@@ -279,6 +286,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_varlen_sections);
     } else if (key == "sm90_bwd_short_steps") {
       flag(o.sm90_bwd_short_steps);
+    } else if (key == "sm90_mask_rows") {
+      flag(o.sm90_mask_rows);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
     } else if (key == "decode_contiguous_loads") {
@@ -336,6 +345,10 @@ PYBIND11_MODULE(_C, m) {
         "Testing aid: the kernels' dropout mask (True = kept) for (seed, offset), "
         "(batch, heads, seqlen_q, seqlen_k) bool; packed_start >= 0: the packed sequence whose "
         "query rows start at that row (batch 1).");
+#ifdef FLASH_ATTN_EXT_SM90
+  m.def("sm90_mask_row_keys", &flash_attn_ext::cuda::sm90_mask_row_keys, pybind11::arg("mask"),
+        "For tests: the Hopper forward's summary of a boolean mask's rows as key intervals.");
+#endif
   m.def("dropout_scale", &dropout_scale,
         "The kernels' scale of kept dropout elements: 1 / P(kept), P(kept) = 1 - dropout_p "
         "rounded to a multiple of 1/256 (0 when nothing is kept).");

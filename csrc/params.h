@@ -64,6 +64,13 @@ struct FwdParams {
   const uint32_t* bias_ranges = nullptr;
   int64_t ranges_batch_stride = 0, ranges_head_stride = 0, ranges_key_offset = 0,
           ranges_visible_offset = 0;
+  // A boolean mask's rows as key intervals (kernels/sm90/bias_blocks.h: mask_row_keys), for the
+  // Hopper forward's mask variant: per row of the mask's own extent a record of four int32
+  // whose first two are (begin, end) where the row's visible keys are exactly [begin, end),
+  // else begin > end; indexed (batch, head, row) with these strides in records (0 where the
+  // mask broadcasts).  nullptr: none (mixed blocks read the mask's bytes).
+  const int32_t* bias_row_keys = nullptr;
+  int64_t row_keys_batch_stride = 0, row_keys_head_stride = 0, row_keys_row_stride = 0;
 
   // ALiBi (Press et al. 2022, arXiv:2108.12409; FlashAttention-2's definition): scores +=
   // -slope(b, h) * |i + off - j|, off as the mask's below (seqlen_k - seqlen_q bottom-right),
@@ -142,6 +149,10 @@ struct FwdParams {
   // together) in sections of heads, as the dense order (false: the table by weight alone, the
   // heads fastest; KernelOptions::sm90_varlen_sections, experimental)
   bool sm90_varlen_sections = true;
+  // Hopper forward, mask variant: a mask's rows that are key intervals masked by comparisons
+  // in mixed blocks instead of reading the mask's bytes (false: the bytes everywhere;
+  // KernelOptions::sm90_mask_rows, kept for same-build A/Bs)
+  bool sm90_mask_rows = true;
   // Hopper forward, softcap and ALiBi variants at head dim 64: 96-key tiles (false: 128, their
   // default; KernelOptions::sm90_narrow_tiles, experimental)
   bool sm90_narrow_tiles = false;

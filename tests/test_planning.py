@@ -504,7 +504,7 @@ def test_kernel_options_are_checked_and_restored(kernel_opts):
             with pytest.raises(ValueError, match=f"{name} must be 'auto', {allowed} "):
                 kernel_opts(**{name: bad})
     for name, default in (("sm90_alibi_fold", True), ("sm90_narrow_tiles", False),
-                          ("sm90_bwd_short_steps", True),
+                          ("sm90_bwd_short_steps", True), ("sm90_mask_rows", True),
                           ("sm90_varlen_sections", True), ("decode_contiguous_loads", True)):
         assert ops._C.kernel_options()[name] is default
         with flash_attn_ext.kernel_options(**{name: not default}) as now:

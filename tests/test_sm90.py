@@ -1077,6 +1077,87 @@ def test_mask_variant_on_diagonal_blocks(kernel_opts, head_dim):
                              attn_bias=masks[name])
 
 
+def _mask_row_keys_ref(mask):
+    """What the summary's row intervals of a boolean mask (B, H, L, S) must be
+    (ops._C.sm90_mask_row_keys): over the mask's own extent (one where a dimension is of size 1
+    or stride 0), per row (begin, end) where its visible keys are exactly [begin, end) ((0, 0)
+    where it sees none), else (1, 0)."""
+    own = mask[tuple(slice(0, 1) if mask.shape[i] == 1 or mask.stride(i) == 0 else slice(None)
+                     for i in range(3))].cpu()
+    keys = torch.arange(own.shape[-1])
+    count = own.sum(-1)
+    first = torch.where(own, keys, own.shape[-1]).min(-1).values
+    last = torch.where(own, keys, -1).max(-1).values
+    interval = count == last - first + 1
+    begin = torch.where(count == 0, 0, torch.where(interval, first, 1))
+    end = torch.where(count == 0, 0, torch.where(interval, last + 1, 0))
+    return torch.stack([begin, end], -1).int()
+
+
+def _left_padding_mask(batch, seqlen_q, seqlen_k):
+    """A (B, 1, L, S) causal mask with left padding (each batch entry's first keys hidden, the
+    last entry's all of them): rows whose keys are an interval not starting at 0."""
+    pad = torch.tensor([0, 37, seqlen_k][:batch] + [5] * max(batch - 3, 0), device="cuda")
+    i = torch.arange(seqlen_q, device="cuda")[:, None]
+    j = torch.arange(seqlen_k, device="cuda")[None, :]
+    return ((j <= i + seqlen_k - seqlen_q) & (j >= pad[:, None, None]))[:, None]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (65, 131),
+                                               (1023, 1023)])
+@pytest.mark.parametrize("what", [m for m in MASKS if m != "rows"] + ["left_padding",
+                                                                      "random_holes"])
+def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
+    # The summary's rows as key intervals, which the Hopper forward's mask variant masks by
+    # comparisons in mixed blocks: against each row's visible keys, over the mask's own
+    # extent; whole 64-key blocks read 16 bytes a lane, partial ones (S = 131, 300) and odd row
+    # strides ("sliced") two keys a lane; rows that see nothing (0, 0); rows whose keys are not
+    # one interval ("random", and "random_holes": a padding mask with one hidden key in some
+    # rows) marked (1, 0).
+    if what == "left_padding":
+        mask = _left_padding_mask(3, seqlen_q, seqlen_k)
+    elif what == "random_holes":
+        mask, _, _ = mask_case("causal_padding", 3, seqlen_q, seqlen_k, 4)
+        mask = mask.expand(3, 4, seqlen_q, seqlen_k).clone()
+        mask[1, 2, ::3, seqlen_k // 2] = False
+    else:
+        mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    got = ops._C.sm90_mask_row_keys(mask).cpu()
+    want = _mask_row_keys_ref(mask)
+    assert torch.equal(got, want), (what, (got != want).nonzero()[:8])
+    if what in ("causal_padding", "window_padding", "left_padding", "blockdiag"):
+        assert (want[..., 0] <= want[..., 1]).all()  # (every row an interval)
+    # Keys broadcast (stride 0): no intervals kept (such rows are read once per row, not per key).
+    with pytest.raises(RuntimeError, match="no row intervals"):
+        ops._C.sm90_mask_row_keys(mask_case("rows", 3, seqlen_q, seqlen_k, 4)[0])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(200, 331), (1023, 1023), (300, 17)])
+@pytest.mark.parametrize("what", ["causal_padding", "left_padding", "window_padding", "random",
+                                  "blockdiag", "perhead"])
+def test_mask_variant_row_intervals_agree_with_the_bytes(kernel_opts, head_dim, seqlen_q,
+                                                         seqlen_k, what):
+    # The mask variant's forward masking the rows that are key intervals by comparisons in mixed
+    # blocks (sm90_mask_rows, the default) gives the same bits as reading the mask's bytes
+    # there, with the causal flag too; the error rule holds for the default in the tests above.
+    q, k, v = rand(3, seqlen_q, 4, head_dim), rand(3, seqlen_k, 2, head_dim), \
+        rand(3, seqlen_k, 2, head_dim)
+    if what == "left_padding":
+        mask, causal, window = _left_padding_mask(3, seqlen_q, seqlen_k), False, (-1, -1)
+    else:
+        mask, causal, window = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    for flag in (causal, True):
+        outs = []
+        for rows in (True, False):
+            kernel_opts(sm90_mask_rows=rows)
+            outs.append(ops.fwd(q, k, v, None, flag, window[0], window[1], True, 0.0, None,
+                                mask)[:2])
+        (out, lse), (out0, lse0) = outs
+        assert not out.isnan().any()
+        assert torch.equal(out, out0) and torch.equal(lse, lse0), (what, flag)
+
+
 def test_nan_in_a_bias_block_reaches_the_rows_that_see_it():
     # A NaN in a block that is otherwise 0 makes the block "mixed": read, so the NaN reaches
     # exactly the rows that see it, forward and backward (never a silently finite answer).

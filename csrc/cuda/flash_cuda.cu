@@ -162,10 +162,13 @@ int score_mods_of(double softcap, const std::optional<at::Tensor>& bias, double 
 // The Hopper kernels' block summary of p's bias (kernels/sm90/bias_blocks.h), in a tensor the
 // caller keeps until its kernels are queued; an empty tensor without a bias (or with the kernel
 // option sm90_bias_blocks off).
-at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaStream_t stream) {
+// row_keys: also the mask's rows as key intervals (the forward's mask variant).
+at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaStream_t stream,
+                          bool row_keys) {
   if (p.attn_bias == nullptr || !kernel_options().sm90_bias_blocks) return at::Tensor();
-  at::Tensor blocks = at::empty({sm90::bias_summary_bytes(p)}, options.dtype(at::kByte));
-  C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream));
+  at::Tensor blocks =
+      at::empty({sm90::bias_summary_bytes(p, row_keys)}, options.dtype(at::kByte));
+  C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream, row_keys));
   return blocks;
 }
 
@@ -400,11 +403,13 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.sm90_alibi_fold = options.sm90_alibi_fold;
     p.sm90_narrow_tiles = options.sm90_narrow_tiles;
     p.sm90_varlen_sections = options.sm90_varlen_sections;
+    p.sm90_mask_rows = options.sm90_mask_rows;
     p.sm90_row_shift = options.sm90_row_shift;
     p.sm90_direct_epilogue = options.sm90_direct_epilogue;
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
     const at::Tensor extra = packed != nullptr ? sm90_varlen_tiles(p, *packed, kernel_dim, q)
-                                               : summarize_bias(p, q.options(), stream);
+                                               : summarize_bias(p, q.options(), stream,
+                                                                p.sm90_mask_rows);
     err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                : run_fwd_sm90<__half>(kernel_dim, p, stream);
   } else
@@ -606,7 +611,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.heads_per_section = options.sm90_section_pairs;
         p.sm90_direct_epilogue = options.sm90_direct_epilogue;
         p.sm90_bwd_short_steps = options.sm90_bwd_short_steps;
-        const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream);
+        const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream, false);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
       } else
@@ -809,6 +814,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 }
 
 }  // namespace
+
+#ifdef FLASH_ATTN_EXT_SM90
+// The Hopper forward's summary of a boolean mask's rows as key intervals (kernels/sm90/
+// bias_blocks.h: mask_row_keys), for tests: mask (B, H, L, S) bool on a CUDA device, its keys
+// unit-stride or broadcast as prepare_bias leaves them (others are copied); returns (B', H',
+// L', 2) int32 (begin, end) over the mask's own extent (1 where a dimension broadcasts, stride
+// 0): begin <= end where the row's visible keys are exactly [begin, end), else begin > end.
+// Raises where the summary keeps no intervals (keys broadcast, or past the grid's limits).
+at::Tensor sm90_mask_row_keys(const at::Tensor& mask) {
+  TORCH_CHECK_VALUE(mask.is_cuda() && mask.scalar_type() == at::kBool && mask.dim() == 4,
+                    "mask must be a 4-D bool CUDA tensor, got ", mask.scalar_type(), " of ",
+                    mask.dim(), " dimensions on ", mask.device());
+  const c10::cuda::CUDAGuard guard(mask.device());
+  at::Tensor m = mask;
+  if (m.size(3) > 1 && m.stride(3) != 1 && m.stride(3) != 0) m = m.contiguous();
+  FwdParams p;
+  p.batch = m.size(0);
+  p.heads_q = m.size(1);
+  p.seqlen_q = m.size(2);
+  p.seqlen_k = m.size(3);
+  p.attn_bias = m.data_ptr();
+  p.bias_is_mask = true;
+  p.bias_batch_stride = m.size(0) > 1 ? m.stride(0) : 0;
+  p.bias_head_stride = m.size(1) > 1 ? m.stride(1) : 0;
+  p.bias_row_stride = m.size(2) > 1 ? m.stride(2) : 0;
+  p.bias_col_stride = m.size(3) > 1 ? m.stride(3) : 0;
+  at::Tensor summary = at::empty({sm90::bias_summary_bytes(p, true)}, m.options().dtype(at::kByte));
+  C10_CUDA_CHECK(sm90::summarize_bias(p, summary.data_ptr<uint8_t>(),
+                                      c10::cuda::getCurrentCUDAStream(), true));
+  TORCH_CHECK(p.bias_row_keys != nullptr, "flash_attn_ext: no row intervals for this mask");
+  const int64_t own[3] = {p.bias_batch_stride == 0 ? 1 : p.batch,
+                          p.bias_head_stride == 0 ? 1 : p.heads_q,
+                          p.bias_row_stride == 0 ? 1 : p.seqlen_q};
+  const int64_t offset = reinterpret_cast<const uint8_t*>(p.bias_row_keys) -
+                         summary.data_ptr<uint8_t>();
+  return summary.narrow(0, offset, own[0] * own[1] * own[2] * 16)
+      .view(at::kInt)
+      .view({own[0], own[1], own[2], 4})
+      .narrow(3, 0, 2)
+      .clone();
+}
+#endif
 
 }  // namespace flash_attn_ext::cuda
 

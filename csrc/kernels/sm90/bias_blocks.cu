@@ -5,6 +5,12 @@
 // bias: 0 visible, -inf masked; a boolean mask (FwdParams::bias_is_mask): nonzero visible,
 // zero masked.
 //
+// With row keys (the forward's mask variant, a boolean mask with a value per key): also each
+// row's first and last visible key and its count of visible keys, per block from the lanes'
+// bits, per CTA (eight key blocks) in shared memory, per row by three atomics into its record;
+// visible_runs_kernel then turns the record into the row's interval (mask_row_keys), or marks
+// a row whose visible keys are not one interval (count != last - first + 1).
+//
 // Why this shape: a (B, 1, L, S) mask is B * L * S values (64 MB at B = 4, L = S = 4k), read
 // before the forward and again before the backward, so the pass must run at memory speed.
 // One CTA per block, its index split by two 64-bit divisions per value, cost the causal +
@@ -23,23 +29,47 @@ constexpr int kWarpsPerCta = 8;  // key blocks per CTA
 
 // The summary's extent: the bias's own (1 where it broadcasts, stride 0) batch and heads, and
 // its 64-blocks of rows and keys.
+// Words of a row's record (FwdParams::bias_row_keys): while summarize_bias_kernel runs, the
+// first visible key (by atomicMin), ~the last (atomicMin), ~the count (atomicSub from ~0), all
+// starting at ~0; then (begin, end) in the first two (visible_runs_kernel).
+constexpr int kRowRecord = 4;
+
 struct SummaryShape {
-  int64_t batch, heads, row_blocks, key_blocks;
-  explicit SummaryShape(const FwdParams& p)
+  int64_t batch, heads, rows, row_blocks, key_blocks;
+  bool row_keys;  // row records: asked for, and a boolean mask with a value per key
+  SummaryShape(const FwdParams& p, bool want_row_keys)
       : batch(own(p.batch, p.bias_batch_stride)),
         heads(own(p.heads_q, p.bias_head_stride)),
-        row_blocks(blocks_of(own(p.seqlen_q, p.bias_row_stride))),
-        key_blocks(blocks_of(own(p.seqlen_k, p.bias_col_stride))) {}
+        rows(own(p.seqlen_q, p.bias_row_stride)),
+        row_blocks(blocks_of(rows)),
+        key_blocks(blocks_of(own(p.seqlen_k, p.bias_col_stride))),
+        row_keys(want_row_keys && p.bias_is_mask && p.bias_col_stride != 0) {}
   static int64_t own(int64_t size, int64_t stride) { return stride == 0 ? 1 : size; }
   static int64_t blocks_of(int64_t n) { return (n + kBiasBlock - 1) / kBiasBlock; }
   int64_t blocks() const { return batch * heads * row_blocks * key_blocks; }
-  // The class bytes, rounded up to whole 32-bit words (the spans follow them).
-  int64_t class_bytes() const { return (blocks() + 3) / 4 * 4; }
+  // The class bytes, rounded up to whole 64-bit words (the spans follow them, then the row
+  // records, read as int2).
+  int64_t class_bytes() const { return (blocks() + 7) / 8 * 8; }
   // Per (batch, head): the row blocks' key spans, the key blocks' row spans, the row blocks'
   // visible runs, two words each.
   int64_t pair_words() const { return 2 * (2 * row_blocks + key_blocks); }
   int64_t span_words() const { return batch * heads * pair_words(); }
+  int64_t row_words() const { return row_keys ? batch * heads * rows * kRowRecord : 0; }
 };
+
+// The visible bytes (nonzero) of a boolean mask's 16 bytes as bits 0-15 (byte i: bit i).
+__device__ __forceinline__ uint32_t visible_bits16(const uint4& x) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // A byte's top bit after this is set iff the byte is nonzero; the four top bits are then
+    // gathered into bits 28-31 by one multiply (no carries reach them).
+    const uint32_t t = (((w[i] & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w[i]) & 0x80808080u;
+    bits |= ((t >> 7) * 0x10204080u >> 28) << (4 * i);
+  }
+  return bits;
+}
 
 template <typename Value>
 __device__ __forceinline__ void classify(Value x, bool& zero, bool& masked) {
@@ -68,15 +98,15 @@ __device__ __forceinline__ void classify16(const uint4& x, bool& zero, bool& mas
   }
 }
 
-template <typename Value>
-__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
-    const FwdParams p, uint8_t* blocks, uint32_t* ranges, int64_t row_blocks,
-    int64_t key_blocks) {
-  // This warp's block: key block blockIdx.x * kWarpsPerCta + warp, row block blockIdx.y,
-  // (batch, head) blockIdx.z of the bias's own extent.
-  const int lane = threadIdx.x % 32;
-  const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  if (key_block >= key_blocks) return;  // (the whole warp)
+// One warp's block of summarize_bias_kernel (key block key_block, row block blockIdx.y,
+// (batch, head) blockIdx.z); with kRowKeys also, for each of its rows, the first and last
+// visible key (relative to the block) and their count into first[r], last[r], count[r] (64,
+// -1 and 0 where the row sees none of the block's keys).
+template <typename Value, bool kRowKeys>
+__device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blocks,
+                                                uint32_t* ranges, int64_t row_blocks,
+                                                int64_t key_blocks, int64_t key_block, int lane,
+                                                int32_t* first, int32_t* last, int32_t* count) {
   const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
   const int64_t bh = blockIdx.z, b = bh / heads, h = bh % heads;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
@@ -105,16 +135,63 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
     const Value* ptr = row_ptr + (lane / kLanesPerRow) * p.bias_row_stride +
                        (lane % kLanesPerRow) * kPerVec;
     const int64_t step = (32 / kLanesPerRow) * p.bias_row_stride;
+    if constexpr (kRowKeys) {
+      // Eight passes of eight rows (four lanes a row), every lane in every pass for the
+      // shuffles; a row's lanes combine their 16 keys' first, last and count.
+      constexpr int kRowsPerPass = 32 / kLanesPerRow;
+      const int lane_key0 = (lane % kLanesPerRow) * kPerVec;
+#pragma unroll
+      for (int pass = 0; pass < kBiasBlock / kRowsPerPass; ++pass, ptr += step) {
+        const int r = lane / kLanesPerRow + pass * kRowsPerPass;
+        int32_t f = kBiasBlock, l = -1, n = 0;
+        if (r < rows) {
+          const uint32_t bits = visible_bits16(*reinterpret_cast<const uint4*>(ptr));
+          zero &= bits == 0xffffu;
+          masked &= bits == 0;
+          if (bits != 0) {
+            f = lane_key0 + __ffs(bits) - 1;
+            l = lane_key0 + 31 - __clz(bits);
+            n = __popc(bits);
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < kLanesPerRow; o <<= 1) {
+          f = min(f, __shfl_xor_sync(0xffffffffu, f, o));
+          l = max(l, __shfl_xor_sync(0xffffffffu, l, o));
+          n += __shfl_xor_sync(0xffffffffu, n, o);
+        }
+        if (lane % kLanesPerRow == 0 && r < rows) {
+          first[r] = f;
+          last[r] = l;
+          count[r] = n;
+        }
+      }
+    } else {
 #pragma unroll 8
-    for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
-      classify16<Value>(*reinterpret_cast<const uint4*>(ptr), zero, masked);
+      for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
+        classify16<Value>(*reinterpret_cast<const uint4*>(ptr), zero, masked);
+    }
   } else {
     const bool has0 = lane < keys, has1 = lane + 32 < keys;  // this lane's keys
     const int64_t off0 = lane * p.bias_col_stride, off1 = (lane + 32) * p.bias_col_stride;
 #pragma unroll 8
     for (int64_t r = 0; r < rows; ++r, row_ptr += p.bias_row_stride) {
-      if (has0) classify(row_ptr[off0], zero, masked);
-      if (has1) classify(row_ptr[off1], zero, masked);
+      if constexpr (kRowKeys) {  // (rows is the warp's: every lane runs every row)
+        const bool v0 = has0 && row_ptr[off0] != 0, v1 = has1 && row_ptr[off1] != 0;
+        zero &= (!has0 || v0) && (!has1 || v1);
+        masked &= !v0 && !v1;
+        const int32_t f = __reduce_min_sync(0xffffffffu, v0 ? lane : v1 ? lane + 32 : 64);
+        const int32_t l = __reduce_max_sync(0xffffffffu, v1 ? lane + 32 : v0 ? lane : -1);
+        const int32_t n = __reduce_add_sync(0xffffffffu, int{v0} + int{v1});
+        if (lane == 0) {
+          first[r] = f;
+          last[r] = l;
+          count[r] = n;
+        }
+      } else {
+        if (has0) classify(row_ptr[off0], zero, masked);
+        if (has1) classify(row_ptr[off1], zero, masked);
+      }
     }
   }
   zero = __all_sync(0xffffffffu, zero);
@@ -135,15 +212,78 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
   }
 }
 
+template <typename Value, bool kRowKeys>
+__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
+    const FwdParams p, uint8_t* blocks, uint32_t* ranges, uint32_t* row_records,
+    int64_t row_blocks, int64_t key_blocks) {
+  static_assert(!kRowKeys || std::is_same_v<Value, uint8_t>, "");
+  // This warp's block: key block blockIdx.x * kWarpsPerCta + warp, row block blockIdx.y,
+  // (batch, head) blockIdx.z of the bias's own extent.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if constexpr (!kRowKeys) {
+    if (key_block < key_blocks)
+      summarize_block<Value, false>(p, blocks, ranges, row_blocks, key_blocks, key_block, lane,
+                                    nullptr, nullptr, nullptr);
+  } else {
+    // Per warp (key block) and row of the row block: first and last visible key, count.
+    __shared__ int32_t first[kWarpsPerCta][kBiasBlock], last[kWarpsPerCta][kBiasBlock],
+        count[kWarpsPerCta][kBiasBlock];
+    if (key_block < key_blocks)
+      summarize_block<Value, true>(p, blocks, ranges, row_blocks, key_blocks, key_block, lane,
+                                   first[warp], last[warp], count[warp]);
+    __syncthreads();
+    // A thread per row: the CTA's blocks combined, then one atomic per word of its record.
+    const int r = threadIdx.x;
+    const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
+    const int64_t rows = p.bias_row_stride == 0 ? 1 : p.seqlen_q - row0;
+    if (r >= kBiasBlock || r >= rows) return;
+    int64_t lo = INT64_MAX, hi = -1, n = 0;
+    for (int w = 0; w < kWarpsPerCta; ++w) {
+      const int64_t kb = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + w;
+      if (kb >= key_blocks) break;
+      if (count[w][r] == 0) continue;
+      lo = min(lo, kb * kBiasBlock + first[w][r]);
+      hi = max(hi, kb * kBiasBlock + last[w][r]);
+      n += count[w][r];
+    }
+    if (n == 0) return;
+    const int64_t own_rows = p.bias_row_stride == 0 ? 1 : p.seqlen_q;
+    uint32_t* record = row_records + kRowRecord * (blockIdx.z * own_rows + row0 + r);
+    atomicMin(record, static_cast<uint32_t>(lo));
+    atomicMin(record + 1, ~static_cast<uint32_t>(hi));
+    atomicSub(record + 2, static_cast<uint32_t>(n));
+  }
+}
+
 // Each row block's longest run of visible key blocks (bias_visible_tiles), from the classes:
 // a warp per (row block, batch * head) of the bias's own extent, 32 key blocks per vote,
 // the runs followed across votes by the lowest set bits.  Written as (begin, end); (0, 0)
-// where no block is visible.
+// where no block is visible.  With row records (not nullptr; `rows`: the bias's own rows),
+// also the row block's rows' intervals (mask_row_keys) from summarize_bias_kernel's first,
+// ~last and ~count: (first, last + 1) where the count fills it, (0, 0) for a row that sees
+// no key, else (1, 0).
 __global__ void __launch_bounds__(32) visible_runs_kernel(const uint8_t* blocks, uint32_t* ranges,
+                                                          uint32_t* row_records, int64_t rows,
                                                           int64_t row_blocks,
                                                           int64_t key_blocks) {
   const int lane = threadIdx.x;
   const int64_t bh = blockIdx.y, rb = blockIdx.x;
+  if (row_records != nullptr) {
+    for (int64_t r = rb * kBiasBlock + lane; r < rows && r < (rb + 1) * kBiasBlock; r += 32) {
+      uint32_t* record = row_records + kRowRecord * (bh * rows + r);
+      const int64_t first = record[0], last = ~record[1], count = ~record[2];
+      int32_t begin = 1, end = 0;
+      if (count == 0) {
+        begin = 0;
+      } else if (count == last - first + 1) {
+        begin = static_cast<int32_t>(first);
+        end = static_cast<int32_t>(last + 1);
+      }
+      record[0] = static_cast<uint32_t>(begin);
+      record[1] = static_cast<uint32_t>(end);
+    }
+  }
   const uint8_t* row = blocks + (bh * row_blocks + rb) * key_blocks;
   int64_t run_begin = -1, best_begin = 0, best_end = 0;  // run_begin: an open run's start
   auto close = [&](int64_t end) {
@@ -186,35 +326,42 @@ __global__ void __launch_bounds__(32) visible_runs_kernel(const uint8_t* blocks,
 
 }  // namespace
 
-int64_t bias_summary_bytes(const FwdParams& p) {
-  const SummaryShape s(p);
-  return s.class_bytes() + 4 * s.span_words();
+int64_t bias_summary_bytes(const FwdParams& p, bool row_keys) {
+  const SummaryShape s(p, row_keys);
+  return s.class_bytes() + 4 * (s.span_words() + s.row_words());
 }
 
-cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream) {
-  const SummaryShape s(p);
+cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream, bool row_keys) {
+  const SummaryShape s(p, row_keys);
   if (s.blocks() == 0) return cudaSuccess;
   // Past the grid's limits: no summary (p.bias_blocks stays nullptr: every block is read).
   if (s.key_blocks > 0x7fffffffLL || s.row_blocks > 65535 || s.batch * s.heads > 65535)
     return cudaSuccess;
   uint8_t* blocks = summary;
   uint32_t* ranges = reinterpret_cast<uint32_t*>(summary + s.class_bytes());
-  // (all bits set: begin past every block, end 0, until a block that is not all masked)
-  cudaError_t err = cudaMemsetAsync(ranges, 0xff, 4 * s.span_words(), stream);
+  uint32_t* row_records = s.row_keys ? ranges + s.span_words() : nullptr;
+  // (all bits set: begin past every block, end 0, until a block that is not all masked; the
+  // row records' words start at ~0 too)
+  cudaError_t err =
+      cudaMemsetAsync(ranges, 0xff, 4 * (s.span_words() + s.row_words()), stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((s.key_blocks + kWarpsPerCta - 1) / kWarpsPerCta),
                   static_cast<unsigned>(s.row_blocks), static_cast<unsigned>(s.batch * s.heads));
-  if (p.bias_is_mask)
-    summarize_bias_kernel<uint8_t><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
-        p, blocks, ranges, s.row_blocks, s.key_blocks);
+  if (s.row_keys)
+    summarize_bias_kernel<uint8_t, true><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+        p, blocks, ranges, row_records, s.row_blocks, s.key_blocks);
+  else if (p.bias_is_mask)
+    summarize_bias_kernel<uint8_t, false><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+        p, blocks, ranges, nullptr, s.row_blocks, s.key_blocks);
   else
-    summarize_bias_kernel<float><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
-        p, blocks, ranges, s.row_blocks, s.key_blocks);
+    summarize_bias_kernel<float, false><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+        p, blocks, ranges, nullptr, s.row_blocks, s.key_blocks);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   visible_runs_kernel<<<dim3(static_cast<unsigned>(s.row_blocks),
                              static_cast<unsigned>(s.batch * s.heads)),
-                        32, 0, stream>>>(blocks, ranges, s.row_blocks, s.key_blocks);
+                        32, 0, stream>>>(blocks, ranges, row_records, s.rows, s.row_blocks,
+                                         s.key_blocks);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t kb = s.key_blocks, rb = s.row_blocks;
@@ -228,6 +375,12 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream) 
   p.blocks_row_stride = p.bias_row_stride == 0 ? 0 : kb;
   p.blocks_head_stride = p.bias_head_stride == 0 ? 0 : rb * kb;
   p.blocks_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * rb * kb;
+  if (s.row_keys) {
+    p.bias_row_keys = reinterpret_cast<const int32_t*>(row_records);
+    p.row_keys_row_stride = p.bias_row_stride == 0 ? 0 : 1;
+    p.row_keys_head_stride = p.bias_head_stride == 0 ? 0 : s.rows;
+    p.row_keys_batch_stride = p.bias_batch_stride == 0 ? 0 : s.heads * s.rows;
+  }
   return cudaSuccess;
 }
 

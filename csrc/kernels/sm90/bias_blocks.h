@@ -22,13 +22,14 @@ constexpr int kBiasBlock = 64;  // rows and keys per block
 // Bytes of the summary of p's bias (prepare_bias's expanded view: stride 0 where it
 // broadcasts): a class byte per (batch, head, row block, key block) of the bias's own extent (1
 // where it broadcasts), then the spans (FwdParams::bias_ranges): two 32-bit words per row block
-// and per key block of each (batch, head).
-int64_t bias_summary_bytes(const FwdParams& p);
-// Summarises p's bias into `summary` (bias_summary_bytes(p) bytes, 4-byte aligned) and points
-// p.bias_blocks, p.bias_ranges and their strides at it; the kernels run on `stream`.  A bias past
-// the grid's limits (over 4M rows or 65535 (batch, head) pairs of its own) gets no summary:
-// p.bias_blocks and p.bias_ranges stay nullptr.
-cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream);
+// and per key block of each (batch, head); with `row_keys`, for a boolean mask with a value per
+// key, then a record of four 32-bit words per row (FwdParams::bias_row_keys, mask_row_keys).
+int64_t bias_summary_bytes(const FwdParams& p, bool row_keys);
+// Summarises p's bias into `summary` (bias_summary_bytes(p, row_keys) bytes, 8-byte aligned)
+// and points p.bias_blocks, p.bias_ranges (and with row_keys p.bias_row_keys) and their strides
+// at it; the kernels run on `stream`.  A bias past the grid's limits (over 4M rows or 65535
+// (batch, head) pairs of its own) gets no summary: the pointers stay nullptr.
+cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream, bool row_keys);
 
 #if defined(__CUDACC__)
 // The summary's class of the 64 x 64 block of rows [row0, row0 + 64) of head h in batch b
@@ -208,6 +209,19 @@ __device__ __forceinline__ Span bias_visible_tiles(const FwdParams& p, int32_t b
   const int64_t key_blocks = (p.seqlen_k + kBiasBlock - 1) / kBiasBlock;
   return {(begin * kBiasBlock + kKeys - 1) / kKeys,
           end >= key_blocks ? kAll : end * kBiasBlock / kKeys};
+}
+
+// The keys that row `row` (in [0, seqlen_q)) of head h in batch b of a boolean mask sees, as an
+// interval (x, y): exactly keys [x, y) where x <= y (an empty row: x == y), else (x > y) its
+// visible keys are not one interval and only the mask's bytes tell them.  From the summary's
+// row records (summarize_bias with row_keys); (1, 0) without them.  A causal, padding or
+// window mask, or any intersection of them, gives every row an interval.
+__device__ __forceinline__ int2 mask_row_keys(const FwdParams& p, int32_t b, int32_t h,
+                                              int64_t row) {
+  if (p.bias_row_keys == nullptr) return make_int2(1, 0);
+  return *reinterpret_cast<const int2*>(
+      p.bias_row_keys + 4 * (b * p.row_keys_batch_stride + h * p.row_keys_head_stride +
+                             row * p.row_keys_row_stride));
 }
 
 // A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in

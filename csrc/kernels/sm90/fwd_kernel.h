@@ -218,8 +218,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // row and bottom-right offset its own).
       const sm80::ScoreFn fn = T::kVarlen ? sm80::ScoreFn(p, b, h, seq.len_q, seq.len_k)
                                           : sm80::ScoreFn(p, b, h);
-      // The mask variant's boolean mask at this (batch, head)'s key 0, row 0.
+      // The mask variant's boolean mask at this (batch, head)'s key 0, row 0, and the rows'
+      // key intervals where the summary has them.
       const uint8_t* mask_bh = T::kMask ? mask_row(p, b, h, 0) : nullptr;
+      if constexpr (T::kMask) mask.take_mask_rows(p, b, h, score_rows);
       // (Two calls, not a generic lambda: ptxas left that lambda a function of its own, with
       // the loop's registers on a 1,168-byte stack.)
       constexpr bool kMayFixMax = OnlineSoftmax<T>::kMayFixMax;

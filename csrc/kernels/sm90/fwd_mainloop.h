@@ -255,15 +255,19 @@ struct FwdMainloop {
       modify(cute::false_type{});
   }
 
-  // The mask variant (T::kMask): a boolean mask on S of the key tile whose first column of this
-  // thread is col0.  mask_bh: the mask at the (batch, head)'s row 0, key 0 (bias strides: keys
-  // unit-stride, or broadcast when per_key is false); rows: as modify_scores's.  `cls`, the
-  // mask's class on this warpgroup's rows and the tile (bias_blocks.h): all visible changes
+  // The mask variant (T::kMask): a boolean mask on S of key tile n_block, whose first column of
+  // this thread is col0.  mask_bh: the mask at the (batch, head)'s row 0, key 0 (bias strides:
+  // keys unit-stride, or broadcast when per_key is false); rows: as modify_scores's.  `cls`,
+  // the mask's class on this warpgroup's rows and the tile (bias_blocks.h): all visible changes
   // nothing, all masked gives -inf, mixed reads a byte per score (columns past seqlen_k read
-  // nothing: the mask hides them).  Hidden scores become -inf, which the softmax turns into 0.
+  // nothing: the mask hides them), or for a row whose mask row is a key interval
+  // (RowMask::interval_rows) compares the columns with its bounds (a causal + padding mask's
+  // diagonal blocks: the bytes' loads came after the wait for S, their latency exposed).
+  // Hidden scores become -inf, which the softmax turns into 0.
   __device__ __forceinline__ void mask_scores(const uint8_t* mask_bh, int64_t row_stride,
                                               bool per_key, const int32_t (&rows)[2],
-                                              int32_t col0, int32_t seqlen_k, int cls) {
+                                              int32_t col0, int32_t seqlen_k, int cls,
+                                              const RowMask<T>& bounds, int n_block) {
     if (cls == kBlockVisible) return;
     if (cls == kBlockMasked) {
 #pragma unroll
@@ -273,6 +277,15 @@ struct FwdMainloop {
     const int32_t limit = seqlen_k - col0;  // this thread's columns s_col(c) < limit exist
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      if ((bounds.interval_rows >> r) & 1u) {
+        const int32_t lo = bounds.key_lo[r] - n_block * kN, hi = bounds.key_hi[r] - n_block * kN;
+#pragma unroll
+        for (int c = 0; c < kSVals / 2; ++c) {
+          float& x = tSrS(s_index(r, c));
+          x = s_col(c) < lo || s_col(c) >= hi ? -INFINITY : x;
+        }
+        continue;
+      }
       const uint8_t* row = mask_bh + rows[r] * row_stride;
       if (per_key) {
         row += col0;
@@ -478,7 +491,8 @@ struct FwdMainloop {
                       static_cast<int32_t>(args.p.seqlen_k), c);
       if constexpr (T::kMask)
         mask_scores(mask_bh, args.p.bias_row_stride, args.p.bias_col_stride != 0, score_rows,
-                    n_block * kN + mask.thread_col, static_cast<int32_t>(args.p.seqlen_k), c);
+                    n_block * kN + mask.thread_col, static_cast<int32_t>(args.p.seqlen_k), c,
+                    mask, n_block);
     };
     // Dropped elements of P become 0 (the keep bits' order is the accumulator's, dropout.h).
     // The dropout variant (T::kDropout) draws a tile's keep bits (keep) before waiting for its

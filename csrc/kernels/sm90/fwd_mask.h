@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm90/bias_blocks.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "mask.h"
 
@@ -50,6 +51,10 @@ struct RowMask {
   // (TMA's shapes are int32); keeping them 32-bit frees registers for the accumulators.
   int32_t key_lo[2], key_hi[2], interior_begin, interior_end;
   const int32_t thread_col;
+  // The mask variant (T::kMask): bit r set where row half r's row of the boolean mask is a key
+  // interval (mask_row_keys), which key_lo[r] / key_hi[r] then also bound, so that the
+  // mask's mixed blocks mask that row by comparisons (FwdMainloop::mask_scores).
+  uint32_t interval_rows = 0;
 
   __device__ __forceinline__ explicit RowMask(int32_t thread_col_) : thread_col(thread_col_) {}
 
@@ -60,6 +65,24 @@ struct RowMask {
     const int32_t pos = row_position(args, max(row, 0));
     key_lo[r] = static_cast<int32_t>(vis.begin(pos)) - thread_col;
     key_hi[r] = static_cast<int32_t>(vis.end(pos)) - thread_col;
+  }
+
+  // The mask variant: intersects the bounds set_row set with the mask's row intervals of this
+  // thread's rows (rows: clamped into [0, seqlen_q)), where the rows have one.  The bounds stay
+  // exact: the visible keys of such a row are those the mask and the causal mask or window
+  // both let through.
+  __device__ __forceinline__ void take_mask_rows(const FwdParams& p, int32_t b, int32_t h,
+                                                 const int32_t (&rows)[2]) {
+    interval_rows = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int2 keys = mask_row_keys(p, b, h, rows[r]);
+      if (keys.x <= keys.y) {
+        key_lo[r] = max(key_lo[r], keys.x - thread_col);
+        key_hi[r] = min(key_hi[r], keys.y - thread_col);
+        interval_rows |= 1u << r;
+      }
+    }
   }
 
   // Rows [r0, r1) of key tile n_block in tSrS: invisible scores become -inf, only on key tiles
