@@ -90,7 +90,27 @@ def _bwd_varlen_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     check_devices(q, ("dout", dout), ("k", k), ("v", v), ("out", out),
                   ("softmax_lse", softmax_lse), ("alibi_slopes", alibi_slopes),
                   ("dsoftmax_lse", dsoftmax_lse))
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+    return _packed_grad_like(q), _packed_grad_like(k), _packed_grad_like(v)
+
+
+def _packed_grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty gradient of the packed (total, heads, d) tensor t, laid out as the bwd_varlen
+    op's device kernels lay out dq, dk, dv (inductor asserts the fake kernel's strides against
+    theirs): ``zeros_like`` of the tensor they compute on, t with a batch dimension of 1
+    (csrc/varlen_checks.h), a contiguous copy where t's last dimension is not contiguous
+    (``last_dim_contiguous``), and on CUDA also where its strides or start are not whole
+    16-byte chunks (``kernel_ready``, whose copies are contiguous).  So a dense t keeps its
+    strides (a head-major q, (heads, total, d) transposed, got contiguous ones here, and a
+    compiled backward failed inductor's stride assertion)."""
+    if not (t.stride(-1) == 1 or t.size(-1) <= 1):
+        t = t.contiguous()
+    t = t.unsqueeze(0)
+    if t.device.type == "cuda" and not (
+            t.stride(3) == 1 and t.size(3) % 8 == 0
+            and all(t.stride(i) % 8 == 0 for i in range(3))
+            and t.storage_offset() * t.element_size() % 16 == 0):
+        return t.new_empty(t.shape[1:])
+    return torch.empty_like(t).squeeze(0)
 
 
 def _offsets_on_host(q, cu_seqlens_q, cu_seqlens_k, seqused_k):

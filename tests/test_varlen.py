@@ -16,6 +16,7 @@ import flash_attn_ext
 from flash_attn_ext import _C, flash_attn_func, flash_attn_varlen_func
 from flash_attn_ext.varlen import fwd_varlen_op
 from reference import (
+    assert_bwd_fake_strides_match,
     assert_error_rule,
     assert_lse_infinities,
     attention_ref,
@@ -345,6 +346,43 @@ def test_compiles_with_max_seqlen_from_the_offsets(device, backend):
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, cq, ck)
     _assert_same_as_eager(out, q, k, v, cq, ck)
+
+
+def _packed_laid_out(layout, total, heads, d):
+    """A (total, heads, d) tensor of random values (requiring grad) in one of the layouts
+    callers hand flash_attn_varlen_func: contiguous; head-major, (heads, total, d) transposed
+    (e.g. unpadded from a (B, H, L, D) projection); sliced from a wider head dim (not dense);
+    every other element of the last dimension."""
+    if layout == "contiguous":
+        t = torch.randn(total, heads, d)
+    elif layout == "head_major":
+        t = torch.randn(heads, total, d).transpose(0, 1)
+    elif layout == "sliced":
+        t = torch.randn(total, heads, d + 3)[..., :d]
+    else:
+        t = torch.randn(total, heads, 2 * d)[..., ::2]
+    return t.requires_grad_()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_major", "sliced", "strided_last_dim"])
+def test_bwd_fake_gives_the_real_gradient_strides(layout):
+    # The bwd_varlen fake kernel gave dq, dk, dv contiguous strides where the CPU kernel lays
+    # them out like q, k, v (zeros_like): a compiled backward of q, k, v in a head-major layout
+    # failed inductor's stride assertion ("expected size 9==9, stride 16==32 at dim=0 ... from
+    # a incorrect fake (aka meta) kernel"; new-user trial).
+    cq, ck = _offsets([4, 5]), _offsets([6, 3])
+    q, k, v = (_packed_laid_out(layout, n, h, 8) for n, h in ((9, 2), (9, 1), (9, 1)))
+    out, lse, rng = fwd_varlen_op(q, k, v, cq, ck, 5, 6, None, True)
+    args = (torch.randn_like(out), q, k, v, out, lse, cq, ck, 5, 6, rng, None, True)
+    assert_bwd_fake_strides_match(flash_attn_ext.varlen.bwd_varlen_op, args)
+    torch._dynamo.reset()
+    f = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="inductor")
+    got = f(q, k, v, cq, ck, 5, 6, causal=True)
+    want = flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for g, w in zip(torch.autograd.grad(got.sum(), (q, k, v)),
+                    torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
 def test_double_backward_is_a_clear_error():
