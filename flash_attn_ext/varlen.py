@@ -75,6 +75,9 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      deterministic=False):
     _check_offsets_device(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
     check_devices(q, ("k", k), ("v", v), ("alibi_slopes", alibi_slopes))
+    if q.dim() != 3:  # (the op's words: unpacking the shape said "too many values to unpack")
+        raise ValueError(f"q must have 3 dimensions (total_q, num_heads, head_dim) for packed "
+                         f"sequences, got q.dim()={q.dim()} with shape {list(q.shape)}")
     total_q, heads, _ = q.shape
     out = q.new_empty((total_q, heads, v.shape[-1]))
     softmax_lse = q.new_empty((heads, total_q), dtype=ops.lse_dtype(q.dtype))

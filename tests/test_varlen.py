@@ -606,6 +606,31 @@ def test_meta_tensors_get_the_fake_kernels_shapes():
         assert flash_attn_varlen_func(*meta, cq, ck, 4, 4).shape == (4, 2, 8)
 
 
+def test_a_q_of_another_rank_is_named_by_the_fake_kernel_too():
+    # The fake kernel unpacked q.shape into three names, so a 4-D q (e.g. a (1, total, H, D)
+    # batch left in place) under torch.compile, on meta tensors and in explain() of a meta
+    # call failed with "too many values to unpack (expected 3)", naming neither q nor the
+    # rule (new-user trial); eager CPU calls name both (the op's own check).
+    q, k, v, cq, ck = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float32)
+    q, k, v = q.detach()[None], k.detach(), v.detach()
+    rule = r"q must have 3 dimensions \(total_q, num_heads, head_dim\) for packed sequences, " \
+        r"got q.dim\(\)=4 with shape \[1, 10, 2, 8\]"
+    with pytest.raises(ValueError, match=rule):
+        flash_attn_varlen_func(q, k, v, cq, ck, 6, 6)  # (the op's check: the same words)
+    meta = [t.to("meta") for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=rule):
+            flash_attn_varlen_func(*meta, cq, ck, 6, 6)
+        with pytest.raises(ValueError, match=rule):
+            flash_attn_ext.explain(*meta, layout="thd", cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                   max_seqlen_q=6, max_seqlen_k=6)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=rule):
+        torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")(
+            q, k, v, cq, ck, 6, 6)
+
+
 @pytest.mark.usefixtures("clean_policy")
 def test_meta_calls_are_reported_as_the_dense_calls_are():
     # A packed call on meta tensors recorded nothing (last_plan() still named an earlier call's
