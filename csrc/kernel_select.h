@@ -88,10 +88,11 @@ struct KernelOptions {
   // and V (the default); false: the table by weight alone with the heads fastest, the form
   // before, kept for same-build A/Bs (docs/perf/sm90_forward.md, "Packed sequences").
   bool sm90_varlen_sections = true;
-  // The Hopper forward's mask variant: the summary also records which rows of the mask are
-  // key intervals (a causal, padding or window mask's are), and mixed blocks mask those rows
-  // by comparisons instead of reading a byte per score (the default); false: the bytes, kept
-  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
+  // The Hopper forward's mask variant at head dim 64: the summary also records which rows of
+  // the mask are key intervals (a causal, padding or window mask's are), and mixed blocks mask
+  // those rows by comparisons instead of reading a byte per score (the default; at 128 and
+  // 256 the summary's extra cost outweighed the kernel's gain, so they read the bytes);
+  // false: the bytes, kept for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_mask_rows = true;
   // The Hopper backward's dropout variant at head dim 64 (dense calls) with 64-row steps
   // (Sm90BwdTraits::kShortSteps, the default); false: 128, as the other variants take there,

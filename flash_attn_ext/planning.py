@@ -116,9 +116,9 @@ def set_kernel_options(**options) -> dict:
     steps; off: 128, as its other variants there),
     ``sm90_varlen_sections`` (bool, on by default: the Hopper forward's tiles of packed
     sequences by sequence in sections of heads; off: by weight alone, the heads fastest),
-    ``sm90_mask_rows`` (bool, on by default: the Hopper forward's mask variant masks the rows
-    of a boolean mask that are key intervals by comparisons in mixed blocks; off: it reads
-    the mask's bytes there),
+    ``sm90_mask_rows`` (bool, on by default: the Hopper forward's mask variant at head dim 64
+    masks the rows of a boolean mask that are key intervals by comparisons in mixed blocks;
+    off: it reads the mask's bytes there),
     ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode
     call's combine kernel launched as a programmatic dependent of its attention kernel),

@@ -1122,6 +1122,11 @@ def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
         mask[1, 2, ::3, seqlen_k // 2] = False
     else:
         mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # ("blockdiag": (L, S))
+    if seqlen_k == 1:  # (one key: its dimension broadcasts, and no intervals are kept)
+        with pytest.raises(RuntimeError, match="no row intervals"):
+            ops._C.sm90_mask_row_keys(mask)
+        return
     got = ops._C.sm90_mask_row_keys(mask).cpu()
     want = _mask_row_keys_ref(mask)
     assert torch.equal(got, want), (what, (got != want).nonzero()[:8])

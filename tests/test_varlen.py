@@ -348,30 +348,36 @@ def test_compiles_with_max_seqlen_from_the_offsets(device, backend):
     _assert_same_as_eager(out, q, k, v, cq, ck)
 
 
-def _packed_laid_out(layout, total, heads, d):
+def _packed_laid_out(layout, total, heads, d, device="cpu", dtype=torch.float32):
     """A (total, heads, d) tensor of random values (requiring grad) in one of the layouts
     callers hand flash_attn_varlen_func: contiguous; head-major, (heads, total, d) transposed
     (e.g. unpadded from a (B, H, L, D) projection); sliced from a wider head dim (not dense);
     every other element of the last dimension."""
     if layout == "contiguous":
-        t = torch.randn(total, heads, d)
+        t = torch.randn(total, heads, d, device=device, dtype=dtype)
     elif layout == "head_major":
-        t = torch.randn(heads, total, d).transpose(0, 1)
+        t = torch.randn(heads, total, d, device=device, dtype=dtype).transpose(0, 1)
     elif layout == "sliced":
-        t = torch.randn(total, heads, d + 3)[..., :d]
+        t = torch.randn(total, heads, d + 3, device=device, dtype=dtype)[..., :d]
     else:
-        t = torch.randn(total, heads, 2 * d)[..., ::2]
+        t = torch.randn(total, heads, 2 * d, device=device, dtype=dtype)[..., ::2]
     return t.requires_grad_()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA device and a CUDA build"))])
 @pytest.mark.parametrize("layout", ["contiguous", "head_major", "sliced", "strided_last_dim"])
-def test_bwd_fake_gives_the_real_gradient_strides(layout):
+def test_bwd_fake_gives_the_real_gradient_strides_when_compiled(device, layout):
     # The bwd_varlen fake kernel gave dq, dk, dv contiguous strides where the CPU kernel lays
     # them out like q, k, v (zeros_like): a compiled backward of q, k, v in a head-major layout
     # failed inductor's stride assertion ("expected size 9==9, stride 16==32 at dim=0 ... from
     # a incorrect fake (aka meta) kernel"; new-user trial).
+    # (on CUDA the glue copies tensors whose strides or start are not whole 16-byte chunks:
+    # "sliced" and "strided_last_dim" at head dim 16)
     cq, ck = _offsets([4, 5]), _offsets([6, 3])
-    q, k, v = (_packed_laid_out(layout, n, h, 8) for n, h in ((9, 2), (9, 1), (9, 1)))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = (_packed_laid_out(layout, n, h, 16, device, dtype)
+               for n, h in ((9, 2), (9, 1), (9, 1)))
     out, lse, rng = fwd_varlen_op(q, k, v, cq, ck, 5, 6, None, True)
     args = (torch.randn_like(out), q, k, v, out, lse, cq, ck, 5, 6, rng, None, True)
     assert_bwd_fake_strides_match(flash_attn_ext.varlen.bwd_varlen_op, args)
