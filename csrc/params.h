@@ -149,10 +149,6 @@ struct FwdParams {
   // together) in sections of heads, as the dense order (false: the table by weight alone, the
   // heads fastest; KernelOptions::sm90_varlen_sections, experimental)
   bool sm90_varlen_sections = true;
-  // Hopper forward, mask variant at head dim 64: a mask's rows that are key intervals masked
-  // by comparisons in mixed blocks instead of reading the mask's bytes (false: the bytes
-  // everywhere; KernelOptions::sm90_mask_rows, kept for same-build A/Bs)
-  bool sm90_mask_rows = true;
   // Hopper forward, softcap and ALiBi variants at head dim 64: 96-key tiles (false: 128, their
   // default; KernelOptions::sm90_narrow_tiles, experimental)
   bool sm90_narrow_tiles = false;

@@ -129,6 +129,16 @@ def _keeps_last_dim_innermost(t: torch.Tensor) -> bool:
     return True
 
 
+def _cuda_kernel_ready(t: torch.Tensor) -> bool:
+    """Whether the CUDA glue computes on the 4-D t as it is (``kernel_ready``): a unit-stride
+    head dim that is a multiple of 8, the other strides multiples of 8 elements and the start
+    16-byte aligned.  Otherwise it computes on a contiguous copy (its zero-padded head dim
+    sliced off afterwards), and the gradients it returns for t are contiguous."""
+    return (t.stride(3) == 1 and t.size(3) % 8 == 0
+            and all(t.stride(i) % 8 == 0 for i in range(3))
+            and t.storage_offset() * t.element_size() % 16 == 0)
+
+
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
     """An empty gradient laid out as the bwd op's device kernels lay out dq, dk, dv: like the
     tensor they compute on (``new_output_like``: ``empty_like``, which keeps a dense tensor's
@@ -139,10 +149,7 @@ def _grad_like(t: torch.Tensor) -> torch.Tensor:
     sliced off into a contiguous gradient).  torch.compile compares these strides with the real
     kernels' (inductor asserts them), so both must agree."""
     if t.device.type == "cuda":
-        aligned = (t.stride(3) == 1 and t.size(3) % 8 == 0
-                   and all(t.stride(i) % 8 == 0 for i in range(3))
-                   and t.storage_offset() * t.element_size() % 16 == 0)
-        if not aligned:
+        if not _cuda_kernel_ready(t):
             return t.new_empty(t.shape)
     elif not (t.stride(-1) == 1 or t.size(-1) <= 1):
         return t.new_empty(t.shape)  # (the kernel computes on a contiguous copy)

@@ -108,10 +108,7 @@ def _packed_grad_like(t: torch.Tensor) -> torch.Tensor:
     if not (t.stride(-1) == 1 or t.size(-1) <= 1):
         t = t.contiguous()
     t = t.unsqueeze(0)
-    if t.device.type == "cuda" and not (
-            t.stride(3) == 1 and t.size(3) % 8 == 0
-            and all(t.stride(i) % 8 == 0 for i in range(3))
-            and t.storage_offset() * t.element_size() % 16 == 0):
+    if t.device.type == "cuda" and not ops._cuda_kernel_ready(t):
         return t.new_empty(t.shape[1:])
     return torch.empty_like(t).squeeze(0)
 

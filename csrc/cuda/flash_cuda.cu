@@ -403,12 +403,11 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.sm90_alibi_fold = options.sm90_alibi_fold;
     p.sm90_narrow_tiles = options.sm90_narrow_tiles;
     p.sm90_varlen_sections = options.sm90_varlen_sections;
-    p.sm90_mask_rows = options.sm90_mask_rows;
     // The mask's rows as key intervals (the mask variant's mixed blocks by comparisons) where
     // they measured a gain: at head dim 64 the forward kernel 6-8% shorter on a causal +
     // padding mask, at 128 1.5%, less than the 10 us they add to the summary pass
     // (docs/perf/sm90_score_mods.md).
-    const bool mask_rows = p.sm90_mask_rows && kernel_dim <= 64;
+    const bool mask_rows = options.sm90_mask_rows && kernel_dim <= 64;
     p.sm90_row_shift = options.sm90_row_shift;
     p.sm90_direct_epilogue = options.sm90_direct_epilogue;
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;

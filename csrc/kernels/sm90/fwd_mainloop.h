@@ -278,12 +278,7 @@ struct FwdMainloop {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if ((bounds.interval_rows >> r) & 1u) {
-        const int32_t lo = bounds.key_lo[r] - n_block * kN, hi = bounds.key_hi[r] - n_block * kN;
-#pragma unroll
-        for (int c = 0; c < kSVals / 2; ++c) {
-          float& x = tSrS(s_index(r, c));
-          x = s_col(c) < lo || s_col(c) >= hi ? -INFINITY : x;
-        }
+        bounds.hide_outside(tSrS, r, n_block * kN);
         continue;
       }
       const uint8_t* row = mask_bh + rows[r] * row_stride;

@@ -85,30 +85,35 @@ struct RowMask {
     }
   }
 
+  // Row half r of an S tile whose first key is col0: scores of keys outside [key_lo[r],
+  // key_hi[r]) become -inf.  Compared with the columns' compile-time offsets: one ISETP and one
+  // FSEL per value for the right bound (causal), one more only where a left bound (window, or a
+  // mask row's interval) falls inside the tile.
+  template <typename TensorS>
+  __device__ __forceinline__ void hide_outside(TensorS& tSrS, int r, int32_t col0) const {
+    constexpr int kSVals = kN / 2;  // values of S per thread (FwdMainloop checks it)
+    const int32_t lo = key_lo[r] - col0, hi = key_hi[r] - col0;
+    if (lo > 0) {
+#pragma unroll
+      for (int c = 0; c < kSVals / 2; ++c) {
+        if (s_col(c) < lo || s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kSVals / 2; ++c) {
+        if (s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
+      }
+    }
+  }
+
   // Rows [r0, r1) of key tile n_block in tSrS: invisible scores become -inf, only on key tiles
   // outside the warpgroup's interior.
   template <int r0, int r1, typename TensorS>
   __device__ __forceinline__ void apply(TensorS& tSrS, int n_block) const {
-    constexpr int kSVals = kN / 2;  // values of S per thread (FwdMainloop checks it)
     const int32_t col0 = n_block * kN;
     if (col0 < interior_begin || col0 + kN > interior_end) {
 #pragma unroll
-      for (int r = r0; r < r1; ++r) {
-        // Compared with the columns' compile-time offsets: one ISETP and one FSEL per value
-        // for the right bound (causal), one more only where a left window bound falls inside.
-        const int32_t lo = key_lo[r] - col0, hi = key_hi[r] - col0;
-        if (lo > 0) {
-#pragma unroll
-          for (int c = 0; c < kSVals / 2; ++c) {
-            if (s_col(c) < lo || s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
-          }
-        } else {
-#pragma unroll
-          for (int c = 0; c < kSVals / 2; ++c) {
-            if (s_col(c) >= hi) tSrS(s_index(r, c)) = -INFINITY;
-          }
-        }
-      }
+      for (int r = r0; r < r1; ++r) hide_outside(tSrS, r, col0);
     }
   }
 };
