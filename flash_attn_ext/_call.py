@@ -100,10 +100,14 @@ def autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             and k.is_cpu == q.is_cpu and v.is_cpu == q.is_cpu):
         return q, k, v
 
-    def cast(t):
-        dtype = autocast_dtype(t)
-        return t if dtype is None else t.to(dtype)
-    return cast(q), cast(k), cast(v)
+    dtypes = [autocast_dtype(t) or t.dtype for t in (q, k, v)]
+    if not dtypes[0] == dtypes[1] == dtypes[2]:
+        # (named here, with the dtypes passed: the op would name only the cast ones)
+        cast = "" if dtypes == [q.dtype, k.dtype, v.dtype] else \
+            f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
+        raise ValueError(f"q, k and v must have the same dtype, got q.dtype={q.dtype}, "
+                         f"k.dtype={k.dtype}, v.dtype={v.dtype}{cast}")
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t, dtype in zip((q, k, v), dtypes))
 
 
 def as_number(x, name: str = "the argument"):

@@ -44,6 +44,24 @@ def test_autocast_casts_as_sdpa_does():
         assert last_plan().kernel == "cpu_flash_fwd_fp64"
 
 
+def test_autocast_dtype_error_names_the_dtypes_passed():
+    # Under autocast a float64 q with float32 k and v runs as float64 against bfloat16: refused,
+    # naming the dtypes the user passed and the ones autocast made of them (the op alone would
+    # name only the cast ones), in the FlashAttention API as in the SDPA drop-in.
+    import flash_attn_ext
+    q, k = torch.randn(2, 6, 4, 8, dtype=torch.float64), torch.randn(2, 6, 4, 8)
+    want = (r"q\.dtype=torch\.float64, k\.dtype=torch\.float32, v\.dtype=torch\.float32 "
+            r"\(under torch\.autocast: torch\.float64, torch\.bfloat16 and torch\.bfloat16\)")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=want):
+            flash_attn_func(q, k, k)
+        with pytest.raises(ValueError, match=want):
+            flash_attn_ext.explain(q, k, k, layout="blhd")
+    # Without autocast the same call is refused by the op, with the same dtypes.
+    with pytest.raises(ValueError, match=r"q\.dtype=torch\.float64, k\.dtype=torch\.float32"):
+        flash_attn_func(q, k, k)
+
+
 def test_autocast_under_compile():
     torch._dynamo.reset()
     q = torch.randn(1, 17, 2, 8, requires_grad=True)
