@@ -19,7 +19,7 @@
 
 #ifdef FLASH_ATTN_EXT_SM90
 namespace flash_attn_ext::cuda {
-at::Tensor sm90_mask_row_keys(const at::Tensor& mask);  // cuda/flash_cuda.cu
+at::Tensor sm90_mask_row_keys(const at::Tensor& mask, bool columns);  // cuda/flash_cuda.cu
 }
 #endif
 
@@ -193,6 +193,7 @@ pybind11::dict options_dict(const flash_attn_ext::KernelOptions& o) {
   d["sm90_varlen_sections"] = o.sm90_varlen_sections;
   d["sm90_bwd_short_steps"] = o.sm90_bwd_short_steps;
   d["sm90_mask_rows"] = o.sm90_mask_rows;
+  d["sm90_mask_cols"] = o.sm90_mask_cols;
   d["decode_pdl"] = o.decode_pdl;
   d["decode_contiguous_loads"] = o.decode_contiguous_loads;
   d["decode_block_rows"] = count_or_auto(o.decode_block_rows, 0);
@@ -288,6 +289,8 @@ void set_kernel_options(const pybind11::dict& values) {
       flag(o.sm90_bwd_short_steps);
     } else if (key == "sm90_mask_rows") {
       flag(o.sm90_mask_rows);
+    } else if (key == "sm90_mask_cols") {
+      flag(o.sm90_mask_cols);
     } else if (key == "decode_pdl") {
       flag(o.decode_pdl);
     } else if (key == "decode_contiguous_loads") {
@@ -347,7 +350,9 @@ PYBIND11_MODULE(_C, m) {
         "query rows start at that row (batch 1).");
 #ifdef FLASH_ATTN_EXT_SM90
   m.def("sm90_mask_row_keys", &flash_attn_ext::cuda::sm90_mask_row_keys, pybind11::arg("mask"),
-        "For tests: the Hopper forward's summary of a boolean mask's rows as key intervals.");
+        pybind11::arg("columns") = false,
+        "For tests: the Hopper kernels' summary of a boolean mask's rows as key intervals "
+        "(the forward's), or with columns=True its keys as row intervals (the backward's).");
 #endif
   m.def("dropout_scale", &dropout_scale,
         "The kernels' scale of kept dropout elements: 1 / P(kept), P(kept) = 1 - dropout_p "

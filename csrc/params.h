@@ -71,6 +71,11 @@ struct FwdParams {
   // mask broadcasts).  nullptr: none (mixed blocks read the mask's bytes).
   const int32_t* bias_row_keys = nullptr;
   int64_t row_keys_batch_stride = 0, row_keys_head_stride = 0, row_keys_row_stride = 0;
+  // The same per key for the Hopper backward's mask variant (mask_col_rows): per key of a mask
+  // with a value per row and key, (begin, end) of the query rows that see it; indexed (batch,
+  // head, key), keys unit-stride.  nullptr: none.
+  const int32_t* bias_col_rows = nullptr;
+  int64_t col_rows_batch_stride = 0, col_rows_head_stride = 0;
 
   // ALiBi (Press et al. 2022, arXiv:2108.12409; FlashAttention-2's definition): scores +=
   // -slope(b, h) * |i + off - j|, off as the mask's below (seqlen_k - seqlen_q bottom-right),

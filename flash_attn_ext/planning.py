@@ -118,6 +118,9 @@ def set_kernel_options(**options) -> dict:
     sequences by sequence in sections of heads; off: by weight alone, the heads fastest),
     ``sm90_mask_rows`` (bool, on by default: the Hopper forward's mask variant at head dim 64
     masks the rows of a boolean mask that are key intervals by comparisons in mixed blocks;
+    off: it reads the mask's bytes there), ``sm90_mask_cols`` (bool, on by default: the Hopper
+    backward's mask variant at head dims 64 and 128 masks a thread's keys that are row
+    intervals of a boolean mask with a value per row and key by comparisons in mixed steps;
     off: it reads the mask's bytes there),
     ``decode_row_lanes`` ("auto", 2, 4 or 8: lanes per
     cache row in the decode kernel's copies at head dim 64), ``decode_pdl`` (bool: the decode

@@ -1163,6 +1163,72 @@ def test_mask_variant_row_intervals_agree_with_the_bytes(kernel_opts, head_dim, 
         assert torch.equal(out, out0) and torch.equal(lse, lse0), (what, flag)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 17), (17, 300), (300, 17), (65, 131),
+                                               (1023, 1023)])
+@pytest.mark.parametrize("what", [m for m in MASKS if m != "rows"] + ["left_padding",
+                                                                      "random_holes"])
+def test_mask_col_rows_summary(seqlen_q, seqlen_k, what):
+    # The summary's keys as row intervals, which the Hopper backward's mask variant masks by
+    # comparisons in mixed steps: against each key's visible rows (the row rule on the
+    # transposed mask), over the mask's own extent; whole 64-key blocks gathered from the
+    # 16-byte loads by warp votes, partial ones (S = 17, 131, 300) and odd row strides
+    # ("sliced") two keys a lane; keys no row sees (0, 0); keys whose rows are not one interval
+    # ("random", "random_holes", "perhead" bands cut per batch entry) marked (1, 0).
+    if what == "left_padding":
+        mask = _left_padding_mask(3, seqlen_q, seqlen_k)
+    elif what == "random_holes":
+        mask, _, _ = mask_case("causal_padding", 3, seqlen_q, seqlen_k, 4)
+        mask = mask.expand(3, 4, seqlen_q, seqlen_k).clone()
+        mask[1, 2, seqlen_q // 2, ::3] = False
+    else:
+        mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # ("blockdiag": (L, S))
+    if seqlen_q == 1:  # (one row: its dimension broadcasts, and no intervals are kept)
+        with pytest.raises(RuntimeError, match="no column intervals"):
+            ops._C.sm90_mask_row_keys(mask, columns=True)
+        return
+    got = ops._C.sm90_mask_row_keys(mask, columns=True).cpu()
+    want = _mask_row_keys_ref(mask.transpose(2, 3))
+    assert torch.equal(got, want), (what, (got != want).nonzero()[:8])
+    if what in ("causal_padding", "window_padding", "left_padding", "blockdiag"):
+        assert (want[..., 0] <= want[..., 1]).all()  # (every key an interval)
+    # Keys broadcast (stride 0): no intervals kept.
+    with pytest.raises(RuntimeError, match="no column intervals"):
+        ops._C.sm90_mask_row_keys(mask_case("rows", 3, seqlen_q, seqlen_k, 4)[0], columns=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(200, 331), (1023, 1023), (300, 17)])
+@pytest.mark.parametrize("what", ["causal_padding", "left_padding", "window_padding", "random",
+                                  "blockdiag", "perhead"])
+def test_mask_variant_col_intervals_agree_with_the_bytes(hopper_bwd, kernel_opts, head_dim,
+                                                         seqlen_q, seqlen_k, what):
+    # The mask variant's backward masking a thread's keys that are row intervals by
+    # comparisons in mixed steps (sm90_mask_cols, the default) gives the same bits as reading
+    # the mask's bytes there: dQ in the fixed order (deterministic), with the causal flag too;
+    # the error rule holds for the default in the tests above.
+    q, k, v = rand(3, seqlen_q, 4, head_dim), rand(3, seqlen_k, 2, head_dim), \
+        rand(3, seqlen_k, 2, head_dim)
+    dout = rand(3, seqlen_q, 4, head_dim)
+    if what == "left_padding":
+        mask, causal, window = _left_padding_mask(3, seqlen_q, seqlen_k), False, (-1, -1)
+    else:
+        mask, causal, window = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    plan = planning.plan(q, k, v, mods=planning.score_mods(0.0, 0.0, mask), deterministic=True)
+    assert plan.backward_kernel.startswith("sm90_bwd") and "_mask" in plan.backward_kernel, plan
+    for flag in (causal, True):
+        grads = []
+        for cols in (True, False):
+            kernel_opts(sm90_mask_cols=cols)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out, _, _ = ops.fwd(*leaves, None, flag, window[0], window[1], True, 0.0, None,
+                                mask, deterministic=True)
+            grads.append(torch.autograd.grad(out, leaves, dout))
+        for a, b, name in zip(*grads, "qkv"):
+            assert not a.isnan().any(), (what, flag, name)
+            assert torch.equal(a, b), (what, flag, name)
+
+
 def test_nan_in_a_bias_block_reaches_the_rows_that_see_it():
     # A NaN in a block that is otherwise 0 makes the block "mixed": read, so the NaN reaches
     # exactly the rows that see it, forward and backward (never a silently finite answer).

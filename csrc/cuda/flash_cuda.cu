@@ -162,13 +162,13 @@ int score_mods_of(double softcap, const std::optional<at::Tensor>& bias, double 
 // The Hopper kernels' block summary of p's bias (kernels/sm90/bias_blocks.h), in a tensor the
 // caller keeps until its kernels are queued; an empty tensor without a bias (or with the kernel
 // option sm90_bias_blocks off).
-// row_keys: also the mask's rows as key intervals (the forward's mask variant).
+// what: also a boolean mask's rows as key intervals (the forward's mask variant) or its keys
+// as row intervals (the backward's).
 at::Tensor summarize_bias(FwdParams& p, const at::TensorOptions& options, cudaStream_t stream,
-                          bool row_keys) {
+                          sm90::MaskIntervals what) {
   if (p.attn_bias == nullptr || !kernel_options().sm90_bias_blocks) return at::Tensor();
-  at::Tensor blocks =
-      at::empty({sm90::bias_summary_bytes(p, row_keys)}, options.dtype(at::kByte));
-  C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream, row_keys));
+  at::Tensor blocks = at::empty({sm90::bias_summary_bytes(p, what)}, options.dtype(at::kByte));
+  C10_CUDA_CHECK(sm90::summarize_bias(p, blocks.data_ptr<uint8_t>(), stream, what));
   return blocks;
 }
 
@@ -413,7 +413,9 @@ void run_forward(const KernelChoice& choice, const KernelOptions& options, FwdPa
     p.sm90_pack_gqa = choice.fwd == FwdKernel::kSm90PackGqa;
     const at::Tensor extra = packed != nullptr ? sm90_varlen_tiles(p, *packed, kernel_dim, q)
                                                : summarize_bias(p, q.options(), stream,
-                                                                mask_rows);
+                                                                mask_rows
+                                                                    ? sm90::MaskIntervals::kRows
+                                                                    : sm90::MaskIntervals::kNone);
     err = bf16 ? run_fwd_sm90<__nv_bfloat16>(kernel_dim, p, stream)
                : run_fwd_sm90<__half>(kernel_dim, p, stream);
   } else
@@ -615,7 +617,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         p.heads_per_section = options.sm90_section_pairs;
         p.sm90_direct_epilogue = options.sm90_direct_epilogue;
         p.sm90_bwd_short_steps = options.sm90_bwd_short_steps;
-        const at::Tensor bias_blocks = summarize_bias(p, q.options(), stream, false);
+        // The mask's keys as row intervals (the mask variant's mixed steps by comparisons; not
+        // the head-dim-256 kernel, whose steps are split by role).
+        const bool mask_cols = options.sm90_mask_cols && kernel_dim <= 128;
+        const at::Tensor bias_blocks = summarize_bias(
+            p, q.options(), stream,
+            mask_cols ? sm90::MaskIntervals::kCols : sm90::MaskIntervals::kNone);
         err = bf16 ? run_bwd_sm90<__nv_bfloat16>(kernel_dim, p, stats_ptr, stream)
                    : run_bwd_sm90<__half>(kernel_dim, p, stats_ptr, stream);
       } else
@@ -820,13 +827,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 }  // namespace
 
 #ifdef FLASH_ATTN_EXT_SM90
-// The Hopper forward's summary of a boolean mask's rows as key intervals (kernels/sm90/
-// bias_blocks.h: mask_row_keys), for tests: mask (B, H, L, S) bool on a CUDA device, its keys
+// The Hopper kernels' summary of a boolean mask's rows as key intervals (kernels/sm90/
+// bias_blocks.h: mask_row_keys, the forward's) or with `columns` its keys as row intervals
+// (mask_col_rows, the backward's), for tests: mask (B, H, L, S) bool on a CUDA device, its keys
 // unit-stride or broadcast as prepare_bias leaves them (others are copied); returns (B', H',
-// L', 2) int32 (begin, end) over the mask's own extent (1 where a dimension broadcasts, stride
-// 0): begin <= end where the row's visible keys are exactly [begin, end), else begin > end.
-// Raises where the summary keeps no intervals (keys broadcast, or past the grid's limits).
-at::Tensor sm90_mask_row_keys(const at::Tensor& mask) {
+// L', 2) (rows) or (B', H', S, 2) (columns) int32 (begin, end) over the mask's own extent (1
+// where a dimension broadcasts, stride 0): begin <= end where the row's visible keys (the
+// key's rows) are exactly [begin, end), else begin > end.  Raises where the summary keeps no
+// intervals (keys broadcast, for columns also rows broadcast, or past the grid's limits).
+at::Tensor sm90_mask_row_keys(const at::Tensor& mask, bool columns) {
   TORCH_CHECK_VALUE(mask.is_cuda() && mask.scalar_type() == at::kBool && mask.dim() == 4,
                     "mask must be a 4-D bool CUDA tensor, got ", mask.scalar_type(), " of ",
                     mask.dim(), " dimensions on ", mask.device());
@@ -844,15 +853,19 @@ at::Tensor sm90_mask_row_keys(const at::Tensor& mask) {
   p.bias_head_stride = m.size(1) > 1 ? m.stride(1) : 0;
   p.bias_row_stride = m.size(2) > 1 ? m.stride(2) : 0;
   p.bias_col_stride = m.size(3) > 1 ? m.stride(3) : 0;
-  at::Tensor summary = at::empty({sm90::bias_summary_bytes(p, true)}, m.options().dtype(at::kByte));
+  const auto what = columns ? sm90::MaskIntervals::kCols : sm90::MaskIntervals::kRows;
+  at::Tensor summary =
+      at::empty({sm90::bias_summary_bytes(p, what)}, m.options().dtype(at::kByte));
   C10_CUDA_CHECK(sm90::summarize_bias(p, summary.data_ptr<uint8_t>(),
-                                      c10::cuda::getCurrentCUDAStream(), true));
-  TORCH_CHECK(p.bias_row_keys != nullptr, "flash_attn_ext: no row intervals for this mask");
+                                      c10::cuda::getCurrentCUDAStream(), what));
+  const int32_t* records = columns ? p.bias_col_rows : p.bias_row_keys;
+  TORCH_CHECK(records != nullptr, "flash_attn_ext: no ", columns ? "column" : "row",
+              " intervals for this mask");
   const int64_t own[3] = {p.bias_batch_stride == 0 ? 1 : p.batch,
                           p.bias_head_stride == 0 ? 1 : p.heads_q,
-                          p.bias_row_stride == 0 ? 1 : p.seqlen_q};
-  const int64_t offset = reinterpret_cast<const uint8_t*>(p.bias_row_keys) -
-                         summary.data_ptr<uint8_t>();
+                          columns ? p.seqlen_k : p.bias_row_stride == 0 ? 1 : p.seqlen_q};
+  const int64_t offset =
+      reinterpret_cast<const uint8_t*>(records) - summary.data_ptr<uint8_t>();
   return summary.narrow(0, offset, own[0] * own[1] * own[2] * 16)
       .view(at::kInt)
       .view({own[0], own[1], own[2], 4})

@@ -19,17 +19,25 @@ namespace flash_attn_ext::sm90 {
 enum BiasBlock : uint8_t { kBlockVisible = 0, kBlockMasked = 1, kBlockMixed = 2 };
 constexpr int kBiasBlock = 64;  // rows and keys per block
 
+// Which intervals the summary of a boolean mask also keeps: none, each row's visible keys (the
+// forward's mask variant: FwdParams::bias_row_keys, mask_row_keys) or each key's visible rows
+// (the backward's: bias_col_rows, mask_col_rows).
+enum class MaskIntervals { kNone, kRows, kCols };
+
 // Bytes of the summary of p's bias (prepare_bias's expanded view: stride 0 where it
 // broadcasts): a class byte per (batch, head, row block, key block) of the bias's own extent (1
 // where it broadcasts), then the spans (FwdParams::bias_ranges): two 32-bit words per row block
-// and per key block of each (batch, head); with `row_keys`, for a boolean mask with a value per
-// key, then a record of four 32-bit words per row (FwdParams::bias_row_keys, mask_row_keys).
-int64_t bias_summary_bytes(const FwdParams& p, bool row_keys);
-// Summarises p's bias into `summary` (bias_summary_bytes(p, row_keys) bytes, 8-byte aligned)
-// and points p.bias_blocks, p.bias_ranges (and with row_keys p.bias_row_keys) and their strides
-// at it; the kernels run on `stream`.  A bias past the grid's limits (over 4M rows or 65535
-// (batch, head) pairs of its own) gets no summary: the pointers stay nullptr.
-cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream, bool row_keys);
+// and per key block of each (batch, head); then with kRows, for a boolean mask with a value per
+// key, a record of four 32-bit words per row; with kCols, for a boolean mask with a value per
+// row and key, one per key.
+int64_t bias_summary_bytes(const FwdParams& p, MaskIntervals what);
+// Summarises p's bias into `summary` (bias_summary_bytes(p, what) bytes, 8-byte aligned) and
+// points p.bias_blocks, p.bias_ranges (and p.bias_row_keys or p.bias_col_rows where `what`
+// asks and the mask has them) and their strides at it; the kernels run on `stream`.  A bias
+// past the grid's limits (over 4M rows or 65535 (batch, head) pairs of its own) gets no
+// summary: the pointers stay nullptr.
+cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream,
+                           MaskIntervals what);
 
 #if defined(__CUDACC__)
 // The summary's class of the 64 x 64 block of rows [row0, row0 + 64) of head h in batch b
@@ -222,6 +230,17 @@ __device__ __forceinline__ int2 mask_row_keys(const FwdParams& p, int32_t b, int
   return *reinterpret_cast<const int2*>(
       p.bias_row_keys + 4 * (b * p.row_keys_batch_stride + h * p.row_keys_head_stride +
                              row * p.row_keys_row_stride));
+}
+
+// The records of head h in batch b of a boolean mask's keys as row intervals, at key 0 (record
+// `key` at 4 * key: (x, y) with mask_row_keys's meaning, the query rows [x, y) that see the key
+// where x <= y, else not one interval), or nullptr where the summary has none (summarize_bias
+// with kCols).  Every key of a causal, padding or window mask, or of any intersection of them,
+// has an interval.
+__device__ __forceinline__ const int32_t* mask_col_rows(const FwdParams& p, int32_t b,
+                                                        int32_t h) {
+  if (p.bias_col_rows == nullptr) return nullptr;
+  return p.bias_col_rows + 4 * (b * p.col_rows_batch_stride + h * p.col_rows_head_stride);
 }
 
 // A boolean mask's bytes (FwdParams::bias_is_mask) at key 0 of query row `row` of head h in

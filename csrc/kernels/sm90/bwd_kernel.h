@@ -200,7 +200,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                       dq_staging, me, tid, fn, m0, n0,
                       static_cast<int32_t>(seq.len_q - m0), static_cast<int32_t>(seq.len_k - n0),
                       cls, T::kMayDrop ? sm80::DropoutFn(p) : sm80::DropoutFn(), drop_rows,
-                      T::kMask ? mask_row(p, b, h, 0) : nullptr, done == 0);
+                      T::kMask ? mask_row(p, b, h, 0) : nullptr,
+                      T::kMask ? mask_col_rows(p, b, h) : nullptr, done == 0);
       ++done;
       pipe.consumer_release(state);
       ++state;

@@ -320,7 +320,10 @@ struct BwdMainloop {
   // P Z / P(kept) and dS = P (dP Z / P(kept) - D), D = rowsum(dO O) of the dropped O. The mask
   // variant (T::kMask): mask_bh, the boolean mask at query row 0, key 0 of (b, h) (bias strides
   // from fn), hides scores where it is false (P^T = 0), read a byte per score in steps whose class
-  // (cls) is mixed; all masked gives P^T = 0, all visible reads nothing. (Issuing S^T a step ahead,
+  // (cls) is mixed; all masked gives P^T = 0, all visible reads nothing.  col_rows (the mask
+  // variant, nullptr without them): the mask's keys as row intervals (bias_blocks.h:
+  // mask_col_rows) of (b, h) at key 0; in mixed steps a thread whose two keys both have one
+  // compares its columns with them instead of reading the bytes.  (Issuing S^T a step ahead,
   // under the previous step's dQ tail, measured no gain: the other warpgroup's GEMMs already fill
   // that gap; docs/perf/sm90_backward.md.)
   __device__ __forceinline__ void step(const typename T::SharedStorage& smem, int stage,
@@ -330,7 +333,8 @@ struct BwdMainloop {
                                        const sm80::ScoreFn& fn, int64_t m0, int64_t n0,
                                        int32_t rows_left, int32_t keys_left, int cls,
                                        const sm80::DropoutFn& drop, int64_t drop_row_base,
-                                       const uint8_t* mask_bh, bool first) {
+                                       const uint8_t* mask_bh, const int32_t* col_rows,
+                                       bool first) {
     AccS acc_s = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     issue_s(acc_s, stage);
     AccS acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -433,6 +437,8 @@ struct BwdMainloop {
         else
           return lse_s[q0 + acc_col(i)];
       };
+      // The mask variant's visible query columns of the thread's two keys (below).
+      int32_t col_lo[2] = {0, 0}, col_hi[2] = {0, 0};
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(acc_s);
       // P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where the key is not visible to the row.
@@ -441,8 +447,9 @@ struct BwdMainloop {
       // overlap one element's exp2 with the next ones' (ncu: those waits were the largest
       // block of stalls outside the GEMMs).
       // The mask variant's mixed steps take a third copy, with the boolean mask (and the
-      // causal/window mask, hiding nothing where the step has none).
-      auto probs = [&](auto with_mask, auto with_bool) {
+      // causal/window mask, hiding nothing where the step has none); its other masked steps
+      // one with each key's visible query columns (col_lo, col_hi) instead of rel's test.
+      auto probs = [&](auto with_mask, auto with_bool, auto with_cols) {
         const BwdHide<decltype(with_bool)::value> hide(rel, masked, key0, q0, fn, mask_bh, m0,
                                                        n0);
         // (the softcap and ALiBi variants' terms: Sm90BwdTraits::kSoftcap, kAlibi)
@@ -460,6 +467,9 @@ struct BwdMainloop {
             pr = hide.visible(acc_row(i), acc_col(i), q < rows_left && key < keys_left) != 0
                      ? pr
                      : 0.f;
+          if constexpr (decltype(with_cols)::value)
+            if (acc_col(i) < col_lo[acc_row(i) / 8] || acc_col(i) >= col_hi[acc_row(i) / 8])
+              pr = t = 0.f;
           if constexpr (T::kSoftcap) {
             // P^T for dV now; S^T's register keeps P^T ds/dx / scale = P^T (1 - t^2) for dS^T.
             // (A select of 0 where P^T is 0 instead of t = 0 for hidden keys above spilled 516
@@ -471,12 +481,48 @@ struct BwdMainloop {
           }
         }
       };
-      if (T::kMask && cls == kBlockMixed)
-        probs(cute::true_type{}, cute::true_type{});
-      else if (masked)
-        probs(cute::true_type{}, cute::false_type{});
-      else
-        probs(cute::false_type{}, cute::false_type{});
+      if constexpr (T::kMask) {
+        // The mask variant: each of the thread's two keys sees the query columns [col_lo[r],
+        // col_hi[r]) (relative to its first, q0): in mixed steps the mask's row interval of
+        // the key (mask_col_rows, where both keys have one), intersected with the causal /
+        // window mask's (rel, in masked steps; keys past the end see none).  One copy of the
+        // loop then serves the causal mask and the boolean mask, two compares per score; a
+        // mixed step whose keys are not both intervals reads the mask's bytes.  (The records
+        // are read after the wait: the CTA's keys are the same every step, so they are in L1
+        // after its first; a fourth copy of the loop for mixed steps, or the values read
+        // before the wait, spilled 132 bytes more at head dim 64.)
+        bool bytes = false;
+        const int32_t base = static_cast<int32_t>(m0) + q0;
+        const VisibleKeys::Relative::Thread band =
+            masked ? rel.thread(key0, q0)
+                   : VisibleKeys::Relative::Thread{-(1 << 30), 1 << 30, 1 << 30};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // (rel's test hides (8 r, dr) iff 8 r - dr < band.lo or >= band.hi, or 8 r >= k_limit)
+          col_lo[r] = 8 * r >= band.k_limit ? 0 : 8 * r - band.hi + 1;
+          col_hi[r] = 8 * r >= band.k_limit ? 0 : 8 * r - band.lo + 1;
+          if (cls == kBlockMixed) {
+            const int2 rows =
+                col_rows == nullptr ? make_int2(1, 0)
+                : key0 + 8 * r < keys_left
+                    ? *reinterpret_cast<const int2*>(col_rows + 4 * (n0 + key0 + 8 * r))
+                    : make_int2(0, 0);
+            bytes |= rows.x > rows.y;
+            col_lo[r] = max(col_lo[r], rows.x - base);
+            col_hi[r] = min(col_hi[r], rows.y - base);
+          }
+        }
+        if (bytes)
+          probs(cute::true_type{}, cute::true_type{}, cute::false_type{});
+        else if (masked || cls == kBlockMixed)
+          probs(cute::false_type{}, cute::false_type{}, cute::true_type{});
+        else
+          probs(cute::false_type{}, cute::false_type{}, cute::false_type{});
+      } else if (masked) {
+        probs(cute::true_type{}, cute::false_type{}, cute::false_type{});
+      } else {
+        probs(cute::false_type{}, cute::false_type{}, cute::false_type{});
+      }
       if (T::kMask && cls == kBlockMasked) {
         CUTE_UNROLL
         for (int i = 0; i < kSVals; ++i) acc_s(i) = 0.f;
