@@ -48,6 +48,7 @@ pybind11::dict build_info() {
   d["cpu"] = true;
   // bf16 CPU tiles multiplied as bf16 (AVX512-BF16 found at run time, not switched off by
   // FLASH_ATTN_EXT_CPU_BF16_DOT=0; csrc/cpu/bf16_dot.h), else converted to fp32 for sgemm.
+  // The first read of that variable: a value it does not take fails the import here.
   d["cpu_bf16_dot"] = flash_attn_ext::cpu::bf16dot::enabled();
   // Those tiles on AMX where the CPU has it (PyTorch's brgemm; FLASH_ATTN_EXT_CPU_BF16_AMX=0
   // keeps them on the AVX512-BF16 micro-kernel; cpu/bf16_amx.h).

@@ -208,8 +208,10 @@ def check_args_traced(q, k, v, softmax_scale, causal, window_left, window_right,
 def build_info() -> dict:
     """How the compiled library was built: version, CUDA on/off and CUDA archs; and
     ``cpu_bf16_dot``: whether bf16 CPU calls multiply their tiles as bf16 (AVX512-BF16 found on
-    this CPU at import and FLASH_ATTN_EXT_CPU_BF16_DOT not "0"; P and dS then rounded to bf16
-    as on CUDA), else as fp32 tiles through sgemm; ``cpu_bf16_amx``: whether those bf16 tiles
+    this CPU at import and FLASH_ATTN_EXT_CPU_BF16_DOT not 0/false/no/off, which keep the fp32
+    tiles; 1/true/yes/on or unset leave it to the CPU, and any other value makes the import
+    raise ValueError; P and dS then rounded to bf16 as on CUDA), else as fp32 tiles through
+    sgemm; ``cpu_bf16_amx``: whether those bf16 tiles
     run on AMX (PyTorch's brgemm, where it can pack bf16 for AMX, and
     FLASH_ATTN_EXT_CPU_BF16_AMX not "0")."""
     return dict(_BUILD_INFO)

@@ -117,6 +117,32 @@ def test_bf16_cpu_paths_meet_the_error_rule(switch):
         pytest.skip("this CPU has no AVX512-BF16: only the fp32-tile path was exercised")
 
 
+def test_bf16_dot_switch_takes_the_strict_values_and_refuses_others():
+    # FLASH_ATTN_EXT_CPU_BF16_DOT is read once, when flash_attn_ext is imported (build_info),
+    # with FLASH_ATTN_EXT_STRICT's values: any value but "0" used to leave the bf16 path on, so
+    # "off" or a typo silently did nothing.
+    def taken(value):
+        env = dict(os.environ)
+        env.pop("FLASH_ATTN_EXT_CPU_BF16_DOT", None)
+        if value is not None:
+            env["FLASH_ATTN_EXT_CPU_BF16_DOT"] = value
+        code = "import flash_attn_ext; print(flash_attn_ext.ops.build_info()['cpu_bf16_dot'])"
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    default = taken(None)
+    assert default.returncode == 0, default.stderr[-3000:]
+    on = default.stdout.strip()  # (the CPU's answer)
+    for value, expected in (("off", "False"), (" No ", "False"), ("TRUE", on), ("", on)):
+        run = taken(value)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip() == expected, value
+    run = taken("bogus")
+    assert run.returncode != 0
+    assert ("ValueError: FLASH_ATTN_EXT_CPU_BF16_DOT must be 1, true, yes or on, or 0, false, "
+            "no or off (unset: on), got 'bogus'") in run.stderr, run.stderr[-3000:]
+
+
 def test_bf16_cpu_masked_keys_past_an_odd_tile_never_leak():
     # The bf16 path packs two keys per word: a tile with an odd number of keys pads with zero,
     # never with the next key, whose NaN would otherwise reach every row (0 * NaN).  Rows 0-2

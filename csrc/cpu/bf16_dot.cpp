@@ -5,6 +5,7 @@
 #include "cpu/bf16_dot.h"
 
 #include "cpu/bf16_amx.h"
+#include "cpu/env_switch.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -31,18 +32,19 @@ ChunkGuard::~ChunkGuard() {
 }
 
 bool enabled() {
-#if FAE_HAVE_BF16_DOT
   static const bool on = [] {
-    const char* env = std::getenv("FLASH_ATTN_EXT_CPU_BF16_DOT");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    // (read on every build and CPU, so that a bad value is an error wherever it is set; the
+    // first read is build_info()'s, when flash_attn_ext is imported)
+    if (!env_switch("FLASH_ATTN_EXT_CPU_BF16_DOT", true)) return false;
+#if FAE_HAVE_BF16_DOT
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
   }();
   return on;
-#else
-  return false;
-#endif
 }
 
 namespace {

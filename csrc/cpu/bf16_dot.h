@@ -21,8 +21,9 @@
 namespace flash_attn_ext::cpu::bf16dot {
 
 // Whether the bf16 path runs: the CPU has AVX512-BF16 (with AVX512-BW/VL) and the environment
-// variable FLASH_ATTN_EXT_CPU_BF16_DOT is not "0" (read once; "0" keeps bf16 inputs on fp32
-// tiles and sgemm, e.g. to compare).
+// variable FLASH_ATTN_EXT_CPU_BF16_DOT does not switch it off (read once, env_switch.h: 0,
+// false, no or off keep bf16 inputs on fp32 tiles and sgemm, e.g. to compare; 1, true, yes,
+// on or unset leave it to the CPU; any other value raises ValueError).
 bool enabled();
 
 // dst[r * ldd + p] = (src[r][2p], src[r][2p + 1]) for r < rows, p < (cols + 1) / 2; element
