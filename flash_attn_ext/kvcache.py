@@ -300,7 +300,7 @@ def flash_attn_with_kvcache(
         q: (batch, seqlen_q, num_heads, head_dim).
         k_cache, v_cache: (batch_cache, seqlen_cache, num_heads_k, head_dim / head_dim_v),
             or with block_table (num_blocks, page_size, num_heads_k, ...): updated in place
-            where k/v are given.
+            where k/v are given.  num_heads_k >= 1, a divisor of num_heads (GQA/MQA).
         k, v: (batch, seqlen_new, num_heads_k, head_dim / head_dim_v) or None: written into the
             cache at rows cache_seqlens[b] .. + seqlen_new (which must fit in seqlen_cache).
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None: q and the new k get the
@@ -395,7 +395,13 @@ def flash_attn_with_kvcache(
                          f"pages, seqlen or page size, num_heads_k), got {tuple(v_cache.shape)} "
                          f"and {tuple(k_cache.shape)}")
     # (named here: the kernels' own checks see the cache as k, in its dense dimensions)
-    if heads_k == 0 or heads % heads_k:
+    if heads_k == 0:
+        # (not the GQA rule's message, which is about divisibility: a cache of no heads holds no
+        # keys, and the CUDA decode kernels refuse it too; q of no heads against heads_k >= 1
+        # gives an empty output, as in flash_attn_func)
+        raise ValueError(f"k_cache.shape[2] (num_heads_k) must be >= 1, got 0 (q.shape[2]="
+                         f"{heads} query heads)")
+    if heads % heads_k:
         raise ValueError(f"the number of query heads must be a multiple of the number of "
                          f"key/value heads (GQA/MQA), got num_heads q.shape[2]={heads} and "
                          f"num_heads_k k_cache.shape[2]={heads_k}")

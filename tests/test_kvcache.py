@@ -151,6 +151,31 @@ def test_errors_name_the_rule():
         flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), k_cache, v_cache)
 
 
+def test_a_cache_of_no_heads_is_refused_by_its_own_rule():
+    # k_cache with no key/value heads was reported as a GQA divisibility error ("q.shape[2]=0
+    # and num_heads_k k_cache.shape[2]=0" for q of no heads too); q of no heads against a cache
+    # with heads gives an empty output (and appends), as in flash_attn_func.
+    import re
+
+    empty = torch.zeros(2, 8, 0, 16)
+    new = torch.ones(2, 1, 0, 16)
+    for heads in (0, 4):
+        q = torch.randn(2, 1, heads, 16)
+        for kv in ((), (new, new)):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"k_cache.shape[2] (num_heads_k) must be >= 1, got 0 (q.shape[2]={heads} "
+                    f"query heads)")):
+                flash_attn_with_kvcache(q, empty, empty.clone(), *kv, cache_seqlens=3)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
+    new = torch.ones(2, 1, 2, 16)
+    out, lse = flash_attn_with_kvcache(torch.randn(2, 1, 0, 16), k_cache, v_cache, new, new,
+                                       cache_seqlens=3, return_softmax_lse=True)
+    assert out.shape == (2, 1, 0, 16) and lse.shape == (2, 0, 1)
+    assert torch.equal(k_cache[:, 3], new[:, 0]) and torch.equal(v_cache[:, 3], new[:, 0])
+    assert flash_attn_ext.flash_attn_func(torch.randn(2, 1, 0, 16), k_cache,
+                                          v_cache).shape == (2, 1, 0, 16)
+
+
 def test_bad_appends_and_indices_raise_before_writing():
     # What indexing would otherwise accept silently (a batch-1 k broadcast into every entry, a
     # negative cache_batch_idx wrapping around, a dtype cast) or report without naming the
