@@ -50,8 +50,9 @@ def scaled_dot_product_attention(
             ones run the unfused math, reported as a fallback).  dtypes as in
             :func:`flash_attn_ext.flash_attn_func`.
         attn_mask: boolean (True = attend) or additive float mask, broadcastable to
-            (N, H, L, S) ((N, L, S) for 3-D inputs, (N, ..., H, L, S) with more leading
-            dimensions; a ValueError names the mask's shape and that one). Applied inside
+            (N, H, L, S) ((N, L, S) for 3-D inputs, (H, L, S) for 3-D inputs grouped with
+            enable_gqa, (N, ..., H, L, S) with more leading dimensions; a ValueError names the
+            mask's shape and that one). Applied inside
             the fused kernels (CPU and CUDA) tile by tile; a float mask that requires grad
             gets one (that gradient needs an fp32 (N, H, L, S) buffer).
             Rows the mask empties give 0 (as PyTorch 2.13 on the CPU).
@@ -118,16 +119,20 @@ def scaled_dot_product_attention(
 
 def _grouped_3d(query, key, value, enable_gqa, attn_mask) -> bool:
     """Whether 3-D query, key and value with enable_gqa differ in their first size (query's a
-    multiple of key's and value's): PyTorch's heads and KV heads of one batch.  ValueError for
-    an attn_mask of more than 3 dimensions then (the attention is (H, L, S), as PyTorch's
-    function says; it would broadcast against the (1, H, L, S) the call runs)."""
+    multiple of key's and value's, and their other sizes agree): PyTorch's heads and KV heads
+    of one batch.  ValueError then for an attn_mask that does not broadcast to the attention's
+    (H, L, S), as PyTorch's function says, named in those terms (the call runs on (1, H, L,
+    E), against which a mask of more than 3 dimensions would also broadcast).  Other 3-D
+    calls with enable_gqa and different first sizes break a rule that _checked_to_bshd names
+    in the caller's (H, L, E) terms."""
     if enable_gqa is not True or not all(isinstance(t, torch.Tensor) and t.dim() == 3
                                          for t in (query, key, value)):
         return False
     h, h_k, h_v = query.shape[0], key.shape[0], value.shape[0]
-    grouped = h_k == h_v and h_k != h and h_k > 0 and h % h_k == 0
-    if grouped and isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 3:
-        check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],))
+    grouped = (h_k == h_v and h_k != h and h_k > 0 and h % h_k == 0
+               and key.shape[1] == value.shape[1] and query.shape[2] == key.shape[2])
+    if grouped and isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 2:
+        check_mask_shape(attn_mask, tuple(query.shape[:-1]) + (key.shape[-2],), "(H, L, S)")
     return grouped
 
 
@@ -280,22 +285,25 @@ def mask_to_bias(attn_mask: torch.Tensor, query: torch.Tensor,
     return bias
 
 
-def check_mask_shape(attn_mask: torch.Tensor, full: tuple) -> None:
+def check_mask_shape(attn_mask: torch.Tensor, full: tuple, dims: Optional[str] = None) -> None:
     """ValueError unless attn_mask broadcasts to the call's attention shape ``full``: (N, H, L,
     S), (N, L, S) for 3-D inputs, or (N, ..., H, L, S) with more leading dimensions, as the
-    caller passed them."""
+    caller passed them; ``dims`` names them where the rank does not tell (3-D inputs grouped
+    with enable_gqa: (H, L, S))."""
     # (m == 1 or m == f, not m in (1, f): under torch.compile with dynamic shapes, Dynamo
     # evaluates `int in (..., SymInt)` as False even where they are equal)
     ok = attn_mask.dim() <= len(full) and all(
         m == 1 or m == f for m, f in zip(reversed(attn_mask.shape), reversed(full)))
     if not ok:
-        dims = {3: "(N, L, S)", 4: "(N, H, L, S)"}.get(len(full), "(N, ..., H, L, S)")
+        dims = dims or {3: "(N, L, S)", 4: "(N, H, L, S)"}.get(len(full), "(N, ..., H, L, S)")
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
                          f"to the attention's {dims} = {full}")
 
 
 def to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool):
-    """Validates SDPA-layout tensors and returns (B, L, H, E) views of them (no copies)."""
+    """Validates SDPA-layout tensors and returns (B, L, H, E) views of them (no copies); 3-D
+    inputs with enable_gqa whose first sizes differ are heads, (H, L, E) against (H_kv, S, E),
+    of one batch, as in scaled_dot_product_attention."""
     # Fast path (every call pays for this function: its checks once cost ~2 us of host time
     # per call): the rules of _checked_to_bshd for 4-D inputs in one expression; where it is
     # false, _checked_to_bshd checks them one by one and raises the broken rule's error.
@@ -337,7 +345,11 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError("query, key and value must have the same number of dimensions, got "
                          f"{query.dim()}, {key.dim()} and {value.dim()}")
     n = query.dim()  # messages use the caller's dimension numbers
-    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+    # 3-D inputs with enable_gqa whose first sizes differ are (H, L, E) against (H_kv, S, E),
+    # one batch, as PyTorch's function groups dimension -3: the rules on heads apply to size(0)
+    heads_first = n == 3 and enable_gqa is True and not (
+        query.shape[0] == key.shape[0] == value.shape[0])
+    if not heads_first and not (query.shape[0] == key.shape[0] == value.shape[0]):
         raise ValueError("query, key and value must have the same batch size, got "
                          f"query.size(0)={query.shape[0]}, key.size(0)={key.shape[0]}, "
                          f"value.size(0)={value.shape[0]}")
@@ -349,19 +361,20 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError(f"query and key must have the same embedding size, got "
                          f"query.size({n - 1})={query.shape[-1]}, key.size({n - 1})="
                          f"{key.shape[-1]}")
-    if n == 4:
-        heads, heads_kv = query.shape[1], key.shape[1]
-        if key.shape[1] != value.shape[1]:
+    if n == 4 or heads_first:
+        d = 1 if n == 4 else 0  # (the heads' dimension)
+        heads, heads_kv = query.shape[d], key.shape[d]
+        if key.shape[d] != value.shape[d]:
             raise ValueError(f"key and value must have the same number of heads, got "
-                             f"key.size(1)={key.shape[1]}, value.size(1)={value.shape[1]}")
+                             f"key.size({d})={key.shape[d]}, value.size({d})={value.shape[d]}")
         if heads != heads_kv and not enable_gqa:
             raise ValueError(f"query has {heads} heads (query.size(1)) and key has {heads_kv} "
                              "(key.size(1)): they must be equal unless enable_gqa=True")
         if heads_kv == 0 and heads != 0:
-            raise ValueError(f"key.size(1)=0 heads cannot serve query.size(1)={heads} heads")
+            raise ValueError(f"key.size({d})=0 heads cannot serve query.size({d})={heads} heads")
         if heads_kv != 0 and heads % heads_kv != 0:
-            raise ValueError(f"with enable_gqa, query.size(1)={heads} must be a multiple of "
-                             f"key.size(1)={heads_kv}")
+            raise ValueError(f"with enable_gqa, query.size({d})={heads} must be a multiple of "
+                             f"key.size({d})={heads_kv}")
     # One dtype, after autocast's casts (under torch.autocast PyTorch's function takes, e.g.,
     # a float32 query with bfloat16 key and value: all run in bfloat16).
     dtypes = [autocast_dtype(t) or t.dtype for t in (query, key, value)]
@@ -373,5 +386,6 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     check_sdpa_dtype(query, dtypes[0])
     check_same_device(query, key, value)
     if query.dim() == 3:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        d = 0 if heads_first else 1  # (grouped: one batch of heads; else one head per batch)
+        query, key, value = query.unsqueeze(d), key.unsqueeze(d), value.unsqueeze(d)
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

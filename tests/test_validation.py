@@ -224,6 +224,45 @@ def test_sdpa_errors_use_callers_dimensions():
         scaled_dot_product_attention(r(1, 2, 4, 8), r(1, 2, 4, 9), r(1, 2, 4, 9))
 
 
+def test_sdpa_errors_of_grouped_3d_calls_use_callers_shapes():
+    # 3-D inputs with enable_gqa and different first sizes are (H, L, E) against (H_kv, S, E),
+    # one batch, as PyTorch's function groups dimension -3.  Their errors named an attention
+    # of (N, L, S) or of the (1, H, L, S) the call runs on, that view's dimension numbers, and
+    # a batch size.
+    import re
+
+    from flash_attn_ext import explain, to_bshd
+    r = torch.randn
+    q, k = r(8, 5, 16), r(2, 7, 16)
+    for shape in ((2, 8, 5, 7), (3, 5, 7), (8, 4, 7)):
+        mask = torch.ones(shape, dtype=torch.bool)
+        for fn in (scaled_dot_product_attention, explain):
+            with pytest.raises(ValueError) as error:
+                fn(q, k, k, attn_mask=mask, enable_gqa=True)
+            assert str(error.value) == (f"attn_mask of shape {shape} is not broadcastable to "
+                                        f"the attention's (H, L, S) = (8, 5, 7)")
+    for args, message in (
+            ((q, k, r(2, 6, 16)), "key and value must have the same sequence length, got "
+                                  "key.size(1)=7, value.size(1)=6"),
+            ((q, r(2, 7, 8), r(2, 7, 8)), "query and key must have the same embedding size, got "
+                                          "query.size(2)=16, key.size(2)=8"),
+            ((q, k, r(4, 7, 16)), "key and value must have the same number of heads, got "
+                                  "key.size(0)=2, value.size(0)=4"),
+            ((r(6, 5, 16), r(4, 7, 16), r(4, 7, 16)), "with enable_gqa, query.size(0)=6 must be "
+                                                      "a multiple of key.size(0)=4"),
+            ((q, r(0, 7, 16), r(0, 7, 16)), "key.size(0)=0 heads cannot serve query.size(0)=8 "
+                                            "heads")):
+        for fn in (scaled_dot_product_attention, explain):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                fn(*args, enable_gqa=True)
+    # Without enable_gqa the first size is the batch.
+    with pytest.raises(ValueError, match=re.escape("same batch size, got query.size(0)=8")):
+        scaled_dot_product_attention(q, k, k)
+    # to_bshd takes such inputs as the drop-in does: one batch of heads.
+    assert [t.shape for t in to_bshd(q, k, k, True)] == [(1, 5, 8, 16), (1, 7, 2, 16),
+                                                          (1, 7, 2, 16)]
+
+
 def test_explain_checks_like_a_call():
     from flash_attn_ext import explain
     q = torch.randn(1, 2, 3, 8)
