@@ -213,5 +213,5 @@ def build_info() -> dict:
     raise ValueError; P and dS then rounded to bf16 as on CUDA), else as fp32 tiles through
     sgemm; ``cpu_bf16_amx``: whether those bf16 tiles
     run on AMX (PyTorch's brgemm, where it can pack bf16 for AMX, and
-    FLASH_ATTN_EXT_CPU_BF16_AMX not "0")."""
+    FLASH_ATTN_EXT_CPU_BF16_AMX not 0/false/no/off; other values raise ValueError)."""
     return dict(_BUILD_INFO)

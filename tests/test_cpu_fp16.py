@@ -35,3 +35,14 @@ def test_fp16_tiles_convert_exactly(switch):
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_f16c_switch_refuses_values_it_does_not_take():
+    # FLASH_ATTN_EXT_CPU_F16C takes FLASH_ATTN_EXT_STRICT's values (csrc/cpu/env_switch.h); a
+    # typo is refused by name at the first fp16 call rather than leaving the switch on.
+    env = dict(os.environ, FLASH_ATTN_EXT_CPU_F16C="bogus")
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "FLASH_ATTN_EXT_CPU_F16C must be" in run.stderr, \
+        run.stderr[-2000:]
+    assert "got 'bogus'" in run.stderr

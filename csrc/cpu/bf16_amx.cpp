@@ -3,6 +3,8 @@
 // own, without bf16_dot.cpp's target attributes: ATen's headers carry inline functions.
 #include "cpu/bf16_amx.h"
 
+#include "cpu/env_switch.h"
+
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
@@ -49,8 +51,9 @@ FAE_AMX_VECTOR void add_scaled_rows(float* c, int64_t ldc, const float* product,
 
 bool enabled() {
   static const bool on = [] {
-    const char* env = std::getenv("FLASH_ATTN_EXT_CPU_BF16_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    // (env_switch.h: 0/false/no/off keep the AVX512-BF16 tiles; a value it does not take
+    // raises ValueError)
+    if (!env_switch("FLASH_ATTN_EXT_CPU_BF16_AMX", true)) return false;
     return at::native::cpublas::could_pack(at::kBFloat16);
   }();
   return on;

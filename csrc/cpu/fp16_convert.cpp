@@ -3,6 +3,8 @@
 // with inline functions (no F16C copy of a shared inline function for the linker to pick).
 #include "cpu/fp16_convert.h"
 
+#include "cpu/env_switch.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -30,18 +32,19 @@ __attribute__((target("avx,f16c"))) void with_f16c(float* dst, const uint16_t* s
 }  // namespace
 
 bool f16c() {
-#if FAE_HAVE_F16C
   static const bool on = [] {
-    // (FLASH_ATTN_EXT_CPU_F16C=0: c10::Half's own conversion, for tests and A/Bs)
-    const char* env = std::getenv("FLASH_ATTN_EXT_CPU_F16C");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    // (FLASH_ATTN_EXT_CPU_F16C=0, false, no or off: c10::Half's own conversion, for tests and
+    // A/Bs; read on every build, so that a value env_switch does not take is an error
+    // wherever it is set)
+    if (!env_switch("FLASH_ATTN_EXT_CPU_F16C", true)) return false;
+#if FAE_HAVE_F16C
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
   }();
   return on;
-#else
-  return false;
-#endif
 }
 
 void half_to_float(float* dst, const uint16_t* src, int64_t n) {
