@@ -91,6 +91,21 @@ def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
     return dtype
 
 
+def run_dtypes(tensors: Tuple[torch.Tensor, ...], names: Tuple[str, ...]) -> list:
+    """The dtypes the call's q, k and v run in (after autocast's casts; under torch.autocast
+    PyTorch's function takes, e.g., a float32 query with bfloat16 key and value: all run in
+    bfloat16).  ValueError unless they are one, naming the dtypes passed (``names``: the
+    caller's argument names) and, where autocast changed them, the cast ones."""
+    dtypes = [autocast_dtype(t) or t.dtype for t in tensors]
+    if not dtypes[0] == dtypes[1] == dtypes[2]:
+        cast = "" if dtypes == [t.dtype for t in tensors] else \
+            f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
+        got = ", ".join(f"{n}.dtype={t.dtype}" for n, t in zip(names, tensors))
+        raise ValueError(f"{names[0]}, {names[1]} and {names[2]} must have the same dtype, got "
+                         f"{got}{cast}")
+    return dtypes
+
+
 def autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     # (autocast off on q's device, k and v there too: the common case, checked at once;
     # is_cuda/is_cpu are cheaper than device.type)
@@ -100,13 +115,8 @@ def autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             and k.is_cpu == q.is_cpu and v.is_cpu == q.is_cpu):
         return q, k, v
 
-    dtypes = [autocast_dtype(t) or t.dtype for t in (q, k, v)]
-    if not dtypes[0] == dtypes[1] == dtypes[2]:
-        # (named here, with the dtypes passed: the op would name only the cast ones)
-        cast = "" if dtypes == [q.dtype, k.dtype, v.dtype] else \
-            f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
-        raise ValueError(f"q, k and v must have the same dtype, got q.dtype={q.dtype}, "
-                         f"k.dtype={k.dtype}, v.dtype={v.dtype}{cast}")
+    # (checked here, naming the dtypes passed: the op would name only the cast ones)
+    dtypes = run_dtypes((q, k, v), ("q", "k", "v"))
     return tuple(t if t.dtype == dtype else t.to(dtype) for t, dtype in zip((q, k, v), dtypes))
 
 

@@ -16,6 +16,7 @@ from ._call import (
     dropped,
     kernel_dropout,
     run,
+    run_dtypes,
 )
 
 
@@ -375,14 +376,7 @@ def _checked_to_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if heads_kv != 0 and heads % heads_kv != 0:
             raise ValueError(f"with enable_gqa, query.size({d})={heads} must be a multiple of "
                              f"key.size({d})={heads_kv}")
-    # One dtype, after autocast's casts (under torch.autocast PyTorch's function takes, e.g.,
-    # a float32 query with bfloat16 key and value: all run in bfloat16).
-    dtypes = [autocast_dtype(t) or t.dtype for t in (query, key, value)]
-    if not dtypes[0] == dtypes[1] == dtypes[2]:
-        cast = "" if dtypes == [query.dtype, key.dtype, value.dtype] else \
-            f" (under torch.autocast: {dtypes[0]}, {dtypes[1]} and {dtypes[2]})"
-        raise ValueError(f"query, key and value must have the same dtype, got query.dtype="
-                         f"{query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}{cast}")
+    dtypes = run_dtypes((query, key, value), ("query", "key", "value"))  # (one, after autocast)
     check_sdpa_dtype(query, dtypes[0])
     check_same_device(query, key, value)
     if query.dim() == 3:

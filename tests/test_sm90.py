@@ -1103,6 +1103,21 @@ def _left_padding_mask(batch, seqlen_q, seqlen_k):
     return ((j <= i + seqlen_k - seqlen_q) & (j >= pad[:, None, None]))[:, None]
 
 
+def _summary_mask(what, seqlen_q, seqlen_k, holes):
+    """A (3, H, L, S) or broadcast boolean mask of a summary test: mask_case's, the left padding
+    mask, or "random_holes": a causal + padding mask with the (rows, keys) index `holes` of
+    batch entry 1, head 2 hidden (rows or keys that are then not one interval)."""
+    if what == "left_padding":
+        mask = _left_padding_mask(3, seqlen_q, seqlen_k)
+    elif what == "random_holes":
+        mask, _, _ = mask_case("causal_padding", 3, seqlen_q, seqlen_k, 4)
+        mask = mask.expand(3, 4, seqlen_q, seqlen_k).clone()
+        mask[(1, 2) + holes] = False
+    else:
+        mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # ("blockdiag": (L, S))
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (65, 131),
                                                (1023, 1023)])
 @pytest.mark.parametrize("what", [m for m in MASKS if m != "rows"] + ["left_padding",
@@ -1114,15 +1129,7 @@ def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
     # strides ("sliced") two keys a lane; rows that see nothing (0, 0); rows whose keys are not
     # one interval ("random", and "random_holes": a padding mask with one hidden key in some
     # rows) marked (1, 0).
-    if what == "left_padding":
-        mask = _left_padding_mask(3, seqlen_q, seqlen_k)
-    elif what == "random_holes":
-        mask, _, _ = mask_case("causal_padding", 3, seqlen_q, seqlen_k, 4)
-        mask = mask.expand(3, 4, seqlen_q, seqlen_k).clone()
-        mask[1, 2, ::3, seqlen_k // 2] = False
-    else:
-        mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # ("blockdiag": (L, S))
+    mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(slice(None, None, 3), seqlen_k // 2))
     if seqlen_k == 1:  # (one key: its dimension broadcasts, and no intervals are kept)
         with pytest.raises(RuntimeError, match="no row intervals"):
             ops._C.sm90_mask_row_keys(mask)
@@ -1174,15 +1181,7 @@ def test_mask_col_rows_summary(seqlen_q, seqlen_k, what):
     # 16-byte loads by warp votes, partial ones (S = 17, 131, 300) and odd row strides
     # ("sliced") two keys a lane; keys no row sees (0, 0); keys whose rows are not one interval
     # ("random", "random_holes", "perhead" bands cut per batch entry) marked (1, 0).
-    if what == "left_padding":
-        mask = _left_padding_mask(3, seqlen_q, seqlen_k)
-    elif what == "random_holes":
-        mask, _, _ = mask_case("causal_padding", 3, seqlen_q, seqlen_k, 4)
-        mask = mask.expand(3, 4, seqlen_q, seqlen_k).clone()
-        mask[1, 2, seqlen_q // 2, ::3] = False
-    else:
-        mask, _, _ = mask_case(what, 3, seqlen_q, seqlen_k, 4)
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # ("blockdiag": (L, S))
+    mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(seqlen_q // 2, slice(None, None, 3)))
     if seqlen_q == 1:  # (one row: its dimension broadcasts, and no intervals are kept)
         with pytest.raises(RuntimeError, match="no column intervals"):
             ops._C.sm90_mask_row_keys(mask, columns=True)
