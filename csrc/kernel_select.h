@@ -97,9 +97,9 @@ struct KernelOptions {
   // The Hopper backward's mask variant at head dims 64 and 128: the summary also records which
   // keys of a mask with a value per row and key are row intervals (a causal, padding or window
   // mask's are), and mixed steps mask a thread's two keys by comparisons where both are,
-  // instead of reading a byte per score (a CTA keeps its keys for all its steps, so the two
-  // intervals are loaded per step, before the wait for S^T); false: the bytes, kept for
-  // same-build A/Bs (docs/perf/sm90_score_mods.md).
+  // instead of reading a byte per score (a CTA keeps its keys for all its steps, so a thread's
+  // two intervals are read from L1 each step, after the wait for S^T); false: the bytes, kept
+  // for same-build A/Bs (docs/perf/sm90_score_mods.md).
   bool sm90_mask_cols = true;
   // The Hopper backward's dropout variant at head dim 64 (dense calls) with 64-row steps
   // (Sm90BwdTraits::kShortSteps, the default); false: 128, as the other variants take there,
