@@ -489,8 +489,8 @@ struct BwdMainloop {
         // loop then serves the causal mask and the boolean mask, two compares per score; a
         // mixed step whose keys are not both intervals reads the mask's bytes.  (The records
         // are read after the wait: the CTA's keys are the same every step, so they are in L1
-        // after its first; a fourth copy of the loop for mixed steps, or the values read
-        // before the wait, spilled 132 bytes more at head dim 64.)
+        // after its first.  A fourth copy of the loop for the mixed steps spilled 132 bytes
+        // more at head dim 64, with the records read before the wait or after it.)
         bool bytes = false;
         const int32_t base = static_cast<int32_t>(m0) + q0;
         const VisibleKeys::Relative::Thread band =
