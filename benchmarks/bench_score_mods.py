@@ -23,8 +23,9 @@ ours_narrow_tiles (softcap / alibi at d <= 64: the kernel option sm90_narrow_til
 tiles instead of 128), ours_long_steps (dropout at d <= 64: the kernel option
 sm90_bwd_short_steps off, the Hopper backward's 128-row steps instead of 64),
 ours_no_blocks (masks: the Hopper kernels without the bias's block summary, reading it
-everywhere), ours_mask_bytes (masks: the kernel option sm90_mask_rows off, the forward reading
-the mask's bytes in mixed blocks where a row's keys are an interval), ours_as_bias (masks: the
+everywhere), ours_mask_bytes (masks: the kernel options sm90_mask_rows and sm90_mask_cols off,
+the forward and the backward reading the mask's bytes in mixed blocks where a row's keys, or a
+key's rows, are an interval), ours_as_bias (masks: the
 same mask as a 0 / -inf fp32 bias, which the general variant reads), SDPA with the CUDNN,
 FLASH (no mask) and EFFICIENT backends forced, and FlexAttention compiled (block mask or
 score_mod for the same function).  A backend that refuses a call is recorded with its error.
@@ -156,8 +157,12 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
     if case in ("padding", "causal_padding"):
         impls["ours_no_blocks"] = ours_no_blocks
         impls["ours_as_bias"] = ours_as_bias
-        if "sm90_mask_rows" in flash_attn_ext.ops._C.kernel_options():
-            impls["ours_mask_bytes"] = with_options(ours, sm90_mask_rows=False)
+        options = flash_attn_ext.ops._C.kernel_options()
+        if "sm90_mask_rows" in options:
+            bytes_everywhere = dict(sm90_mask_rows=False)
+            if "sm90_mask_cols" in options:
+                bytes_everywhere["sm90_mask_cols"] = False
+            impls["ours_mask_bytes"] = with_options(ours, **bytes_everywhere)
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
