@@ -158,10 +158,8 @@ def implementations(case: str, flex: bool, d: int) -> Dict[str, Callable]:
         impls["ours_no_blocks"] = ours_no_blocks
         impls["ours_as_bias"] = ours_as_bias
         options = flash_attn_ext.ops._C.kernel_options()
-        if "sm90_mask_rows" in options:
-            bytes_everywhere = dict(sm90_mask_rows=False)
-            if "sm90_mask_cols" in options:
-                bytes_everywhere["sm90_mask_cols"] = False
+        bytes_everywhere = {o: False for o in ("sm90_mask_rows", "sm90_mask_cols") if o in options}
+        if bytes_everywhere:
             impls["ours_mask_bytes"] = with_options(ours, **bytes_everywhere)
     if case != "softcap":
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
