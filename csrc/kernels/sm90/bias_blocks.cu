@@ -6,14 +6,19 @@
 // zero masked.
 //
 // With row intervals (MaskIntervals::kRows, the forward's mask variant, a boolean mask with a
-// value per key): also each row's first and last visible key and its count of visible keys,
-// per block from the lanes' bits, per CTA (eight key blocks) in shared memory, per row by
-// three atomics into its record; finish_record then turns the record into the row's interval
-// (mask_row_keys), or marks a row whose visible keys are not one interval (count != last -
-// first + 1).  With column intervals (kCols, the backward's mask variant, whose CTA keeps its
-// keys for all its steps; a mask with a value per row and key): the same per key over the
-// rows, each column's rows gathered from the lanes' bits by one warp vote per key of a lane's
-// 16 (bits of eight rows and four 16-key groups each), three atomics per column and block.
+// value per key): also each row's first and last visible key and its count of visible keys.
+// Then a CTA takes one row block of one (batch, head) and its eight warps walk all its key
+// blocks (warp w every eighth from w), each keeping its rows' running first, last and count in
+// shared memory; the CTA combines its warps' and writes each row's interval once
+// (store_interval: mask_row_keys), or marks a row whose visible keys are not one interval
+// (count != last - first + 1).  With column intervals (kCols, the backward's mask variant,
+// whose CTA keeps its keys for all its steps; a mask with a value per row and key): the same
+// per key over the rows, a CTA per key block walking its row blocks, each column's rows of a
+// block gathered from the lanes' bits by one warp vote per key of a lane's 16 (bits of eight
+// rows and four 16-key groups each) into two running records per lane in registers.  (Before,
+// a CTA per eight blocks added its rows' or columns' parts to the records by three atomics
+// each, and a third pass finished them: the passes took 40 / 59 us against 30 for the classes
+// alone at B = 4, L = S = 4k on an H100, the columns' 192 atomics per key the most.)
 //
 // Why this shape: a (B, 1, L, S) mask is B * L * S values (64 MB at B = 4, L = S = 4k), read
 // before the forward and again before the backward, so the pass must run at memory speed.
@@ -22,6 +27,7 @@
 // 101 us on the H200 (0.63 TB/s); docs/perf/sm90_score_mods.md has the measurements.
 #include "kernels/sm90/bias_blocks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -29,14 +35,16 @@ namespace flash_attn_ext::sm90 {
 
 namespace {
 
-constexpr int kWarpsPerCta = 8;  // key blocks per CTA
+constexpr int kWarpsPerCta = 8;  // blocks a CTA takes at once
+// CTAs the row and column walks aim for: two per SM of an H100 / H200 (132 SMs), whose
+// 16 warps keep ~64 KB of loads in flight per SM.
+constexpr int64_t kWalkCtas = 264;
 
 // The summary's extent: the bias's own (1 where it broadcasts, stride 0) batch and heads, and
 // its 64-blocks of rows and keys.
-// Words of a row's record (FwdParams::bias_row_keys) or a column's (bias_col_rows): while
-// summarize_bias_kernel runs, the first visible key (row) by atomicMin, ~the last (atomicMin),
-// ~the count (atomicSub from ~0), all starting at ~0; then (begin, end) in the first two
-// (finish_record).
+// Words of a row's record (FwdParams::bias_row_keys) or a column's (bias_col_rows): the interval
+// (begin, end) in the first two (store_interval); the other two unused (the kernels' and the
+// hook's layout).
 constexpr int kRecord = 4;
 
 struct SummaryShape {
@@ -89,28 +97,68 @@ __device__ __forceinline__ uint32_t gather_rows8(uint32_t x) {
   return (x | (x >> 12)) & 0xffu;
 }
 
-// A column's visible rows of one block (bit r: row row0 + r) into its record.
-__device__ __forceinline__ void record_column(uint32_t* record, int64_t row0, uint64_t rows) {
-  if (rows == 0) return;
-  atomicMin(record, static_cast<uint32_t>(row0 + __ffsll(static_cast<long long>(rows)) - 1));
-  atomicMin(record + 1, ~static_cast<uint32_t>(row0 + 63 - __clzll(static_cast<long long>(rows))));
-  atomicSub(record + 2, static_cast<uint32_t>(__popcll(rows)));
+// A row's or key's running first and last visible key (row) and count, over the blocks its
+// warp has walked: first kNone and last -1 while it saw none.
+struct Span {
+  int32_t first, last, count;
+  static constexpr int32_t kNone = 0x7fffffff;
+  __device__ __forceinline__ static Span none() { return Span{kNone, -1, 0}; }
+  __device__ __forceinline__ void add(int32_t f, int32_t l, int32_t n) {
+    if (n == 0) return;
+    first = min(first, f);
+    last = max(last, l);
+    count += n;
+  }
+  // A block's visible rows of one column (bit r: row row0 + r).
+  __device__ __forceinline__ void add_bits(int64_t row0, uint64_t rows) {
+    if (rows == 0) return;
+    add(static_cast<int32_t>(row0 + __ffsll(static_cast<long long>(rows)) - 1),
+        static_cast<int32_t>(row0 + 63 - __clzll(static_cast<long long>(rows))),
+        __popcll(rows));
+  }
+};
+
+// A row's or key's record as the interval (begin, end) of mask_row_keys / mask_col_rows:
+// (first, last + 1) where the count fills it, (0, 0) where nothing is visible, else (1, 0).
+__device__ __forceinline__ void store_interval(uint32_t* record, const Span& s) {
+  int32_t begin = 1, end = 0;
+  if (s.count == 0) {
+    begin = 0;
+  } else if (s.count == s.last - s.first + 1) {
+    begin = s.first;
+    end = s.last + 1;
+  }
+  *reinterpret_cast<int2*>(record) = make_int2(begin, end);
 }
 
-// A record's (first, ~last, ~count) as the interval (begin, end) of mask_row_keys /
-// mask_col_rows: (first, last + 1) where the count fills it, (0, 0) where nothing is visible,
-// else (1, 0).
+// A CTA's span of a row or key into its record where the walk over its blocks is split
+// between CTAs (Summary::splits > 1): the first visible key (row) by atomicMin, ~the last
+// (atomicMin), ~the count (atomicSub), all starting at ~0 (the memset); finish_record then
+// makes the interval.  (With one CTA per row or key, store_interval writes it at once.)
+__device__ __forceinline__ void add_to_record(uint32_t* record, const Span& s) {
+  if (s.count == 0) return;
+  atomicMin(record, static_cast<uint32_t>(s.first));
+  atomicMin(record + 1, ~static_cast<uint32_t>(s.last));
+  atomicSub(record + 2, static_cast<uint32_t>(s.count));
+}
 __device__ __forceinline__ void finish_record(uint32_t* record) {
-  const int64_t first = record[0], last = ~record[1], count = ~record[2];
-  int32_t begin = 1, end = 0;
-  if (count == 0) {
-    begin = 0;
-  } else if (count == last - first + 1) {
-    begin = static_cast<int32_t>(first);
-    end = static_cast<int32_t>(last + 1);
-  }
-  record[0] = static_cast<uint32_t>(begin);
-  record[1] = static_cast<uint32_t>(end);
+  Span s;
+  s.count = static_cast<int32_t>(~record[2]);
+  s.first = static_cast<int32_t>(record[0]);
+  s.last = static_cast<int32_t>(~record[1]);
+  store_interval(record, s);
+}
+// Row (key) i's spans of a walk's warps combined into its record: stored where one CTA walks
+// all its blocks (gridDim.y == 1), else added for finish_records_kernel.
+__device__ __forceinline__ void store_warps_span(const Span (&spans)[kWarpsPerCta][kBiasBlock],
+                                                 int i, uint32_t* record) {
+  Span all = Span::none();
+  for (int w = 0; w < kWarpsPerCta; ++w)
+    all.add(spans[w][i].first, spans[w][i].last, spans[w][i].count);
+  if (gridDim.y > 1)
+    add_to_record(record, all);
+  else
+    store_interval(record, all);
 }
 
 template <typename Value>
@@ -140,22 +188,22 @@ __device__ __forceinline__ void classify16(const uint4& x, bool& zero, bool& mas
   }
 }
 
-// One warp's block of summarize_bias_kernel (key block key_block, row block blockIdx.y,
-// (batch, head) blockIdx.z); with row intervals (kRows) also, for each of its rows, the first
-// and last visible key (relative to the block) and their count into first[r], last[r],
-// count[r] (64, -1 and 0 where the row sees none of the block's keys); with column intervals
-// (kCols) each of its keys' visible rows into the key's record of col_records (the records of
-// the bias's own keys, per (batch, head) of its own extent).
+// One warp's block: key block key_block, row block row_block, (batch, head) bh of the bias's
+// own extent.  Its class into `blocks` and its spans into `ranges`; with row intervals (kRows)
+// also, for each of its rows, the first and last visible key and their count added to
+// row_spans[r] (the warp's running spans of the row block's rows, in shared memory); with column
+// intervals (kCols) each of this lane's keys' (key0 + lane + 32 c) visible rows added to
+// col_spans[c].
 template <typename Value, MaskIntervals kWhat>
 __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blocks,
                                                 uint32_t* ranges, int64_t row_blocks,
-                                                int64_t key_blocks, int64_t key_block, int lane,
-                                                int32_t* first, int32_t* last, int32_t* count,
-                                                uint32_t* col_records) {
+                                                int64_t key_blocks, int64_t row_block,
+                                                int64_t key_block, int64_t bh, int lane,
+                                                Span* row_spans, Span (&col_spans)[2]) {
   constexpr bool kRowKeys = kWhat == MaskIntervals::kRows, kColKeys = kWhat == MaskIntervals::kCols;
   const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
-  const int64_t bh = blockIdx.z, b = bh / heads, h = bh % heads;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
+  const int64_t b = bh / heads, h = bh % heads;
+  const int64_t row0 = row_block * kBiasBlock;
   const int64_t key0 = key_block * kBiasBlock;
   // Rows and keys of the block that exist (one where the bias broadcasts along them: all its
   // rows or keys are that one).
@@ -183,21 +231,28 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
     const int64_t step = (32 / kLanesPerRow) * p.bias_row_stride;
     if constexpr (kRowKeys) {
       // Eight passes of eight rows (four lanes a row), every lane in every pass for the
-      // shuffles; a row's lanes combine their 16 keys' first, last and count.
-      constexpr int kRowsPerPass = 32 / kLanesPerRow;
+      // shuffles; a row's lanes combine their 16 keys' first, last and count.  The eight
+      // loads first, all in flight at once (the spans' shared-memory updates through a generic
+      // pointer would keep the compiler from moving a later pass's load above them).
+      constexpr int kRowsPerPass = 32 / kLanesPerRow, kPasses = kBiasBlock / kRowsPerPass;
       const int lane_key0 = (lane % kLanesPerRow) * kPerVec;
+      uint32_t bits[kPasses];
 #pragma unroll
-      for (int pass = 0; pass < kBiasBlock / kRowsPerPass; ++pass, ptr += step) {
+      for (int pass = 0; pass < kPasses; ++pass, ptr += step)
+        bits[pass] = lane / kLanesPerRow + pass * kRowsPerPass < rows
+                         ? visible_bits16(*reinterpret_cast<const uint4*>(ptr))
+                         : 0u;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
         const int r = lane / kLanesPerRow + pass * kRowsPerPass;
         int32_t f = kBiasBlock, l = -1, n = 0;
         if (r < rows) {
-          const uint32_t bits = visible_bits16(*reinterpret_cast<const uint4*>(ptr));
-          zero &= bits == 0xffffu;
-          masked &= bits == 0;
-          if (bits != 0) {
-            f = lane_key0 + __ffs(bits) - 1;
-            l = lane_key0 + 31 - __clz(bits);
-            n = __popc(bits);
+          zero &= bits[pass] == 0xffffu;
+          masked &= bits[pass] == 0;
+          if (bits[pass] != 0) {
+            f = lane_key0 + __ffs(bits[pass]) - 1;
+            l = lane_key0 + 31 - __clz(bits[pass]);
+            n = __popc(bits[pass]);
           }
         }
 #pragma unroll
@@ -206,11 +261,8 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
           l = max(l, __shfl_xor_sync(0xffffffffu, l, o));
           n += __shfl_xor_sync(0xffffffffu, n, o);
         }
-        if (lane % kLanesPerRow == 0 && r < rows) {
-          first[r] = f;
-          last[r] = l;
-          count[r] = n;
-        }
+        if (lane % kLanesPerRow == 0 && r < rows)
+          row_spans[r].add(static_cast<int32_t>(key0) + f, static_cast<int32_t>(key0) + l, n);
       }
     } else if constexpr (kColKeys) {
       // Eight passes of eight rows as above.  Per pass one vote per key of a lane's 16: vote k
@@ -241,8 +293,7 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
                          << (kRowsPerPass * pass);
       }
 #pragma unroll
-      for (int c = 0; c < 2; ++c)
-        record_column(col_records + kRecord * (key0 + lane + 32 * c), row0, col_rows[c]);
+      for (int c = 0; c < 2; ++c) col_spans[c].add_bits(row0, col_rows[c]);
     } else {
 #pragma unroll 8
       for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
@@ -267,104 +318,122 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
         const int32_t f = __reduce_min_sync(0xffffffffu, v0 ? lane : v1 ? lane + 32 : 64);
         const int32_t l = __reduce_max_sync(0xffffffffu, v1 ? lane + 32 : v0 ? lane : -1);
         const int32_t n = __reduce_add_sync(0xffffffffu, int{v0} + int{v1});
-        if (lane == 0) {
-          first[r] = f;
-          last[r] = l;
-          count[r] = n;
-        }
+        if (lane == 0)
+          row_spans[r].add(static_cast<int32_t>(key0) + f, static_cast<int32_t>(key0) + l, n);
       } else {
         if (has0) classify(row_ptr[off0], zero, masked);
         if (has1) classify(row_ptr[off1], zero, masked);
       }
     }
     if constexpr (kColKeys) {
-      if (has0) record_column(col_records + kRecord * (key0 + lane), row0, col_rows[0]);
-      if (has1) record_column(col_records + kRecord * (key0 + lane + 32), row0, col_rows[1]);
+      col_spans[0].add_bits(row0, col_rows[0]);  // (keys that do not exist: no bits)
+      col_spans[1].add_bits(row0, col_rows[1]);
     }
   }
   zero = __all_sync(0xffffffffu, zero);
   masked = __all_sync(0xffffffffu, masked);
   if (lane == 0) {
-    blocks[(bh * row_blocks + blockIdx.y) * key_blocks + key_block] =
+    blocks[(bh * row_blocks + row_block) * key_blocks + key_block] =
         masked ? kBlockMasked : zero ? kBlockVisible : kBlockMixed;
     if (!masked) {  // the spans (bias_key_span, bias_row_span): begin and ~end by atomicMin
-      const uint32_t kb = static_cast<uint32_t>(key_block);
-      uint32_t* row_pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * blockIdx.y;
+      const uint32_t kb = static_cast<uint32_t>(key_block), rb = static_cast<uint32_t>(row_block);
+      uint32_t* row_pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * row_block;
       uint32_t* key_pair = ranges + bh * 2 * (2 * row_blocks + key_blocks) + 2 * row_blocks +
                            2 * kb;
       atomicMin(row_pair, kb);
       atomicMin(row_pair + 1, ~(kb + 1));
-      atomicMin(key_pair, blockIdx.y);
-      atomicMin(key_pair + 1, ~(blockIdx.y + 1));
+      atomicMin(key_pair, rb);
+      atomicMin(key_pair + 1, ~(rb + 1));
     }
   }
 }
 
-template <typename Value, MaskIntervals kWhat>
+// The classes alone: a warp per block, key block blockIdx.x * kWarpsPerCta + warp, row block
+// blockIdx.y, (batch, head) blockIdx.z of the bias's own extent.
+template <typename Value>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
-    const FwdParams p, uint8_t* blocks, uint32_t* ranges, uint32_t* records,
-    int64_t row_blocks, int64_t key_blocks) {
-  static_assert(kWhat == MaskIntervals::kNone || std::is_same_v<Value, uint8_t>, "");
-  // This warp's block: key block blockIdx.x * kWarpsPerCta + warp, row block blockIdx.y,
-  // (batch, head) blockIdx.z of the bias's own extent.
+    const FwdParams p, uint8_t* blocks, uint32_t* ranges, int64_t row_blocks,
+    int64_t key_blocks) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
-  if constexpr (kWhat != MaskIntervals::kRows) {
-    // (column records: this (batch, head)'s, p.seqlen_k keys of its own)
-    if (key_block < key_blocks)
-      summarize_block<Value, kWhat>(p, blocks, ranges, row_blocks, key_blocks, key_block, lane,
-                                    nullptr, nullptr, nullptr,
-                                    records == nullptr
-                                        ? nullptr
-                                        : records + kRecord * static_cast<int64_t>(blockIdx.z) * p.seqlen_k);
-  } else {
-    uint32_t* row_records = records;
-    // Per warp (key block) and row of the row block: first and last visible key, count.
-    __shared__ int32_t first[kWarpsPerCta][kBiasBlock], last[kWarpsPerCta][kBiasBlock],
-        count[kWarpsPerCta][kBiasBlock];
-    if (key_block < key_blocks)
-      summarize_block<Value, kWhat>(p, blocks, ranges, row_blocks, key_blocks, key_block, lane,
-                                    first[warp], last[warp], count[warp], nullptr);
-    __syncthreads();
-    // A thread per row: the CTA's blocks combined, then one atomic per word of its record.
-    const int r = threadIdx.x;
-    const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBiasBlock;
-    const int64_t rows = p.bias_row_stride == 0 ? 1 : p.seqlen_q - row0;
-    if (r >= kBiasBlock || r >= rows) return;
-    int64_t lo = INT64_MAX, hi = -1, n = 0;
-    for (int w = 0; w < kWarpsPerCta; ++w) {
-      const int64_t kb = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + w;
-      if (kb >= key_blocks) break;
-      if (count[w][r] == 0) continue;
-      lo = min(lo, kb * kBiasBlock + first[w][r]);
-      hi = max(hi, kb * kBiasBlock + last[w][r]);
-      n += count[w][r];
-    }
-    if (n == 0) return;
-    const int64_t own_rows = p.bias_row_stride == 0 ? 1 : p.seqlen_q;
-    uint32_t* record = row_records + kRecord * (blockIdx.z * own_rows + row0 + r);
-    atomicMin(record, static_cast<uint32_t>(lo));
-    atomicMin(record + 1, ~static_cast<uint32_t>(hi));
-    atomicSub(record + 2, static_cast<uint32_t>(n));
+  Span unused[2] = {Span::none(), Span::none()};
+  if (key_block < key_blocks)
+    summarize_block<Value, MaskIntervals::kNone>(p, blocks, ranges, row_blocks, key_blocks,
+                                                 blockIdx.y, key_block, blockIdx.z, lane,
+                                                 nullptr, unused);
+}
+
+// The classes and each row's interval of a boolean mask with a value per key: row
+// block blockIdx.x of (batch, head) blockIdx.z, its key blocks walked by the warps of
+// gridDim.y CTAs (CTA y's warp w: blocks y * kWarpsPerCta + w, then every kWarpsPerCta *
+// gridDim.y-th), then a thread per row combining the warps' spans into its record of
+// row_records (the bias's own rows of each of its own (batch, head)): stored at once where one
+// CTA walks them all, else added for finish_records_kernel (store_warps_span).
+__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_rows_kernel(
+    const FwdParams p, uint8_t* blocks, uint32_t* ranges, uint32_t* row_records,
+    int64_t row_blocks, int64_t key_blocks) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ Span spans[kWarpsPerCta][kBiasBlock];  // per warp, the row block's rows
+  for (int r = lane; r < kBiasBlock; r += 32) spans[warp][r] = Span::none();
+  __syncwarp();
+  Span unused[2] = {Span::none(), Span::none()};
+  const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
+  for (int64_t kb = static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp; kb < key_blocks;
+       kb += stride) {
+    summarize_block<uint8_t, MaskIntervals::kRows>(p, blocks, ranges, row_blocks, key_blocks,
+                                                   blockIdx.x, kb, blockIdx.z, lane,
+                                                   spans[warp], unused);
+    __syncwarp();  // (a row's span is added by one lane per block, not always the same one)
   }
+  __syncthreads();
+  const int r = threadIdx.x;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBiasBlock;
+  const int64_t own_rows = p.bias_row_stride == 0 ? 1 : p.seqlen_q;
+  if (r >= kBiasBlock || row0 + r >= own_rows) return;
+  store_warps_span(spans, r, row_records + kRecord * (blockIdx.z * own_rows + row0 + r));
+}
+
+// The classes and each key's interval of rows of a boolean mask with a value per row and key:
+// key block blockIdx.x of (batch, head) blockIdx.z, its row blocks walked by the warps of
+// gridDim.y CTAs as above, each lane's two keys' spans in registers, then a thread per key
+// combining the warps' into its record of col_records (the bias's own keys of each of its own
+// (batch, head)), stored at once or added as above.
+__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_cols_kernel(
+    const FwdParams p, uint8_t* blocks, uint32_t* ranges, uint32_t* col_records,
+    int64_t row_blocks, int64_t key_blocks) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  Span mine[2] = {Span::none(), Span::none()};  // keys key0 + lane and key0 + lane + 32
+  const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
+  for (int64_t rb = static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp; rb < row_blocks;
+       rb += stride)
+    summarize_block<uint8_t, MaskIntervals::kCols>(p, blocks, ranges, row_blocks, key_blocks,
+                                                   rb, blockIdx.x, blockIdx.z, lane, nullptr,
+                                                   mine);
+  __shared__ Span spans[kWarpsPerCta][kBiasBlock];
+  spans[warp][lane] = mine[0];
+  spans[warp][lane + 32] = mine[1];
+  __syncthreads();
+  const int c = threadIdx.x;
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBiasBlock;
+  if (c >= kBiasBlock || key0 + c >= p.seqlen_k) return;
+  store_warps_span(spans, c, col_records + kRecord * (blockIdx.z * p.seqlen_k + key0 + c));
+}
+
+// The records' intervals where the walks were split (finish_record), a thread per record.
+__global__ void __launch_bounds__(256) finish_records_kernel(uint32_t* records, int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (i < count) finish_record(records + kRecord * i);
 }
 
 // Each row block's longest run of visible key blocks (bias_visible_tiles), from the classes:
 // a warp per (row block, batch * head) of the bias's own extent, 32 key blocks per vote,
 // the runs followed across votes by the lowest set bits.  Written as (begin, end); (0, 0)
-// where no block is visible.  With row records (not nullptr; `rows`: the bias's own rows),
-// also the row block's rows' intervals (mask_row_keys) from summarize_bias_kernel's first,
-// ~last and ~count (finish_record).
+// where no block is visible.
 __global__ void __launch_bounds__(32) visible_runs_kernel(const uint8_t* blocks, uint32_t* ranges,
-                                                          uint32_t* row_records, int64_t rows,
                                                           int64_t row_blocks,
                                                           int64_t key_blocks) {
   const int lane = threadIdx.x;
   const int64_t bh = blockIdx.y, rb = blockIdx.x;
-  if (row_records != nullptr) {
-    for (int64_t r = rb * kBiasBlock + lane; r < rows && r < (rb + 1) * kBiasBlock; r += 32)
-      finish_record(row_records + kRecord * (bh * rows + r));
-  }
   const uint8_t* row = blocks + (bh * row_blocks + rb) * key_blocks;
   int64_t run_begin = -1, best_begin = 0, best_end = 0;  // run_begin: an open run's start
   auto close = [&](int64_t end) {
@@ -405,12 +474,6 @@ __global__ void __launch_bounds__(32) visible_runs_kernel(const uint8_t* blocks,
   }
 }
 
-// The column records' intervals (finish_record), a thread per record.
-__global__ void __launch_bounds__(256) finish_records_kernel(uint32_t* records, int64_t count) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (i < count) finish_record(records + kRecord * i);
-}
-
 }  // namespace
 
 int64_t bias_summary_bytes(const FwdParams& p, MaskIntervals what) {
@@ -429,37 +492,52 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream,
   uint32_t* ranges = reinterpret_cast<uint32_t*>(summary + s.class_bytes());
   uint32_t* row_records = s.row_keys ? ranges + s.span_words() : nullptr;
   uint32_t* col_records = s.col_keys ? ranges + s.span_words() : nullptr;
-  // (all bits set: begin past every block, end 0, until a block that is not all masked; the
-  // records' words start at ~0 too)
+  // The walks (row or column records): a CTA per row block (key block) and (batch, head) of
+  // the bias's own extent, its blocks along the other dimension split over `splits` CTAs
+  // where fewer than kWalkCtas would run (a (B, 1, 1, S) padding mask has one row block per
+  // batch; a short query against a long cache few), their records then added by atomics and
+  // finished by a last pass.
+  const unsigned bh = static_cast<unsigned>(s.batch * s.heads);
+  const int64_t walks = s.row_keys ? s.row_blocks : s.key_blocks;
+  const int64_t walked = s.row_keys ? s.key_blocks : s.row_blocks;
+  const int64_t splits =
+      std::max<int64_t>(1, std::min<int64_t>((kWalkCtas + walks * bh - 1) / (walks * bh),
+                                             (walked + kWarpsPerCta - 1) / kWarpsPerCta));
+  uint32_t* records = s.row_keys ? row_records : col_records;
+  const int64_t record_words = s.row_keys ? s.row_words() : s.col_words();
+  // (all bits set: begin past every block, end 0, until a block that is not all masked; split
+  // walks' records at ~0 too, else each is stored once by its walk)
+  const bool split = (s.row_keys || s.col_keys) && splits > 1;
   cudaError_t err = cudaMemsetAsync(
-      ranges, 0xff, 4 * (s.span_words() + s.row_words() + s.col_words()), stream);
+      ranges, 0xff, 4 * (s.span_words() + (split ? record_words : 0)), stream);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((s.key_blocks + kWarpsPerCta - 1) / kWarpsPerCta),
-                  static_cast<unsigned>(s.row_blocks), static_cast<unsigned>(s.batch * s.heads));
+  const dim3 walk_grid(static_cast<unsigned>(walks), static_cast<unsigned>(splits), bh);
   if (s.row_keys)
-    summarize_bias_kernel<uint8_t, MaskIntervals::kRows><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+    summarize_rows_kernel<<<walk_grid, 32 * kWarpsPerCta, 0, stream>>>(
         p, blocks, ranges, row_records, s.row_blocks, s.key_blocks);
   else if (s.col_keys)
-    summarize_bias_kernel<uint8_t, MaskIntervals::kCols><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+    summarize_cols_kernel<<<walk_grid, 32 * kWarpsPerCta, 0, stream>>>(
         p, blocks, ranges, col_records, s.row_blocks, s.key_blocks);
-  else if (p.bias_is_mask)
-    summarize_bias_kernel<uint8_t, MaskIntervals::kNone><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
-        p, blocks, ranges, nullptr, s.row_blocks, s.key_blocks);
-  else
-    summarize_bias_kernel<float, MaskIntervals::kNone><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
-        p, blocks, ranges, nullptr, s.row_blocks, s.key_blocks);
+  else {
+    const dim3 grid(static_cast<unsigned>((s.key_blocks + kWarpsPerCta - 1) / kWarpsPerCta),
+                    static_cast<unsigned>(s.row_blocks), bh);
+    if (p.bias_is_mask)
+      summarize_bias_kernel<uint8_t><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+          p, blocks, ranges, s.row_blocks, s.key_blocks);
+    else
+      summarize_bias_kernel<float><<<grid, 32 * kWarpsPerCta, 0, stream>>>(
+          p, blocks, ranges, s.row_blocks, s.key_blocks);
+  }
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  visible_runs_kernel<<<dim3(static_cast<unsigned>(s.row_blocks),
-                             static_cast<unsigned>(s.batch * s.heads)),
-                        32, 0, stream>>>(blocks, ranges, row_records, s.rows, s.row_blocks,
-                                         s.key_blocks);
+  visible_runs_kernel<<<dim3(static_cast<unsigned>(s.row_blocks), bh), 32, 0, stream>>>(
+      blocks, ranges, s.row_blocks, s.key_blocks);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  if (s.col_keys) {
-    const int64_t records = s.batch * s.heads * s.own_keys;
-    finish_records_kernel<<<static_cast<unsigned>((records + 255) / 256), 256, 0, stream>>>(
-        col_records, records);
+  if (split) {
+    const int64_t count = record_words / kRecord;
+    finish_records_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(
+        records, count);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
