@@ -510,12 +510,19 @@ def flash_attn_with_kvcache(
                       return_softmax_lse, local, seqlen_cache)
         _record_decode_plan(q, strict)  # (once the ops ran: a call they refuse never did)
         return out
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        # (the checks below read values on the host; the opaque op below has no gradient, so
+        # with one wanted the call runs eagerly: a graph break, which fullgraph=True refuses
+        # with _eager_kvcache's reason rather than Dynamo's data-dependent-guard error)
+        return _eager_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                              return_softmax_lse, strict=strict)
     if torch.compiler.is_compiling() and (cache_seqlens is None or isinstance(
-            cache_seqlens, torch.Tensor) or type(cache_seqlens) is int) and not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (q, k_cache, v_cache, k, v))):
+            cache_seqlens, torch.Tensor) or type(cache_seqlens) is int):
         # (the checks below read values: under torch.compile the call is one opaque op that
-        # runs them when the graph runs; with a gradient wanted it stays a graph break)
+        # runs them when the graph runs)
         tensor = isinstance(cache_seqlens, torch.Tensor)
         out, lse = torch.ops.flash_attn_ext.kvcache_checked(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if tensor else None,
@@ -652,3 +659,13 @@ def flash_attn_with_kvcache(
     if not return_softmax_lse:
         return out
     return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1)
+
+
+# The call with a gradient wanted, under torch.compile: outside the graph (the host reads the
+# lengths, indices and table to check them, and the checked op has no autograd formula).
+_eager_kvcache = torch.compiler.disable(
+    flash_attn_with_kvcache,
+    reason="flash_attn_with_kvcache with a gradient wanted runs eagerly: it checks "
+           "cache_seqlens, cache_leftpad, cache_batch_idx and block_table on the host, which "
+           "torch.compile cannot trace (fullgraph=True cannot hold it; call it without a "
+           "gradient, or outside the compiled region)")

@@ -481,6 +481,29 @@ def test_compiles_fullgraph_and_checks_when_the_graph_runs(kw):
         bad(q)
 
 
+def test_compiled_with_a_gradient_runs_eagerly_and_fullgraph_says_why():
+    # With a gradient wanted the call cannot be the checked op (no autograd formula), and its
+    # host checks cannot be traced: a graph break, the gradient equal to eager's; under
+    # fullgraph=True Dynamo's refusal names the reason, not a data-dependent guard on
+    # `(seqlens < 0).any()` (which the caller never wrote).
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    lens = torch.tensor([5, 17], dtype=torch.int32)
+    q = torch.randn(2, 3, 4, 16, requires_grad=True)
+
+    def call(q):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+
+    (eager,) = torch.autograd.grad(call(q).square().sum(), q)
+    torch._dynamo.reset()
+    (compiled,) = torch.autograd.grad(torch.compile(call)(q).square().sum(), q)
+    assert eager.abs().sum() > 0 and torch.equal(eager, compiled)
+    torch._dynamo.reset()  # (else the frame compiled with its graph break is reused)
+    with pytest.raises(Exception, match="checks cache_seqlens, cache_leftpad, cache_batch_idx "
+                                        "and block_table on the host"):
+        torch.compile(call, fullgraph=True)(q)
+
+
 def test_nothing_is_written_before_every_argument_is_checked():
     # New keys and values were appended into the cache before the attention op checked
     # softcap, softmax_scale, the slopes' shape or the head dim (new-user trial): an error
