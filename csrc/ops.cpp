@@ -150,6 +150,9 @@ AttnArgs check_attn_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(a.head_dim_v >= 1 && a.head_dim_v <= kMaxHeadDim,
                     "head_dim_v must be between 1 and ", kMaxHeadDim, ", got v.size(3)=",
                     a.head_dim_v);
+  TORCH_CHECK_VALUE(a.heads_kv >= 1 || a.heads_q == 0,
+                    "k and v must have at least one head when q has heads, got k.size(2)=",
+                    a.heads_kv, " with q.size(2)=", a.heads_q);
   const bool no_heads = a.heads_q == 0 && a.heads_kv == 0;
   TORCH_CHECK_VALUE(no_heads || (a.heads_kv >= 1 && a.heads_q % a.heads_kv == 0),
                     "the number of query heads must be a multiple of the number of key/value heads "

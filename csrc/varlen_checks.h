@@ -50,6 +50,9 @@ inline void check_packed_qkv(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK_VALUE(v.size(2) >= 1 && v.size(2) <= kMaxHeadDim,
                     "head_dim_v must be between 1 and ", kMaxHeadDim, ", got v.size(2)=",
                     v.size(2));
+  TORCH_CHECK_VALUE(k.size(1) >= 1 || q.size(1) == 0,
+                    "k and v must have at least one head when q has heads, got k.size(1)=",
+                    k.size(1), " with q.size(1)=", q.size(1));
   const bool no_heads = q.size(1) == 0 && k.size(1) == 0;
   TORCH_CHECK_VALUE(no_heads || (k.size(1) >= 1 && q.size(1) % k.size(1) == 0),
                     "the number of query heads must be a multiple of the number of key/value heads "

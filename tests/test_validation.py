@@ -49,6 +49,18 @@ def test_heads_not_multiple():
         flash_attn_func(*qkv(h=3, hk=2))
 
 
+def test_keys_without_heads():
+    # (k of zero heads read as a GQA ratio before: "a multiple of ... num_heads_k=0")
+    with pytest.raises(ValueError, match=r"k and v must have at least one head when q has heads, "
+                                         r"got k.size\(2\)=0 with q.size\(2\)=2"):
+        flash_attn_func(*qkv(h=2, hk=0))
+    q, k = torch.randn(5, 2, 8), torch.randn(5, 0, 8)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"at least one head when q has heads, got k.size\(1\)=0"
+                                         r" with q.size\(1\)=2"):
+        flash_attn_ext.flash_attn_varlen_func(q, k, k, cu, cu, 5, 5)
+
+
 def test_dtype_and_device_mismatch():
     q, k, v = qkv()
     # (dtypes named as Python writes them, not as c10 does: torch.float32, not Float)
