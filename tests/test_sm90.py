@@ -1119,7 +1119,7 @@ def _summary_mask(what, seqlen_q, seqlen_k, holes):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (65, 131),
-                                               (1023, 1023), (4500, 131)])
+                                               (1023, 1023), (4500, 1100)])
 @pytest.mark.parametrize("what", [m for m in MASKS if m != "rows"] + ["left_padding",
                                                                       "random_holes"])
 def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
@@ -1129,8 +1129,11 @@ def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
     # strides ("sliced") two keys a lane; rows that see nothing (0, 0); rows whose keys are not
     # one interval ("random", and "random_holes": a padding mask with one hidden key in some
     # rows) marked (1, 0).  A row block's keys are walked by one CTA where at least 264 (row
-    # block, batch, head) CTAs run, else by several whose parts are added by atomics: L = 4500
-    # takes one for the masks of 4 or 12 (batch, head) pairs of their own, several for 1 or 3.
+    # block, batch, head) CTAs run, else by up to one per 8 key blocks, whose parts are added by
+    # atomics: (4500, 1100), 71 row blocks of 18 key blocks (the last partial: two keys a
+    # lane after whole blocks), is walked by one CTA a row block for the masks of 4 or 12
+    # (batch, head) pairs of their own (a warp then walks up to 3 blocks), by 2 or 3 for 3 or
+    # 1; of the smaller shapes only (1023, 1023) splits (by 2).
     mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(slice(None, None, 3), seqlen_k // 2))
     if seqlen_k == 1:  # (one key: its dimension broadcasts, and no intervals are kept)
         with pytest.raises(RuntimeError, match="no row intervals"):
@@ -1173,7 +1176,7 @@ def test_mask_variant_row_intervals_agree_with_the_bytes(kernel_opts, head_dim, 
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 17), (17, 300), (300, 17), (65, 131),
-                                               (1023, 1023), (131, 4500)])
+                                               (1023, 1023), (1100, 4500)])
 @pytest.mark.parametrize("what", [m for m in MASKS if m != "rows"] + ["left_padding",
                                                                       "random_holes"])
 def test_mask_col_rows_summary(seqlen_q, seqlen_k, what):
@@ -1183,8 +1186,8 @@ def test_mask_col_rows_summary(seqlen_q, seqlen_k, what):
     # 16-byte loads by warp votes, partial ones (S = 17, 131, 300) and odd row strides
     # ("sliced") two keys a lane; keys no row sees (0, 0); keys whose rows are not one interval
     # ("random", "random_holes", "perhead" bands cut per batch entry) marked (1, 0).  A key
-    # block's rows are walked by one CTA or several, as the rows' keys above (S = 4500: one
-    # for 4 or 12 (batch, head) pairs of the mask's own, several for 1 or 3).
+    # block's rows are walked by one CTA or several, as the rows' keys above ((1100, 4500):
+    # one for 4 or 12 (batch, head) pairs of the mask's own, 2 or 3 for 3 or 1).
     mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(seqlen_q // 2, slice(None, None, 3)))
     if mask.shape[2] == 1 or mask.stride(2) == 0:
         # (one row, or rows broadcast, as the (B, 1, 1, S) padding masks: no intervals are
