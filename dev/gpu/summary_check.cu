@@ -17,8 +17,14 @@
 //   /tmp/summary_check 0   # shapes up to L * S = 200k (684 configurations)
 //   /tmp/summary_check 1   # all (864)
 //   compute-sanitizer --tool racecheck /tmp/summary_check 2   # (and memcheck): a small subset
+//   /tmp/summary_check 3 [L]   # times the passes (below)
 //
-// Prints "configs N fails F" and exits 1 if F > 0.
+// Prints "configs N fails F" and exits 1 if F > 0.  Scope 3 times the three passes instead
+// (classes and spans only, with the rows' key intervals, with the keys' row intervals) on the
+// benchmarks' (B, 1, L, S) causal + padding mask, B = 4, L = S (default 4096), CUDA events over
+// 50 calls after 5 warm-up ones, and prints µs per pass and the mask's bytes per µs: the
+// yardstick for work on the passes' reading (docs/perf/sm90_score_mods.md, "The summary's
+// walks"; the timing mode is newer than the run that checked the kernels).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -209,8 +215,60 @@ void run(const Config& c) {
 
 }  // namespace
 
+// Scope 3: µs per summary pass on a (4, 1, L, L) causal + padding mask (each batch entry's
+// last quarter of keys hidden in the first half of the entries, as bench_score_mods.py's case).
+int time_passes(int64_t L) {
+  const int64_t B = 4, S = L;
+  std::vector<uint8_t> m(B * L * S);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t keys = b < B / 2 ? S - S / 4 : S;
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < S; ++j) m[(b * L + i) * S + j] = j <= i && j < keys;
+  }
+  uint8_t* mask_dev;
+  cudaMalloc(&mask_dev, m.size());
+  cudaMemcpy(mask_dev, m.data(), m.size(), cudaMemcpyHostToDevice);
+  FwdParams p;
+  p.batch = B;
+  p.heads_q = 16;
+  p.seqlen_q = L;
+  p.seqlen_k = S;
+  p.attn_bias = mask_dev;
+  p.bias_is_mask = true;
+  p.bias_batch_stride = L * S;
+  p.bias_head_stride = 0;
+  p.bias_row_stride = S;
+  p.bias_col_stride = 1;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const char* names[] = {"classes and spans", "rows' key intervals", "keys' row intervals"};
+  const MaskIntervals forms[] = {MaskIntervals::kNone, MaskIntervals::kRows, MaskIntervals::kCols};
+  for (int f = 0; f < 3; ++f) {
+    uint8_t* summary_dev;
+    cudaMalloc(&summary_dev, bias_summary_bytes(p, forms[f]));
+    for (int i = 0; i < 5; ++i) summarize_bias(p, summary_dev, 0, forms[f]);
+    cudaEventRecord(start);
+    const int calls = 50;
+    for (int i = 0; i < calls; ++i) summarize_bias(p, summary_dev, 0, forms[f]);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    const double us = 1e3 * ms / calls;
+    printf("L = S = %lld, B = 4: %-20s %7.1f us per call (memset and finish pass included), "
+           "%.2f TB/s of mask\n", (long long)L, names[f], us, m.size() / us * 1e-6);
+    cudaFree(summary_dev);
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  cudaFree(mask_dev);
+  if (err != cudaSuccess) printf("CUDA error: %s\n", cudaGetErrorString(err));
+  return err != cudaSuccess;
+}
+
 int main(int argc, char** argv) {
   const int scope = argc > 1 ? atoi(argv[1]) : 1;  // 0: L * S <= 200k; 1: all; 2: sanitizer's
+  if (scope == 3) return time_passes(argc > 2 ? atoll(argv[2]) : 4096);
   const int64_t seqlens_q[] = {1, 17, 64, 113, 1023, 4500};
   const int64_t seqlens_k[] = {1, 2, 17, 64, 113, 600, 1023, 4500};
   int configs = 0;
