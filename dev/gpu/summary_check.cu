@@ -148,27 +148,24 @@ void run(const Config& c) {
                    (long long)bh, (long long)x, (long long)y, cls[x * key_blocks + y], want);
         }
       const uint32_t* own = spans + bh * 2 * (2 * row_blocks + key_blocks);
-      for (int64_t x = 0; x < row_blocks; ++x) {
+      // A block's span along the other dimension: (first, ~end) of the blocks not all masked.
+      auto check_span = [&](const char* name, int64_t n, int64_t along, const uint32_t* got,
+                            auto class_at) {
         uint32_t lo = ~0u, not_end = ~0u;
-        for (int64_t y = 0; y < key_blocks; ++y)
-          if (cls[x * key_blocks + y] != 1) {
-            lo = std::min(lo, static_cast<uint32_t>(y));
-            not_end = std::min(not_end, ~static_cast<uint32_t>(y + 1));
+        for (int64_t o = 0; o < along; ++o)
+          if (class_at(o) != 1) {
+            lo = std::min(lo, static_cast<uint32_t>(o));
+            not_end = std::min(not_end, ~static_cast<uint32_t>(o + 1));
           }
-        if ((own[2 * x] != lo || own[2 * x + 1] != not_end) && bad++ < 3)
-          printf("  row block %lld's span\n", (long long)x);
-      }
-      for (int64_t y = 0; y < key_blocks; ++y) {
-        uint32_t lo = ~0u, not_end = ~0u;
-        for (int64_t x = 0; x < row_blocks; ++x)
-          if (cls[x * key_blocks + y] != 1) {
-            lo = std::min(lo, static_cast<uint32_t>(x));
-            not_end = std::min(not_end, ~static_cast<uint32_t>(x + 1));
-          }
-        if ((own[2 * row_blocks + 2 * y] != lo || own[2 * row_blocks + 2 * y + 1] != not_end) &&
-            bad++ < 3)
-          printf("  key block %lld's span\n", (long long)y);
-      }
+        if ((got[0] != lo || got[1] != not_end) && bad++ < 3)
+          printf("  %s %lld's span\n", name, (long long)n);
+      };
+      for (int64_t x = 0; x < row_blocks; ++x)
+        check_span("row block", x, key_blocks, own + 2 * x,
+                   [&](int64_t y) { return cls[x * key_blocks + y]; });
+      for (int64_t y = 0; y < key_blocks; ++y)
+        check_span("key block", y, row_blocks, own + 2 * row_blocks + 2 * y,
+                   [&](int64_t x) { return cls[x * key_blocks + y]; });
     }
     // The records: kept for rows where keys do not broadcast, for keys where rows do not.
     const int* records = rows_form ? p.bias_row_keys : p.bias_col_rows;
