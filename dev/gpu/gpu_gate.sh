@@ -9,9 +9,10 @@
 # an H100 (2026-12-06): build 170-222 s, 61-85 s, 88-124 s, 110 s for the other 16 (half of
 # them in 160 s on a slower machine; 2026-12-07: 219, 68, 96 s, and 39% of the others in
 # 150 s); on the H200 with 142 Hopper units (2026-12-07): build 270 s, 70, 94 s, the others
-# 274 s; on an H100 of 2026-12-07, build 331 s, compile 106 s, core 89% done at 148 s: one
-# call fits on a fast machine only (one gate of that day was cut in its last
-# stage), so plan two (STAGES="compile core", then STAGES=others on the warm machine).
+# 274 s; on an H100 of 2026-12-07, build 331 s, compile 106 s, core 89% done at 148 s: in
+# series one call fits on a fast machine only, so either run the two stages side by side
+# (PARALLEL=1, below: build 342 s and both stages 226 s on an H100) or plan two calls
+# (STAGES="compile core", then STAGES=others on the warm machine).
 # Usage on the GPU machine:
 #   OUT=... DEADLINE=<seconds from the start, default 580> [COMMIT=sha] [STAGES="compile core
 #   others"] [PARALLEL=1] [AFTER="<command>"] bash dev/gpu/gpu_gate.sh
