@@ -1128,12 +1128,12 @@ def test_mask_row_keys_summary(seqlen_q, seqlen_k, what):
     # extent; whole 64-key blocks read 16 bytes a lane, partial ones (S = 131, 300) and odd row
     # strides ("sliced") two keys a lane; rows that see nothing (0, 0); rows whose keys are not
     # one interval ("random", and "random_holes": a padding mask with one hidden key in some
-    # rows) marked (1, 0).  A row block's keys are walked by one CTA where at least 264 (row
-    # block, batch, head) CTAs run, else by up to one per 8 key blocks, whose parts are added by
-    # atomics: (4500, 1100), 71 row blocks of 18 key blocks (the last partial: two keys a
-    # lane after whole blocks), is walked by one CTA a row block for the masks of 4 or 12
-    # (batch, head) pairs of their own (a warp then walks up to 3 blocks), by 2 or 3 for 3 or
-    # 1; of the smaller shapes only (1023, 1023) splits (by 2).
+    # rows) marked (1, 0).  A row block's keys are walked by one CTA, or by n CTAs (at most one
+    # per 8 key blocks) where n per (row block, batch, head) fit in 264, whose parts are added
+    # by atomics: (4500, 1100), 71 row blocks of 18 key blocks (the last partial: two keys a
+    # lane after whole blocks), is walked by one CTA a row block for the masks of 3, 4 or 12
+    # (batch, head) pairs of their own (a warp then walks up to 3 blocks), by 3 for 1; of the
+    # smaller shapes only (1023, 1023) splits (by 2, for 1, 3 or 4 pairs).
     mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(slice(None, None, 3), seqlen_k // 2))
     if seqlen_k == 1:  # (one key: its dimension broadcasts, and no intervals are kept)
         with pytest.raises(RuntimeError, match="no row intervals"):
@@ -1187,7 +1187,7 @@ def test_mask_col_rows_summary(seqlen_q, seqlen_k, what):
     # ("sliced") two keys a lane; keys no row sees (0, 0); keys whose rows are not one interval
     # ("random", "random_holes", "perhead" bands cut per batch entry) marked (1, 0).  A key
     # block's rows are walked by one CTA or several, as the rows' keys above ((1100, 4500):
-    # one for 4 or 12 (batch, head) pairs of the mask's own, 2 or 3 for 3 or 1).
+    # one for 3, 4 or 12 (batch, head) pairs of the mask's own, 3 for 1).
     mask = _summary_mask(what, seqlen_q, seqlen_k, holes=(seqlen_q // 2, slice(None, None, 3)))
     if mask.shape[2] == 1 or mask.stride(2) == 0:
         # (one row, or rows broadcast, as the (B, 1, 1, S) padding masks: no intervals are

@@ -1,9 +1,8 @@
 // The bias summary of bias_blocks.h: a warp per 64 x 64 block, eight blocks along the keys per
 // CTA, each lane reading 16 bytes of a row at a time where the block's 64 keys are whole,
 // unit-stride and 16-byte aligned in every row (else two keys of every row), the class by two
-// warp votes.  An additive fp32
-// bias: 0 visible, -inf masked; a boolean mask (FwdParams::bias_is_mask): nonzero visible,
-// zero masked.
+// warp votes.  An additive fp32 bias: 0 visible, -inf masked; a boolean mask
+// (FwdParams::bias_is_mask): nonzero visible, zero masked.
 //
 // With row intervals (MaskIntervals::kRows, the forward's mask variant, a boolean mask with a
 // value per key): also each row's first and last visible key and its count of visible keys.
@@ -15,10 +14,10 @@
 // whose CTA keeps its keys for all its steps; a mask with a value per row and key): the same
 // per key over the rows, a CTA per key block walking its row blocks, each column's rows of a
 // block gathered from the lanes' bits by one warp vote per key of a lane's 16 (bits of eight
-// rows and four 16-key groups each) into two running records per lane in registers.  (Before,
-// a CTA per eight blocks added its rows' or columns' parts to the records by three atomics
-// each, and a third pass finished them: the passes took 40 / 59 us against 30 for the classes
-// alone at B = 4, L = S = 4k on an H100, the columns' 192 atomics per key the most.)
+// rows and four 16-key groups each) into two running records per lane in registers.  Where
+// few walks would run (a (B, 1, 1, S) padding mask has one row block per batch entry), each is
+// split over several CTAs whose parts atomics add and a last pass finishes.  A walking warp
+// issues its next block's loads before it summarizes the current one (walk_blocks).
 //
 // Why this shape: a (B, 1, L, S) mask is B * L * S values (64 MB at B = 4, L = S = 4k), read
 // before the forward and again before the backward, so the pass must run at memory speed.
@@ -36,17 +35,20 @@ namespace flash_attn_ext::sm90 {
 namespace {
 
 constexpr int kWarpsPerCta = 8;  // blocks a CTA takes at once
-// CTAs the row and column walks aim for: two per SM of an H100 / H200 (132 SMs), whose
-// 16 warps keep ~64 KB of loads in flight per SM.
+// CTAs the row and column walks fill at most by splitting walks: two per SM of an H100 / H200
+// (132 SMs), as many as are resident at once (the walks' 106-128 registers a thread let two
+// 256-thread CTAs share an SM), so that split walks run in one wave.  Their 16 warps keep
+// 64-128 KB of loads in flight per SM (one or two blocks of 4 KB each).
 constexpr int64_t kWalkCtas = 264;
+
+// Words of a row's record (FwdParams::bias_row_keys) or a column's (bias_col_rows): the interval
+// (begin, end) in the first two (store_interval); while split walks add their parts, the first
+// three hold first, ~last and ~count (add_to_record); the fourth is unused (the kernels' and
+// the hook's layout).
+constexpr int kRecord = 4;
 
 // The summary's extent: the bias's own (1 where it broadcasts, stride 0) batch and heads, and
 // its 64-blocks of rows and keys.
-// Words of a row's record (FwdParams::bias_row_keys) or a column's (bias_col_rows): the interval
-// (begin, end) in the first two (store_interval); the other two unused (the kernels' and the
-// hook's layout).
-constexpr int kRecord = 4;
-
 struct SummaryShape {
   int64_t batch, heads, rows, row_blocks, key_blocks, own_keys;
   bool row_keys;  // row records: asked for, and a boolean mask with a value per key
@@ -188,118 +190,149 @@ __device__ __forceinline__ void classify16(const uint4& x, bool& zero, bool& mas
   }
 }
 
-// One warp's block: key block key_block, row block row_block, (batch, head) bh of the bias's
-// own extent.  Its class into `blocks` and its spans into `ranges`; with row intervals (kRows)
-// also, for each of its rows, the first and last visible key and their count added to
-// row_spans[r] (the warp's running spans of the row block's rows, in shared memory); with column
-// intervals (kCols) each of this lane's keys' (key0 + lane + 32 c) visible rows added to
-// col_spans[c].
+// One block of the bias's own extent: key block key_block, row block row_block, (batch, head) bh:
+// where it starts, the rows and keys of it that exist (one where the bias broadcasts along
+// them: all its rows or keys are that one), and whether it is read in the vector form (whole
+// rows of 64 unit-stride keys, 16-byte aligned: 16 bytes per lane and load) or two values per
+// lane and row (keys lane and lane + 32).
+template <typename Value>
+struct BiasBlockAt {
+  const Value* first;
+  int64_t row0, key0, rows, keys;
+  bool vectors;
+  __device__ __forceinline__ BiasBlockAt(const FwdParams& p, int64_t row_block, int64_t key_block,
+                                         int64_t bh) {
+    const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
+    const int64_t b = bh / heads, h = bh % heads;
+    row0 = row_block * kBiasBlock;
+    key0 = key_block * kBiasBlock;
+    const int64_t rows_left = p.seqlen_q - row0, keys_left = p.seqlen_k - key0;
+    rows = p.bias_row_stride == 0 ? 1 : rows_left < kBiasBlock ? rows_left : kBiasBlock;
+    keys = p.bias_col_stride == 0 ? 1 : keys_left < kBiasBlock ? keys_left : kBiasBlock;
+    first = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
+            h * p.bias_head_stride + row0 * p.bias_row_stride + key0 * p.bias_col_stride;
+    vectors = keys == kBiasBlock && p.bias_col_stride == 1 &&
+              reinterpret_cast<uintptr_t>(first) % 16 == 0 &&
+              (rows == 1 || (p.bias_row_stride * sizeof(Value)) % 16 == 0);
+  }
+};
+
+// A boolean mask block's vector form: eight passes of eight rows, four lanes a row, a lane's 16
+// keys (lane % 4) * 16 of row lane / 4 + 8 * pass in loads[pass].
+constexpr int kMaskLanesPerRow = kBiasBlock / 16, kMaskRowsPerPass = 32 / kMaskLanesPerRow,
+              kMaskPasses = kBiasBlock / kMaskRowsPerPass;
+using MaskLoads = uint4[kMaskPasses];
+
+// The block's loads of the vector form, all issued at once (rows past the block's: zeros, not
+// loaded); nothing in the other form.  A walk issues its next block's loads before it
+// summarizes this one, so that the processing of one block overlaps the loads of the next:
+// without it, the warps that all start together read in lockstep phases, each paying the
+// load latency and then the processing with nothing in flight.
+__device__ __forceinline__ void load_mask_block(const FwdParams& p, const BiasBlockAt<uint8_t>& at,
+                                                int lane, MaskLoads& loads) {
+  if (!at.vectors) return;
+  const uint8_t* ptr = at.first + (lane / kMaskLanesPerRow) * p.bias_row_stride +
+                       (lane % kMaskLanesPerRow) * 16;
+  const int64_t step = kMaskRowsPerPass * p.bias_row_stride;
+#pragma unroll
+  for (int pass = 0; pass < kMaskPasses; ++pass, ptr += step)
+    loads[pass] = lane / kMaskLanesPerRow + pass * kMaskRowsPerPass < at.rows
+                      ? *reinterpret_cast<const uint4*>(ptr)
+                      : make_uint4(0, 0, 0, 0);
+}
+
+// One warp's block `at` (key block key_block, row block row_block, (batch, head) bh; a boolean
+// mask's vector form from `loads`, load_mask_block's).  Its class into `blocks` and its spans
+// into `ranges`; with row intervals (kRows) also, for each of its rows, the first and last
+// visible key and their count added to row_spans[r] (the warp's running spans of the row
+// block's rows, in shared memory); with column intervals (kCols) each of this lane's keys'
+// (key0 + lane + 32 c) visible rows added to col_spans[c].
 template <typename Value, MaskIntervals kWhat>
 __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blocks,
                                                 uint32_t* ranges, int64_t row_blocks,
                                                 int64_t key_blocks, int64_t row_block,
                                                 int64_t key_block, int64_t bh, int lane,
-                                                Span* row_spans, Span (&col_spans)[2]) {
+                                                const BiasBlockAt<Value>& at,
+                                                const MaskLoads& loads, Span* row_spans,
+                                                Span (&col_spans)[2]) {
   constexpr bool kRowKeys = kWhat == MaskIntervals::kRows, kColKeys = kWhat == MaskIntervals::kCols;
-  const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
-  const int64_t b = bh / heads, h = bh % heads;
-  const int64_t row0 = row_block * kBiasBlock;
-  const int64_t key0 = key_block * kBiasBlock;
-  // Rows and keys of the block that exist (one where the bias broadcasts along them: all its
-  // rows or keys are that one).
-  const int64_t rows_left = p.seqlen_q - row0, keys_left = p.seqlen_k - key0;
-  const int64_t rows = p.bias_row_stride == 0       ? 1
-                       : rows_left < kBiasBlock ? rows_left
-                                                : kBiasBlock;
-  const int64_t keys = p.bias_col_stride == 0       ? 1
-                       : keys_left < kBiasBlock ? keys_left
-                                                : kBiasBlock;
-  const Value* row_ptr = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
-                         h * p.bias_head_stride + row0 * p.bias_row_stride +
-                         key0 * p.bias_col_stride;
+  constexpr bool kIsMask = std::is_same_v<Value, uint8_t>;
+  static_assert(kIsMask || kWhat == MaskIntervals::kNone, "intervals of a boolean mask only");
+  const int64_t row0 = at.row0, key0 = at.key0, rows = at.rows, keys = at.keys;
   bool zero = true, masked = true;
-  // Whole rows of 64 unit-stride keys, 16-byte aligned: 16 bytes per lane and load (a
-  // boolean mask's row is four lanes' loads, a warp reads eight rows at once); else two values
-  // per lane and row (keys lane and lane + 32).
-  constexpr int kPerVec = 16 / sizeof(Value), kLanesPerRow = kBiasBlock / kPerVec;
-  const bool vectors = keys == kBiasBlock && p.bias_col_stride == 1 &&
-                       reinterpret_cast<uintptr_t>(row_ptr) % 16 == 0 &&
-                       (rows == 1 || (p.bias_row_stride * sizeof(Value)) % 16 == 0);
-  if (vectors) {
-    const Value* ptr = row_ptr + (lane / kLanesPerRow) * p.bias_row_stride +
-                       (lane % kLanesPerRow) * kPerVec;
-    const int64_t step = (32 / kLanesPerRow) * p.bias_row_stride;
+  if (at.vectors && kIsMask) {
+    const int row_in_pass = lane / kMaskLanesPerRow;
     if constexpr (kRowKeys) {
-      // Eight passes of eight rows (four lanes a row), every lane in every pass for the
-      // shuffles; a row's lanes combine their 16 keys' first, last and count.  The eight
-      // loads first, all in flight at once (the spans' shared-memory updates through a generic
-      // pointer would keep the compiler from moving a later pass's load above them).
-      constexpr int kRowsPerPass = 32 / kLanesPerRow, kPasses = kBiasBlock / kRowsPerPass;
-      const int lane_key0 = (lane % kLanesPerRow) * kPerVec;
-      uint32_t bits[kPasses];
+      // A row's lanes combine their 16 keys' first, last and count by shuffles, every lane in
+      // every pass.
+      const int lane_key0 = (lane % kMaskLanesPerRow) * 16;
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass, ptr += step)
-        bits[pass] = lane / kLanesPerRow + pass * kRowsPerPass < rows
-                         ? visible_bits16(*reinterpret_cast<const uint4*>(ptr))
-                         : 0u;
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int r = lane / kLanesPerRow + pass * kRowsPerPass;
+      for (int pass = 0; pass < kMaskPasses; ++pass) {
+        const int r = row_in_pass + pass * kMaskRowsPerPass;
+        const uint32_t bits = visible_bits16(loads[pass]);
         int32_t f = kBiasBlock, l = -1, n = 0;
         if (r < rows) {
-          zero &= bits[pass] == 0xffffu;
-          masked &= bits[pass] == 0;
-          if (bits[pass] != 0) {
-            f = lane_key0 + __ffs(bits[pass]) - 1;
-            l = lane_key0 + 31 - __clz(bits[pass]);
-            n = __popc(bits[pass]);
+          zero &= bits == 0xffffu;
+          masked &= bits == 0;
+          if (bits != 0) {
+            f = lane_key0 + __ffs(bits) - 1;
+            l = lane_key0 + 31 - __clz(bits);
+            n = __popc(bits);
           }
         }
 #pragma unroll
-        for (int o = 1; o < kLanesPerRow; o <<= 1) {
+        for (int o = 1; o < kMaskLanesPerRow; o <<= 1) {
           f = min(f, __shfl_xor_sync(0xffffffffu, f, o));
           l = max(l, __shfl_xor_sync(0xffffffffu, l, o));
           n += __shfl_xor_sync(0xffffffffu, n, o);
         }
-        if (lane % kLanesPerRow == 0 && r < rows)
+        if (lane % kMaskLanesPerRow == 0 && r < rows)
           row_spans[r].add(static_cast<int32_t>(key0) + f, static_cast<int32_t>(key0) + l, n);
       }
     } else if constexpr (kColKeys) {
-      // Eight passes of eight rows as above.  Per pass one vote per key of a lane's 16: vote k
-      // holds key k of each 16-key group g (lane % 4) in each row j (lane / 4) at bit 4 j + g.
-      // Lane l keeps vote l % 16, where its columns l and l + 32 (groups l / 16, l / 16 + 2)
-      // find their eight rows.
-      static_assert(kLanesPerRow == 4 && kPerVec == 16, "a boolean mask's 16-byte loads");
-      constexpr int kRowsPerPass = 32 / kLanesPerRow;
+      // Per pass one vote per key of a lane's 16: vote k holds key k of each 16-key group g
+      // (lane % 4) in each row j (lane / 4) at bit 4 j + g.  Lane l keeps vote l % 16, where
+      // its columns l and l + 32 (groups l / 16, l / 16 + 2) find their eight rows.
+      static_assert(kMaskLanesPerRow == 4, "a boolean mask's 16-byte loads");
       uint64_t col_rows[2] = {0, 0};  // bit r: row row0 + r sees column lane + 32 c
 #pragma unroll
-      for (int pass = 0; pass < kBiasBlock / kRowsPerPass; ++pass, ptr += step) {
-        const int r = lane / kLanesPerRow + pass * kRowsPerPass;
+      for (int pass = 0; pass < kMaskPasses; ++pass) {
+        const int r = row_in_pass + pass * kMaskRowsPerPass;
         uint32_t bits = 0;
         if (r < rows) {
-          bits = visible_bits16(*reinterpret_cast<const uint4*>(ptr));
+          bits = visible_bits16(loads[pass]);
           zero &= bits == 0xffffu;
           masked &= bits == 0;
         }
         uint32_t mine = 0;
 #pragma unroll
-        for (int k = 0; k < kPerVec; ++k) {
+        for (int k = 0; k < 16; ++k) {
           const uint32_t vote = __ballot_sync(0xffffffffu, (bits >> k) & 1u);
           mine = k == (lane & 15) ? vote : mine;
         }
 #pragma unroll
         for (int c = 0; c < 2; ++c)
           col_rows[c] |= static_cast<uint64_t>(gather_rows8(mine >> (lane / 16 + 2 * c)))
-                         << (kRowsPerPass * pass);
+                         << (kMaskRowsPerPass * pass);
       }
 #pragma unroll
       for (int c = 0; c < 2; ++c) col_spans[c].add_bits(row0, col_rows[c]);
     } else {
-#pragma unroll 8
-      for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
-        classify16<Value>(*reinterpret_cast<const uint4*>(ptr), zero, masked);
+#pragma unroll
+      for (int pass = 0; pass < kMaskPasses; ++pass)
+        if (row_in_pass + pass * kMaskRowsPerPass < rows)
+          classify16<uint8_t>(loads[pass], zero, masked);
     }
+  } else if (!kIsMask && at.vectors) {  // an fp32 bias: four floats a lane and load, two rows
+    constexpr int kPerVec = 4, kLanesPerRow = kBiasBlock / kPerVec;
+    const Value* ptr = at.first + (lane / kLanesPerRow) * p.bias_row_stride +
+                       (lane % kLanesPerRow) * kPerVec;
+    const int64_t step = (32 / kLanesPerRow) * p.bias_row_stride;
+#pragma unroll 8
+    for (int64_t r = lane / kLanesPerRow; r < rows; r += 32 / kLanesPerRow, ptr += step)
+      classify16<Value>(*reinterpret_cast<const uint4*>(ptr), zero, masked);
   } else {
+    const Value* row_ptr = at.first;
     const bool has0 = lane < keys, has1 = lane + 32 < keys;  // this lane's keys
     const int64_t off0 = lane * p.bias_col_stride, off1 = (lane + 32) * p.bias_col_stride;
     uint64_t col_rows[2] = {0, 0};  // (kCols) bit r: row row0 + r sees key lane + 32 c
@@ -348,6 +381,28 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
   }
 }
 
+// A warp's walk over blocks first, first + stride, ... below `count` (key blocks of a row
+// block, or row blocks of a key block): block i's loads issued before block i - stride is
+// summarized (load_mask_block), two sets of loads alternating.  visit(index, at, loads)
+// summarizes one.
+template <typename Locate, typename Visit>
+__device__ __forceinline__ void walk_blocks(const FwdParams& p, int64_t first, int64_t stride,
+                                            int64_t count, int lane, Locate locate,
+                                            Visit visit) {
+  MaskLoads even, odd;
+  if (first < count) load_mask_block(p, locate(first), lane, even);
+  // (a step loads into `next` and summarizes from `cur`; the two calls per round swap them so
+  // that no loaded value is copied, which would wait for its load)
+  auto step = [&](int64_t i, MaskLoads& cur, MaskLoads& next) {
+    if (i + stride < count) load_mask_block(p, locate(i + stride), lane, next);
+    visit(i, locate(i), cur);
+  };
+  for (int64_t i = first; i < count; i += 2 * stride) {
+    step(i, even, odd);
+    if (i + stride < count) step(i + stride, odd, even);
+  }
+}
+
 // The classes alone: a warp per block, key block blockIdx.x * kWarpsPerCta + warp, row block
 // blockIdx.y, (batch, head) blockIdx.z of the bias's own extent.
 template <typename Value>
@@ -356,11 +411,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
     int64_t key_blocks) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (key_block >= key_blocks) return;
+  const BiasBlockAt<Value> at(p, blockIdx.y, key_block, blockIdx.z);
+  MaskLoads loads;
+  if constexpr (std::is_same_v<Value, uint8_t>) load_mask_block(p, at, lane, loads);
   Span unused[2] = {Span::none(), Span::none()};
-  if (key_block < key_blocks)
-    summarize_block<Value, MaskIntervals::kNone>(p, blocks, ranges, row_blocks, key_blocks,
-                                                 blockIdx.y, key_block, blockIdx.z, lane,
-                                                 nullptr, unused);
+  summarize_block<Value, MaskIntervals::kNone>(p, blocks, ranges, row_blocks, key_blocks,
+                                               blockIdx.y, key_block, blockIdx.z, lane, at, loads,
+                                               nullptr, unused);
 }
 
 // The classes and each row's interval of a boolean mask with a value per key: row
@@ -378,13 +436,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_rows_kernel(
   __syncwarp();
   Span unused[2] = {Span::none(), Span::none()};
   const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
-  for (int64_t kb = static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp; kb < key_blocks;
-       kb += stride) {
-    summarize_block<uint8_t, MaskIntervals::kRows>(p, blocks, ranges, row_blocks, key_blocks,
-                                                   blockIdx.x, kb, blockIdx.z, lane,
-                                                   spans[warp], unused);
-    __syncwarp();  // (a row's span is added by one lane per block, not always the same one)
-  }
+  walk_blocks(
+      p, static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp, stride, key_blocks, lane,
+      [&](int64_t kb) { return BiasBlockAt<uint8_t>(p, blockIdx.x, kb, blockIdx.z); },
+      [&](int64_t kb, const BiasBlockAt<uint8_t>& at, const MaskLoads& loads) {
+        summarize_block<uint8_t, MaskIntervals::kRows>(p, blocks, ranges, row_blocks,
+                                                       key_blocks, blockIdx.x, kb, blockIdx.z,
+                                                       lane, at, loads, spans[warp], unused);
+        __syncwarp();  // (a row's span is added by one lane per block, not always the same one)
+      });
   __syncthreads();
   const int r = threadIdx.x;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBiasBlock;
@@ -404,11 +464,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_cols_kernel(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   Span mine[2] = {Span::none(), Span::none()};  // keys key0 + lane and key0 + lane + 32
   const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
-  for (int64_t rb = static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp; rb < row_blocks;
-       rb += stride)
-    summarize_block<uint8_t, MaskIntervals::kCols>(p, blocks, ranges, row_blocks, key_blocks,
-                                                   rb, blockIdx.x, blockIdx.z, lane, nullptr,
-                                                   mine);
+  walk_blocks(
+      p, static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp, stride, row_blocks, lane,
+      [&](int64_t rb) { return BiasBlockAt<uint8_t>(p, rb, blockIdx.x, blockIdx.z); },
+      [&](int64_t rb, const BiasBlockAt<uint8_t>& at, const MaskLoads& loads) {
+        summarize_block<uint8_t, MaskIntervals::kCols>(p, blocks, ranges, row_blocks,
+                                                       key_blocks, rb, blockIdx.x, blockIdx.z,
+                                                       lane, at, loads, nullptr, mine);
+      });
   __shared__ Span spans[kWarpsPerCta][kBiasBlock];
   spans[warp][lane] = mine[0];
   spans[warp][lane + 32] = mine[1];
@@ -494,15 +557,15 @@ cudaError_t summarize_bias(FwdParams& p, uint8_t* summary, cudaStream_t stream,
   uint32_t* col_records = s.col_keys ? ranges + s.span_words() : nullptr;
   // The walks (row or column records): a CTA per row block (key block) and (batch, head) of
   // the bias's own extent, its blocks along the other dimension split over `splits` CTAs
-  // where fewer than kWalkCtas would run (a (B, 1, 1, S) padding mask has one row block per
-  // batch; a short query against a long cache few), their records then added by atomics and
-  // finished by a last pass.
+  // where at least two splits of each walk fit in kWalkCtas (a (B, 1, 1, S) padding mask has
+  // one row block per batch entry; a short query against a long cache few), at least a block
+  // per warp each; their records are then added by atomics and finished by a last pass.
+  // (Rounded down: a split that made a second wave of CTAs would cost more than it spreads.)
   const unsigned bh = static_cast<unsigned>(s.batch * s.heads);
   const int64_t walks = s.row_keys ? s.row_blocks : s.key_blocks;
   const int64_t walked = s.row_keys ? s.key_blocks : s.row_blocks;
-  const int64_t splits =
-      std::max<int64_t>(1, std::min<int64_t>((kWalkCtas + walks * bh - 1) / (walks * bh),
-                                             (walked + kWarpsPerCta - 1) / kWarpsPerCta));
+  const int64_t splits = std::max<int64_t>(
+      1, std::min<int64_t>(kWalkCtas / (walks * bh), (walked + kWarpsPerCta - 1) / kWarpsPerCta));
   uint32_t* records = s.row_keys ? row_records : col_records;
   const int64_t record_words = s.row_keys ? s.row_words() : s.col_words();
   // (all bits set: begin past every block, end 0, until a block that is not all masked; split
