@@ -12,12 +12,13 @@
 // (store_interval: mask_row_keys), or marks a row whose visible keys are not one interval
 // (count != last - first + 1).  With column intervals (kCols, the backward's mask variant,
 // whose CTA keeps its keys for all its steps; a mask with a value per row and key): the same
-// per key over the rows, a CTA per key block walking its row blocks, each column's rows of a
-// block gathered from the lanes' bits by one warp vote per key of a lane's 16 (bits of eight
-// rows and four 16-key groups each) into two running records per lane in registers.  Where
-// few walks would run (a (B, 1, 1, S) padding mask has one row block per batch entry), each is
-// split over several CTAs whose parts atomics add and a last pass finishes.  A walking warp
-// issues its next block's loads before it summarizes the current one (walk_blocks).
+// per key over the rows, a CTA per key block walking its row blocks, each lane reading two
+// whole rows of a block (load_mask_rows), the warp transposing the block's 64 x 64 bits by
+// shuffles (transpose32) so that each lane holds two keys' rows, kept as two running records
+// per lane in registers.  Where few walks would run (a (B, 1, 1, S) padding mask has one row
+// block per batch entry), each is split over several CTAs whose parts atomics add and a last
+// pass finishes.  A walking warp issues its next block's loads before it summarizes the
+// current one (walk_blocks).
 //
 // Why this shape: a (B, 1, L, S) mask is B * L * S values (64 MB at B = 4, L = S = 4k), read
 // before the forward and again before the backward, so the pass must run at memory speed.
@@ -91,12 +92,36 @@ __device__ __forceinline__ uint32_t visible_bits16(const uint4& x) {
   return bits;
 }
 
-// Bits 0, 4, ..., 28 of x as bits 0-7 (a vote's bits of one 16-key group over eight rows).
-__device__ __forceinline__ uint32_t gather_rows8(uint32_t x) {
-  x &= 0x11111111u;
-  x = (x | (x >> 3)) & 0x03030303u;
-  x = (x | (x >> 6)) & 0x000f000fu;
-  return (x | (x >> 12)) & 0xffu;
+// The visible bytes (nonzero) of a boolean mask's 16 bytes as 16 bits in another order: byte
+// 4 i + b at bit 8 b + i (visible_bits16's test without its gather; the columns' transpose
+// takes any fixed order and undoes it with one shuffle).
+__device__ __forceinline__ uint32_t visible_nibbles16(const uint4& x) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    bits |= ((((w[i] & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w[i]) & 0x80808080u) >> (7 - i);
+  return bits;
+}
+
+// A 32 x 32 bit matrix held a row per lane (bit c of lane i: row i, column c) transposed, so
+// that lane c holds column c (bit i: row i): five rounds of the recursive block swap, round j
+// exchanging the off-diagonal j x j blocks of every 2j x 2j block between lanes i and i ^ j
+// (one shuffle each).
+__device__ __forceinline__ uint32_t transpose32(uint32_t x, int lane) {
+#pragma unroll
+  for (int j = 16; j >= 1; j >>= 1) {
+    // Columns c with c & j == 0 (0x0000ffff for j = 16, ..., 0x55555555 for j = 1).
+    const uint32_t low = j == 16  ? 0x0000ffffu
+                         : j == 8 ? 0x00ff00ffu
+                         : j == 4 ? 0x0f0f0f0fu
+                         : j == 2 ? 0x33333333u
+                                  : 0x55555555u;
+    const bool upper = (lane & j) == 0;  // keeps its low columns, takes the partner's low ones
+    const uint32_t send = upper ? (x >> j) & low : (x & low) << j;
+    x = (x & (upper ? low : ~low)) | __shfl_xor_sync(0xffffffffu, send, j);
+  }
+  return x;
 }
 
 // A row's or key's running first and last visible key (row) and count, over the blocks its
@@ -195,22 +220,30 @@ __device__ __forceinline__ void classify16(const uint4& x, bool& zero, bool& mas
 // them: all its rows or keys are that one), and whether it is read in the vector form (whole
 // rows of 64 unit-stride keys, 16-byte aligned: 16 bytes per lane and load) or two values per
 // lane and row (keys lane and lane + 32).
+// Where (batch, head) bh of the bias's own extent starts: its index split once (two 64-bit
+// divisions), by a walk once for all its blocks rather than per block.
+template <typename Value>
+__device__ __forceinline__ const Value* bias_origin(const FwdParams& p, int64_t bh) {
+  const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
+  const int64_t b = bh / heads, h = bh % heads;
+  return static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
+         h * p.bias_head_stride;
+}
+
 template <typename Value>
 struct BiasBlockAt {
   const Value* first;
   int64_t row0, key0, rows, keys;
   bool vectors;
-  __device__ __forceinline__ BiasBlockAt(const FwdParams& p, int64_t row_block, int64_t key_block,
-                                         int64_t bh) {
-    const int64_t heads = p.bias_head_stride == 0 ? 1 : p.heads_q;
-    const int64_t b = bh / heads, h = bh % heads;
+  // origin: bias_origin of the block's (batch, head).
+  __device__ __forceinline__ BiasBlockAt(const FwdParams& p, const Value* origin,
+                                         int64_t row_block, int64_t key_block) {
     row0 = row_block * kBiasBlock;
     key0 = key_block * kBiasBlock;
     const int64_t rows_left = p.seqlen_q - row0, keys_left = p.seqlen_k - key0;
     rows = p.bias_row_stride == 0 ? 1 : rows_left < kBiasBlock ? rows_left : kBiasBlock;
     keys = p.bias_col_stride == 0 ? 1 : keys_left < kBiasBlock ? keys_left : kBiasBlock;
-    first = static_cast<const Value*>(p.attn_bias) + b * p.bias_batch_stride +
-            h * p.bias_head_stride + row0 * p.bias_row_stride + key0 * p.bias_col_stride;
+    first = origin + row0 * p.bias_row_stride + key0 * p.bias_col_stride;
     vectors = keys == kBiasBlock && p.bias_col_stride == 1 &&
               reinterpret_cast<uintptr_t>(first) % 16 == 0 &&
               (rows == 1 || (p.bias_row_stride * sizeof(Value)) % 16 == 0);
@@ -239,6 +272,25 @@ __device__ __forceinline__ void load_mask_block(const FwdParams& p, const BiasBl
     loads[pass] = lane / kMaskLanesPerRow + pass * kMaskRowsPerPass < at.rows
                       ? *reinterpret_cast<const uint4*>(ptr)
                       : make_uint4(0, 0, 0, 0);
+}
+
+// The columns' vector form of a boolean mask block: lane l reads its rows l and l + 32 whole,
+// four 16-byte loads each (loads[4 h + q]: row l + 32 h, keys 16 q ... 16 q + 15; rows past the
+// block's: zeros, not loaded), so that the warp holds the block a row per lane and transposes
+// it (summarize_block).  Each load instruction reads 16 bytes of 32 rows; its row's other 48
+// come from L1 for the next three.
+__device__ __forceinline__ void load_mask_rows(const FwdParams& p, const BiasBlockAt<uint8_t>& at,
+                                               int lane, MaskLoads& loads) {
+  if (!at.vectors) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = lane + 32 * h;
+    const uint8_t* ptr = at.first + r * p.bias_row_stride;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      loads[4 * h + q] =
+          r < at.rows ? *reinterpret_cast<const uint4*>(ptr + 16 * q) : make_uint4(0, 0, 0, 0);
+  }
 }
 
 // One warp's block `at` (key block key_block, row block row_block, (batch, head) bh; a boolean
@@ -290,33 +342,28 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
           row_spans[r].add(static_cast<int32_t>(key0) + f, static_cast<int32_t>(key0) + l, n);
       }
     } else if constexpr (kColKeys) {
-      // Per pass one vote per key of a lane's 16: vote k holds key k of each 16-key group g
-      // (lane % 4) in each row j (lane / 4) at bit 4 j + g.  Lane l keeps vote l % 16, where
-      // its columns l and l + 32 (groups l / 16, l / 16 + 2) find their eight rows.
-      static_assert(kMaskLanesPerRow == 4, "a boolean mask's 16-byte loads");
-      uint64_t col_rows[2] = {0, 0};  // bit r: row row0 + r sees column lane + 32 c
+      // loads: rows lane and lane + 32 whole (load_mask_rows).  Word 2 h + g: row lane + 32 h,
+      // keys 32 g ... 32 g + 31, key 32 g + 16 u + 4 i + b at bit 8 b + 4 u + i; transposed,
+      // lane l holds that key's 32 rows for the key whose bit is l, which lane key_lane(l)
+      // needs: one shuffle puts each lane's keys lane and lane + 32 in place.
+      uint32_t words[4];
 #pragma unroll
-      for (int pass = 0; pass < kMaskPasses; ++pass) {
-        const int r = row_in_pass + pass * kMaskRowsPerPass;
-        uint32_t bits = 0;
-        if (r < rows) {
-          bits = visible_bits16(loads[pass]);
-          zero &= bits == 0xffffu;
-          masked &= bits == 0;
+      for (int w = 0; w < 4; ++w) {
+        words[w] = visible_nibbles16(loads[2 * w]) | visible_nibbles16(loads[2 * w + 1]) << 4;
+        if (lane + 32 * (w / 2) < rows) {
+          zero &= words[w] == 0xffffffffu;
+          masked &= words[w] == 0;
         }
-        uint32_t mine = 0;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-          const uint32_t vote = __ballot_sync(0xffffffffu, (bits >> k) & 1u);
-          mine = k == (lane & 15) ? vote : mine;
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-          col_rows[c] |= static_cast<uint64_t>(gather_rows8(mine >> (lane / 16 + 2 * c)))
-                         << (kMaskRowsPerPass * pass);
       }
+      // The lane whose bit, after the transpose, is this lane's key: key 16 u + 4 i + b sits
+      // at bit 8 b + 4 u + i.
+      const int src = 8 * (lane & 3) + 4 * ((lane >> 4) & 1) + ((lane >> 2) & 3);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) col_spans[c].add_bits(row0, col_rows[c]);
+      for (int g = 0; g < 2; ++g) {
+        const uint32_t lo = __shfl_sync(0xffffffffu, transpose32(words[g], lane), src);
+        const uint32_t hi = __shfl_sync(0xffffffffu, transpose32(words[2 + g], lane), src);
+        col_spans[g].add_bits(row0, static_cast<uint64_t>(hi) << 32 | lo);
+      }
     } else {
 #pragma unroll
       for (int pass = 0; pass < kMaskPasses; ++pass)
@@ -383,18 +430,18 @@ __device__ __forceinline__ void summarize_block(const FwdParams& p, uint8_t* blo
 
 // A warp's walk over blocks first, first + stride, ... below `count` (key blocks of a row
 // block, or row blocks of a key block): block i's loads issued before block i - stride is
-// summarized (load_mask_block), two sets of loads alternating.  visit(index, at, loads)
-// summarizes one.
-template <typename Locate, typename Visit>
+// summarized (load(p, at, lane, loads): load_mask_block or load_mask_rows), two sets of loads
+// alternating.  visit(index, at, loads) summarizes one.
+template <typename Load, typename Locate, typename Visit>
 __device__ __forceinline__ void walk_blocks(const FwdParams& p, int64_t first, int64_t stride,
-                                            int64_t count, int lane, Locate locate,
+                                            int64_t count, int lane, Load load, Locate locate,
                                             Visit visit) {
   MaskLoads even, odd;
-  if (first < count) load_mask_block(p, locate(first), lane, even);
+  if (first < count) load(p, locate(first), lane, even);
   // (a step loads into `next` and summarizes from `cur`; the two calls per round swap them so
   // that no loaded value is copied, which would wait for its load)
   auto step = [&](int64_t i, MaskLoads& cur, MaskLoads& next) {
-    if (i + stride < count) load_mask_block(p, locate(i + stride), lane, next);
+    if (i + stride < count) load(p, locate(i + stride), lane, next);
     visit(i, locate(i), cur);
   };
   for (int64_t i = first; i < count; i += 2 * stride) {
@@ -412,7 +459,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_bias_kernel(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t key_block = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
   if (key_block >= key_blocks) return;
-  const BiasBlockAt<Value> at(p, blockIdx.y, key_block, blockIdx.z);
+  const BiasBlockAt<Value> at(p, bias_origin<Value>(p, blockIdx.z), blockIdx.y, key_block);
   MaskLoads loads;
   if constexpr (std::is_same_v<Value, uint8_t>) load_mask_block(p, at, lane, loads);
   Span unused[2] = {Span::none(), Span::none()};
@@ -436,9 +483,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_rows_kernel(
   __syncwarp();
   Span unused[2] = {Span::none(), Span::none()};
   const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
+  const uint8_t* origin = bias_origin<uint8_t>(p, blockIdx.z);
   walk_blocks(
       p, static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp, stride, key_blocks, lane,
-      [&](int64_t kb) { return BiasBlockAt<uint8_t>(p, blockIdx.x, kb, blockIdx.z); },
+      load_mask_block, [&](int64_t kb) { return BiasBlockAt<uint8_t>(p, origin, blockIdx.x, kb); },
       [&](int64_t kb, const BiasBlockAt<uint8_t>& at, const MaskLoads& loads) {
         summarize_block<uint8_t, MaskIntervals::kRows>(p, blocks, ranges, row_blocks,
                                                        key_blocks, blockIdx.x, kb, blockIdx.z,
@@ -458,15 +506,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_rows_kernel(
 // gridDim.y CTAs as above, each lane's two keys' spans in registers, then a thread per key
 // combining the warps' into its record of col_records (the bias's own keys of each of its own
 // (batch, head)), stored at once or added as above.
-__global__ void __launch_bounds__(32 * kWarpsPerCta) summarize_cols_kernel(
+// (Two CTAs an SM at most 128 registers: ptxas took 132 without the bound, one CTA an SM,
+// 12% occupancy; with it 32 bytes spill and the pass runs 10% faster, H100.)
+__global__ void __launch_bounds__(32 * kWarpsPerCta, 2) summarize_cols_kernel(
     const FwdParams p, uint8_t* blocks, uint32_t* ranges, uint32_t* col_records,
     int64_t row_blocks, int64_t key_blocks) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   Span mine[2] = {Span::none(), Span::none()};  // keys key0 + lane and key0 + lane + 32
   const int64_t stride = static_cast<int64_t>(kWarpsPerCta) * gridDim.y;
+  const uint8_t* origin = bias_origin<uint8_t>(p, blockIdx.z);
   walk_blocks(
       p, static_cast<int64_t>(blockIdx.y) * kWarpsPerCta + warp, stride, row_blocks, lane,
-      [&](int64_t rb) { return BiasBlockAt<uint8_t>(p, rb, blockIdx.x, blockIdx.z); },
+      load_mask_rows, [&](int64_t rb) { return BiasBlockAt<uint8_t>(p, origin, rb, blockIdx.x); },
       [&](int64_t rb, const BiasBlockAt<uint8_t>& at, const MaskLoads& loads) {
         summarize_block<uint8_t, MaskIntervals::kCols>(p, blocks, ranges, row_blocks,
                                                        key_blocks, rb, blockIdx.x, blockIdx.z,

@@ -155,26 +155,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     int32_t done = 0;  // steps computed, not skipped
     for (int32_t t = 0; t < st.steps; ++t, w.next(st)) {
       const int32_t h = w.h, m_block = w.m_block(st);
-      if (bwd_step_skipped<T>(p, b, h, m_block, n_block)) continue;
       const int64_t m0 = static_cast<int64_t>(m_block) * kM;
+      // The bias's classes of the step's blocks: all masked skips it (bwd_step_skipped's rule,
+      // which the producer and the dQ writer ask), else the class on the step's rows and this
+      // warpgroup's 64 keys (the role split: both warpgroups on the block's 64 keys).  (Scalar
+      // loads, in uniform registers: here, before the step's wait, their latency is covered,
+      // and the lane-spread WarpTileBlocks cost the general variant a vector register that it
+      // spilled, 112 -> 316 bytes at head dim 128.)
+      int cls = kBlockMasked;
+      if constexpr (T::kSkipMasked) {
+        const BwdStepClasses<T> classes(p, b, h, m0, n0);
+        if (classes.skipped()) continue;
+        cls = classes.keys(T::kRoleSplit ? 0 : me);
+      }
       // Masked unless every key of the block is visible to every row of the step.
       const int64_t last = (m0 + kM < seq.len_q ? m0 + kM : seq.len_q) - 1;
       const bool masked = n0 < vis.begin(last) || n0 + kN > vis.end(m0);
       const VisibleKeys::Relative rel = vis.relative(m0, n0, kN);
-      // The bias's class on the step's rows and this warpgroup's 64 keys.  (Scalar loads, in
-      // uniform registers: here, before the step's wait, their latency is covered, and the
-      // lane-spread WarpTileBlocks cost the general variant a vector register that it spilled,
-      // 112 -> 316 bytes at head dim 128.)
-      int cls = kBlockMasked;
-      if constexpr (T::kSkipMasked) {
-#pragma unroll
-        for (int r = 0; r < kM / kBiasBlock; ++r) {
-          // (the role split: both warpgroups on the block's 64 keys)
-          const int c = bias_block_class(p, b, h, m0 + r * kBiasBlock,
-                                         n0 + (T::kRoleSplit ? 0 : 64 * me));
-          cls = r == 0 || c == cls ? c : kBlockMixed;
-        }
-      }
       // The scores' parameters of (b, h) (packed sequences: b is the sequence, ALiBi's slope
       // row and bottom-right offset over its lengths) and dropout's row id of its query row 0
       // (dropout.h; a packed sequence's from its first packed row).

@@ -301,6 +301,45 @@ __device__ __forceinline__ bool bwd_step_skipped(const BwdParams& p, int32_t b, 
                                                  static_cast<int64_t>(m_block) * T::kBlockM,
                                                  static_cast<int64_t>(n_block) * T::kBlockN);
 }
+// The consumers' view of the same rule: the classes of a step's 64 x 64 blocks (rows m0 +
+// 64 r, keys n0 + 64 j; bias_block_class), each loaded on its own, so that their loads issue
+// together and the step waits one load's latency, not a chain of them (bias_masks_tile stops
+// at the first block that is not masked, so each load waited on the one before); skipped()
+// is bwd_step_skipped's answer, keys(j) the class of key block j on all the step's rows.
+template <typename T>
+struct BwdStepClasses {
+  static constexpr int kRows = T::kBlockM / kBiasBlock, kKeys = T::kBlockN / kBiasBlock;
+  int c[kRows][kKeys];
+  __device__ __forceinline__ BwdStepClasses(const BwdParams& p, int32_t b, int32_t h,
+                                            int64_t m0, int64_t n0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int j = 0; j < kKeys; ++j)
+        c[r][j] = bias_block_class(p, b, h, m0 + r * kBiasBlock, n0 + j * kBiasBlock);
+  }
+  __device__ __forceinline__ bool skipped() const {
+    bool all = true;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int j = 0; j < kKeys; ++j) all &= c[r][j] == kBlockMasked;
+    return all;
+  }
+  // (j selected among compile-time indices: an index at run time put c in local memory, each
+  // load's value stored there at once, which waited for it)
+  __device__ __forceinline__ int keys(int j) const {
+    int out = kBlockMixed;
+#pragma unroll
+    for (int jj = 0; jj < kKeys; ++jj) {
+      int cls = c[0][jj];
+#pragma unroll
+      for (int r = 1; r < kRows; ++r) cls = c[r][jj] == cls ? cls : kBlockMixed;
+      out = jj == j ? cls : out;
+    }
+    return out;
+  }
+};
 template <typename T>
 __device__ __forceinline__ BwdSteps bwd_steps(const Sm90BwdArgs<T>& args, const VisibleKeys& vis,
                                               int32_t n_block, int32_t b, int32_t hk,
